@@ -1,0 +1,20 @@
+"""Flax NNX decoders (Llama, Qwen2/2.5, Qwen3) and Hugging Face checkpoint I/O."""
+
+from tbajax.models.config import ModelConfig, RopeScaling, UnsupportedModelError
+from tbajax.models.decoder import CausalLM, KVCache, positions_from_mask
+from tbajax.models.hf import load_config, load_model, resolve_checkpoint, save_model
+from tbajax.models.safetensors_io import CheckpointError
+
+__all__ = [
+    "CausalLM",
+    "CheckpointError",
+    "KVCache",
+    "ModelConfig",
+    "RopeScaling",
+    "UnsupportedModelError",
+    "load_config",
+    "load_model",
+    "positions_from_mask",
+    "resolve_checkpoint",
+    "save_model",
+]

@@ -1,0 +1,294 @@
+"""Hugging Face checkpoints in and out: config.json + safetensors <-> our stacked NNX params.
+
+Import builds every parameter directly in its target sharding with
+`jax.make_array_from_callback`: each device's callback reads only the slice it owns from the
+memory-mapped safetensors files, so no device (and no host buffer) ever holds the whole model.
+Export writes files that `transformers.AutoModelForCausalLM.from_pretrained` (and vLLM) load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, SingleDeviceSharding
+
+from tbajax.models.config import ModelConfig
+from tbajax.models.decoder import CausalLM, layer_param_names
+from tbajax.models.safetensors_io import CheckpointError, SafetensorsReader, write_sharded
+from tbajax.sharding import param_shardings
+
+log = logging.getLogger(__name__)
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+)
+# tensors some checkpoints carry that are derived state, not weights
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Mapping:
+    hf_name: str  # may contain {i} for the layer index
+    to_ours: Callable[[np.ndarray, ModelConfig], np.ndarray]
+    to_hf: Callable[[np.ndarray, ModelConfig], np.ndarray]
+
+
+def _identity(a: np.ndarray, c: ModelConfig) -> np.ndarray:
+    return a
+
+
+def _linear_in(heads_attr: str | None) -> _Mapping:
+    """HF Linear [out, in] -> ours [in, heads, head_dim] (or [in, out])."""
+
+    def to_ours(a: np.ndarray, c: ModelConfig) -> np.ndarray:
+        a = a.T
+        return a.reshape(a.shape[0], getattr(c, heads_attr), c.head_dim) if heads_attr else a
+
+    def to_hf(a: np.ndarray, c: ModelConfig) -> np.ndarray:
+        return a.reshape(a.shape[0], -1).T
+
+    return _Mapping("", to_ours, to_hf)
+
+
+def _mappings(cfg: ModelConfig) -> dict[str, _Mapping]:
+    pre = "model.layers.{i}."
+    q, kv = _linear_in("num_heads"), _linear_in("num_kv_heads")
+    plain = _linear_in(None)
+
+    def bias(heads_attr: str) -> _Mapping:
+        return _Mapping(
+            "",
+            lambda a, c: a.reshape(getattr(c, heads_attr), c.head_dim),
+            lambda a, c: a.reshape(-1),
+        )
+
+    table = {
+        "embed_tokens": _Mapping("model.embed_tokens.weight", _identity, _identity),
+        "norm": _Mapping("model.norm.weight", _identity, _identity),
+        "lm_head": dataclasses.replace(plain, hf_name="lm_head.weight"),
+        "layers.input_norm": _Mapping(pre + "input_layernorm.weight", _identity, _identity),
+        "layers.post_attention_norm": _Mapping(pre + "post_attention_layernorm.weight", _identity, _identity),
+        "layers.q_proj": dataclasses.replace(q, hf_name=pre + "self_attn.q_proj.weight"),
+        "layers.k_proj": dataclasses.replace(kv, hf_name=pre + "self_attn.k_proj.weight"),
+        "layers.v_proj": dataclasses.replace(kv, hf_name=pre + "self_attn.v_proj.weight"),
+        "layers.q_bias": dataclasses.replace(bias("num_heads"), hf_name=pre + "self_attn.q_proj.bias"),
+        "layers.k_bias": dataclasses.replace(bias("num_kv_heads"), hf_name=pre + "self_attn.k_proj.bias"),
+        "layers.v_bias": dataclasses.replace(bias("num_kv_heads"), hf_name=pre + "self_attn.v_proj.bias"),
+        "layers.q_norm": _Mapping(pre + "self_attn.q_norm.weight", _identity, _identity),
+        "layers.k_norm": _Mapping(pre + "self_attn.k_norm.weight", _identity, _identity),
+        "layers.o_proj": _Mapping(
+            pre + "self_attn.o_proj.weight",
+            lambda a, c: a.T.reshape(c.num_heads, c.head_dim, c.hidden_size),
+            lambda a, c: a.reshape(-1, a.shape[-1]).T,
+        ),
+        "layers.o_bias": _Mapping(pre + "self_attn.o_proj.bias", _identity, _identity),
+        "layers.gate_proj": dataclasses.replace(plain, hf_name=pre + "mlp.gate_proj.weight"),
+        "layers.up_proj": dataclasses.replace(plain, hf_name=pre + "mlp.up_proj.weight"),
+        "layers.down_proj": dataclasses.replace(plain, hf_name=pre + "mlp.down_proj.weight"),
+    }
+    wanted = {"embed_tokens", "norm"} | {f"layers.{n}" for n in layer_param_names(cfg)}
+    if not cfg.tie_word_embeddings:
+        wanted.add("lm_head")
+    return {k: v for k, v in table.items() if k in wanted}
+
+
+# ----------------------------------------------------------------------------- locating
+
+
+def resolve_checkpoint(source: str | os.PathLike[str]) -> Path:
+    """A local directory, or a hub id downloaded (or found in the cache) via huggingface_hub."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise CheckpointError(f"{path} has no config.json; is it a Hugging Face model directory?")
+        return path
+    source = str(source)
+    if path.exists() or source.startswith((".", "/", "~")) or source.count("/") != 1:
+        raise CheckpointError(
+            f"checkpoint {source!r} is neither a local directory nor a hub id of the form 'org/name'"
+        )
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    patterns = ["config.json", "*.safetensors", "model.safetensors.index.json", *TOKENIZER_FILES]
+    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
+    try:
+        return Path(snapshot_download(source, allow_patterns=patterns, local_files_only=offline))
+    except LocalEntryNotFoundError as e:
+        raise CheckpointError(
+            f"hub model {source!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set"
+            if offline
+            else f"could not download hub model {source!r} ({e})"
+        ) from None
+    except Exception as e:  # network errors, 404s, gated repos: one clear message
+        raise CheckpointError(
+            f"could not fetch hub model {source!r}: {type(e).__name__}: {e}. Download it on a machine "
+            "with network access (huggingface-cli download) and pass the local directory instead."
+        ) from None
+
+
+def load_config(source: str | os.PathLike[str], **runtime: Any) -> ModelConfig:
+    directory = resolve_checkpoint(source)
+    return ModelConfig.from_hf(json.loads((directory / "config.json").read_text()), **runtime)
+
+
+# ----------------------------------------------------------------------------- import
+
+
+def abstract_model(cfg: ModelConfig) -> CausalLM:
+    return nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0)))
+
+
+def load_model(
+    source: str | os.PathLike[str],
+    *,
+    mesh: Mesh | None = None,
+    config: ModelConfig | None = None,
+    **runtime: Any,
+) -> CausalLM:
+    """Load an HF checkpoint (dir or hub id) straight into its sharding on `mesh`.
+
+    runtime: param_dtype / dtype / remat, passed to `ModelConfig.from_hf`.
+    """
+    directory = resolve_checkpoint(source)
+    cfg = config or ModelConfig.from_hf(json.loads((directory / "config.json").read_text()), **runtime)
+    reader = SafetensorsReader(directory)
+    graphdef, abstract = nnx.split(abstract_model(cfg))
+    shardings = (
+        param_shardings(abstract, mesh)
+        if mesh is not None
+        else jax.tree.map(
+            lambda v: SingleDeviceSharding(jax.devices()[0]),
+            abstract,
+            is_leaf=lambda v: isinstance(v, nnx.Variable),
+        )
+    )
+    mappings = _mappings(cfg)
+    _check_unused(reader, cfg, mappings)
+
+    def build(path: tuple[Any, ...], var: nnx.Variable, sharding: Any) -> nnx.Variable:
+        name = ".".join(str(getattr(k, "key", k)) for k in path)
+        m = mappings[name]
+        dtype = np.dtype(var.dtype)
+        layered = name.startswith("layers.")
+        expected = var.shape[1:] if layered else var.shape
+
+        def tensor(i: int | None) -> np.ndarray:
+            hf_name = m.hf_name.format(i=i)
+            raw = reader.get(hf_name)
+            try:
+                out = m.to_ours(raw, cfg)
+            except ValueError:
+                out = None
+            if out is None or out.shape != expected:
+                raise CheckpointError(
+                    f"tensor {hf_name!r} has shape {raw.shape} but config.json implies "
+                    f"{tuple(m.to_hf(np.empty(expected, np.float32), cfg).shape)} "
+                    f"(in {reader.directory})"
+                )
+            return out
+
+        for i in range(cfg.num_layers) if layered else [None]:
+            tensor(i)  # validate every shape before any device transfer
+
+        def callback(index: tuple[slice, ...]) -> np.ndarray:
+            if not layered:
+                return np.asarray(tensor(None)[index], dtype=dtype)
+            layers = range(cfg.num_layers)[index[0]]
+            return np.stack([np.asarray(tensor(i)[index[1:]], dtype=dtype) for i in layers])
+
+        return var.replace(jax.make_array_from_callback(var.shape, sharding, callback))
+
+    flat, treedef = jax.tree_util.tree_flatten_with_path(abstract, is_leaf=lambda v: isinstance(v, nnx.Variable))
+    flat_shardings = jax.tree.leaves(shardings, is_leaf=lambda v: isinstance(v, jax.sharding.Sharding))
+    state = jax.tree_util.tree_unflatten(
+        treedef, [build(p, v, s) for (p, v), s in zip(flat, flat_shardings)]
+    )
+    return nnx.merge(graphdef, state)
+
+
+def _check_unused(reader: SafetensorsReader, cfg: ModelConfig, mappings: dict[str, _Mapping]) -> None:
+    expected = set()
+    for name, m in mappings.items():
+        if name.startswith("layers."):
+            expected |= {m.hf_name.format(i=i) for i in range(cfg.num_layers)}
+        else:
+            expected.add(m.hf_name)
+    extra = [
+        k
+        for k in reader.keys()
+        if k not in expected
+        and not k.endswith(_IGNORED_SUFFIXES)
+        and not (k == "lm_head.weight" and cfg.tie_word_embeddings)
+    ]
+    if extra:
+        raise CheckpointError(
+            f"checkpoint {reader.directory} has {len(extra)} tensors this config does not use "
+            f"(e.g. {extra[:3]}); config.json and weights disagree about the architecture"
+        )
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def hf_tensors(model: CausalLM, dtype: str | None = None) -> Iterator[tuple[str, np.ndarray]]:
+    """(HF name, host array) pairs, one tensor gathered at a time."""
+    cfg = model.config
+    np_dtype = np.dtype(ml_dtypes.bfloat16) if (dtype or cfg.param_dtype) == "bfloat16" else np.dtype(dtype or cfg.param_dtype)
+    state = nnx.state(model, nnx.Param)
+    flat = jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda v: isinstance(v, nnx.Variable))[0]
+    mappings = _mappings(cfg)
+    for path, var in flat:
+        name = ".".join(str(getattr(k, "key", k)) for k in path)
+        m = mappings[name]
+        host = np.asarray(jax.device_get(var[...]))
+        if name.startswith("layers."):
+            for i in range(cfg.num_layers):
+                yield m.hf_name.format(i=i), np.ascontiguousarray(m.to_hf(host[i], cfg)).astype(np_dtype)
+        else:
+            yield m.hf_name, np.ascontiguousarray(m.to_hf(host, cfg)).astype(np_dtype)
+
+
+def save_model(
+    model: CausalLM,
+    directory: str | os.PathLike[str],
+    *,
+    dtype: str | None = None,
+    tokenizer_source: str | os.PathLike[str] | None = None,
+    max_shard_bytes: int = 5 * 2**30,
+) -> Path:
+    """Write config.json + safetensors (+ tokenizer files copied from `tokenizer_source`)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    cfg = model.config
+    hf = cfg.to_hf()
+    hf["torch_dtype"] = dtype or cfg.param_dtype
+    write_sharded(directory, hf_tensors(model, dtype), max_shard_bytes)
+    (directory / "config.json").write_text(json.dumps(hf, indent=2))
+    if tokenizer_source is not None:
+        src = Path(tokenizer_source)
+        copied = [f for f in TOKENIZER_FILES if (src / f).exists()]
+        if not copied:
+            raise CheckpointError(f"no tokenizer files in {src}")
+        for f in copied:
+            shutil.copy2(src / f, directory / f)
+    return directory

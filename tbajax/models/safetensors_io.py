@@ -1,0 +1,178 @@
+"""Lazy, zero-copy safetensors reading and writing (single file or sharded with an index).
+
+Our own ~100-line reader instead of `safetensors.numpy` because we need bf16 (via ml_dtypes)
+and memory-mapped views: loading a 7B checkpoint into a sharded mesh reads each tensor slice
+straight from the page cache, never a full copy of the model in host memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+_DTYPES: dict[str, np.dtype] = {
+    "F64": np.dtype(np.float64),
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "I64": np.dtype(np.int64),
+    "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16),
+    "I8": np.dtype(np.int8),
+    "U8": np.dtype(np.uint8),
+    "BOOL": np.dtype(np.bool_),
+}
+_NAMES = {v: k for k, v in _DTYPES.items()}
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+class CheckpointError(FileNotFoundError):
+    """A checkpoint directory is missing files or tensors."""
+
+
+class SafetensorsReader:
+    """All tensors of a checkpoint directory, opened lazily as memory maps."""
+
+    def __init__(self, directory: str | os.PathLike[str]):
+        self.directory = Path(directory)
+        index = self.directory / INDEX_FILE
+        if index.exists():
+            weight_map: Mapping[str, str] = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        elif (self.directory / SINGLE_FILE).exists():
+            files = [SINGLE_FILE]
+        else:
+            found = sorted(p.name for p in self.directory.glob("*.safetensors"))
+            if len(found) == 1:
+                files = found
+            else:
+                raise CheckpointError(
+                    f"no {SINGLE_FILE} or {INDEX_FILE} in {self.directory} "
+                    f"(found: {found or 'no .safetensors files'}); export the model as safetensors "
+                    "(transformers: save_pretrained(..., safe_serialization=True))"
+                )
+        self._entries: dict[str, tuple[Path, np.dtype, tuple[int, ...], int, int]] = {}
+        for name in files:
+            path = self.directory / name
+            if not path.exists():
+                raise CheckpointError(f"{path} is listed in {INDEX_FILE} but missing")
+            for key, entry in _read_header(path).items():
+                self._entries[key] = (path, *entry)
+        self._maps: dict[Path, np.memmap] = {}
+
+    def keys(self) -> list[str]:
+        return sorted(self._entries)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._entries
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._entry(name)[2]
+
+    def get(self, name: str) -> np.ndarray:
+        """A read-only memory-mapped view of one tensor."""
+        path, dtype, shape, start, end = self._entry(name)
+        if path not in self._maps:
+            self._maps[path] = np.memmap(path, dtype=np.uint8, mode="r")
+        return self._maps[path][start:end].view(dtype).reshape(shape)
+
+    def _entry(self, name: str) -> tuple[Path, np.dtype, tuple[int, ...], int, int]:
+        try:
+            return self._entries[name]
+        except KeyError:
+            raise CheckpointError(
+                f"tensor {name!r} is not in the checkpoint at {self.directory}"
+            ) from None
+
+
+def _read_header(path: Path) -> dict[str, tuple[np.dtype, tuple[int, ...], int, int]]:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    base = 8 + n
+    out = {}
+    for key, meta in header.items():
+        if key == "__metadata__":
+            continue
+        if meta["dtype"] not in _DTYPES:
+            raise CheckpointError(f"{path}: tensor {key!r} has unsupported dtype {meta['dtype']}")
+        start, end = meta["data_offsets"]
+        out[key] = (_DTYPES[meta["dtype"]], tuple(meta["shape"]), base + start, base + end)
+    return out
+
+
+def write_safetensors(path: str | os.PathLike[str], tensors: Mapping[str, np.ndarray]) -> None:
+    """Write one safetensors file (format: u64 header size, JSON header, raw little-endian data)."""
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    arrays = []
+    for key in sorted(tensors):
+        a = np.ascontiguousarray(tensors[key])
+        if a.dtype not in _NAMES:
+            raise TypeError(f"tensor {key!r}: dtype {a.dtype} cannot be written to safetensors")
+        header[key] = {"dtype": _NAMES[a.dtype], "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
+        offset += a.nbytes
+        arrays.append(a)
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # keep the data 8-byte aligned
+    tmp = Path(f"{path}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for a in arrays:
+            f.write(a.tobytes())
+    os.replace(tmp, path)
+
+
+def write_sharded(
+    directory: str | os.PathLike[str],
+    tensors: Iterable[tuple[str, np.ndarray]],
+    max_shard_bytes: int = 5 * 2**30,
+) -> list[str]:
+    """Write tensors into one file, or several plus `model.safetensors.index.json` when large.
+
+    `tensors` may be a generator so that only one shard is held in host memory at a time.
+    """
+    directory = Path(directory)
+    shards: list[dict[str, np.ndarray]] = [{}]
+    sizes = [0]
+    names: list[str] = []
+    weight_map: dict[str, int] = {}
+    total = 0
+
+    def flush(i: int) -> None:
+        name = f"model-{i + 1:05d}.safetensors"
+        write_safetensors(directory / name, shards[i])
+        names.append(name)
+        shards[i] = {}
+
+    for key, a in tensors:
+        if sizes[-1] and sizes[-1] + a.nbytes > max_shard_bytes:
+            flush(len(shards) - 1)
+            shards.append({})
+            sizes.append(0)
+        shards[-1][key] = a
+        sizes[-1] += a.nbytes
+        weight_map[key] = len(shards) - 1
+        total += a.nbytes
+    if len(shards) == 1:
+        write_safetensors(directory / SINGLE_FILE, shards[0])
+        return [SINGLE_FILE]
+    flush(len(shards) - 1)
+    # rename to the HF convention model-0000i-of-0000n.safetensors
+    n = len(names)
+    final = []
+    for i, name in enumerate(names):
+        new = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        os.replace(directory / name, directory / new)
+        final.append(new)
+    index = {"metadata": {"total_size": total}, "weight_map": {k: final[i] for k, i in weight_map.items()}}
+    (directory / INDEX_FILE).write_text(json.dumps(index, indent=2))
+    return final

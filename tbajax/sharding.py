@@ -1,0 +1,129 @@
+"""Device meshes and the one table that maps logical axis names to mesh axes.
+
+Every parameter carries `logical_axes` metadata (e.g. ("layers", "embed", "mlp")); activations
+name theirs at the few places the model constrains them. `LOGICAL_RULES` is the only place that
+decides which mesh axis each logical axis is split over. A dimension is left unsplit when the
+mesh axis does not divide it (e.g. 2 KV heads on a 4-way tensor axis): that is a replication,
+never a change in the math.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# logical axis -> mesh axes it is split over (in order); None = replicated.
+LOGICAL_RULES: dict[str, tuple[str, ...] | None] = {
+    # parameters
+    "vocab": ("tensor",),
+    "embed": ("fsdp",),
+    "q_heads": ("tensor",),
+    "kv_heads": ("tensor",),
+    "mlp": ("tensor",),
+    "head_dim": None,
+    "layers": None,
+    "norm": None,
+    # activations
+    "batch": ("data", "fsdp"),
+    "length": None,
+    "act_embed": None,
+    "act_heads": ("tensor",),
+    "act_vocab": ("tensor",),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Mesh shape; -1 on one axis means "all remaining devices"."""
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+
+    def shape(self, num_devices: int) -> tuple[int, int, int]:
+        dims = [self.data, self.fsdp, self.tensor]
+        if dims.count(-1) > 1:
+            raise ValueError(f"at most one mesh axis may be -1, got {self}")
+        known = math.prod(d for d in dims if d != -1)
+        if any(d == 0 or d < -1 for d in dims):
+            raise ValueError(f"mesh axis sizes must be positive or -1, got {self}")
+        if -1 in dims:
+            if num_devices % known:
+                raise ValueError(f"{num_devices} devices cannot be split into mesh {self}")
+            dims[dims.index(-1)] = num_devices // known
+        if math.prod(dims) != num_devices:
+            raise ValueError(
+                f"mesh {dict(zip(MESH_AXES, dims))} needs {math.prod(dims)} devices, "
+                f"this process has {num_devices}"
+            )
+        return tuple(dims)  # type: ignore[return-value]
+
+
+def make_mesh(config: MeshConfig = MeshConfig(), devices: Sequence[Any] | None = None) -> Mesh:
+    """A (data, fsdp, tensor) mesh with Auto axes (GSPMD propagation) over `devices`."""
+    devices = list(devices if devices is not None else jax.devices())
+    shape = config.shape(len(devices))
+    return Mesh(
+        np.asarray(devices, dtype=object).reshape(shape),
+        MESH_AXES,
+        axis_types=(AxisType.Auto,) * len(MESH_AXES),
+    )
+
+
+def logical_to_spec(
+    logical_axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh
+) -> P:
+    """PartitionSpec for an array of `shape` whose dims are named `logical_axes`."""
+    if len(logical_axes) != len(shape):
+        raise ValueError(f"logical axes {tuple(logical_axes)} do not match shape {tuple(shape)}")
+    used: set[str] = set()
+    spec: list[Any] = []
+    for name, dim in zip(logical_axes, shape):
+        if name is not None and name not in LOGICAL_RULES:
+            raise KeyError(f"logical axis {name!r} has no rule in LOGICAL_RULES")
+        candidates = LOGICAL_RULES[name] or () if name is not None else ()
+        # keep the longest run of (unused, non-trivial) mesh axes whose product divides the dim
+        kept: list[str] = []
+        for a in candidates:
+            size = mesh.shape.get(a, 1)
+            if size == 1 or a in used:
+                continue
+            if dim % (math.prod(mesh.shape[k] for k in kept) * size):
+                break
+            kept.append(a)
+        used.update(kept)
+        spec.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
+    return P(*spec)
+
+
+def named_sharding(logical_axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, logical_to_spec(logical_axes, shape, mesh))
+
+
+def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
+    """Sharding hint for an activation inside jit; a no-op when no mesh is in context."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty or math.prod(mesh.shape.values()) == 1:
+        return x
+    return jax.lax.with_sharding_constraint(x, logical_to_spec(logical_axes, x.shape, mesh))
+
+
+def param_shardings(abstract_state: Any, mesh: Mesh) -> Any:
+    """Map an nnx State of Params (abstract or concrete) to NamedShardings by their metadata."""
+    from flax import nnx
+
+    def one(var: Any) -> Any:
+        axes = var.get_metadata().get("logical_axes")
+        if axes is None:
+            return NamedSharding(mesh, P())
+        return named_sharding(axes, var.shape, mesh)
+
+    return jax.tree.map(one, abstract_state, is_leaf=lambda v: isinstance(v, nnx.Variable))

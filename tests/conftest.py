@@ -1,0 +1,77 @@
+"""Test setup: 8 fake CPU devices for sharding tests, no hub access, tiny HF checkpoints."""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from pathlib import Path  # noqa: E402
+from typing import Any, Callable  # noqa: E402
+
+import pytest  # noqa: E402
+
+TINY_FAMILIES: dict[str, dict[str, Any]] = {
+    # GQA 6 query heads over 2 KV heads, odd vocab, untied
+    "llama": dict(model_type="llama"),
+    "llama_tied_rope3": dict(
+        model_type="llama",
+        tie_word_embeddings=True,
+        max_position_embeddings=256,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
+    "qwen2": dict(model_type="qwen2"),
+    "qwen2_tied": dict(model_type="qwen2", tie_word_embeddings=True),
+    "qwen3": dict(model_type="qwen3", head_dim=24, tie_word_embeddings=True),
+}
+
+
+def build_tiny_hf_checkpoint(directory: Path, model_type: str, seed: int = 0, **overrides: Any) -> Path:
+    """A tiny random torch transformers model saved with save_pretrained (the parity reference)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kwargs: dict[str, Any] = dict(
+        hidden_size=72,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        vocab_size=101,
+        max_position_embeddings=128,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    kwargs.update(overrides)
+    config = AutoConfig.for_model(model_type, **kwargs)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():  # HF zero-inits biases and ones-inits norms: perturb all
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """tiny_checkpoint(family) -> directory of a saved tiny HF model (built once per session)."""
+    cache: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in cache:
+            spec = dict(TINY_FAMILIES[family])
+            d = tmp_path_factory.mktemp(f"hf-{family}")
+            cache[family] = build_tiny_hf_checkpoint(d, spec.pop("model_type"), **spec)
+        return cache[family]
+
+    return get
