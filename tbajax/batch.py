@@ -10,9 +10,15 @@ found by id, never by reshaping, so any row order works.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+if TYPE_CHECKING:
+    from tbajax.trajectory import Trajectory
 
 Array = jax.Array
 
@@ -51,3 +57,73 @@ def token_logprobs(logits: Array, tokens: Array, temperature: float = 1.0) -> Ar
     logz = jax.nn.logsumexp(logits, axis=-1)
     picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     return jnp.pad(picked - logz, ((0, 0), (1, 0)))
+
+
+def collate(
+    groups: Sequence[Sequence["Trajectory"]],
+    beta: float,
+    *,
+    seq_len: int | None = None,
+    num_rows: int | None = None,
+    score_stop_token: bool = True,
+    length_bucket: int = 32,
+) -> Batch:
+    """Pad groups of trajectories into one host-side (numpy) Batch.
+
+    seq_len: pad/validate to this length (default: the longest row rounded up to
+    `length_bucket`, so a long run compiles a handful of shapes, not one per batch).
+    num_rows: pad with masked-out rows up to this many (fixed micro-batch shapes).
+    score_stop_token: whether a finished response's final stop token is in the loss.
+    """
+    rows = [t for g in groups for t in g]
+    if not rows:
+        raise ValueError("collate needs at least one trajectory")
+    lengths = [len(t.prompt_tokens) + len(t.response_tokens) for t in rows]
+    longest = max(lengths)
+    if seq_len is None:
+        seq_len = -(-longest // length_bucket) * length_bucket
+    if longest > seq_len:
+        raise ValueError(f"a trajectory has {longest} tokens, more than seq_len={seq_len}")
+    n = num_rows or len(rows)
+    if n < len(rows):
+        raise ValueError(f"num_rows={n} is smaller than the {len(rows)} trajectories given")
+    tokens = np.zeros((n, seq_len), np.int32)
+    attn = np.zeros((n, seq_len), bool)
+    loss = np.zeros((n, seq_len), bool)
+    blp = np.zeros((n, seq_len), np.float32)
+    rlp = np.zeros((n, seq_len), np.float32)
+    reward = np.zeros((n,), np.float32)
+    gid = np.zeros((n,), np.int32)
+    version = np.zeros((n,), np.int32)
+    i = 0
+    for g, group in enumerate(groups):
+        for t in group:
+            p, r = len(t.prompt_tokens), len(t.response_tokens)
+            tokens[i, :p] = t.prompt_tokens
+            tokens[i, p : p + r] = t.response_tokens
+            attn[i, : p + r] = True
+            scored = r - (1 if (t.finished and not score_stop_token and r > 0) else 0)
+            loss[i, p : p + scored] = True
+            blp[i, p : p + r] = t.behavior_logprobs
+            if t.reference_logprobs is not None:
+                rlp[i, p : p + r] = t.reference_logprobs
+            reward[i] = t.reward
+            gid[i] = g
+            version[i] = t.policy_version
+            i += 1
+    sample_mask = np.arange(n) < len(rows)
+    gid[len(rows) :] = np.arange(len(groups), len(groups) + n - len(rows))  # padding: own groups
+    blp *= loss
+    rlp *= loss
+    return Batch(
+        tokens=tokens,
+        attention_mask=attn,
+        loss_mask=loss,
+        behavior_logprobs=blp,
+        reference_logprobs=rlp,
+        reward=reward,
+        group_id=gid,
+        sample_mask=sample_mask,
+        policy_version=version,
+        beta=np.float32(beta),
+    )
