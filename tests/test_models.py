@@ -1,0 +1,216 @@
+"""Parity of our Flax decoder with torch transformers, the KV-cache path, and HF checkpoint I/O."""
+
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from transformers import AutoModelForCausalLM
+
+from tbajax.models import (
+    CausalLM,
+    CheckpointError,
+    KVCache,
+    ModelConfig,
+    UnsupportedModelError,
+    load_model,
+    positions_from_mask,
+    save_model,
+)
+
+FAMILIES = ["llama", "llama_tied_rope3", "qwen2", "qwen2_tied", "qwen3"]
+
+
+def _batch(seed: int = 0, b: int = 4, t: int = 11, vocab: int = 101):
+    rng = np.random.RandomState(seed)
+    ids = rng.randint(3, vocab, (b, t))
+    mask = np.ones((b, t), np.int64)
+    mask[1, :4] = 0  # left padding
+    mask[2, -3:] = 0  # right padding
+    mask[3, :2] = 0
+    mask[3, -2:] = 0
+    return ids, mask
+
+
+def _torch_logits(directory: Path, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    pos = np.maximum(np.cumsum(mask, -1) - 1, 0)
+    with torch.no_grad():
+        out = model(
+            input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), position_ids=torch.tensor(pos)
+        )
+    return out.logits.numpy()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_match_torch_transformers(tiny_checkpoint, family):
+    directory = tiny_checkpoint(family)
+    ids, mask = _batch()
+    ref = _torch_logits(directory, ids, mask)
+    model = load_model(directory)
+    ours, _ = model(jnp.asarray(ids), attention_mask=jnp.asarray(mask))
+    real = mask.astype(bool)
+    assert np.abs(np.asarray(ours) - ref)[real].max() <= 1e-4
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_kv_cache_decode_matches_full_forward(tiny_checkpoint, family):
+    """Prefill a left-padded prompt, then decode token by token: same logits as one forward."""
+    model = load_model(tiny_checkpoint(family))
+    rng = np.random.RandomState(1)
+    b, prompt, new = 3, 6, 5
+    ids = rng.randint(3, 101, (b, prompt + new))
+    mask = np.ones((b, prompt + new), bool)
+    mask[1, :2] = False  # left-padded prompts of different lengths
+    mask[2, :5] = False
+    full, _ = model(jnp.asarray(ids), attention_mask=jnp.asarray(mask))
+    pos = positions_from_mask(jnp.asarray(mask))
+    cache = KVCache.init(model.config, b, prompt + new + 3)
+    logits, cache = model(
+        jnp.asarray(ids[:, :prompt]), pos[:, :prompt], jnp.asarray(mask[:, :prompt]), cache
+    )
+    steps = [logits[:, -1]]
+    for t in range(prompt, prompt + new - 1):
+        logits, cache = model(jnp.asarray(ids[:, t : t + 1]), pos[:, t : t + 1], jnp.asarray(mask[:, t : t + 1]), cache)
+        steps.append(logits[:, -1])
+    decoded = np.stack([np.asarray(s) for s in steps], axis=1)
+    np.testing.assert_allclose(decoded, np.asarray(full[:, prompt - 1 : -1]), atol=1e-4)
+    assert int(cache.index) == prompt + new - 1
+
+
+def test_bf16_compute_and_remat(tiny_checkpoint):
+    directory = tiny_checkpoint("qwen2")
+    ids, mask = _batch()
+    ref = np.asarray(load_model(directory)(jnp.asarray(ids), attention_mask=jnp.asarray(mask))[0])
+    bf16 = load_model(directory, dtype="bfloat16")
+    out = np.asarray(bf16(jnp.asarray(ids), attention_mask=jnp.asarray(mask))[0])
+    assert out.dtype == np.float32 and np.isfinite(out).all()
+    assert np.abs(out - ref)[mask.astype(bool)].max() < 0.1  # bf16 rounding, same function
+    pure_bf16 = load_model(directory, param_dtype="bfloat16", dtype="bfloat16")
+    assert nnx.state(pure_bf16, nnx.Param)["layers"]["q_proj"][...].dtype == jnp.bfloat16
+
+    def loss(model):
+        return model(jnp.asarray(ids), attention_mask=jnp.asarray(mask))[0].mean()
+
+    g_plain = nnx.grad(loss)(load_model(directory))
+    g_remat = nnx.grad(loss)(load_model(directory, remat="full"))
+    for a, b in zip(jax.tree.leaves(g_plain), jax.tree.leaves(g_remat)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2_tied", "qwen3"])
+def test_export_round_trip_loads_in_torch(tiny_checkpoint, tmp_path, family):
+    directory = tiny_checkpoint(family)
+    model = load_model(directory)
+    out = save_model(model, tmp_path / "export", max_shard_bytes=40_000)  # force several shards
+    assert (out / "model.safetensors.index.json").exists()
+    ids, mask = _batch(3)
+    ref = _torch_logits(directory, ids, mask)
+    again = _torch_logits(out, ids, mask)
+    ours = np.asarray(load_model(out)(jnp.asarray(ids), attention_mask=jnp.asarray(mask))[0])
+    real = mask.astype(bool)
+    assert np.abs(again - ref)[real].max() <= 1e-5
+    assert np.abs(ours - ref)[real].max() <= 1e-4
+
+
+def test_export_bf16_and_tokenizer_files(tiny_checkpoint, tmp_path):
+    directory = tiny_checkpoint("llama")
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text("{}")
+    out = save_model(load_model(directory), tmp_path / "bf16", dtype="bfloat16", tokenizer_source=tok)
+    assert (out / "tokenizer.json").exists()
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+
+
+def test_random_init_model_exports_and_matches_torch(tmp_path):
+    cfg = ModelConfig(
+        model_type="llama", vocab_size=50, hidden_size=32, intermediate_size=64, num_layers=2,
+        num_heads=4, num_kv_heads=2, head_dim=8, eos_token_id=2,
+    )
+    model = CausalLM(cfg, rngs=nnx.Rngs(0))
+    out = save_model(model, tmp_path / "m")
+    ids = np.random.RandomState(0).randint(0, 50, (2, 7))
+    mask = np.ones_like(ids)
+    ours = np.asarray(model(jnp.asarray(ids))[0])
+    assert np.abs(ours - _torch_logits(out, ids, mask)).max() <= 1e-4
+    assert abs(cfg.num_params() - sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))) == 0
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def _copy(directory: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "ckpt"
+    shutil.copytree(directory, dst)
+    return dst
+
+
+def _edit_config(directory: Path, **changes) -> None:
+    cfg = json.loads((directory / "config.json").read_text())
+    cfg.update(changes)
+    (directory / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"model_type": "gpt2"}, "model_type='gpt2'"),
+        ({"use_sliding_window": True}, "sliding-window"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "'yarn'"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+    ],
+)
+def test_unsupported_config_is_refused(tiny_checkpoint, tmp_path, changes, message):
+    d = _copy(tiny_checkpoint("qwen2"), tmp_path)
+    _edit_config(d, **changes)
+    with pytest.raises(UnsupportedModelError, match=message):
+        load_model(d)
+
+
+def test_v4_config_layout_is_read():
+    cfg = ModelConfig.from_hf(
+        dict(
+            model_type="llama", vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+            num_attention_heads=2, rope_theta=5e5,
+            rope_scaling={"type": "linear", "factor": 2.0},
+        )
+    )
+    assert cfg.rope_theta == 5e5 and cfg.rope_scaling.factor == 2.0 and cfg.num_kv_heads == 2
+
+
+def test_missing_weights_file(tiny_checkpoint, tmp_path):
+    d = _copy(tiny_checkpoint("llama"), tmp_path)
+    (d / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        load_model(d)
+
+
+def test_shape_mismatch_names_the_tensor(tiny_checkpoint, tmp_path):
+    d = _copy(tiny_checkpoint("llama"), tmp_path)
+    _edit_config(d, intermediate_size=128)
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.\w+_proj\.weight. has shape .*implies .*128"):
+        load_model(d)
+
+
+def test_missing_tensor_is_named(tiny_checkpoint, tmp_path):
+    d = _copy(tiny_checkpoint("qwen2_tied"), tmp_path)
+    _edit_config(d, tie_word_embeddings=False)
+    with pytest.raises(CheckpointError, match="lm_head.weight"):
+        load_model(d)
+
+
+def test_hub_id_while_offline_fails_fast(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    with pytest.raises(CheckpointError, match="HF_HUB_OFFLINE"):
+        load_model("Qwen/Qwen2.5-7B")
+    with pytest.raises(CheckpointError, match="neither a local directory"):
+        load_model(tmp_path / "does-not-exist")
