@@ -1,0 +1,98 @@
+"""Shared bits of the benchmark scripts: timing, memory, tiny HF checkpoints, table/JSON output."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+# Llama-style sizes used across benchmarks (~10M and ~50M parameters).
+SIZES: dict[str, dict[str, int]] = {
+    "10M": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=6, num_attention_heads=8,
+                num_key_value_heads=4, vocab_size=8192),
+    "50M": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+                num_key_value_heads=4, vocab_size=16384),
+}
+
+
+def make_llama_checkpoint(size: str, directory: str | None = None) -> Path:
+    """A random-init Llama-style HF checkpoint (save_pretrained), loadable by torch and tbajax."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    directory = Path(directory or tempfile.mkdtemp(prefix=f"bench-{size}-"))
+    cfg = AutoConfig.for_model("llama", max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
+                               **SIZES[size])
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).float().save_pretrained(directory)
+    return directory
+
+
+def timed(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> tuple[float, float]:
+    """(first-call seconds incl. compile, best steady-state seconds per call)."""
+    t0 = time.perf_counter()
+    fn()
+    first = time.perf_counter() - t0
+    for _ in range(warmup - 1):
+        fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return first, best
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set size of this process so far (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def matmul_flops_per_s(n: int = 1024, repeats: int = 5) -> float:
+    """Measured fp32 matmul throughput of this CPU under XLA: the roofline reference."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jnp.ones((n, n), jnp.float32)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    _, best = timed(lambda: f(a).block_until_ready(), repeats)
+    return 2 * n**3 / best
+
+
+def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:,.3g}" if abs(v) < 1000 else f"{v:,.0f}"
+        return str(v)
+
+    cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
+    for row in cells:
+        print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
+
+
+def machine() -> dict[str, Any]:
+    import jax
+
+    return {
+        "cpu_count": os.cpu_count(),
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "python": sys.version.split()[0],
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+    }
+
+
+def write_json(path: str | None, payload: dict[str, Any]) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(payload, indent=2))
+        print(f"wrote {path}")
