@@ -1,0 +1,194 @@
+"""Store throughput: param publish/load latency vs raw disk bandwidth, trajectory append/read.
+
+    python experiments/benchmarks/stores.py [--quick] [--json PATH] [--dir DIR]
+
+Raw bandwidth is measured in the same run on the same directory: a file of the same byte count
+written with fsync, then read back (the read is from the page cache when the file fits in RAM,
+and so are the store loads: compare like with like). Param sizes are in floats (fp32 on the
+trainer side); "bf16" rows cast on publish, so they write half the bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from common import machine, print_table, write_json  # noqa: E402
+
+from tbajax.stores import (  # noqa: E402
+    ParamPublisher,
+    ParamReader,
+    TrajectoryReader,
+    TrajectoryWriter,
+    param_store_url,
+    trajectory_store_url,
+)
+from tbajax.trajectory import Trajectory  # noqa: E402
+
+MB = 1e6
+
+
+def raw_disk(directory: Path, nbytes: int, repeats: int) -> tuple[float, float]:
+    """Best (write seconds with fsync, read seconds) for one file of `nbytes`."""
+    path = directory / "raw.bin"
+    data = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8).tobytes()
+    write_s, read_s = float("inf"), float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        write_s = min(write_s, time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        with open(path, "rb") as f:
+            back = f.read()
+        read_s = min(read_s, time.perf_counter() - t0)
+        assert len(back) == nbytes
+        path.unlink()
+    return write_s, read_s
+
+
+def make_params(n_floats: int, leaves: int = 8) -> dict[str, jax.Array]:
+    per = n_floats // leaves
+    key = jax.random.key(0)
+    return {f"w{i}": jax.random.normal(jax.random.fold_in(key, i), (per,), jnp.float32) for i in range(leaves)}
+
+
+def bench_params(directory: Path, n_floats: int, repeats: int) -> list[dict]:
+    params = jax.block_until_ready(make_params(n_floats))
+    nbytes = sum(x.nbytes for x in params.values())
+    raw_w, raw_r = raw_disk(directory, nbytes, repeats)
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.eval_shape(lambda: params)
+    rows = [
+        {"what": "raw write+fsync", "size": f"{n_floats / 1e6:g}M", "MB": nbytes / MB, "ms": 1e3 * raw_w,
+         "MB_s": nbytes / raw_w / MB},
+        {"what": "raw read", "size": f"{n_floats / 1e6:g}M", "MB": nbytes / MB, "ms": 1e3 * raw_r,
+         "MB_s": nbytes / raw_r / MB},
+    ]
+    for dtype, stored in (("float32", nbytes), ("bfloat16", nbytes // 2)):
+        run = directory / f"run-{dtype}-{n_floats}"
+        url = param_store_url(run)
+        publisher = ParamPublisher(url, "bench", dtype=dtype, keep=2)
+        reader = ParamReader(url, "bench-reader")
+        publish_s, load_s = [], []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            version = publisher.publish(params)
+            publish_s.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            jax.block_until_ready(reader.restore(version, target, sharding))
+            load_s.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for _ in range(100):
+            reader.latest_version()
+        pointer_us = (time.perf_counter() - t0) / 100 * 1e6
+        publisher.close()
+        reader.close()
+        shutil.rmtree(run)
+        size = f"{n_floats / 1e6:g}M"
+        pub, load = min(publish_s), min(load_s)
+        rows.append({"what": f"publish {dtype}", "size": size, "MB": stored / MB, "ms": 1e3 * pub,
+                     "MB_s": stored / pub / MB, "vs_raw": (stored / pub) / (nbytes / raw_w)})
+        rows.append({"what": f"load {dtype}", "size": size, "MB": stored / MB, "ms": 1e3 * load,
+                     "MB_s": stored / load / MB, "vs_raw": (stored / load) / (nbytes / raw_r),
+                     "latest_version_us": pointer_us})
+    return rows
+
+
+def make_rows(n: int, prompt_len: int, response_len: int, seed: int) -> list[Trajectory]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        p = int(rng.integers(prompt_len // 2, prompt_len + 1))
+        r = int(rng.integers(response_len // 2, response_len + 1))
+        out.append(
+            Trajectory(
+                prompt_id=i, group_id=i // 8,
+                prompt_tokens=rng.integers(0, 150_000, p, dtype=np.int32),
+                response_tokens=rng.integers(0, 150_000, r, dtype=np.int32),
+                behavior_logprobs=-rng.random(r, dtype=np.float32),
+                reference_logprobs=-rng.random(r, dtype=np.float32),
+                reward=1.0, wall_time=time.time(),
+            )
+        )
+    return out
+
+
+def payload_bytes(rows: list[Trajectory]) -> int:
+    tokens = sum(4 * (len(t.prompt_tokens) + 3 * len(t.response_tokens)) for t in rows)
+    return tokens + 96 * len(rows)  # + the fixed per-row record
+
+
+def bench_trajectories(directory: Path, appends: int, rows_per_append: int, prompt_len: int,
+                       response_len: int) -> list[dict]:
+    url = trajectory_store_url(directory / "run-traj", 0)
+    batches = [make_rows(rows_per_append, prompt_len, response_len, seed) for seed in range(appends)]
+    nbytes = sum(payload_bytes(b) for b in batches)
+    n = appends * rows_per_append
+    writer = TrajectoryWriter(url, 0)
+    tail = TrajectoryReader(url)
+    append_s, tail_s = 0.0, 0.0
+    for batch in batches:
+        t0 = time.perf_counter()
+        writer.append(batch)
+        append_s += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        got = tail.read_new()
+        tail_s += time.perf_counter() - t0
+        assert len(got) == len(batch)
+    t0 = time.perf_counter()
+    everything = TrajectoryReader(url).read_new()
+    bulk_s = time.perf_counter() - t0
+    assert len(everything) == n
+    shutil.rmtree(directory / "run-traj")
+    shape = f"{rows_per_append}x(P{prompt_len},R{response_len})"
+    return [
+        {"what": "traj append", "size": shape, "MB": nbytes / MB, "ms": 1e3 * append_s / appends,
+         "MB_s": nbytes / append_s / MB, "rows_s": n / append_s},
+        {"what": "traj tail read_new", "size": shape, "MB": nbytes / MB, "ms": 1e3 * tail_s / appends,
+         "MB_s": nbytes / tail_s / MB, "rows_s": n / tail_s},
+        {"what": "traj bulk read", "size": f"{n} rows", "MB": nbytes / MB, "ms": 1e3 * bulk_s,
+         "MB_s": nbytes / bulk_s / MB, "rows_s": n / bulk_s},
+    ]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small sizes (seconds on a laptop CPU)")
+    ap.add_argument("--json", default=None, help="write results to this JSON file")
+    ap.add_argument("--dir", default=None, help="directory to benchmark (default: a fresh temp dir)")
+    args = ap.parse_args()
+
+    sizes = [1_000_000, 10_000_000] if args.quick else [10_000_000, 100_000_000]
+    repeats = 2 if args.quick else 3
+    traj = dict(appends=10, rows_per_append=64, prompt_len=128, response_len=512)
+    if not args.quick:
+        traj.update(appends=50, rows_per_append=128, response_len=1024)
+
+    directory = Path(tempfile.mkdtemp(prefix="bench-stores-", dir=args.dir))
+    try:
+        rows = []
+        for n in sizes:
+            rows += bench_params(directory, n, repeats)
+        rows += bench_trajectories(directory, **traj)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    print(f"directory: {directory} ({jax.default_backend()}, {os.cpu_count()} CPUs)")
+    print_table(rows, ["what", "size", "MB", "ms", "MB_s", "vs_raw", "rows_s", "latest_version_us"])
+    write_json(args.json, {"machine": machine(), "quick": args.quick, "directory": str(directory), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()

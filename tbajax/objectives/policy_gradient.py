@@ -1,0 +1,221 @@
+"""Policy-gradient objectives over groups: TBA′, Dr. GRPO, IcePop, GRPO, RLOO, REINFORCE.
+
+All compute a per-sequence loss ℓ_i and return its mean over real sequences as a Ratio.
+Advantages are constants (stop-gradient); importance ratios ρ_t = π_θ / π_old use the behaviour
+log-probs of the policy that sampled. Token sums are divided by a per-sequence normaliser chosen
+by `length_norm` (see `common.length_normaliser`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from tbajax.batch import Batch
+from tbajax.objectives.base import Metrics, Ratio
+from tbajax.objectives.common import (
+    Groups,
+    LengthNorm,
+    capped_ratio,
+    diagnostics,
+    groups_of,
+    length_normaliser,
+    log_ratio,
+    row_mean,
+    seq_sum,
+    seq_sums,
+    token_mask,
+    windowed_ratio,
+)
+
+Array = jax.Array
+sg = jax.lax.stop_gradient
+
+
+@dataclasses.dataclass(frozen=True)
+class DrGRPOConfig:
+    """ratio_clip: ρ is capped here with zero gradient above. length_norm "sequence" divides each
+    token sum by prompt + response length (the TBA′ reference); "constant" by `norm_constant`
+    (Dr. GRPO proper: the generation budget); "response" by the response length."""
+
+    ratio_clip: float = 8.0
+    length_norm: LengthNorm = "sequence"
+    norm_constant: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class TBAPrimeConfig(DrGRPOConfig):
+    """kl_clip: per-token log π − log π_ref is clipped to ±kl_clip inside KL_i."""
+
+    kl_clip: float = 10.0
+
+
+@dataclasses.dataclass(frozen=True)
+class IcePopConfig:
+    """Tokens whose ρ lies outside [ratio_low, ratio_high] are dropped (value and gradient)."""
+
+    ratio_low: float = 0.125
+    ratio_high: float = 8.0
+    length_norm: LengthNorm = "sequence"
+    norm_constant: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOConfig:
+    """clip_eps: PPO clip. std_eps: added to the group reward std (ddof=1). kl_penalty: add the
+    k3 estimator of KL(π_θ‖π_ref) per token with coefficient batch.beta."""
+
+    clip_eps: float = 0.2
+    std_eps: float = 1e-6
+    kl_penalty: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class RLOOConfig:
+    """kl_in_reward: use r − β·(S − R) (stop-gradient) as the reward."""
+
+    kl_in_reward: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class ReinforceConfig:
+    """kl_in_reward: use r − β·(S − R) (stop-gradient) as the reward."""
+
+    kl_in_reward: bool = True
+
+
+# --------------------------------------------------------------------------- advantages
+
+
+def centered_reward(g: Groups, batch: Batch, dtype) -> Array:
+    """r_i − r̄ (group mean): the Dr. GRPO advantage."""
+    return g.centered(batch.reward.astype(dtype))
+
+
+def tba_prime_advantage(g: Groups, batch: Batch, logprobs: Array, kl_clip: float) -> Array:
+    """A_i = (r_i − r̄) − β (KL_i − mean_j KL_j), KL_i = Σ_t clip(log π − log π_ref, ±kl_clip)."""
+    m = token_mask(batch, logprobs.dtype)
+    log_r = logprobs - batch.reference_logprobs.astype(logprobs.dtype)
+    kl = seq_sum(jnp.clip(log_r, -kl_clip, kl_clip), m)
+    beta = batch.beta.astype(logprobs.dtype)
+    return centered_reward(g, batch, logprobs.dtype) - beta * g.centered(kl)
+
+
+def kl_regularised_reward(batch: Batch, logprobs: Array) -> Array:
+    """r_i − β (S_i − R_i), the KL folded into the reward (as a constant)."""
+    kl = seq_sums(batch, logprobs).log_ratio_ref
+    return batch.reward.astype(logprobs.dtype) - batch.beta.astype(logprobs.dtype) * sg(kl)
+
+
+# --------------------------------------------------------------------------- shared tail
+
+
+def _finish(
+    batch: Batch, logprobs: Array, g: Groups, per_seq: Array, clipped: Array | None
+) -> tuple[Ratio, Metrics]:
+    loss = row_mean(g, per_seq)
+    metrics = diagnostics(batch, logprobs, clipped)
+    metrics["loss"] = loss
+    return loss, metrics
+
+
+def _token_loss(batch: Batch, per_token: Array, norm: Array) -> Array:
+    """ℓ_i = Σ_t per_token / norm_i over the response mask, [B]."""
+    return seq_sum(per_token, token_mask(batch, per_token.dtype)) / norm
+
+
+def capped_pg(
+    batch: Batch, logprobs: Array, advantage: Array, config: DrGRPOConfig
+) -> tuple[Ratio, Metrics]:
+    """Per token −ρ_t A_i with ρ_t = min(π_θ/π_old, ratio_clip); shared by Dr. GRPO and TBA′."""
+    g = groups_of(batch, logprobs.dtype)
+    lr = log_ratio(batch, logprobs, token_mask(batch, logprobs.dtype))
+    rho = capped_ratio(lr, config.ratio_clip)
+    norm = length_normaliser(batch, config.length_norm, config.norm_constant, logprobs.dtype)
+    per_seq = _token_loss(batch, -rho * sg(advantage)[:, None], norm)
+    return _finish(batch, logprobs, g, per_seq, lr > math.log(config.ratio_clip))
+
+
+# --------------------------------------------------------------------------- objectives
+
+
+def tba_prime(
+    batch: Batch, logprobs: Array, config: TBAPrimeConfig = TBAPrimeConfig()
+) -> tuple[Ratio, Metrics]:
+    """TBA′: the Dr. GRPO loss with the KL-shaped advantage; β = 0 gives `dr_grpo` exactly."""
+    advantage = tba_prime_advantage(groups_of(batch, logprobs.dtype), batch, logprobs, config.kl_clip)
+    return capped_pg(batch, logprobs, advantage, config)
+
+
+def dr_grpo(
+    batch: Batch, logprobs: Array, config: DrGRPOConfig = DrGRPOConfig()
+) -> tuple[Ratio, Metrics]:
+    """Dr. GRPO: advantage r − r̄ (no std normalisation), capped ratio, length normaliser."""
+    g = groups_of(batch, logprobs.dtype)
+    return capped_pg(batch, logprobs, centered_reward(g, batch, logprobs.dtype), config)
+
+
+def icepop(
+    batch: Batch, logprobs: Array, config: IcePopConfig = IcePopConfig()
+) -> tuple[Ratio, Metrics]:
+    """Dr. GRPO with a hard token mask: ρ outside [ratio_low, ratio_high] contributes nothing.
+
+    Dropped tokens still count in the length normaliser. clip_frac = fraction dropped.
+    """
+    g = groups_of(batch, logprobs.dtype)
+    lr = log_ratio(batch, logprobs, token_mask(batch, logprobs.dtype))
+    rho, keep = windowed_ratio(lr, config.ratio_low, config.ratio_high)
+    adv = sg(centered_reward(g, batch, logprobs.dtype))
+    norm = length_normaliser(batch, config.length_norm, config.norm_constant, logprobs.dtype)
+    per_seq = _token_loss(batch, -rho * adv[:, None], norm)
+    return _finish(batch, logprobs, g, per_seq, ~keep)
+
+
+def grpo(batch: Batch, logprobs: Array, config: GRPOConfig = GRPOConfig()) -> tuple[Ratio, Metrics]:
+    """GRPO: A = (r − r̄)/(std + eps); per token −min(ρA, clip(ρ, 1±ε)A) [+ β·k3]; token mean.
+
+    clip_frac counts tokens where the clip is active (zero gradient): ρ > 1+ε with A > 0, or
+    ρ < 1−ε with A < 0.
+    """
+    dtype = logprobs.dtype
+    g = groups_of(batch, dtype)
+    r = batch.reward.astype(dtype)
+    adv = sg(g.centered(r) / (g.row(g.std(r)) + config.std_eps))[:, None]
+    m = token_mask(batch, dtype)
+    rho = jnp.exp(log_ratio(batch, logprobs, m))
+    eps = config.clip_eps
+    per_token = -jnp.minimum(rho * adv, jnp.clip(rho, 1 - eps, 1 + eps) * adv)
+    if config.kl_penalty:
+        d = jnp.where(m > 0, batch.reference_logprobs.astype(dtype) - logprobs, 0)
+        per_token = per_token + batch.beta.astype(dtype) * (jnp.exp(d) - d - 1)
+    clipped = ((rho > 1 + eps) & (adv > 0)) | ((rho < 1 - eps) & (adv < 0))
+    per_seq = _token_loss(batch, per_token, length_normaliser(batch, "response", 1.0, dtype))
+    return _finish(batch, logprobs, g, per_seq, clipped)
+
+
+def rloo(batch: Batch, logprobs: Array, config: RLOOConfig = RLOOConfig()) -> tuple[Ratio, Metrics]:
+    """RLOO: ℓ_i = −(r_i − mean_{j≠i} r_j)·S_i (sequence sum, on-policy estimator, no IS)."""
+    dtype = logprobs.dtype
+    g = groups_of(batch, dtype)
+    r = kl_regularised_reward(batch, logprobs) if config.kl_in_reward else batch.reward.astype(dtype)
+    k = g.row(g.count)  # real rows in the group
+    baseline = (g.row(g.sum(r)) - r) / jnp.maximum(k - 1, 1)
+    per_seq = -sg(r - baseline) * seq_sums(batch, logprobs).policy
+    return _finish(batch, logprobs, g, per_seq, None)
+
+
+def reinforce(
+    batch: Batch, logprobs: Array, config: ReinforceConfig = ReinforceConfig()
+) -> tuple[Ratio, Metrics]:
+    """REINFORCE with the group-mean baseline: ℓ_i = −(r̃_i − mean r̃)·S_i, r̃ = r − β(S − R).
+
+    With equal group sizes its gradient is exactly β/2 times VarGrad TB's.
+    """
+    dtype = logprobs.dtype
+    g = groups_of(batch, dtype)
+    r = kl_regularised_reward(batch, logprobs) if config.kl_in_reward else batch.reward.astype(dtype)
+    per_seq = -sg(g.centered(r)) * seq_sums(batch, logprobs).policy
+    return _finish(batch, logprobs, g, per_seq, None)

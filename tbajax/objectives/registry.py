@@ -1,0 +1,217 @@
+"""Objective lookup: built-in names, `module:function` or `file.py:function` paths, or callables.
+
+No global mutable registry: `OBJECTIVES` is read-only; to add names, pass your own mapping
+(`get_objective("mine", registry={**OBJECTIVES, "mine": ObjectiveSpec(...)})`) or, simplest, an
+import path string, which also survives a round trip through `config.json`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import inspect
+import sys
+import typing
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from types import MappingProxyType, ModuleType
+from typing import Any
+
+import jax
+
+from tbajax.batch import Batch
+from tbajax.objectives.base import Metrics, Ratio
+from tbajax.objectives.dpo import OnlineDPOConfig, online_dpo
+from tbajax.objectives.policy_gradient import (
+    DrGRPOConfig,
+    GRPOConfig,
+    IcePopConfig,
+    ReinforceConfig,
+    RLOOConfig,
+    TBAPrimeConfig,
+    dr_grpo,
+    grpo,
+    icepop,
+    reinforce,
+    rloo,
+    tba_prime,
+)
+from tbajax.objectives.tb import LearnedLogZConfig, TBConfig, init_log_z_table, tb, tb_learned_logz
+
+Array = jax.Array
+PyTree = Any
+DEFAULT_OBJECTIVE = "tb"
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectiveSpec:
+    """An objective and what the trainer needs to drive it.
+
+    loss: `fn(batch, logprobs, config) -> (Ratio, metrics)`; with `init_aux`, it takes a fourth
+        argument: the aux pytree gathered per row (`gather_aux(aux, prompt_ids)`), e.g. log Z.
+    config_cls: frozen dataclass of static hyperparameters, every field defaulted (None: the
+        loss is called with config=None).
+    init_aux: `(config, num_prompts) -> pytree` of trainable arrays with leading axis
+        num_prompts. The trainer differentiates the loss with respect to it as well and updates it
+        with its own optimizer at lr × `config.aux_lr_scale`.
+    positive_beta: validation rejects β <= 0 (the loss divides by β or needs it as a scale).
+    """
+
+    loss: Callable[..., tuple[Ratio, Metrics]]
+    config_cls: type | None = None
+    init_aux: Callable[[Any, int], PyTree] | None = None
+    name: str = ""
+    positive_beta: bool = False
+
+    def __post_init__(self) -> None:
+        if self.init_aux is not None and (
+            self.config_cls is None
+            or "aux_lr_scale" not in {f.name for f in dataclasses.fields(self.config_cls)}
+        ):
+            raise ValueError(
+                f"objective {self.name!r} has init_aux, so its config_cls needs an "
+                "`aux_lr_scale` field (the trainer's lr multiplier for the aux params)"
+            )
+
+    @property
+    def has_aux(self) -> bool:
+        return self.init_aux is not None
+
+    def make_config(self, overrides: Mapping[str, Any] | None = None) -> Any:
+        """The default config with `overrides` applied; unknown keys are an error."""
+        overrides = dict(overrides or {})
+        if self.config_cls is None:
+            if overrides:
+                raise ValueError(
+                    f"objective {self.name!r} has no config class but got overrides "
+                    f"{sorted(overrides)}; wrap it as ObjectiveSpec(loss=fn, config_cls=YourConfig)"
+                )
+            return None
+        fields = {f.name for f in dataclasses.fields(self.config_cls)}
+        unknown = sorted(set(overrides) - fields)
+        if unknown:
+            raise ValueError(
+                f"unknown {self.config_cls.__name__} fields {unknown} for objective "
+                f"{self.name!r}; valid fields: {sorted(fields)}"
+            )
+        return self.config_cls(**overrides)
+
+    def __call__(
+        self, batch: Batch, logprobs: Array, config: Any, aux: PyTree | None = None
+    ) -> tuple[Ratio, Metrics]:
+        if self.has_aux != (aux is not None):
+            need = "needs" if self.has_aux else "takes no"
+            raise ValueError(f"objective {self.name!r} {need} per-row aux params")
+        if aux is None:
+            return self.loss(batch, logprobs, config)
+        return self.loss(batch, logprobs, config, aux)
+
+
+def gather_aux(aux: PyTree, prompt_ids: Array) -> PyTree:
+    """Each row's slice of a per-prompt aux table; its gradient scatters back to the table."""
+    return jax.tree.map(lambda a: a[prompt_ids], aux)
+
+
+def _spec(name: str, loss, config_cls, **kw) -> ObjectiveSpec:
+    return ObjectiveSpec(loss=loss, config_cls=config_cls, name=name, **kw)
+
+
+OBJECTIVES: Mapping[str, ObjectiveSpec] = MappingProxyType(
+    {
+        "tb": _spec("tb", tb, TBConfig, positive_beta=True),
+        "tb_learned_logz": _spec(
+            "tb_learned_logz",
+            tb_learned_logz,
+            LearnedLogZConfig,
+            init_aux=init_log_z_table,
+            positive_beta=True,
+        ),
+        "tba_prime": _spec("tba_prime", tba_prime, TBAPrimeConfig),
+        "dr_grpo": _spec("dr_grpo", dr_grpo, DrGRPOConfig),
+        "grpo": _spec("grpo", grpo, GRPOConfig),
+        "rloo": _spec("rloo", rloo, RLOOConfig),
+        "reinforce": _spec("reinforce", reinforce, ReinforceConfig),
+        "online_dpo": _spec("online_dpo", online_dpo, OnlineDPOConfig, positive_beta=True),
+        "icepop": _spec("icepop", icepop, IcePopConfig),
+    }
+)
+
+
+def _load_module(where: str) -> ModuleType:
+    """A dotted module name, or a `.py` file path (loaded under a name derived from its path)."""
+    if not where.endswith(".py"):
+        return importlib.import_module(where)
+    path = Path(where).expanduser().resolve()
+    name = "tbajax_user_objective_" + "_".join(path.with_suffix("").parts[1:])
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None or not path.is_file():
+        raise ImportError(f"no Python file at {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses in the file look their module up here
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+def _import(path: str) -> Any:
+    where, _, attr = path.rpartition(":")
+    try:
+        return getattr(_load_module(where), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(
+            f"cannot import objective {path!r} (expected 'package.module:name' or "
+            f"'path/to/file.py:name'): {e}"
+        ) from e
+
+
+def _config_annotation(fn: Callable[..., Any]) -> type | None:
+    """The dataclass annotated on fn's third parameter, if any."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # builtins and some C callables have no signature
+        return None
+    if len(params) < 3 or params[2].annotation is inspect.Parameter.empty:
+        return None
+    try:
+        hint = typing.get_type_hints(fn).get(params[2].name)
+    except (NameError, TypeError, AttributeError) as e:
+        raise ValueError(f"cannot resolve the config annotation of objective {fn!r}: {e}") from e
+    return hint if isinstance(hint, type) and dataclasses.is_dataclass(hint) else None
+
+
+def get_objective(
+    objective: str | ObjectiveSpec | Callable[..., tuple[Ratio, Metrics]],
+    registry: Mapping[str, ObjectiveSpec] = OBJECTIVES,
+) -> ObjectiveSpec:
+    """Resolve a registered name, a 'package.module:name' or 'path/to/file.py:name' import path,
+    an ObjectiveSpec or a callable.
+
+    A bare callable becomes a spec without aux whose config class is the annotation of its third
+    parameter when that is a dataclass (`def f(batch, logprobs, config: MyConfig)`), else None.
+    """
+    if isinstance(objective, ObjectiveSpec):
+        return objective
+    if isinstance(objective, str):
+        if objective in registry:
+            return registry[objective]
+        if ":" in objective:
+            found = _import(objective)
+            if isinstance(found, str) or not (isinstance(found, ObjectiveSpec) or callable(found)):
+                raise ValueError(f"{objective!r} is neither an ObjectiveSpec nor a callable")
+            spec = get_objective(found, registry)
+            return spec if spec.name else dataclasses.replace(spec, name=objective)
+        raise ValueError(
+            f"unknown objective {objective!r}; registered: {sorted(registry)}, or pass a "
+            "callable fn(batch, logprobs, config) or an import path 'package.module:name' / "
+            "'path/to/file.py:name'"
+        )
+    if callable(objective):
+        name = getattr(objective, "__name__", repr(objective))
+        return ObjectiveSpec(loss=objective, config_cls=_config_annotation(objective), name=name)
+    raise TypeError(f"objective must be a name, an ObjectiveSpec or a callable, got {objective!r}")

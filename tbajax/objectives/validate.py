@@ -1,0 +1,78 @@
+"""Eager checks of a host batch before it reaches a jitted objective (where errors turn into NaN)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from tbajax.batch import Batch
+from tbajax.objectives.registry import ObjectiveSpec, get_objective
+
+_PER_TOKEN = ("attention_mask", "loss_mask", "behavior_logprobs", "reference_logprobs")
+_PER_ROW = ("reward", "group_id", "sample_mask", "policy_version")
+_FINITE = ("reward", "behavior_logprobs", "reference_logprobs", "beta")
+
+
+def validate_batch(
+    batch: Batch,
+    objective: str | ObjectiveSpec | Any | None = None,
+    logprobs: Any | None = None,
+    *,
+    min_group_size: int = 2,
+) -> None:
+    """Raise ValueError naming the field if the batch cannot give a meaningful loss.
+
+    Checks shapes, finiteness of rewards / β / log-probs (including `logprobs` if given), group
+    ids in [0, B), at least `min_group_size` real rows per group (group baselines need >= 2), and
+    β >= 0 (> 0 for objectives whose spec has `positive_beta`, such as TB).
+    """
+    arr = {f: np.asarray(getattr(batch, f)) for f in ("tokens", *_PER_TOKEN, *_PER_ROW, "beta")}
+    if logprobs is not None:
+        arr["logprobs"] = np.asarray(logprobs)
+    if arr["tokens"].ndim != 2:
+        raise ValueError(f"tokens must be [batch, seq], got shape {arr['tokens'].shape}")
+    bt = arr["tokens"].shape
+    for f in (*_PER_TOKEN, *(("logprobs",) if logprobs is not None else ())):
+        if arr[f].shape != bt:
+            raise ValueError(f"{f} has shape {arr[f].shape}, but tokens are {bt}: align them")
+    for f in _PER_ROW:
+        if arr[f].shape != bt[:1]:
+            raise ValueError(f"{f} has shape {arr[f].shape}, expected ({bt[0]},): one per row")
+    if arr["beta"].shape != ():
+        raise ValueError(f"beta must be a scalar, got shape {arr['beta'].shape}")
+
+    for f in (*_FINITE, *(("logprobs",) if logprobs is not None else ())):
+        bad = ~np.isfinite(arr[f])
+        if bad.any():
+            rows = sorted({int(i) for i in np.argwhere(bad)[:, 0]}) if bad.ndim else []
+            raise ValueError(
+                f"{f} has {int(bad.sum())} non-finite value(s) (NaN/inf)"
+                + (f" in rows {rows[:10]}" if rows else "")
+                + "; fix or drop those samples before training"
+            )
+
+    real = arr["sample_mask"].astype(bool)
+    if not real.any():
+        raise ValueError("sample_mask is all False: the batch has no real rows")
+    gid = arr["group_id"]
+    if gid.min() < 0 or gid.max() >= bt[0]:
+        raise ValueError(f"group_id must lie in [0, {bt[0]}), got range [{gid.min()}, {gid.max()}]")
+    ids, sizes = np.unique(gid[real], return_counts=True)
+    small = {int(i): int(n) for i, n in zip(ids, sizes) if n < min_group_size}
+    if small:
+        raise ValueError(
+            f"groups with fewer than {min_group_size} real samples (group id: size) {small}; "
+            "group baselines need several samples per prompt: sample more or drop those groups"
+        )
+
+    beta = float(arr["beta"])
+    if beta < 0:
+        raise ValueError(f"beta must be >= 0, got {beta}")
+    if objective is not None:
+        spec = get_objective(objective)
+        if spec.positive_beta and beta <= 0:
+            raise ValueError(
+                f"objective {spec.name!r} needs beta > 0 (TB divides the reward by beta; DPO "
+                f"scales its margin by it), got {beta}"
+            )

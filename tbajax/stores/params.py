@@ -1,0 +1,383 @@
+"""Versioned parameter store: the trainer publishes, searchers load the newest complete version.
+
+Layout of ``<run>/params/``:
+
+    <v>/                 orbax checkpoint of version v (``StandardCheckpointer``); complete when it has
+                         its final name (orbax writes ``<v>.orbax-checkpoint-tmp*`` first) and
+                         ``commit_success.txt``
+    latest.json          {"format", "run_id", "version", "step", "dtype", "time"}: newest complete version
+    readers/<id>.json    {"version", "time", "pid", "host"}: a searcher's lease while it loads a version
+
+The pointer is replaced only after a version is complete, in one atomic single-key write, so a
+searcher never sees an incomplete version as latest. Versions only grow: a restarted trainer
+continues above both the pointer and every directory on disk. Garbage collection keeps the last
+`keep` complete versions and every version under a live lease.
+
+The lease closes the race "searcher reads the pointer, trainer deletes that version" except
+when `keep` newer versions get published between a searcher's pointer read and its lease write
+(microseconds against a publish period of seconds); `restore` re-checks the version after
+taking the lease and then says plainly that it is gone, so the caller can load the newest one.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import os
+import re
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+from tbajax.stores.urls import delete_key, list_keys, open_kvstore, path_for_orbax, read_json, to_url, write_json
+
+FORMAT = "tbajax.params.v1"
+LATEST_KEY = "latest.json"
+READERS_DIR = "readers"
+COMMIT_MARKER = "commit_success.txt"
+PUBLISH_DTYPES = ("float32", "bfloat16", "float16")
+
+_VERSION_DIR = re.compile(r"^(\d+)(\.orbax-checkpoint-tmp.*)?$")
+_READER_ID = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+class ParamStoreError(RuntimeError):
+    """The param store is in a state this process must not silently work around."""
+
+
+class ParamVersionError(LookupError):
+    """A requested version does not exist (never published, incomplete, or garbage-collected)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PublishedVersion:
+    version: int
+    run_id: str
+    step: int | None
+    dtype: str | None
+    time: float
+
+
+def cast_floating(params: Any, dtype: str | None) -> Any:
+    """Cast floating leaves to `dtype` (None keeps them); integer leaves are left alone."""
+    if dtype is not None and dtype not in PUBLISH_DTYPES:
+        raise ValueError(f"publish dtype must be one of {PUBLISH_DTYPES} or None, got {dtype!r}")
+
+    def one(path: Any, x: Any) -> Any:
+        if isinstance(x, np.generic):
+            x = np.asarray(x)
+        if not isinstance(x, (jax.Array, np.ndarray)):
+            raise TypeError(
+                f"param leaf {jax.tree_util.keystr(path)} is a {type(x).__name__}, not an array: publish a "
+                "pure pytree of arrays, e.g. nnx.to_pure_dict(nnx.state(model, nnx.Param))"
+            )
+        if dtype is None or not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == jnp.dtype(dtype):
+            return x
+        return x.astype(dtype)
+
+    return jax.tree_util.tree_map_with_path(one, params)
+
+
+def abstract_target(target: Any, shardings: Any = None) -> Any:
+    """ShapeDtypeStructs with a sharding on every leaf, from a target pytree (+ optional shardings).
+
+    `shardings` is a pytree matching `target`, one Sharding for all leaves, or None to use each
+    target leaf's own `.sharding`. A missing sharding is an error: orbax would otherwise fall back
+    to the sharding saved by the trainer, whose devices are not this process's.
+    """
+    leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(target)
+    if shardings is None:
+        shard_leaves = [getattr(x, "sharding", None) for _, x in leaves_with_path]
+    elif isinstance(shardings, jax.sharding.Sharding):
+        shard_leaves = [shardings] * len(leaves_with_path)
+    else:
+        try:
+            shard_leaves = treedef.flatten_up_to(shardings)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"shardings do not match the structure of the target: {e}") from e
+    out = []
+    for (path, x), s in zip(leaves_with_path, shard_leaves):
+        if not isinstance(s, jax.sharding.Sharding):
+            raise ValueError(
+                f"no sharding for target leaf {jax.tree_util.keystr(path)}: pass shardings= (a pytree, or one "
+                "Sharding for all leaves) or a target whose leaves carry .sharding"
+            )
+        out.append(jax.ShapeDtypeStruct(tuple(x.shape), x.dtype, sharding=s))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+class _VersionDirs:
+    """Listing and completeness checks of version directories (shared by publisher and reader)."""
+
+    def __init__(self, url: str):
+        self.url = to_url(url)
+        self.root = path_for_orbax(self.url)
+        self.kv = open_kvstore(self.url)
+
+    def path(self, version: int) -> Any:
+        return self.root / str(version)
+
+    def is_complete(self, version: int) -> bool:
+        p = self.path(version)
+        return p.is_dir() and (p / COMMIT_MARKER).exists()
+
+    def entries(self) -> list[tuple[int, Any]]:
+        """(version, path) of every version directory, complete or not (incl. orbax temp dirs)."""
+        if not self.root.exists():
+            return []
+        out = []
+        for p in self.root.iterdir():
+            m = _VERSION_DIR.match(p.name)
+            if m:
+                out.append((int(m.group(1)), p))
+        return sorted(out, key=lambda e: (e[0], e[1].name))
+
+    def complete_versions(self, up_to: int) -> list[int]:
+        return sorted({v for v, p in self.entries() if p.name == str(v) and v <= up_to and self.is_complete(v)})
+
+    def pointer(self) -> tuple[PublishedVersion | None, bytes]:
+        record, generation = read_json(self.kv, LATEST_KEY)
+        if record is None:
+            return None, generation
+        if record.get("format") != FORMAT or not isinstance(record.get("version"), int):
+            raise ParamStoreError(
+                f"{self.url}/{LATEST_KEY} is not a {FORMAT} pointer ({record!r}); delete it or use another run dir"
+            )
+        return (
+            PublishedVersion(
+                version=record["version"],
+                run_id=str(record["run_id"]),
+                step=record.get("step"),
+                dtype=record.get("dtype"),
+                time=float(record["time"]),
+            ),
+            generation,
+        )
+
+
+class ParamPublisher:
+    """Trainer side: publish params as increasing versions and garbage-collect old ones.
+
+    `publish(..., wait=False)` returns once the params are on the host (orbax copies device
+    arrays before returning, so the caller may donate them); the write, the pointer update and
+    garbage collection then finish in the background, and the next `publish`/`wait`/`close`
+    joins them and re-raises their errors. In a multi-host trainer every process calls
+    `publish` (orbax saves collectively) and process 0 alone writes the pointer and collects.
+    """
+
+    def __init__(
+        self,
+        url: str | os.PathLike[str],
+        run_id: str,
+        *,
+        dtype: str | None = "bfloat16",
+        keep: int = 3,
+        lease_timeout_s: float = 600.0,
+    ):
+        if dtype is not None and dtype not in PUBLISH_DTYPES:
+            raise ValueError(f"publish dtype must be one of {PUBLISH_DTYPES} or None, got {dtype!r}")
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1 (the latest version is always kept), got {keep}")
+        if not run_id:
+            raise ValueError("run_id must be a non-empty string")
+        self.url = to_url(url)
+        self.run_id = run_id
+        self.dtype = dtype
+        self.keep = keep
+        self.lease_timeout_s = lease_timeout_s
+        self._dirs = _VersionDirs(self.url)
+        pointer, self._pointer_generation = self._dirs.pointer()
+        if pointer is not None and pointer.run_id != run_id:
+            raise ParamStoreError(
+                f"{self.url} holds params of run {pointer.run_id!r}, not {run_id!r}: resume with the same "
+                "run id, or publish to a fresh run directory"
+            )
+        self._latest = pointer.version if pointer is not None else 0
+        on_disk = max((v for v, _ in self._dirs.entries()), default=0)
+        self._next_version = max(self._latest, on_disk) + 1
+        self._primary = jax.process_index() == 0
+        self._checkpointer = ocp.StandardCheckpointer()
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="param-publish")
+        self._pending: concurrent.futures.Future[None] | None = None
+
+    def latest_version(self) -> int | None:
+        """The newest version this publisher (or its predecessor) has made visible."""
+        return self._latest or None
+
+    @property
+    def next_version(self) -> int:
+        """The number the next `publish` will use (above every version dir ever written)."""
+        return self._next_version
+
+    def publish(self, params: Any, *, step: int | None = None, wait: bool = True) -> int:
+        """Save `params` as the next version; returns that version number."""
+        self.wait()
+        tree = cast_floating(params, self.dtype)
+        version = self._next_version
+        self._next_version += 1
+        self._checkpointer.save(self._dirs.path(version), tree)
+        self._pending = self._executor.submit(self._finish, version, step)
+        if wait:
+            self.wait()
+        return version
+
+    def wait(self) -> None:
+        """Block until the last publish is visible (and collected); re-raise its error if any."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def _finish(self, version: int, step: int | None) -> None:
+        self._checkpointer.wait_until_finished()
+        if not self._primary:
+            self._latest = version
+            return
+        if not self._dirs.is_complete(version):
+            raise ParamStoreError(
+                f"orbax finished saving version {version} but {self._dirs.path(version)} has no {COMMIT_MARKER}; "
+                "the version was not published"
+            )
+        record = {
+            "format": FORMAT,
+            "run_id": self.run_id,
+            "version": version,
+            "step": step,
+            "dtype": self.dtype,
+            "time": time.time(),
+        }
+        generation = write_json(self._dirs.kv, LATEST_KEY, record, if_equal=self._pointer_generation)
+        if generation is None:
+            raise ParamStoreError(
+                f"{self.url}/{LATEST_KEY} changed under this publisher: another trainer is publishing to the "
+                "same run directory"
+            )
+        self._pointer_generation = generation
+        self._latest = version
+        self._collect()
+
+    def gc(self) -> list[int]:
+        """Delete old versions now; returns the deleted version numbers."""
+        self.wait()
+        return self._collect() if self._primary else []
+
+    def leased_versions(self) -> set[int]:
+        """Versions under a lease younger than `lease_timeout_s`."""
+        now = time.time()
+        leased = set()
+        for key in list_keys(self._dirs.kv, READERS_DIR + "/"):
+            if not key.endswith(".json"):
+                continue
+            record, _ = read_json(self._dirs.kv, key)
+            if record is None:  # released between list and read
+                continue
+            if not isinstance(record.get("version"), int) or not isinstance(record.get("time"), (int, float)):
+                raise ParamStoreError(f"lease {self.url}/{key} is malformed ({record!r}); delete it")
+            if now - record["time"] < self.lease_timeout_s:
+                leased.add(record["version"])
+        return leased
+
+    def _collect(self) -> list[int]:
+        entries = self._dirs.entries()
+        complete = self._dirs.complete_versions(self._latest)
+        kept = set(complete[-self.keep :]) | self.leased_versions()
+        deleted = []
+        for version, path in entries:
+            if version in kept or version >= self._next_version:
+                continue
+            marker = path / COMMIT_MARKER
+            if marker.exists():  # a half-deleted version must look incomplete
+                marker.unlink()
+            path.rmtree()
+            deleted.append(version)
+        return sorted(set(deleted))
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._executor.shutdown(wait=True)
+            self._checkpointer.close()
+
+    def __enter__(self) -> ParamPublisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class ParamReader:
+    """Searcher side: find the newest version cheaply and restore it into this process's mesh."""
+
+    def __init__(self, url: str | os.PathLike[str], reader_id: str, *, run_id: str | None = None):
+        if not _READER_ID.match(reader_id):
+            raise ValueError(f"reader_id must match {_READER_ID.pattern} (it names a lease file), got {reader_id!r}")
+        self.url = to_url(url)
+        self.reader_id = reader_id
+        self.run_id = run_id
+        self._dirs = _VersionDirs(self.url)
+        self._checkpointer = ocp.StandardCheckpointer()
+
+    def latest(self) -> PublishedVersion | None:
+        """The pointer record (one small read, never waits for the trainer); None before any publish."""
+        pointer, _ = self._dirs.pointer()
+        if pointer is not None and self.run_id is not None and pointer.run_id != self.run_id:
+            raise ParamStoreError(f"{self.url} holds params of run {pointer.run_id!r}, expected {self.run_id!r}")
+        return pointer
+
+    def latest_version(self) -> int | None:
+        pointer = self.latest()
+        return None if pointer is None else pointer.version
+
+    def versions(self) -> list[int]:
+        """Complete, published versions still on storage."""
+        latest = self.latest_version()
+        return [] if latest is None else self._dirs.complete_versions(latest)
+
+    def _require_available(self, version: int) -> None:
+        latest = self.latest_version()
+        if latest is None:
+            raise ParamVersionError(f"no params have been published to {self.url} yet")
+        if not (isinstance(version, (int, np.integer)) and 0 < version <= latest and self._dirs.is_complete(version)):
+            raise ParamVersionError(
+                f"param version {version!r} is not available in {self.url}: complete versions are "
+                f"{self.versions()} (latest {latest}); older ones are garbage-collected"
+            )
+
+    @contextlib.contextmanager
+    def lease(self, version: int) -> Iterator[None]:
+        """Hold a lease on `version` so the publisher's GC keeps it while inside the block."""
+        key = f"{READERS_DIR}/{self.reader_id}.json"
+        record = {"version": int(version), "time": time.time(), "pid": os.getpid(), "host": socket.gethostname()}
+        write_json(self._dirs.kv, key, record)
+        try:
+            yield
+        finally:
+            delete_key(self._dirs.kv, key)
+
+    def restore(self, version: int, target: Any, shardings: Any = None) -> Any:
+        """Load `version` into arrays shaped/typed like `target`, placed with `shardings`.
+
+        The searcher's mesh may differ from the trainer's: orbax reads each shard this
+        process needs for the requested sharding. Stored dtypes are cast to the target's.
+        """
+        abstract = abstract_target(target, shardings)
+        self._require_available(version)
+        with self.lease(version):
+            self._require_available(version)  # GC may have deleted it before our lease landed
+            return self._checkpointer.restore(self._dirs.path(int(version)), abstract)
+
+    def close(self) -> None:
+        self._checkpointer.close()
+
+    def __enter__(self) -> ParamReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,435 @@
+"""Trajectory and param stores: real files, real processes, crashes included."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import tensorstore as ts
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from tbajax.sharding import MeshConfig, make_mesh
+from tbajax.stores import (
+    ParamPublisher,
+    ParamReader,
+    ParamStoreError,
+    ParamVersionError,
+    TrajectoryReader,
+    TrajectoryStoreError,
+    TrajectoryWriter,
+    discover_searcher_stores,
+    param_store_url,
+    trajectory_store_url,
+)
+from tbajax.trajectory import RewardStatus, Trajectory
+
+REPO = Path(__file__).resolve().parents[1]
+BATCH = 32  # rows per append in the crash test
+
+
+def make_row(i: int, searcher_id: int = 0) -> Trajectory:
+    """Row i of a deterministic stream: every field depends on i, lengths vary (0 included)."""
+    rng = np.random.default_rng(i)
+    p = int(rng.integers(1, 40))
+    r = int(rng.integers(0, 1500)) if i % 7 else 0
+    return Trajectory(
+        prompt_id=1_000_000_000_000 + i,  # needs int64
+        group_id=i // 4,
+        prompt_tokens=rng.integers(0, 2**31 - 1, p).astype(np.int32),
+        response_tokens=rng.integers(0, 50_000, r).astype(np.int32),
+        behavior_logprobs=-rng.random(r).astype(np.float32) * 5,
+        reward=0.25 * i - 3.0,
+        reward_status=RewardStatus(i % 5),
+        finished=bool(i % 2),
+        policy_version=i // 10,
+        searcher_id=searcher_id,
+        wall_time=1.7e9 + 0.125 * i,
+        reference_logprobs=(-rng.random(r).astype(np.float32) if i % 3 == 0 else None),
+    )
+
+
+def assert_same(a: Trajectory, b: Trajectory) -> None:
+    scalars = ("prompt_id", "group_id", "reward", "reward_status", "finished", "policy_version", "searcher_id")
+    for field in (*scalars, "wall_time"):
+        assert getattr(a, field) == getattr(b, field), field
+    assert type(a.reward_status) is RewardStatus and type(b.reward_status) is RewardStatus
+    np.testing.assert_array_equal(a.prompt_tokens, b.prompt_tokens)
+    np.testing.assert_array_equal(a.response_tokens, b.response_tokens)
+    np.testing.assert_array_equal(a.behavior_logprobs, b.behavior_logprobs)
+    assert (a.reference_logprobs is None) == (b.reference_logprobs is None)
+    if a.reference_logprobs is not None:
+        np.testing.assert_array_equal(a.reference_logprobs, b.reference_logprobs)
+
+
+def assert_rows(got: list[Trajectory], start: int, stop: int) -> None:
+    assert len(got) == stop - start
+    for i, t in zip(range(start, stop), got):
+        assert_same(t, make_row(i))
+
+
+# ------------------------------------------------------------------ trajectory store
+
+
+def test_trajectory_round_trip_all_fields(tmp_path: Path) -> None:
+    url = trajectory_store_url(tmp_path, 3)
+    rows = [make_row(i, searcher_id=3) for i in range(10)]
+    writer = TrajectoryWriter(url, searcher_id=3)
+    assert writer.append(rows[:6]) == 6
+    assert writer.append(rows[6:]) == 10
+    reader = TrajectoryReader(url)
+    got = reader.read_new()
+    assert len(got) == 10 and reader.cursor == 10
+    for a, b in zip(got, rows):
+        assert_same(a, b)
+    assert got[0].response_tokens.dtype == np.int32 and got[0].behavior_logprobs.dtype == np.float32
+    assert len(got[7].response_tokens) == 0  # empty responses survive
+    assert got[3].reference_logprobs is not None and got[4].reference_logprobs is None
+    # random access across the two appends, cursor untouched
+    for a, b in zip(reader.read(4, 8), rows[4:8]):
+        assert_same(a, b)
+    assert reader.cursor == 10
+    # jagged layout: the flat arrays hold exactly the concatenation, no padding
+    flat = ts.open({"driver": "zarr3", "kvstore": url + "/response_tokens/"}).result()
+    total = sum(len(t.response_tokens) for t in rows)
+    np.testing.assert_array_equal(flat[:total].read().result(), np.concatenate([t.response_tokens for t in rows]))
+    assert json.loads((tmp_path / "trajectories/searcher-3/commit.json").read_text())["response_tokens"] == total
+
+
+def test_trajectory_tailing_and_resume(tmp_path: Path) -> None:
+    url = trajectory_store_url(tmp_path, 0)
+    early = TrajectoryReader(url)  # before the store exists
+    assert early.committed_rows() == 0 and early.read_new() == []
+    writer = TrajectoryWriter(url, 0)
+    assert early.read_new() == []
+    writer.append([make_row(i) for i in range(5)])
+    assert_rows(early.read_new(), 0, 5)
+    assert early.read_new() == []
+    writer.append([make_row(i) for i in range(5, 9)])
+    writer.append([make_row(i) for i in range(9, 12)])
+    assert early.committed_rows() == 12
+    assert_rows(early.read_new(max_rows=2), 5, 7)
+    assert_rows(early.read_new(), 7, 12)
+    # a trainer resuming from a checkpointed cursor sees only what follows it
+    resumed = TrajectoryReader(url, start_row=9)
+    assert_rows(resumed.read_new(), 9, 12)
+    too_far = TrajectoryReader(url, start_row=13)
+    with pytest.raises(TrajectoryStoreError, match="past the 12 committed rows"):
+        too_far.read_new()
+    with pytest.raises(IndexError, match="outside the 12 committed rows"):
+        early.read(10, 13)
+
+
+def test_uncommitted_data_is_invisible_and_overwritten(tmp_path: Path) -> None:
+    url = trajectory_store_url(tmp_path, 0)
+    writer = TrajectoryWriter(url, 0)
+    writer.append([make_row(i) for i in range(4)])
+    reader = TrajectoryReader(url)
+    assert_rows(reader.read_new(), 0, 4)
+    # A crash between the data write and the commit: the data is on disk, the commit is not.
+    torn = [make_row(i) for i in range(100, 104)]
+    writer._write_data(torn)
+    raw = ts.open({"driver": "zarr3", "kvstore": url + "/rows_i64/"}).result()
+    assert raw[4, 0].read().result() == torn[0].prompt_id  # physically there...
+    assert reader.committed_rows() == 4 and reader.read_new() == []  # ...but never read
+    # A writer re-opened after the crash continues after the last committed row.
+    reopened = TrajectoryWriter(url, 0)
+    assert reopened.committed_rows() == 4
+    assert reopened.append([make_row(i) for i in range(4, 7)]) == 7
+    assert_rows(reader.read_new(), 4, 7)
+    assert_rows(TrajectoryReader(url).read_new(), 0, 7)
+
+
+def test_trajectory_bad_input(tmp_path: Path) -> None:
+    url = trajectory_store_url(tmp_path, 1)
+    writer = TrajectoryWriter(url, 1)
+    with pytest.raises(ValueError, match="searcher_id 0 but this store belongs to searcher 1"):
+        writer.append([make_row(0, searcher_id=0)])
+    bad = Trajectory(0, 0, np.array([1.5, 2.0]), np.array([1], np.int32), np.zeros(1, np.float32), 0.0, searcher_id=1)
+    with pytest.raises(ValueError, match="prompt_tokens must be a 1-D integer array"):
+        writer.append([bad])
+    with pytest.raises(TrajectoryStoreError, match="belongs to searcher 1, not 2"):
+        TrajectoryWriter(url, 2)
+    assert writer.committed_rows() == 0 and TrajectoryReader(url).committed_rows() == 0
+    # Two live writers on one store: the second commit is refused, nothing is lost.
+    other = TrajectoryWriter(url, 1)
+    writer.append([make_row(0, 1)])
+    with pytest.raises(TrajectoryStoreError, match="another writer is appending"):
+        other.append([make_row(5, 1)])
+    got = TrajectoryReader(url).read_new()
+    assert len(got) == 1 and got[0].prompt_id == make_row(0).prompt_id
+
+
+def test_discover_searcher_stores(tmp_path: Path) -> None:
+    assert discover_searcher_stores(tmp_path) == {}
+    for i in (2, 0, 11):
+        TrajectoryWriter(trajectory_store_url(tmp_path, i), i)
+    (tmp_path / "trajectories" / "searcher-5").mkdir()  # no commit record: not a store
+    found = discover_searcher_stores(tmp_path)
+    assert list(found) == [0, 2, 11]
+    assert found[11] == trajectory_store_url(tmp_path, 11)
+
+
+CHILD = """
+import sys
+sys.path.insert(0, {repo!r})
+from tests.test_stores import BATCH, make_row
+from tbajax.stores import TrajectoryWriter
+writer = TrajectoryWriter({url!r}, 0)
+while True:
+    n = writer.committed_rows()
+    rows = [make_row(i) for i in range(n, n + BATCH)]
+    print("begin", n, flush=True)
+    writer.append(rows)
+"""
+
+
+def _run_and_kill(url: str, kill_after_rows: int, delay_s: float) -> int:
+    """Start a writer process, SIGKILL it `delay_s` into an append; returns that append's start row."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(CHILD.format(repo=str(REPO), url=url))],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        bufsize=0,  # unbuffered: select() then sees every line as soon as it is printed
+        env=env,
+    )
+    deadline = time.monotonic() + 120  # generous: the machine may be shared and slow
+    try:
+        while True:
+            ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise AssertionError("writer process produced no output within 120 s")
+            line = proc.stdout.readline().decode()
+            if not line:
+                raise AssertionError(f"writer process exited early: {proc.communicate()[1][-2000:].decode()}")
+            start = int(line.split()[1])
+            if start >= kill_after_rows:
+                time.sleep(delay_s)  # an append takes ~10-50 ms here: land inside it
+                os.kill(proc.pid, signal.SIGKILL)
+                break
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    return start
+
+
+def test_writer_killed_mid_append_loses_nothing_committed(tmp_path: Path) -> None:
+    url = trajectory_store_url(tmp_path, 0)
+    reader = TrajectoryReader(url)
+    seen = 0
+    # Later processes re-open the store the previous one was killed in.
+    for delay_s in (0.005, 0.015, 0.03):
+        started = _run_and_kill(url, kill_after_rows=seen + 2 * BATCH, delay_s=delay_s)
+        committed = reader.committed_rows()
+        assert committed % BATCH == 0  # each append is one commit: never a partial batch
+        assert started <= committed <= started + BATCH
+        got = reader.read_new()
+        assert_rows(got, seen, committed)  # every visible row is complete and as written
+        seen = committed
+    writer = TrajectoryWriter(url, 0)
+    assert writer.committed_rows() == seen
+    writer.append([make_row(i) for i in range(seen, seen + 5)])
+    assert_rows(reader.read_new(), seen, seen + 5)
+    assert_rows(TrajectoryReader(url).read_new(), 0, seen + 5)
+
+
+# ------------------------------------------------------------------ param store
+
+
+def _params(mesh: jax.sharding.Mesh, scale: float = 1.0) -> dict:
+    data = NamedSharding(mesh, P("data"))
+    rep = NamedSharding(mesh, P())
+    w = jnp.arange(16 * 8, dtype=jnp.float32).reshape(16, 8) * scale / 7.0
+    return {
+        "w": jax.device_put(w, data),
+        "block": {"b": jax.device_put(jnp.linspace(-1, 1, 8, dtype=jnp.float32) * scale, data)},
+        "count": jax.device_put(jnp.arange(3, dtype=jnp.int32), rep),
+    }
+
+
+@pytest.fixture(scope="module")
+def meshes() -> tuple[jax.sharding.Mesh, jax.sharding.Mesh]:
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 (fake CPU) devices")
+    trainer = make_mesh(MeshConfig(data=8))
+    searcher = jax.make_mesh((2, 4), ("x", "y"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    return trainer, searcher
+
+
+def test_publish_and_restore_into_another_mesh(tmp_path: Path, meshes) -> None:
+    trainer, searcher = meshes
+    url = param_store_url(tmp_path)
+    reader = ParamReader(url, "searcher-0")
+    assert reader.latest_version() is None and reader.versions() == []
+    with ParamPublisher(url, "run-a", dtype="float32", keep=5) as pub:
+        versions = [pub.publish(_params(trainer, scale=v), step=10 * v) for v in (1, 2, 3)]
+    assert versions == [1, 2, 3]
+    latest = reader.latest()
+    assert (latest.version, latest.run_id, latest.step, latest.dtype) == (3, "run-a", 30, "float32")
+    assert reader.versions() == [1, 2, 3]
+
+    expected = jax.tree.map(np.asarray, _params(trainer, scale=3))
+    target = jax.eval_shape(lambda: _params(trainer))
+    split = {
+        "w": NamedSharding(searcher, P("x", "y")),
+        "block": {"b": NamedSharding(searcher, P("y"))},
+        "count": NamedSharding(searcher, P()),
+    }
+    for shardings in (split, NamedSharding(searcher, P())):
+        got = reader.restore(3, target, shardings)
+        jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), got, expected)
+        assert got["w"].sharding == (split["w"] if shardings is split else shardings)
+        assert got["count"].dtype == jnp.int32
+    assert reader.restore(1, target, NamedSharding(searcher, P()))["w"][1, 0] == pytest.approx(8 / 7.0)
+    assert not (tmp_path / "params" / "readers" / "searcher-0.json").exists()  # lease released
+
+
+def test_bf16_publish_casts_floats_only(tmp_path: Path, meshes) -> None:
+    trainer, searcher = meshes
+    url = param_store_url(tmp_path)
+    params = _params(trainer, scale=1.3)
+    with ParamPublisher(url, "run-b", dtype="bfloat16") as pub:
+        pub.publish(params)
+    reader = ParamReader(url, "s")
+    assert reader.latest().dtype == "bfloat16"
+    rep = NamedSharding(searcher, P())
+    as_stored = reader.restore(1, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params), rep)
+    f32_target = jax.eval_shape(lambda: params)
+    np.testing.assert_array_equal(
+        np.asarray(as_stored["w"], np.float32), np.asarray(params["w"].astype(jnp.bfloat16), np.float32)
+    )
+    bf16_target = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16 if x.dtype == jnp.float32 else x.dtype), f32_target
+    )
+    got = reader.restore(1, bf16_target, rep)
+    assert got["w"].dtype == jnp.bfloat16 and got["count"].dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(got["w"]), np.asarray(params["w"].astype(jnp.bfloat16)))
+    np.testing.assert_array_equal(np.asarray(got["count"]), [0, 1, 2])
+
+
+def test_versions_monotone_across_restarts_and_incomplete_versions(tmp_path: Path, meshes) -> None:
+    trainer, searcher = meshes
+    url = param_store_url(tmp_path)
+    with ParamPublisher(url, "run-c", dtype=None, keep=10) as pub:
+        for _ in range(3):
+            pub.publish(_params(trainer))
+    # A trainer that crashed mid-save left an incomplete version 4 (no commit marker) and an
+    # orbax temp dir for version 6.
+    shutil.copytree(tmp_path / "params" / "3", tmp_path / "params" / "4")
+    (tmp_path / "params" / "4" / "commit_success.txt").unlink()
+    (tmp_path / "params" / "6.orbax-checkpoint-tmp").mkdir()
+    reader = ParamReader(url, "s", run_id="run-c")
+    assert reader.latest_version() == 3 and reader.versions() == [1, 2, 3]
+    target = jax.eval_shape(lambda: _params(trainer))
+    with pytest.raises(ParamVersionError, match=r"version 4 is not available .* complete versions are \[1, 2, 3\]"):
+        reader.restore(4, target, NamedSharding(searcher, P()))
+    # The restarted trainer continues above everything on disk; its first publish cleans up.
+    with pytest.raises(ParamStoreError, match="holds params of run 'run-c', not 'run-x'"):
+        ParamPublisher(url, "run-x")
+    with ParamPublisher(url, "run-c", dtype=None, keep=2) as restarted:
+        assert restarted.latest_version() == 3 and restarted.next_version == 7
+        assert restarted.publish(_params(trainer, scale=7)) == 7
+    assert reader.latest_version() == 7 and reader.versions() == [3, 7]
+    assert sorted(p.name for p in (tmp_path / "params").iterdir()) == ["3", "7", "latest.json"]
+    np.testing.assert_array_equal(
+        np.asarray(reader.restore(7, target, NamedSharding(searcher, P()))["w"]),
+        np.asarray(_params(trainer, scale=7)["w"]),
+    )
+    with pytest.raises(ParamStoreError, match="expected 'other'"):
+        ParamReader(url, "s", run_id="other").latest_version()
+
+
+def test_gc_keeps_last_n_and_leased_versions(tmp_path: Path, meshes) -> None:
+    trainer, _ = meshes
+    url = param_store_url(tmp_path)
+    reader = ParamReader(url, "searcher-1")
+    pub = ParamPublisher(url, "run-d", dtype="bfloat16", keep=2, lease_timeout_s=60)
+    pub.publish(_params(trainer))
+    with reader.lease(1):
+        for _ in range(4):
+            pub.publish(_params(trainer))
+        assert pub.leased_versions() == {1}
+        assert reader.versions() == [1, 4, 5]  # 1 survives while leased; 2 and 3 are gone
+    assert pub.gc() == [1]
+    assert reader.versions() == [4, 5]
+    # A lease left behind by a dead searcher expires.
+    (tmp_path / "params" / "readers" / "dead.json").write_text(json.dumps({"version": 4, "time": time.time() - 3600}))
+    pub.publish(_params(trainer))
+    pub.publish(_params(trainer))
+    assert reader.versions() == [6, 7]
+    pub.close()
+
+
+def test_async_publish_and_bad_input(tmp_path: Path, meshes) -> None:
+    trainer, searcher = meshes
+    url = param_store_url(tmp_path)
+    reader = ParamReader(url, "s")
+    target = jax.eval_shape(lambda: _params(trainer))
+    with pytest.raises(ParamVersionError, match="no params have been published"):
+        reader.restore(1, target, NamedSharding(searcher, P()))
+    pub = ParamPublisher(url, "run-e", dtype="float32")
+    params = _params(trainer, scale=2)
+    assert pub.publish(params, wait=False) == 1
+    jax.tree.map(lambda x: x.delete(), params)  # orbax copied to host: the trainer may donate
+    pub.wait()
+    assert reader.latest_version() == 1
+    with pytest.raises(ParamVersionError, match=r"version 9 is not available .* complete versions are \[1\]"):
+        reader.restore(9, target, NamedSharding(searcher, P()))
+    with pytest.raises(ValueError, match="no sharding for target leaf"):
+        reader.restore(1, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), target))
+    with pytest.raises(TypeError, match=r"param leaf \['lr'\] is a float"):
+        pub.publish({"lr": 0.1})
+    with pytest.raises(ValueError, match="publish dtype must be one of"):
+        ParamPublisher(url, "run-e", dtype="int8")
+    (tmp_path / "params" / "latest.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        reader.latest_version()
+    pub.close()
+
+
+def test_model_params_round_trip_through_store(tmp_path: Path, meshes) -> None:
+    """The searcher flow: nnx params -> pure dict -> publish -> restore into another mesh -> model."""
+    from flax import nnx
+
+    from tbajax.models import CausalLM, ModelConfig
+    from tbajax.sharding import param_shardings
+
+    _, searcher = meshes
+    cfg = ModelConfig(
+        model_type="llama", vocab_size=101, hidden_size=32, intermediate_size=48, num_layers=2,
+        num_heads=4, num_kv_heads=2, head_dim=8,
+    )
+    # Abstract model (no random-init compiles), filled with known values: the "trained" params.
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0))), nnx.Param)
+    rng = np.random.default_rng(0)
+    trained = jax.tree.map(
+        lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype), nnx.to_pure_dict(abstract)
+    )
+    url = param_store_url(tmp_path)
+    with ParamPublisher(url, "run-f", dtype=None) as pub:
+        pub.publish(trained)
+
+    mesh = make_mesh(MeshConfig(data=2, tensor=4))
+    shardings = nnx.to_pure_dict(param_shardings(abstract, mesh))
+    loaded = ParamReader(url, "s").restore(1, nnx.to_pure_dict(abstract), shardings)
+    jax.tree.map(lambda x, s: (x.sharding == s) or pytest.fail(f"{x.sharding} != {s}"), loaded, shardings)
+    nnx.replace_by_pure_dict(abstract, loaded)
+    model = nnx.merge(graphdef, abstract)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+        nnx.to_pure_dict(nnx.state(model, nnx.Param)),
+        trained,
+    )
