@@ -1,0 +1,324 @@
+"""The experiment configuration: one tree of frozen dataclasses, overridable from the command line.
+
+`--set section.field=value` (repeatable) replaces any leaf; values are parsed as JSON when they
+look like JSON (numbers, true/false/null, lists) and checked against the field's type. A key that
+does not exist is an error that lists the valid keys (with the closest match), never ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+from tbajax.buffer import BufferConfig
+from tbajax.sampling.config import SamplingConfig
+from tbajax.sharding import MeshConfig
+from tbajax.training.config import TrainerConfig
+
+
+class ConfigError(ValueError):
+    """A configuration key or value is invalid."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """checkpoint: local HF directory or hub id (downloaded only when online).
+    tokenizer: same forms; None = the checkpoint's own tokenizer files."""
+
+    checkpoint: str = ""
+    tokenizer: str | None = None
+    param_dtype: str = "float32"
+    dtype: str = "float32"
+    remat: Literal["none", "full", "dots"] = "none"
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskSpec:
+    """name: a registered task (tbajax.tasks) or `path/to/file.py:factory` for a user task.
+    options: keyword arguments of the task's factory (e.g. data_path, digits)."""
+
+    name: str = "arithmetic"
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    chat_template: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSpec:
+    """What each searcher does per generation call.
+
+    prompts_per_call: prompts sampled together in one batched `Sampler.sample`.
+    sampling.num_samples: K' samples generated per prompt (>= train.samples_per_group).
+    reward_workers: 0 scores in-process (fine for cheap graders); > 0 uses a killable pool.
+    """
+
+    prompts_per_call: int = 8
+    sampling: SamplingConfig = SamplingConfig()
+    max_prompt_tokens: int = 256
+    reward_workers: int = 0
+    reward_timeout_s: float = 10.0
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSpec:
+    """steps: trainer updates. groups_per_step: prompts per batch (B / K).
+    objective: a registered objective name (tbajax.objectives) or `path/to/file.py:function`.
+    min_groups_to_start: the trainer waits until the buffer can give this many groups."""
+
+    steps: int = 100
+    groups_per_step: int = 8
+    objective: str = "tb"
+    objective_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    trainer: TrainerConfig = TrainerConfig()
+    score_stop_token: bool = True
+    checkpoint_every: int = 50
+    keep_checkpoints: int = 2
+    log_every: int = 1
+    min_groups_to_start: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class SystemSpec:
+    """How the roles run.
+
+    mode: "async" = trainer and searchers as separate processes that never wait for each other;
+      "sync" = one process alternates generate-then-train on the current params (on-policy).
+    sync_every: k, publish params (and start a new "recent" window) every k trainer steps.
+    searcher_mesh / trainer_mesh: each process's own mesh over its own devices.
+    devices: "shared" = every process sees all local devices (on one GPU each takes
+      `memory_fraction`); "split" = the launcher gives the trainer `trainer_devices` GPUs and each
+      searcher `devices_per_searcher` GPUs (CUDA_VISIBLE_DEVICES).
+    """
+
+    mode: Literal["async", "sync"] = "async"
+    num_searchers: int = 1
+    sync_every: int = 1
+    publish_dtype: Literal["float32", "bfloat16"] = "float32"
+    keep_param_versions: int = 3
+    trainer_mesh: MeshConfig = MeshConfig()
+    searcher_mesh: MeshConfig = MeshConfig()
+    devices: Literal["shared", "split"] = "shared"
+    trainer_devices: int = 1
+    devices_per_searcher: int = 1
+    memory_fraction: float | None = None
+    max_searcher_restarts: int = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSpec:
+    """Greedy held-out accuracy, run by the trainer every `every` steps (0 = start and end only)."""
+
+    every: int = 0
+    num_problems: int = 200
+    max_new_tokens: int | None = None  # None = rollout.sampling.max_new_tokens
+    batch_size: int = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentConfig:
+    name: str
+    description: str = ""
+    seed: int = 0
+    model: ModelSpec = ModelSpec()
+    task: TaskSpec = TaskSpec()
+    rollout: RolloutSpec = RolloutSpec()
+    train: TrainSpec = TrainSpec()
+    buffer: BufferConfig = BufferConfig()
+    system: SystemSpec = SystemSpec()
+    eval: EvalSpec = EvalSpec()
+
+    def __post_init__(self) -> None:
+        k = self.buffer.samples_per_group
+        if self.rollout.sampling.num_samples < k:
+            raise ConfigError(
+                f"rollout.sampling.num_samples={self.rollout.sampling.num_samples} samples per prompt "
+                f"cannot fill groups of buffer.samples_per_group={k}"
+            )
+        t_sample, t_train = self.rollout.sampling.temperature, self.train.trainer.temperature
+        if t_sample > 0 and t_sample != t_train:
+            raise ConfigError(
+                f"train.trainer.temperature={t_train} must equal rollout.sampling.temperature={t_sample}: "
+                "TBA scores trajectories under the distribution they were sampled from"
+            )
+        if self.system.sync_every < 1 or self.system.num_searchers < 1:
+            raise ConfigError("system.sync_every and system.num_searchers must be >= 1")
+        if self.train.groups_per_step < 1 or self.train.steps < 1:
+            raise ConfigError("train.steps and train.groups_per_step must be >= 1")
+        if (self.train.groups_per_step * k) % self.train.trainer.num_microbatches:
+            raise ConfigError(
+                f"{self.train.groups_per_step} groups x K={k} rows do not split into "
+                f"train.trainer.num_microbatches={self.train.trainer.num_microbatches} equal micro-batches"
+            )
+
+    # ------------------------------------------------------------------ (de)serialisation
+
+    def to_dict(self) -> dict[str, Any]:
+        return to_jsonable(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "ExperimentConfig":
+        return from_jsonable(cls, d, "")
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+
+# ---------------------------------------------------------------------------- generic machinery
+
+
+def to_jsonable(x: Any) -> Any:
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return {f.name: to_jsonable(getattr(x, f.name)) for f in dataclasses.fields(x)}
+    if isinstance(x, Mapping):
+        return {str(k): to_jsonable(v) for k, v in x.items()}
+    if isinstance(x, (tuple, list)):
+        return [to_jsonable(v) for v in x]
+    return x
+
+
+def from_jsonable(tp: Any, value: Any, where: str) -> Any:
+    """Rebuild a value of type `tp` from JSON data, validating as it goes."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{where or 'config'}: expected a mapping, got {value!r}")
+        hints = typing.get_type_hints(tp)
+        names = [f.name for f in dataclasses.fields(tp)]
+        unknown = [k for k in value if k not in names]
+        if unknown:
+            raise ConfigError(_unknown_key_message(where, unknown[0], names))
+        kwargs = {k: from_jsonable(hints[k], v, _join(where, k)) for k, v in value.items()}
+        try:
+            return tp(**kwargs)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"{where or 'config'}: {e}") from None
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return from_jsonable(a, value, where)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{where}: {value!r} is not valid")
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{where}={value!r}; choose one of {list(args)}")
+        return value
+    if origin in (tuple, Sequence) or tp is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        inner = args[0] if args else Any
+        return tuple(from_jsonable(inner, v, where) for v in value)
+    if origin in (dict, Mapping) or tp in (dict, Mapping):
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, float) and value.is_integer())):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return int(value)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true or false, got {value!r}")
+        return value
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return value
+    return value
+
+
+def _join(where: str, key: str) -> str:
+    return f"{where}.{key}" if where else key
+
+
+def _unknown_key_message(where: str, key: str, names: Sequence[str]) -> str:
+    close = difflib.get_close_matches(key, names, n=1)
+    hint = f" Did you mean {_join(where, close[0])!r}?" if close else ""
+    return f"unknown config key {_join(where, key)!r}.{hint} Valid keys here: {', '.join(names)}"
+
+
+def parse_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        lowered = {"true": True, "false": False, "none": None, "null": None}
+        return lowered.get(text.strip().lower(), text)
+
+
+def apply_overrides(config: ExperimentConfig, overrides: Sequence[str]) -> ExperimentConfig:
+    """Apply `a.b.c=value` overrides (validated against the dataclass types)."""
+    data = config.to_dict()
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key=value (e.g. train.steps=100)")
+        key, text = item.split("=", 1)
+        parts = key.strip().split(".")
+        node: Any = data
+        tp: Any = ExperimentConfig
+        for i, part in enumerate(parts):
+            where = ".".join(parts[:i])
+            is_last = i == len(parts) - 1
+            if dataclasses.is_dataclass(tp):
+                names = [f.name for f in dataclasses.fields(tp)]
+                if part not in names:
+                    raise ConfigError(_unknown_key_message(where, part, names))
+                tp = _unwrap_optional(typing.get_type_hints(tp)[part])
+            elif isinstance(node, Mapping):
+                tp = Any  # free-form options dicts: any key
+            else:
+                raise ConfigError(f"{where} is a value, not a section; cannot set {key!r}")
+            if is_last:
+                node[part] = parse_value(text)
+            else:
+                if node.get(part) is None:
+                    node[part] = {}
+                node = node[part]
+    return ExperimentConfig.from_dict(data)
+
+
+def _unwrap_optional(tp: Any) -> Any:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        non_none = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(non_none) == 1:
+            return non_none[0]
+    return tp
+
+
+def describe_fields(tp: Any = ExperimentConfig, prefix: str = "") -> list[str]:
+    """Every settable key with its type, for --help."""
+    out = []
+    hints = typing.get_type_hints(tp)
+    for f in dataclasses.fields(tp):
+        t = _unwrap_optional(hints[f.name])
+        key = _join(prefix, f.name)
+        if dataclasses.is_dataclass(t):
+            out.extend(describe_fields(t, key))
+        else:
+            out.append(f"{key}: {_type_name(hints[f.name])}")
+    return out
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "None"
+    return getattr(tp, "__name__", str(tp).replace("typing.", ""))

@@ -1,0 +1,102 @@
+"""Run metrics: one JSONL line per record, the same scalars in TensorBoard, a PNG at the end."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+class MetricsWriter:
+    """Appends `{"step", "time", "role", **scalars}` to metrics.jsonl and to TensorBoard."""
+
+    def __init__(self, run_dir: str | Path, role: str, tensorboard: bool = True):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.role = role
+        self._tb = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard" / role), flush_secs=10)
+
+    def write(self, step: int, scalars: Mapping[str, Any]) -> dict[str, Any]:
+        clean = {k: _scalar(v) for k, v in scalars.items()}
+        record = {"step": int(step), "time": time.time(), "role": self.role, **clean}
+        with open(self.path, "a") as f:  # one short line per write: appends are atomic enough
+            f.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            for k, v in clean.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                    self._tb.add_scalar(k, v, int(step))
+        return record
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+
+
+def _scalar(v: Any) -> Any:
+    if isinstance(v, (np.generic, np.ndarray)) or hasattr(v, "item"):
+        v = np.asarray(v)
+        return v.item() if v.size == 1 else v.tolist()
+    return v
+
+
+def read_metrics(run_dir: str | Path, role: str | None = None) -> list[dict[str, Any]]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:  # a line cut by a crash mid-write: skip it
+            continue
+        if role is None or rec.get("role") == role:
+            out.append(rec)
+    return out
+
+
+def plot_learning_curve(run_dir: str | Path, out: str | Path | None = None) -> Path | None:
+    """Eval accuracy and training reward against wall time and trainer step, as one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(run_dir)
+    train = [r for r in records if r.get("role") == "trainer" and "reward_mean" in r]
+    evals = [r for r in records if "eval_accuracy" in r]
+    if not train and not evals:
+        return None
+    t0 = min(r["time"] for r in records)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    if evals:
+        axes[0].plot([r["step"] for r in evals], [r["eval_accuracy"] for r in evals], "o-", label="eval accuracy (greedy)")
+        axes[1].plot([(r["time"] - t0) / 60 for r in evals], [r["eval_accuracy"] for r in evals], "o-", label="eval accuracy")
+    if train:
+        steps = np.array([r["step"] for r in train])
+        reward = np.array([r["reward_mean"] for r in train], dtype=float)
+        window = max(1, len(reward) // 20)
+        smooth = np.convolve(reward, np.ones(window) / window, mode="valid")
+        axes[0].plot(steps[window - 1 :], smooth, label=f"train reward (mean of {window})")
+        axes[1].plot((np.array([r["time"] for r in train])[window - 1 :] - t0) / 60, smooth, label="train reward")
+    axes[0].set_xlabel("trainer step")
+    axes[1].set_xlabel("wall time (min)")
+    for ax in axes:
+        ax.set_ylim(0, 1.05)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right")
+    fig.suptitle(Path(run_dir).name)
+    fig.tight_layout()
+    out = Path(out or Path(run_dir) / "plots" / "learning_curve.png")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out

@@ -1,0 +1,253 @@
+"""The searcher: sample K completions per prompt with a (possibly stale) policy, score them,
+append them to its own trajectory store. It never waits for the trainer: before each generation
+call it loads the newest published params if there are newer ones, and otherwise carries on.
+
+`Rollouts` is the in-memory core (prompts -> scored `Trajectory` rows), shared verbatim by the
+asynchronous searcher process and the synchronous mode.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from tbajax.config import ExperimentConfig
+from tbajax.models import CausalLM, load_model
+from tbajax.sampling import Sampler, SampleOutput, SamplingConfig
+from tbajax.sharding import make_mesh
+from tbajax.stores import ParamReader, TrajectoryWriter, param_store_url, trajectory_store_url
+from tbajax.system import rundir
+from tbajax.system.metrics import MetricsWriter
+from tbajax.tasks.base import Problem, Task
+from tbajax.trajectory import RewardStatus, Trajectory
+
+log = logging.getLogger(__name__)
+
+
+def score_in_process(task: Task, completions: Sequence[str], answers: Sequence[Any]) -> list[tuple[float, RewardStatus]]:
+    """Score with the task's reward function in this process; an exception costs that sample an
+    ERROR status (reward 0), never the searcher."""
+    out = []
+    for text, answer in zip(completions, answers):
+        try:
+            reward, status = task.reward(text, answer)
+            out.append((float(reward), RewardStatus(status)))
+        except Exception as e:  # noqa: BLE001 - a user grader may raise anything
+            log.warning("reward function raised %s: %s", type(e).__name__, e)
+            out.append((0.0, RewardStatus.ERROR))
+    return out
+
+
+class Rollouts:
+    """Prompts in, scored trajectories out, with one Sampler and one tokenizer."""
+
+    def __init__(
+        self,
+        config: ExperimentConfig,
+        model: CausalLM,
+        tokenizer: Any,
+        task: Task,
+        *,
+        searcher_id: int = 0,
+        mesh: Any = None,
+        reward_pool: Any = None,
+    ):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.task = task
+        self.searcher_id = searcher_id
+        self.reward_pool = reward_pool
+        sampling = config.rollout.sampling
+        self.param_state = nnx.state(model, nnx.Param)  # shapes/shardings for param restores
+        self.sampler = Sampler(
+            model, mesh=mesh, max_cache_length=config.rollout.max_prompt_tokens + sampling.max_new_tokens
+        )
+        self._prompt_cache: dict[tuple[str, int], np.ndarray] = {}
+        self.stop_ids = set(
+            sampling.stop_token_ids if sampling.stop_token_ids is not None else model.config.eos_token_ids
+        )
+
+    def encode(self, problem: Problem, split: str = "train") -> np.ndarray:
+        key = (split, problem.id)
+        if key not in self._prompt_cache:
+            text = self.task.prompt(problem, self.tokenizer)
+            ids = self.tokenizer(text, add_special_tokens=not self.task.chat)["input_ids"]
+            if len(ids) > self.config.rollout.max_prompt_tokens:
+                raise ValueError(
+                    f"prompt of problem {problem.id} has {len(ids)} tokens, more than "
+                    f"rollout.max_prompt_tokens={self.config.rollout.max_prompt_tokens}; raise it"
+                )
+            self._prompt_cache[key] = np.asarray(ids, np.int32)
+        return self._prompt_cache[key]
+
+    def decode(self, tokens: np.ndarray) -> str:
+        """Completion text without its stop token."""
+        if len(tokens) and int(tokens[-1]) in self.stop_ids:
+            tokens = tokens[:-1]
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    def score(self, completions: Sequence[str], answers: Sequence[Any]) -> list[tuple[float, RewardStatus]]:
+        if self.reward_pool is not None:
+            return [(float(r), RewardStatus(s)) for r, s in self.reward_pool.score(self.task, list(zip(completions, answers)))]
+        return score_in_process(self.task, completions, answers)
+
+    def sample_and_score(
+        self, problems: Sequence[Problem], sampling: SamplingConfig, key: jax.Array, split: str = "train"
+    ) -> tuple[SampleOutput, list[np.ndarray], list[tuple[float, RewardStatus]]]:
+        """Sample `sampling.num_samples` completions per problem and grade each one."""
+        prompts = [self.encode(p, split) for p in problems]
+        out = self.sampler.sample(prompts, sampling, key)
+        answers = [problems[int(i)].answer for i in out.prompt_index]
+        texts = [self.decode(out.response(i)) for i in range(len(out))]
+        return out, prompts, self.score(texts, answers)
+
+    def generate(
+        self, problems: Sequence[Problem], key: jax.Array, *, version: int, first_group_id: int
+    ) -> list[Trajectory]:
+        """K' scored samples for each problem; rows of one problem share one group id."""
+        out, prompts, rewards = self.sample_and_score(problems, self.config.rollout.sampling, key)
+        now = time.time()
+        rows = []
+        for i, (reward, status) in enumerate(rewards):
+            pi = int(out.prompt_index[i])
+            resp = out.response(i)
+            rows.append(
+                Trajectory(
+                    prompt_id=problems[pi].id,
+                    group_id=first_group_id + pi,
+                    prompt_tokens=prompts[pi],
+                    response_tokens=np.asarray(resp, np.int32),
+                    behavior_logprobs=np.asarray(out.logprobs[i, : len(resp)], np.float32),
+                    reward=reward,
+                    reward_status=status,
+                    finished=bool(out.finished[i]),
+                    policy_version=version,
+                    searcher_id=self.searcher_id,
+                    wall_time=now,
+                )
+            )
+        return rows
+
+    def set_params(self, params: nnx.State) -> None:
+        self.sampler.update_params(params)
+
+
+class PromptStream:
+    """This searcher's shard of the training problems, reshuffled every epoch (deterministic)."""
+
+    def __init__(self, problems: Sequence[Problem], shard: int, num_shards: int, seed: int, start: int = 0):
+        self.problems = problems
+        self.indices = np.arange(shard, len(problems), num_shards)
+        if len(self.indices) == 0:
+            raise ValueError(f"searcher {shard} got no training problems ({len(problems)} problems, {num_shards} searchers)")
+        self.seed = seed
+        self.position = start
+
+    def take(self, n: int) -> list[Problem]:
+        out = []
+        for _ in range(n):
+            epoch, i = divmod(self.position, len(self.indices))
+            order = np.random.default_rng((self.seed, epoch)).permutation(self.indices)
+            out.append(self.problems[int(order[i])])
+            self.position += 1
+        return out
+
+
+def build_rollouts(config: ExperimentConfig, searcher_id: int, mesh: Any = None, model: CausalLM | None = None) -> Rollouts:
+    """Model, tokenizer, task and reward scoring of one searcher, from the config."""
+    from tbajax.system.assets import load_task, load_tokenizer_for
+
+    if model is None:
+        model = load_model(
+            config.model.checkpoint, mesh=mesh, param_dtype=config.model.param_dtype, dtype=config.model.dtype
+        )
+    task = load_task(config)
+    pool = None
+    if config.rollout.reward_workers > 0:
+        from tbajax.tasks.reward_pool import RewardPool
+
+        pool = RewardPool(config.rollout.reward_workers, config.rollout.reward_timeout_s)
+    return Rollouts(config, model, load_tokenizer_for(config), task, searcher_id=searcher_id, mesh=mesh, reward_pool=pool)
+
+
+def run_searcher(run_dir: Path, searcher_id: int, store_url: str | None = None) -> None:
+    """The searcher process: load newest params, generate, score, append; until told to stop."""
+    config = rundir.load_config(run_dir)
+    store = store_url or str(run_dir)
+    stop = rundir.StopFlag(run_dir)
+    mesh = make_mesh(config.system.searcher_mesh)
+    rollouts = build_rollouts(config, searcher_id, mesh)
+    writer = TrajectoryWriter(trajectory_store_url(store, searcher_id), searcher_id)
+    params_reader = ParamReader(param_store_url(store), f"searcher-{searcher_id}")
+    metrics = MetricsWriter(run_dir, f"searcher-{searcher_id}", tensorboard=False)
+    problems = rollouts.task.load("train")
+    committed = writer.committed_rows()
+    stream = PromptStream(problems, searcher_id, config.system.num_searchers, config.seed, start=committed)
+    version = 0
+    params_template = _ParamsTemplate(rollouts.param_state, mesh)
+    key = jax.random.fold_in(jax.random.PRNGKey(config.seed + 1000), searcher_id)
+    calls = tokens = samples = 0
+    t_start = time.time()
+    log.info("searcher %d: %d train problems in its shard, resuming after %d rows", searcher_id, len(stream.indices), committed)
+    while not stop():
+        latest = params_reader.latest_version()
+        if latest is not None and latest > version:
+            t0 = time.time()
+            restored = params_reader.restore(latest, params_template.values, params_template.shardings)
+            rollouts.set_params(params_template.to_state(restored))
+            log.info("searcher %d: loaded params version %d in %.2fs", searcher_id, latest, time.time() - t0)
+            version = latest
+        t0 = time.time()
+        batch = stream.take(config.rollout.prompts_per_call)
+        rows = rollouts.generate(
+            batch,
+            jax.random.fold_in(key, committed + calls),
+            version=version,
+            first_group_id=(searcher_id << 40) + writer.committed_rows(),
+        )
+        writer.append(rows)
+        calls += 1
+        samples += len(rows)
+        new_tokens = int(sum(len(r.response_tokens) for r in rows))
+        tokens += new_tokens
+        elapsed = time.time() - t0
+        rewards = np.array([r.reward for r in rows])
+        status = {
+            "version": version,
+            "calls": calls,
+            "samples": samples,
+            "tokens_per_s": new_tokens / max(elapsed, 1e-9),
+            "reward_mean": float(rewards.mean()),
+            "busy_s": time.time() - t_start,
+        }
+        rundir.write_status(run_dir, f"searcher-{searcher_id}", status)
+        metrics.write(writer.committed_rows(), {**status, "generate_s": elapsed,
+                                                "failed_grades": sum(r.reward_status >= RewardStatus.TIMEOUT for r in rows)})
+    metrics.close()
+    params_reader.close()
+    if rollouts.reward_pool is not None:
+        rollouts.reward_pool.close()
+    log.info("searcher %d: stopping after %d calls, %d samples", searcher_id, calls, samples)
+
+
+class _ParamsTemplate:
+    """What a restore needs: the pure-dict shapes/dtypes of our params and their shardings."""
+
+    def __init__(self, state: nnx.State, mesh: Any):
+        from tbajax.sharding import param_shardings
+
+        self.state = state
+        self.values = nnx.to_pure_dict(state)
+        self.shardings = nnx.to_pure_dict(param_shardings(state, mesh))
+
+    def to_state(self, restored: Any) -> nnx.State:
+        state = jax.tree.map(lambda x: x, self.state)
+        nnx.replace_by_pure_dict(state, restored)
+        return state

@@ -1,0 +1,297 @@
+"""The trainer: tail the searchers' stores into the replay buffer, train, publish every k steps.
+
+`Learner` is the in-memory core (groups of trajectories -> one update), shared verbatim by the
+asynchronous trainer process and the synchronous mode, so both train the same objective with
+the same code. `run_trainer` is the process: waiting for data, syncs, evaluation, checkpoints,
+resume, the final summary.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from tbajax.batch import collate
+from tbajax.buffer import BufferConfig, BufferEmptyError, ReplayBuffer, Tailer
+from tbajax.config import ExperimentConfig
+from tbajax.models import CausalLM, load_model
+from tbajax.objectives import get_objective
+from tbajax.objectives.validate import validate_batch
+from tbajax.sharding import make_mesh
+from tbajax.stores import ParamPublisher, TrajectoryReader, discover_searcher_stores, param_store_url
+from tbajax.system import rundir
+from tbajax.system.evaluation import Evaluator
+from tbajax.system.metrics import MetricsWriter, plot_learning_curve
+from tbajax.trajectory import Trajectory
+from tbajax.training import Checkpointer, Trainer
+
+log = logging.getLogger(__name__)
+
+
+def resolve_objective(name: str) -> Any:
+    """A registered name, 'package.module:fn', or 'path/to/file.py:fn' (a user's own file)."""
+    path, sep, attr = name.partition(".py:")
+    if sep:
+        file = Path(path + ".py")
+        if not file.exists():
+            raise FileNotFoundError(f"objective file {file} does not exist")
+        spec = importlib.util.spec_from_file_location(f"tbajax_user_objective_{file.stem}", file)
+        module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+        spec.loader.exec_module(module)  # type: ignore[union-attr]
+        if not hasattr(module, attr):
+            raise AttributeError(f"{file} has no function {attr!r}")
+        return get_objective(getattr(module, attr))
+    return get_objective(name)
+
+
+class Learner:
+    """Groups of trajectories in, one optimizer update out."""
+
+    def __init__(self, config: ExperimentConfig, model: CausalLM, mesh: Any = None):
+        self.config = config
+        self.objective = resolve_objective(config.train.objective)
+        objective_config = self.objective.make_config(dict(config.train.objective_options))
+        self.trainer = Trainer(model, config.train.trainer, self.objective, objective_config, mesh=mesh)
+        self.rows = config.train.groups_per_step * config.buffer.samples_per_group
+        self.tokens_trained = 0
+
+    @property
+    def step(self) -> int:
+        return self.trainer.updates_applied
+
+    def train_on(self, groups: Sequence[Sequence[Trajectory]], current_version: int) -> dict[str, float]:
+        t0 = time.time()
+        batch = collate(
+            groups,
+            beta=_beta_placeholder(self.config),
+            num_rows=self.rows,
+            score_stop_token=self.config.train.score_stop_token,
+        )
+        validate_batch(batch, self.objective)
+        metrics = self.trainer.step(batch)
+        rows = [t for g in groups for t in g]
+        per_searcher = np.bincount([t.searcher_id for t in rows], minlength=1)
+        rewards = np.array([t.reward for t in rows], np.float64)
+        lags = np.array([current_version - t.policy_version for t in rows])
+        tokens = int(np.asarray(batch.loss_mask).sum())
+        self.tokens_trained += tokens
+        metrics.update(
+            reward_mean=float(rewards.mean()),
+            reward_std_within_group=float(np.mean([np.std([t.reward for t in g]) for g in groups])),
+            response_length=float(np.mean([len(t.response_tokens) for t in rows])),
+            policy_lag_mean=float(lags.mean()),
+            policy_lag_max=float(lags.max()),
+            train_tokens=tokens,
+            **{f"rows_from_searcher_{i}": int(n) for i, n in enumerate(per_searcher)},
+            step_time_s=time.time() - t0,
+        )
+        return metrics
+
+
+def _beta_placeholder(config: ExperimentConfig) -> float:
+    """β written into the host batch; the trainer's β schedule replaces it inside the step."""
+    beta = config.train.trainer.beta
+    return beta.start if beta is not None else 0.0
+
+
+def make_buffer(config: ExperimentConfig) -> ReplayBuffer:
+    if config.system.mode == "sync":  # consume exactly the groups just generated, once
+        return ReplayBuffer(
+            BufferConfig(mode="fifo_once", async_level=0, samples_per_group=config.buffer.samples_per_group)
+        )
+    return ReplayBuffer(config.buffer)
+
+
+def run_trainer(run_dir: Path, *, resume: bool = False, store_url: str | None = None) -> dict[str, Any]:
+    """The trainer process. Returns the run summary (also written to summary.json)."""
+    config = rundir.load_config(run_dir)
+    store = store_url or str(run_dir)
+    stop = rundir.StopFlag(run_dir)
+    mesh = make_mesh(config.system.trainer_mesh)
+    model = load_model(config.model.checkpoint, mesh=mesh, param_dtype=config.model.param_dtype,
+                       dtype=config.model.dtype, remat=config.model.remat)
+    learner = Learner(config, model, mesh)
+    evaluator = Evaluator(config, learner.trainer.policy(), mesh)
+    buffer = make_buffer(config)
+    checkpoints = Checkpointer(run_dir / "checkpoints", max_to_keep=config.train.keep_checkpoints)
+    metrics = MetricsWriter(run_dir, "trainer")
+    run_id = _run_id(run_dir, resume)
+    publisher = ParamPublisher(param_store_url(store), run_id, dtype=config.system.publish_dtype,
+                               keep=config.system.keep_param_versions)
+    start_time = time.time()
+    summary_start: dict[str, Any] = {}
+    if resume and checkpoints.latest_step() is not None:
+        learner.trainer.state, extra = checkpoints.restore(learner.trainer.state)
+        buffer.load_state_dict(extra["buffer"])
+        summary_start = extra.get("summary_start", {})
+        start_time -= extra.get("elapsed_s", 0.0)
+        log.info("resumed at step %d (version %s)", learner.step, publisher.latest_version())
+    version = publisher.latest_version() or 0
+    source = (
+        InlineRollouts(config, run_dir, store, learner, mesh) if config.system.mode == "sync" else StoreTail(store)
+    )
+    if not summary_start:
+        acc = evaluator.run(learner.trainer.policy())
+        summary_start = {"eval_accuracy_start": acc["eval_accuracy"]}
+        metrics.write(learner.step, {**acc, "version": version, "elapsed_s": 0.0})
+        rundir.write_status(run_dir, "trainer", {"step": learner.step, "phase": "waiting for data", **acc})
+    last = {"eval_accuracy": summary_start["eval_accuracy_start"]}
+    waited = 0.0
+    while learner.step < config.train.steps and not stop():
+        source.fill(buffer, version)
+        try:
+            groups = buffer.sample(np.random.default_rng((config.seed, learner.step)),
+                                   config.train.groups_per_step, current_version=version)
+        except BufferEmptyError:
+            t0 = time.time()
+            time.sleep(0.05)
+            waited += time.time() - t0
+            rundir.write_status(run_dir, "trainer", {**last, "step": learner.step, "phase": "waiting for data",
+                                                     "buffer_rows": len(buffer)})
+            continue
+        step_metrics = learner.train_on(groups, version)
+        step = learner.step
+        if config.system.mode == "sync":  # on-policy: the params are handed over in memory
+            version = step
+            source.set_params(learner)
+        elif step % config.system.sync_every == 0:
+            version = publisher.publish(nnx.to_pure_dict(learner.trainer.state.params), step=step, wait=False)
+            buffer.mark_sync(version)
+        stats = buffer.stats(current_version=version)
+        record = {**step_metrics, "version": version, "buffer_rows": stats["num_rows"],
+                  "buffer_prompts": stats["num_prompts"], "buffer_recent_prompts": stats["num_recent_prompts"],
+                  "buffer_mean_staleness": stats["mean_staleness"], "trainer_wait_s": waited,
+                  "elapsed_s": time.time() - start_time}
+        if config.eval.every and step % config.eval.every == 0 and step < config.train.steps:
+            record.update(evaluator.run(learner.trainer.policy()))
+        if step % config.train.log_every == 0 or "eval_accuracy" in record:
+            metrics.write(step, record)
+        last = {k: record[k] for k in ("reward_mean", "eval_accuracy") if k in record} | {
+            "eval_accuracy": record.get("eval_accuracy", last.get("eval_accuracy"))}
+        rundir.write_status(run_dir, "trainer", {**last, "step": step, "phase": "training",
+                                                 "buffer_rows": record["buffer_rows"],
+                                                 "policy_lag": step_metrics["policy_lag_mean"]})
+        if step % config.train.checkpoint_every == 0:
+            _checkpoint(checkpoints, learner, buffer, summary_start, start_time)
+    publisher.wait()
+    final = evaluator.run(learner.trainer.policy())
+    _checkpoint(checkpoints, learner, buffer, summary_start, start_time, force=True)
+    checkpoints.wait()
+    if learner.step % config.system.sync_every:
+        version = publisher.publish(nnx.to_pure_dict(learner.trainer.state.params), step=learner.step)
+    publisher.close()
+    wall = time.time() - start_time
+    metrics.write(learner.step, {**final, "version": version, "elapsed_s": wall})
+    searchers = rundir.read_status(run_dir)
+    samples = sum(s.get("samples", 0) for k, s in searchers.items() if k.startswith("searcher"))
+    summary = {
+        "experiment": config.name,
+        "objective": config.train.objective,
+        "mode": config.system.mode,
+        **summary_start,
+        "eval_accuracy_end": final["eval_accuracy"],
+        "trainer_steps": learner.step,
+        "samples_generated": int(samples),
+        "tokens_trained": learner.tokens_trained,
+        "wall_time_s": wall,
+        "trainer_wait_s": waited,
+        "final_version": version,
+        "stopped_early": learner.step < config.train.steps,
+    }
+    rundir.write_json_atomic(run_dir / "summary.json", summary)
+    metrics.close()
+    source.close()
+    plot_learning_curve(run_dir)
+    rundir.write_status(run_dir, "trainer", {**last, **final, "step": learner.step, "phase": "done"})
+    return summary
+
+
+class StoreTail:
+    """Async data source: new rows from every searcher's store (searchers may appear late)."""
+
+    def __init__(self, store: str):
+        self.store = store
+        self.tailer = Tailer([])
+        self.known: set[int] = set()
+
+    def fill(self, buffer: ReplayBuffer, version: int) -> None:
+        for sid, url in discover_searcher_stores(self.store).items():
+            if sid not in self.known:
+                self.known.add(sid)
+                self.tailer.add_source(TrajectoryReader(url))
+        self.tailer.poll(buffer)
+
+    def close(self) -> None:
+        pass
+
+
+class InlineRollouts:
+    """Sync data source: generate one batch with the current params in this process, then train.
+
+    The same `Rollouts` the searcher process uses; rows are also written to a trajectory store
+    so a sync run's data is as durable and inspectable as an async one's."""
+
+    def __init__(self, config: ExperimentConfig, run_dir: Path, store: str, learner: Learner, mesh: Any):
+        from tbajax.stores import TrajectoryWriter, trajectory_store_url
+        from tbajax.system.searcher import PromptStream, build_rollouts
+
+        self.config = config
+        self.run_dir = run_dir
+        self.rollouts = build_rollouts(config, 0, mesh, model=learner.trainer.policy())
+        self.writer = TrajectoryWriter(trajectory_store_url(store, 0), 0)
+        self.stream = PromptStream(self.rollouts.task.load("train"), 0, 1, config.seed, start=self.writer.committed_rows())
+        self.key = jax.random.PRNGKey(config.seed + 1000)
+        self.samples = 0
+        self.generate_s = 0.0
+
+    def fill(self, buffer: ReplayBuffer, version: int) -> None:
+        t0 = time.time()
+        rows = self.rollouts.generate(
+            self.stream.take(self.config.train.groups_per_step),
+            jax.random.fold_in(self.key, self.writer.committed_rows()),
+            version=version,
+            first_group_id=self.writer.committed_rows(),
+        )
+        self.writer.append(rows)
+        buffer.add(rows)
+        self.samples += len(rows)
+        self.generate_s += time.time() - t0
+        rundir.write_status(self.run_dir, "searcher-0", {"samples": self.samples, "busy_s": self.generate_s,
+                                                         "version": version})
+
+    def set_params(self, learner: Learner) -> None:
+        self.rollouts.set_params(learner.trainer.state.params)
+
+    def close(self) -> None:
+        if self.rollouts.reward_pool is not None:
+            self.rollouts.reward_pool.close()
+
+
+def _checkpoint(checkpoints: Checkpointer, learner: Learner, buffer: ReplayBuffer,
+                summary_start: dict[str, Any], start_time: float, force: bool = False) -> None:
+    checkpoints.save(
+        learner.trainer.state,
+        {"buffer": buffer.state_dict(), "summary_start": summary_start, "elapsed_s": time.time() - start_time},
+        force=force,
+    )
+
+
+def _run_id(run_dir: Path, resume: bool) -> str:
+    """A run id that survives trainer restarts (stored beside the config)."""
+    path = run_dir / "run_id"
+    if path.exists():
+        return path.read_text().strip()
+    if resume:
+        log.warning("no run_id file in %s; starting a new param-version lineage", run_dir)
+    run_id = uuid.uuid4().hex[:12]
+    path.write_text(run_id)
+    return run_id

@@ -1,0 +1,65 @@
+"""Experiment configs: overrides are typed and validated, unknown keys are errors, JSON round trips."""
+
+import json
+
+import pytest
+
+from tbajax.config import ConfigError, ExperimentConfig, apply_overrides, describe_fields
+from tbajax.main import list_experiments, load_experiment
+
+
+def test_every_shipped_experiment_resolves_and_round_trips():
+    names = list_experiments()
+    assert "tiny_arithmetic" in names
+    for name in names:
+        cfg = load_experiment(name)
+        assert ExperimentConfig.from_dict(json.loads(cfg.to_json())) == cfg
+
+
+def test_overrides_are_typed():
+    cfg = load_experiment("tiny_arithmetic")
+    out = apply_overrides(
+        cfg,
+        [
+            "train.steps=7",
+            "train.trainer.optimizer.lr.peak=3e-4",
+            "train.objective=dr_grpo",
+            "system.mode=sync",
+            "rollout.sampling.stop_token_ids=[2, 5]",
+            "task.options.digits=2",
+            "train.trainer.optimizer.max_grad_norm=null",
+        ],
+    )
+    assert out.train.steps == 7 and isinstance(out.train.steps, int)
+    assert out.train.trainer.optimizer.lr.peak == 3e-4
+    assert out.train.objective == "dr_grpo" and out.system.mode == "sync"
+    assert out.rollout.sampling.stop_token_ids == (2, 5)
+    assert out.task.options == {"digits": 2}
+    assert out.train.trainer.optimizer.max_grad_norm is None
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.stpes=3", r"unknown config key 'train.stpes'.*Did you mean 'train.steps'"),
+        ("train.steps=three", "expected an integer"),
+        ("system.mode=fast", r"choose one of \['async', 'sync'\]"),
+        ("rollout.sampling.temperature=-1", "temperature must be >= 0"),
+        ("train.steps", "not of the form key=value"),
+        ("buffer.samples_per_group=16", "cannot fill groups"),
+    ],
+)
+def test_bad_overrides_are_clear_errors(override, message):
+    with pytest.raises(ConfigError, match=message):
+        apply_overrides(load_experiment("tiny_arithmetic"), [override])
+
+
+def test_help_lists_fields():
+    fields = describe_fields()
+    assert "train.trainer.optimizer.lr.peak: float" in fields
+    assert any(f.startswith("system.mode: 'async' | 'sync'") for f in fields)
+
+
+def test_unknown_experiment():
+    with pytest.raises(ConfigError, match="unknown experiment 'nope'; available: .*tiny_arithmetic"):
+        load_experiment("nope")
