@@ -1,0 +1,320 @@
+"""Trainer-step tokens/s: tbajax's jitted TB step vs torch transformers + torch.optim.AdamW.
+
+    python experiments/benchmarks/train_step.py [--quick] [--json PATH] [--precision fp32|bf16]
+
+One step = reference forward (no grad) + policy forward + VarGrad TB loss + backward + AdamW,
+on the same Llama-style checkpoint and the same batch (groups of K = 4) on both sides. Each
+side runs in its own process so that its peak RSS is its own; compile (tbajax) and first-step
+(torch) times are reported apart from the steady state, and the step is split into phases
+(reference forward / policy forward + backward / optimizer) to show where the time goes.
+The first-step loss and gradient norm of both sides are printed too: same weights, same batch,
+so they must agree (a parity check of the whole loss and backward pass).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(ROOT)]
+
+import numpy as np  # noqa: E402
+from common import machine, make_llama_checkpoint, peak_rss_mb, print_table, write_json  # noqa: E402
+
+GROUP = 4  # K samples per prompt
+PROMPT = 16  # prompt tokens per row (the rest of the row is the scored response)
+TEMPERATURE = 0.7
+BETA = 0.05
+LR = 1e-5
+
+
+def make_batch(rows: int, seq: int, vocab: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """Full rows (no padding): a prompt shared by each group of K, then a random response."""
+    r = np.random.default_rng(seed)
+    tokens = r.integers(3, vocab, (rows, seq)).astype(np.int32)
+    for g in range(rows // GROUP):
+        tokens[g * GROUP : (g + 1) * GROUP, :PROMPT] = tokens[g * GROUP, :PROMPT]
+    loss_mask = np.zeros((rows, seq), bool)
+    loss_mask[:, PROMPT:] = True
+    return {
+        "tokens": tokens,
+        "attention_mask": np.ones((rows, seq), bool),
+        "loss_mask": loss_mask,
+        "reward": r.integers(0, 2, rows).astype(np.float32),
+        "group_id": (np.arange(rows) // GROUP).astype(np.int32),
+    }
+
+
+def steady(fn, repeats: int) -> tuple[float, list[float]]:
+    """(median seconds, all timings) of `repeats` calls of fn (which must block)."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times)), times
+
+
+# ----------------------------------------------------------------------------- tbajax side
+
+
+def run_jax(ckpt: str, rows: int, seq: int, repeats: int, precision: str) -> dict[str, Any]:
+    import jax
+
+    from tbajax.batch import Batch
+    from tbajax.models import load_model
+    from tbajax.training import (
+        LRSchedule,
+        OptimizerConfig,
+        TrainerConfig,
+        accumulate_gradients,
+        init_train_state,
+        make_train_step,
+        sequence_logprobs,
+    )
+    from tbajax.training.step import resolve_objective
+
+    model = load_model(ckpt)
+    config = TrainerConfig(
+        optimizer=OptimizerConfig(lr=LRSchedule(peak=LR)),
+        temperature=TEMPERATURE,
+        compute_dtype="float32" if precision == "fp32" else "bfloat16",
+    )
+    graphdef, state = init_train_state(model, config)
+    del model
+    b = make_batch(rows, seq, _vocab(ckpt))
+    zeros = np.zeros((rows, seq), np.float32)
+    batch = jax.device_put(
+        Batch(
+            tokens=b["tokens"], attention_mask=b["attention_mask"], loss_mask=b["loss_mask"],
+            behavior_logprobs=zeros, reference_logprobs=zeros, reward=b["reward"],
+            group_id=b["group_id"], sample_mask=np.ones(rows, bool),
+            policy_version=np.zeros(rows, np.int32), beta=np.float32(BETA),
+        )
+    )
+    step = make_train_step(graphdef, config, "tb")
+    t0 = time.perf_counter()
+    compiled = step.lower(state, batch).compile()
+    compile_s = time.perf_counter() - t0
+    cost = compiled.cost_analysis() or {}
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost  # a list in older jax
+    flops = float(cost.get("flops", float("nan")))
+    t0 = time.perf_counter()
+    state, out = compiled(state, batch)
+    first_loss, first_grad_norm = float(out.metrics["loss"]), float(out.metrics["grad_norm"])
+    first_s = time.perf_counter() - t0
+
+    objective, obj_config = resolve_objective("tb")
+    fwd = jax.jit(lambda p, bb: sequence_logprobs(graphdef, p, bb, TEMPERATURE).sum())
+    fwd = fwd.lower(state.params, batch).compile()
+    grad = jax.jit(
+        lambda p, r, bb: accumulate_gradients(
+            p, r, bb, graphdef=graphdef, objective=objective, objective_config=obj_config, config=config
+        )[:2]
+    ).lower(state.params, state.ref_params, batch).compile()
+
+    # rounds interleave the three measurements, so load drift on a shared machine hits all alike
+    times, fwd_t, grad_t = [], [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fwd(state.params, batch).block_until_ready()
+        t1 = time.perf_counter()
+        jax.block_until_ready(grad(state.params, state.ref_params, batch))
+        t2 = time.perf_counter()
+        state, o = compiled(state, batch)  # donates the old state
+        o.metrics["loss"].block_until_ready()
+        t3 = time.perf_counter()
+        fwd_t.append(t1 - t0)
+        grad_t.append(t2 - t1)
+        times.append(t3 - t2)
+    step_s, fwd_s, grad_s = (float(np.median(x)) for x in (times, fwd_t, grad_t))
+    return {
+        "compile_s": compile_s,
+        "first_step_s": first_s,
+        "step_s": step_s,
+        "step_times": times,
+        "first_loss": first_loss,
+        "first_grad_norm": first_grad_norm,
+        "phase_ref_fwd_s": fwd_s,
+        "phase_policy_fwd_bwd_s": grad_s - fwd_s,
+        "phase_optimizer_s": step_s - grad_s,
+        "xla_flops": flops,
+        "peak_rss_mb": peak_rss_mb(),
+        "threads": os.cpu_count(),
+        "version": jax.__version__,
+    }
+
+
+# ----------------------------------------------------------------------------- torch side
+
+
+def run_torch(ckpt: str, rows: int, seq: int, repeats: int, precision: str) -> dict[str, Any]:
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, attn_implementation="sdpa")
+    model.train()
+    ref = copy.deepcopy(model).eval().requires_grad_(False)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    b = {k: torch.from_numpy(v) for k, v in make_batch(rows, seq, _vocab(ckpt)).items()}
+    tokens, attn = b["tokens"].long(), b["attention_mask"].long()
+    mask = b["loss_mask"][:, 1:].float()
+    gid = b["group_id"].long()
+    n_groups = int(gid.max()) + 1
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
+
+    def seq_logprob(m: torch.nn.Module) -> torch.Tensor:
+        with autocast:
+            logits = m(input_ids=tokens, attention_mask=attn).logits
+        lp = torch.log_softmax(logits[:, :-1].float() / TEMPERATURE, dim=-1)
+        picked = lp.gather(-1, tokens[:, 1:, None])[..., 0]
+        return (picked * mask).sum(-1)
+
+    def vargrad_tb(s: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        delta = s - r - b["reward"] / BETA
+        count = torch.zeros(n_groups).index_add_(0, gid, torch.ones_like(delta))
+        mean = torch.zeros(n_groups).index_add_(0, gid, delta.detach()) / count
+        per_group = torch.zeros(n_groups).index_add_(0, gid, (delta - mean[gid]) ** 2) / count
+        return per_group.mean()
+
+    phases = {"ref": [], "fwd_bwd": [], "opt": []}
+    grad_norms: list[float] = []
+
+    def one_step() -> float:
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            r = seq_logprob(ref)
+        t1 = time.perf_counter()
+        loss = vargrad_tb(seq_logprob(model), r)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        t2 = time.perf_counter()
+        if not grad_norms:  # parity check only: not timed as part of any phase
+            squares = sum((q.grad.double() ** 2).sum() for q in model.parameters())
+            grad_norms.append(float(torch.sqrt(squares)))
+            t2 = time.perf_counter()
+        opt.step()
+        t3 = time.perf_counter()
+        for k, v in zip(phases, (t1 - t0, t2 - t1, t3 - t2)):
+            phases[k].append(v)
+        return float(loss)
+
+    t0 = time.perf_counter()
+    first_loss = one_step()
+    first_s = time.perf_counter() - t0
+    for v in phases.values():
+        v.clear()
+    step_s, times = steady(one_step, repeats)
+    return {
+        "compile_s": 0.0,
+        "first_step_s": first_s,
+        "step_s": step_s,
+        "step_times": times,
+        "first_loss": first_loss,
+        "first_grad_norm": grad_norms[0],
+        "phase_ref_fwd_s": float(np.median(phases["ref"])),
+        "phase_policy_fwd_bwd_s": float(np.median(phases["fwd_bwd"])),
+        "phase_optimizer_s": float(np.median(phases["opt"])),
+        "peak_rss_mb": peak_rss_mb(),
+        "threads": torch.get_num_threads(),
+        "version": torch.__version__,
+    }
+
+
+def _vocab(ckpt: str | Path) -> int:
+    return int(json.loads((Path(ckpt) / "config.json").read_text())["vocab_size"])
+
+
+def worker(args: argparse.Namespace) -> None:
+    fn = run_jax if args.worker == "jax" else run_torch
+    result = fn(args.ckpt, args.rows, args.seq, args.repeats, args.precision)
+    print("RESULT " + json.dumps(result))
+
+
+def spawn(side: str, ckpt: Path, rows: int, seq: int, repeats: int, precision: str) -> dict[str, Any]:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), TRANSFORMERS_VERBOSITY="error")
+    env.pop("XLA_FLAGS", None)  # one real CPU device, no fake-device splitting
+    cmd = [sys.executable, __file__, "--worker", side, "--ckpt", str(ckpt), "--rows", str(rows),
+           "--seq", str(seq), "--repeats", str(repeats), "--precision", precision]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        raise RuntimeError(f"{side} worker failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true",
+                    help="10M only, 8 x 128 tokens, 2 timed steps (< 1 min on an idle 2-core CPU)")
+    ap.add_argument("--json", help="write the figures to this path")
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                    help="fp32 everywhere, or bf16 compute (tbajax: fp32 master weights; torch: autocast)")
+    ap.add_argument("--worker", choices=("jax", "torch"), help=argparse.SUPPRESS)
+    ap.add_argument("--ckpt", help=argparse.SUPPRESS)
+    ap.add_argument("--rows", type=int, default=16, help=argparse.SUPPRESS)
+    ap.add_argument("--seq", type=int, default=128, help=argparse.SUPPRESS)
+    ap.add_argument("--repeats", type=int, default=5, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        worker(args)
+        return
+
+    cases = [("10M", 8, 128, 2)] if args.quick else [("10M", 16, 128, 5), ("50M", 16, 128, 5)]
+    rows, details = [], []
+    for size, n, seq, repeats in cases:
+        with tempfile.TemporaryDirectory(prefix=f"bench-train-{size}-") as d:
+            ckpt = make_llama_checkpoint(size, d)
+            params = _num_params(ckpt)
+            ours = spawn("jax", ckpt, n, seq, repeats, args.precision)
+            theirs = spawn("torch", ckpt, n, seq, repeats, args.precision)
+        tokens = n * seq
+        rows.append({
+            "size": size, "params_M": params / 1e6, "batch": f"{n}x{seq}",
+            "tbajax_tok_s": tokens / ours["step_s"], "torch_tok_s": tokens / theirs["step_s"],
+            "ratio": theirs["step_s"] / ours["step_s"],
+            "compile_s": ours["compile_s"], "torch_first_s": theirs["first_step_s"],
+            "tbajax_rss_MB": ours["peak_rss_mb"], "torch_rss_MB": theirs["peak_rss_mb"],
+        })
+        for side, r in (("tbajax", ours), ("torch", theirs)):
+            details.append({
+                "size": size, "side": side, "step_s": r["step_s"],
+                "ref_fwd_s": r["phase_ref_fwd_s"], "policy_fwd_bwd_s": r["phase_policy_fwd_bwd_s"],
+                "optimizer_s": r["phase_optimizer_s"], "first_loss": r["first_loss"],
+                "first_grad_norm": r["first_grad_norm"],
+                "GFLOP_s": ours["xla_flops"] / r["step_s"] / 1e9,
+            })
+        rows[-1]["_raw"] = {"tbajax": ours, "torch": theirs}
+
+    info = {**machine(), "load_avg": os.getloadavg()}
+    print(f"trainer step (ref fwd + policy fwd/bwd + AdamW), VarGrad TB, {args.precision}, "
+          f"{info['cpu_count']} CPU cores, load avg {info['load_avg'][0]:.1f}")
+    print_table(rows, ["size", "params_M", "batch", "tbajax_tok_s", "torch_tok_s", "ratio", "compile_s",
+                       "torch_first_s", "tbajax_rss_MB", "torch_rss_MB"])
+    print("ratio = tbajax tokens/s / torch tokens/s (>1: tbajax faster); rss = peak of each side's process")
+    print("\nwhere the time goes (median seconds per step; GFLOP/s = XLA's flop count of the step / time)")
+    print_table(details, ["size", "side", "step_s", "ref_fwd_s", "policy_fwd_bwd_s", "optimizer_s",
+                          "GFLOP_s", "first_loss", "first_grad_norm"])
+    write_json(args.json, {"benchmark": "train_step", "precision": args.precision, "machine": info,
+                           "rows": rows, "phases": details})
+
+
+def _num_params(ckpt: Path) -> int:
+    from tbajax.models import ModelConfig
+
+    return ModelConfig.from_hf(json.loads((ckpt / "config.json").read_text())).num_params()
+
+
+if __name__ == "__main__":
+    main()

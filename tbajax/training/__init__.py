@@ -1,0 +1,66 @@
+"""The trainer: a functional train state, one jitted sharded update, schedules, checkpoints.
+
+    graphdef, state = init_train_state(model, TrainerConfig(...), mesh)
+    step = make_train_step(graphdef, config, "tb", mesh=mesh, state_sharding=state_shardings(state, mesh))
+    update = int(state.step) + 1
+    state, out = step(state, batch)
+    metrics = raise_on_bad_step(out, update)  # NonFiniteLossError: the update was not applied
+
+`Trainer` wraps exactly that with the host-side checks; `Checkpointer` saves and restores states.
+"""
+
+from tbajax.training.checkpoint import Checkpointer
+from tbajax.training.config import BetaSchedule, LRSchedule, OptimizerConfig, TrainerConfig
+from tbajax.training.schedules import beta_at, learning_rate
+from tbajax.training.state import (
+    TrainState,
+    abstract_state,
+    abstract_train_state,
+    init_train_state,
+    make_optimizer,
+    reset_reference,
+    split_policy,
+    state_shardings,
+    update_key,
+)
+from tbajax.training.step import (
+    MicroBatchLayoutError,
+    NonFiniteLossError,
+    StepOutput,
+    Trainer,
+    accumulate_gradients,
+    batch_shardings,
+    make_train_step,
+    raise_on_bad_step,
+    sequence_logprobs,
+    train_step,
+)
+
+__all__ = [
+    "BetaSchedule",
+    "Checkpointer",
+    "LRSchedule",
+    "MicroBatchLayoutError",
+    "NonFiniteLossError",
+    "OptimizerConfig",
+    "StepOutput",
+    "TrainState",
+    "Trainer",
+    "TrainerConfig",
+    "abstract_state",
+    "abstract_train_state",
+    "accumulate_gradients",
+    "batch_shardings",
+    "beta_at",
+    "init_train_state",
+    "learning_rate",
+    "make_optimizer",
+    "make_train_step",
+    "raise_on_bad_step",
+    "reset_reference",
+    "sequence_logprobs",
+    "split_policy",
+    "state_shardings",
+    "train_step",
+    "update_key",
+]

@@ -1,0 +1,114 @@
+"""Trainer checkpoints with orbax: the whole `TrainState` plus a small JSON `extra` dict.
+
+One checkpoint per saved step under `directory/<step>/` with two items, `state` (params,
+optimizer state, reference params, step, PRNG key) and `extra` (e.g. the replay-buffer cursor).
+Saves are asynchronous: `save` returns once the arrays are copied off the device, and the
+files are committed in the background (a checkpoint is complete when orbax has written its
+`commit_success.txt`; incomplete ones are never listed). Only the newest `max_to_keep` are kept.
+Restore writes every array straight into the sharding of the target you pass, so a state saved
+on one mesh restores onto another.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+from tbajax.training.state import TrainState, abstract_state
+
+
+class Checkpointer:
+    """Save / restore train states under one directory (a path or a URL orbax understands)."""
+
+    def __init__(
+        self,
+        directory: str | Path,
+        *,
+        max_to_keep: int | None = 3,
+        async_save: bool = True,
+        save_interval_steps: int = 1,
+    ):
+        if max_to_keep is not None and max_to_keep < 1:
+            raise ValueError(f"max_to_keep must be >= 1 or None (keep all), got {max_to_keep}")
+        self.directory = directory if "://" in str(directory) else Path(directory).absolute()
+        self._manager = ocp.CheckpointManager(
+            self.directory,
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=max_to_keep,
+                save_interval_steps=save_interval_steps,
+                enable_async_checkpointing=async_save,
+                create=True,
+            ),
+            item_names=("state", "extra"),
+        )
+
+    def save(self, state: TrainState, extra: dict[str, Any] | None = None, *, force: bool = False) -> bool:
+        """Start saving `state` as checkpoint number `state.step`; False if the interval skipped it.
+
+        `extra` must be JSON-serialisable (ints, floats, strings, lists, dicts).
+        """
+        _check_raw_keys(state)
+        step = int(jax.device_get(state.step))
+        return self._manager.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), extra=ocp.args.JsonSave(dict(extra or {}))
+            ),
+            force=force,
+        )
+
+    def restore(self, target: TrainState, step: int | None = None) -> tuple[TrainState, dict[str, Any]]:
+        """(state, extra) of checkpoint `step` (default: the newest complete one).
+
+        `target` is a state of the same structure, concrete or abstract (ShapeDtypeStructs with
+        shardings, see `abstract_state`); arrays come back in its shardings and dtypes.
+        """
+        self._manager.wait_until_finished()
+        if step is None:
+            step = self._manager.latest_step()
+            if step is None:
+                raise FileNotFoundError(f"no complete checkpoint under {self.directory}")
+        elif step not in self._manager.all_steps():
+            raise FileNotFoundError(
+                f"no checkpoint for step {step} under {self.directory}; have {sorted(self.all_steps())}"
+            )
+        _check_raw_keys(target)
+        abstract = abstract_state(target)
+        restored = self._manager.restore(
+            step,
+            args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), extra=ocp.args.JsonRestore()),
+        )
+        return restored.state, dict(restored.extra or {})
+
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return sorted(self._manager.all_steps())
+
+    def wait(self) -> None:
+        """Block until every started save is committed."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        self._manager.wait_until_finished()
+        self._manager.close()
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _check_raw_keys(state: Any) -> None:
+    for leaf in jax.tree.leaves(state):
+        dtype = getattr(leaf, "dtype", None)
+        if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+            raise TypeError(
+                "the state holds a typed PRNG key; keep raw uint32 keys in TrainState "
+                "(jax.random.key_data(key)) so they save and restore as plain arrays"
+            )

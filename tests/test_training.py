@@ -1,0 +1,458 @@
+"""The trainer step: accumulation, schedules, reference resets, NaN guard, checkpoints, sharding.
+
+Run as a script (`python tests/test_training.py resume CKPT_DIR STEP OUT.npz`) it is the fresh
+process of the checkpoint test: restore, train two more updates, write the state to OUT.npz.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from tbajax.batch import Batch
+from tbajax.models import CausalLM, ModelConfig
+from tbajax.objectives.base import Max, Min, Ratio
+from tbajax.sharding import MeshConfig, make_mesh
+from tbajax.training import (
+    BetaSchedule,
+    Checkpointer,
+    LRSchedule,
+    MicroBatchLayoutError,
+    NonFiniteLossError,
+    OptimizerConfig,
+    Trainer,
+    TrainerConfig,
+    abstract_train_state,
+    beta_at,
+    init_train_state,
+    learning_rate,
+    make_train_step,
+    raise_on_bad_step,
+    sequence_logprobs,
+    split_policy,
+    state_shardings,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = ModelConfig(
+    model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64,
+    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+)
+# groups by explicit id, not contiguous numbering; the last row is padding (its own group)
+GROUP_IDS = np.array([5, 5, 1, 1, 7, 7, 3, 0], np.int32)
+SAMPLE_MASK = np.array([1, 1, 1, 1, 1, 1, 1, 0], bool)
+
+
+def vargrad_tb(batch: Batch, logprobs, config=None):
+    """VarGrad TB written out: per group mean_i (δ_i − δ̄)², δ = S − R − r/β; mean over groups."""
+    n, g, m = batch.batch_size, batch.group_id, batch.row_mask()
+    w = batch.sample_mask.astype(jnp.float32)
+    delta = jnp.where(m > 0, logprobs - batch.reference_logprobs, 0).sum(-1) - batch.reward / batch.beta
+    count = jax.ops.segment_sum(w, g, n)
+    centered = delta - jax.lax.stop_gradient(jax.ops.segment_sum(w * delta, g, n) / jnp.maximum(count, 1))[g]
+    per_group = jax.ops.segment_sum(w * centered**2, g, n) / jnp.maximum(count, 1)
+    loss = Ratio(per_group.sum(), (count > 0).sum().astype(jnp.float32))
+    real = w > 0
+    return loss, {"residual_sq": Ratio((w * centered**2).sum(), w.sum()),
+                  "delta_max": Max(jnp.where(real, delta, -jnp.inf).max()),
+                  "delta_min": Min(jnp.where(real, delta, jnp.inf).min())}
+
+
+def make_batch(seed: int, rows: int = 8, seq: int = 16) -> Batch:
+    """A random host batch: prompts of 2-4 tokens, responses to a random length, right-padded."""
+    r = np.random.default_rng(seed)
+    tokens = r.integers(3, MODEL.vocab_size - 1, (rows, seq)).astype(np.int32)  # 63 never drawn
+    attn = np.zeros((rows, seq), bool)
+    loss = np.zeros((rows, seq), bool)
+    for i in range(rows):
+        p = int(r.integers(2, 5))
+        end = int(r.integers(p + 3, seq + 1))
+        attn[i, :end] = True
+        loss[i, p:end] = True
+    return Batch(
+        tokens=np.where(attn, tokens, 0),
+        attention_mask=attn,
+        loss_mask=loss,
+        behavior_logprobs=np.where(loss, -r.random((rows, seq)), 0).astype(np.float32),
+        reference_logprobs=np.zeros((rows, seq), np.float32),
+        reward=r.integers(0, 2, rows).astype(np.float32),
+        group_id=GROUP_IDS[:rows] if rows == 8 else (np.arange(rows) // 2).astype(np.int32),
+        sample_mask=SAMPLE_MASK[:rows] if rows == 8 else np.ones(rows, bool),
+        policy_version=np.zeros(rows, np.int32),
+        beta=np.float32(0.5),
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _model_parts():
+    """Graphdef + numpy weights (~N(0, 0.1), norms ~1): no PRNG kernels to compile."""
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: CausalLM(MODEL, rngs=nnx.Rngs(0))))
+    rng = np.random.default_rng(0)
+
+    def init(path, x):
+        w = (rng.standard_normal(x.shape) * 0.1).astype(np.float32)
+        return 1.0 + w if "norm" in jax.tree_util.keystr(path) else w
+
+    return graphdef, jax.tree_util.tree_map_with_path(init, abstract)
+
+
+def fresh_model(dtype=jnp.float32) -> CausalLM:
+    graphdef, params = _model_parts()
+    return nnx.merge(graphdef, jax.tree.map(lambda x: jnp.asarray(x, dtype), params))
+
+
+def host(tree):
+    return jax.tree.map(lambda x: np.array(x), tree)
+
+
+def leaves(tree) -> list[np.ndarray]:
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def assert_trees_close(a, b, atol=1e-5, rtol=1e-5):
+    la, lb = leaves(a), leaves(b)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb):
+        np.testing.assert_allclose(x, y, atol=atol, rtol=rtol)
+
+
+# XLA's optimisations cost ~2.5x the compile time of these tiny steps and buy nothing here
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+# eps 1e-4: Adam divides by |g| + eps, which would blow fp32 reduction-order noise in near-zero
+# gradients up to visible parameter differences between equally correct summation orders
+ACCUM_CONFIG = TrainerConfig(
+    optimizer=OptimizerConfig(lr=LRSchedule(peak=1e-2), eps=1e-4, weight_decay=0.1, max_grad_norm=5.0),
+    temperature=0.7,
+    compute_dtype="float32",
+)
+# every feature at once, for the reset and checkpoint tests
+FULL_CONFIG = TrainerConfig(
+    optimizer=OptimizerConfig(
+        lr=LRSchedule("wsd", peak=1e-2, warmup_steps=1, stable_steps=1, decay_steps=4, final_fraction=0.1),
+        weight_decay=0.01,
+        max_grad_norm=1.0,
+    ),
+    beta=BetaSchedule("linear", start=0.5, final=0.1, decay_steps=4),
+    reference_reset_every=2,
+    reset_optimizer_on_reference_reset=True,
+    compute_dtype="float32",
+)
+
+
+def compiled_step(config: TrainerConfig, mesh_config: MeshConfig | None = None):
+    """(mesh, step) built once per configuration, so tests share compilations."""
+    return _compiled_step(config, mesh_config, vargrad_tb)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_step(config, mesh_config, objective):
+    mesh = make_mesh(mesh_config) if mesh_config is not None else None
+    graphdef, state = init_train_state(fresh_model(), config, mesh)
+    sharding = state_shardings(state, mesh) if mesh is not None else None
+    return mesh, make_train_step(
+        graphdef, config, objective, mesh=mesh, state_sharding=sharding, compiler_options=FAST_COMPILE
+    )
+
+
+def run(config: TrainerConfig, seeds, mesh_config: MeshConfig | None = None, state=None):
+    """Train from the fresh model on make_batch(seed) for each seed; returns (state, metrics list)."""
+    mesh, step = compiled_step(config, mesh_config)
+    if state is None:
+        _, state = init_train_state(fresh_model(), config, mesh)
+    metrics = []
+    first = int(state.step) + 1
+    for u, seed in enumerate(seeds, first):
+        state, out = step(state, make_batch(seed))
+        metrics.append(raise_on_bad_step(out, u))
+    return state, metrics
+
+
+@pytest.fixture(scope="module")
+def single_device_run():
+    return run(ACCUM_CONFIG, [0, 1])
+
+
+# ----------------------------------------------------------------------------- schedules
+
+
+def test_lr_schedules_hand_values():
+    def lr(s, step):
+        return float(learning_rate(s, step))
+
+    const = LRSchedule("constant", peak=1e-3, warmup_steps=10)
+    assert [lr(const, s) for s in (0, 5, 10, 1000)] == pytest.approx([0, 5e-4, 1e-3, 1e-3])
+    lin = LRSchedule("linear", peak=1.0, decay_steps=100, final_fraction=0.1)
+    assert [lr(lin, s) for s in (0, 50, 100, 200)] == pytest.approx([1.0, 0.55, 0.1, 0.1])
+    cos = LRSchedule("cosine", peak=2.0, warmup_steps=10, decay_steps=20)
+    assert [lr(cos, s) for s in (5, 10, 15, 20, 30, 99)] == pytest.approx(
+        [1.0, 2.0, 1 + math.cos(math.pi / 4), 1.0, 0.0, 0.0], abs=1e-6
+    )
+    # GSM8K: 1e-5, 50 warmup, 350 stable, cosine decay over 600, stopped at 700
+    gsm = LRSchedule("wsd", peak=1e-5, warmup_steps=50, stable_steps=350, decay_steps=600)
+    got = [lr(gsm, s) for s in (0, 25, 50, 399, 400, 550, 700, 1000, 2000)]
+    want = [0, 5e-6, 1e-5, 1e-5, 1e-5, 0.5e-5 * (1 + math.cos(math.pi / 4)), 5e-6, 0, 0]
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-12)
+    wsd_lin = LRSchedule("wsd", peak=1.0, stable_steps=10, decay_steps=10, decay_shape="linear",
+                         final_fraction=0.2)
+    assert [lr(wsd_lin, s) for s in (0, 10, 15, 20, 50)] == pytest.approx([1.0, 1.0, 0.6, 0.2, 0.2])
+    # the same function runs traced, inside jit
+    assert float(jax.jit(lambda s: learning_rate(gsm, s))(jnp.int32(550))) == pytest.approx(want[5], rel=1e-5)
+
+
+def test_beta_schedule_hand_values():
+    gsm = BetaSchedule("linear", start=0.014, final=0.004, decay_steps=500)
+    got = [float(beta_at(gsm, u)) for u in (1, 251, 499, 500, 700)]
+    assert got == pytest.approx([0.014, 0.009, 0.014 - 0.01 * 498 / 500, 0.004, 0.004], rel=1e-6)
+    early_stop = BetaSchedule("linear", start=1.0, final=0.0, decay_steps=100, stop_step=51)
+    assert [float(beta_at(early_stop, u)) for u in (1, 50, 51)] == pytest.approx([1.0, 0.51, 0.0])
+    const = BetaSchedule("constant", start=0.005)
+    assert [float(beta_at(const, u)) for u in (1, 10_000)] == pytest.approx([0.005, 0.005])
+
+
+def test_config_errors_are_explicit():
+    with pytest.raises(ValueError, match="decay_steps"):
+        LRSchedule("cosine", peak=1.0)
+    with pytest.raises(ValueError, match="constant"):
+        LRSchedule("constant", decay_steps=10)
+    with pytest.raises(ValueError, match="final"):
+        BetaSchedule("linear", start=0.1)
+    with pytest.raises(ValueError, match="compute_reference_logprobs"):
+        TrainerConfig(reference_reset_every=5, compute_reference_logprobs=False)
+
+
+def test_precision_defaults_to_fp32_master_bf16_compute():
+    bf16_model = fresh_model(jnp.bfloat16)
+    graphdef, state = init_train_state(bf16_model, TrainerConfig())
+    assert {x.dtype for x in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.float32)}
+    assert {x.dtype for x in jax.tree.leaves(state.opt_state[0].mu)} == {jnp.dtype(jnp.float32)}
+    cfg = nnx.merge(graphdef, state.params).config
+    assert (cfg.param_dtype, cfg.dtype) == ("float32", "bfloat16")
+    assert bf16_model.config.dtype == "float32"  # the caller's model is not touched
+    assert bf16_model.embed_tokens[...].dtype == jnp.bfloat16
+    fp32 = nnx.merge(*split_policy(bf16_model, TrainerConfig(compute_dtype="float32"))).config
+    assert (fp32.param_dtype, fp32.dtype) == ("float32", "float32")
+
+
+# ----------------------------------------------------------------------------- the update
+
+
+def test_update_matches_hand_written_adamw(single_device_run):
+    """Step = grad of (Σ loss)/(Σ count) → clip → optax.adamw, with a fresh reference score."""
+    graphdef, state0 = init_train_state(fresh_model(), ACCUM_CONFIG)
+    params, ref = jax.tree.map(jnp.copy, state0.params), state0.ref_params
+    tx = optax.chain(optax.clip_by_global_norm(5.0), optax.adamw(1e-2, eps=1e-4, weight_decay=0.1))
+
+    def loss_fn(p, batch):
+        lp = sequence_logprobs(graphdef, p, batch, 0.7)
+        ref_lp = sequence_logprobs(graphdef, ref, batch, 0.7)
+        batch = dataclasses.replace(batch, reference_logprobs=jnp.where(batch.loss_mask, ref_lp, 0))
+        loss, _ = vargrad_tb(batch, lp)
+        return loss.total / loss.count
+
+    @functools.partial(jax.jit, compiler_options=FAST_COMPILE)
+    def update(p, opt, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(p, batch)
+        updates, opt = tx.update(grads, opt, p)
+        return optax.apply_updates(p, updates), opt, loss, optax.global_norm(grads)
+
+    opt, norms = tx.init(params), []
+    for seed in (0, 1):
+        params, opt, loss, norm = update(params, opt, make_batch(seed))
+        norms += [float(loss), float(norm)]
+    state, metrics = single_device_run
+    assert [x for m in metrics for x in (m["loss"], m["grad_norm"])] == pytest.approx(norms, rel=1e-5)
+    assert norms[1] > 5.0  # clipping was active
+    assert_trees_close(state.params, params)
+    assert int(state.step) == 2
+
+
+@pytest.mark.parametrize("num_microbatches", [2, 4])
+def test_gradient_accumulation_equals_one_batch(single_device_run, num_microbatches):
+    state, metrics = run(dataclasses.replace(ACCUM_CONFIG, num_microbatches=num_microbatches), [0, 1])
+    want_state, want_metrics = single_device_run
+    for got, want in zip(metrics, want_metrics):
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+    assert_trees_close(state.params, want_state.params)
+    assert_trees_close(state.opt_state, want_state.opt_state)
+
+
+def test_group_straddling_microbatches_is_refused():
+    config = dataclasses.replace(ACCUM_CONFIG, num_microbatches=4)
+    _, step = compiled_step(config)
+    _, state = init_train_state(fresh_model(), config)
+    before = host(state.params)
+    bad = dataclasses.replace(make_batch(0), group_id=np.array([0, 0, 0, 4, 4, 4, 6, 7], np.int32))
+    state, out = step(state, bad)
+    with pytest.raises(MicroBatchLayoutError, match="contiguous"):
+        raise_on_bad_step(out, 1)
+    assert int(state.step) == 0
+    assert all(np.array_equal(a, b) for a, b in zip(leaves(state.params), leaves(before)))
+
+
+@pytest.mark.parametrize("mesh_config", [MeshConfig(data=8), MeshConfig(data=2, fsdp=2, tensor=2)],
+                         ids=["8x1x1", "2x2x2"])
+def test_sharded_step_matches_single_device(single_device_run, mesh_config):
+    assert jax.device_count() == 8
+    config = ACCUM_CONFIG if mesh_config.data == 8 else dataclasses.replace(ACCUM_CONFIG, num_microbatches=2)
+    state, metrics = run(config, [0, 1], mesh_config)
+    mesh = compiled_step(config, mesh_config)[0]
+    want_state, want_metrics = single_device_run
+    for got, want in zip(metrics, want_metrics):
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+    assert_trees_close(state.params, want_state.params)
+    q = state.params["layers"]["q_proj"]
+    assert q[...].sharding.spec == state_shardings(state, mesh).params["layers"]["q_proj"].spec
+    if mesh_config.tensor == 2:  # really split: layers, embed/fsdp, q_heads/tensor, head_dim
+        assert tuple(q[...].sharding.spec) == (None, "fsdp", "tensor", None)
+
+
+def test_reference_reset_every_rho_steps():
+    _, step = compiled_step(FULL_CONFIG)
+    _, state = init_train_state(fresh_model(), FULL_CONFIG)
+    initial = host(state.params)
+    seen_beta, seen_lr = [], []
+    for u in range(1, 6):
+        before_ref = host(state.ref_params)
+        state, out = step(state, make_batch(10 + u))
+        m = raise_on_bad_step(out, u)
+        seen_beta.append(m["beta"])
+        seen_lr.append(m["lr"])
+        params, ref = leaves(state.params), leaves(state.ref_params)
+        if u % 2 == 0:  # just reset: the reference is the policy, Adam starts over
+            assert all(np.array_equal(a, b) for a, b in zip(params, ref))
+            adam = state.opt_state[0]
+            assert int(adam.count) == 0 and all(not np.any(x) for x in leaves(adam.mu))
+        else:
+            assert all(np.array_equal(a, b) for a, b in zip(ref, leaves(before_ref)))
+            if u > 1:  # (update 1 runs at lr 0: the end of warmup)
+                assert not all(np.array_equal(a, b) for a, b in zip(params, ref))
+        if u == 1:
+            assert all(np.array_equal(a, b) for a, b in zip(ref, leaves(initial)))
+    # β and lr inside the step follow the schedules of the update number
+    assert seen_beta == pytest.approx([float(beta_at(FULL_CONFIG.beta, u)) for u in range(1, 6)])
+    assert seen_lr == pytest.approx([float(learning_rate(FULL_CONFIG.optimizer.lr, s)) for s in range(5)])
+    assert seen_lr[0] == 0.0 and seen_beta[0] == pytest.approx(0.5)
+
+
+# ----------------------------------------------------------------------------- NaN guard
+
+
+def test_nan_reward_raises_naming_update_and_group(single_device_run):
+    _, step = compiled_step(ACCUM_CONFIG)
+    state, _ = run(ACCUM_CONFIG, [0])
+    before = host(state)
+    batch = make_batch(1)
+    reward = batch.reward.copy()
+    reward[2] = np.nan  # row 2 belongs to group id 1
+    state, out = step(state, dataclasses.replace(batch, reward=reward))
+    with pytest.raises(NonFiniteLossError, match="update 2") as err:
+        raise_on_bad_step(out, 2)
+    assert err.value.update == 2 and err.value.group_ids == [1]
+    assert all(np.array_equal(a, b) for a, b in zip(leaves(state), leaves(before)))
+
+
+def test_nan_logits_raise_and_leave_params_unchanged():
+    """An inf embedding row makes the logits of the rows holding that token NaN."""
+    _, step = compiled_step(ACCUM_CONFIG)
+    _, state = init_train_state(fresh_model(), ACCUM_CONFIG)
+    state.params["embed_tokens"][...] = state.params["embed_tokens"][...].at[63].set(jnp.inf)
+    before = host(state)
+    batch = make_batch(0)
+    tokens = batch.tokens.copy()
+    tokens[4, 1] = 63  # row 4: group id 7
+    state, out = step(state, dataclasses.replace(batch, tokens=tokens))
+    with pytest.raises(NonFiniteLossError, match="update 1") as err:
+        raise_on_bad_step(out, 1)
+    assert err.value.group_ids == [7]
+    assert int(state.step) == 0
+    assert all(np.array_equal(a, b, equal_nan=True) for a, b in zip(leaves(state), leaves(before)))
+
+
+def test_trainer_with_registered_tb_matches_hand_written(single_device_run):
+    objectives = pytest.importorskip("tbajax.objectives")
+    if not hasattr(objectives, "get_objective"):
+        pytest.skip("tbajax.objectives.get_objective not available yet")
+    trainer = Trainer(fresh_model(), ACCUM_CONFIG, "tb", compiler_options=FAST_COMPILE)
+    for u, seed in enumerate([0, 1], 1):
+        m = trainer.step(make_batch(seed))
+        assert m["loss"] == pytest.approx(single_device_run[1][u - 1]["loss"], rel=1e-5)
+        assert m["grad_norm"] == pytest.approx(single_device_run[1][u - 1]["grad_norm"], rel=1e-5)
+    assert trainer.updates_applied == 2
+    assert_trees_close(trainer.state.params, single_device_run[0].params)
+    with pytest.raises(ValueError, match="num_microbatches=3"):
+        three = dataclasses.replace(ACCUM_CONFIG, num_microbatches=3)
+        Trainer(fresh_model(), three, "tb").step(make_batch(0))
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def test_checkpoint_resume_in_fresh_process_is_bit_exact(tmp_path):
+    _, step = compiled_step(FULL_CONFIG)
+    _, state = init_train_state(fresh_model(), FULL_CONFIG)
+    ckpt = Checkpointer(tmp_path / "ckpt", max_to_keep=3)
+    saved = {}
+    for u in range(1, 5):
+        state, out = step(state, make_batch(10 + u))
+        raise_on_bad_step(out, u)
+        saved[u] = host(state)
+        # async save, then the next step donates `state` right away
+        ckpt.save(state, extra={"buffer_cursor": 100 * u, "note": "tbajax"})
+    ckpt.wait()
+    assert ckpt.all_steps() == [2, 3, 4]  # keep-last-N
+
+    restored, extra = ckpt.restore(state, step=2)
+    assert extra == {"buffer_cursor": 200, "note": "tbajax"}
+    assert all(np.array_equal(a, b) for a, b in zip(leaves(restored), leaves(saved[2])))
+    # restore straight into another layout: a 2x2x2 mesh
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    _, target = abstract_train_state(fresh_model(), FULL_CONFIG, mesh)
+    resharded, _ = ckpt.restore(target)  # the newest: step 4
+    assert int(resharded.step) == 4
+    assert tuple(resharded.params["layers"]["q_proj"][...].sharding.spec) == (None, "fsdp", "tensor", None)
+    assert tuple(resharded.opt_state[0].mu["layers"]["q_proj"][...].sharding.spec) == (
+        None, "fsdp", "tensor", None)
+    assert all(np.array_equal(a, b) for a, b in zip(leaves(resharded), leaves(saved[4])))
+    ckpt.close()
+
+    out_file = tmp_path / "resumed.npz"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), "resume", str(tmp_path / "ckpt"), "2", str(out_file)],
+        capture_output=True, text=True, env=env, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed = np.load(out_file)
+    want = leaves(saved[4])
+    assert len(resumed.files) == len(want)
+    for i, w in enumerate(want):
+        assert np.array_equal(resumed[f"leaf{i}"], w), f"leaf {i} differs after resume"
+
+
+def _resume_main(ckpt_dir: str, from_step: int, out_file: str) -> None:
+    abstract_model = nnx.eval_shape(lambda: CausalLM(MODEL, rngs=nnx.Rngs(0)))
+    _, target = abstract_train_state(abstract_model, FULL_CONFIG)  # nothing materialised
+    with Checkpointer(ckpt_dir) as ckpt:
+        state, extra = ckpt.restore(target, step=from_step)
+    assert extra["buffer_cursor"] == 100 * from_step
+    state, _ = run(FULL_CONFIG, [10 + u for u in range(from_step + 1, from_step + 3)], state=state)
+    np.savez(out_file, **{f"leaf{i}": x for i, x in enumerate(leaves(state))})
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 5 and sys.argv[1] == "resume":
+        _resume_main(sys.argv[2], int(sys.argv[3]), sys.argv[4])
+    else:
+        sys.exit("usage: test_training.py resume CKPT_DIR STEP OUT.npz")
