@@ -41,7 +41,16 @@ def _main(run_dir: Path, *args: str) -> subprocess.Popen:
 
 
 def _finish(proc: subprocess.Popen, timeout: float = 240) -> str:
-    out, _ = proc.communicate(timeout=timeout)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)  # the launcher stops its roles cleanly
+        try:
+            out, _ = proc.communicate(timeout=90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+        raise AssertionError(f"run did not finish within {timeout}s:\n{out[-3000:]}") from None
     return out
 
 

@@ -16,13 +16,13 @@ from tbajax.system.searcher import Rollouts
 
 
 class Evaluator:
-    def __init__(self, config: ExperimentConfig, model: CausalLM, mesh: Any = None):
+    def __init__(self, config: ExperimentConfig, model: CausalLM, mesh: Any = None, reward_pool: Any = None):
         task = load_task(config)
         self.problems = list(task.load("eval"))[: config.eval.num_problems]
         if not self.problems:
             raise ValueError(f"task {task.name!r} has no eval problems")
         self.batch_size = config.eval.batch_size
-        self.rollouts = Rollouts(config, model, load_tokenizer_for(config), task, mesh=mesh)
+        self.rollouts = Rollouts(config, model, load_tokenizer_for(config), task, mesh=mesh, reward_pool=reward_pool)
         self.sampling = dataclasses.replace(
             config.rollout.sampling,
             num_samples=1,

@@ -61,6 +61,7 @@ def child_env(config: ExperimentConfig, role: str, index: int) -> dict[str, str]
     """Environment of one role: its device set and its share of a shared GPU's memory."""
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
+    env[rundir.LAUNCHER_PID_ENV] = str(os.getpid())
     sysc = config.system
     if sysc.memory_fraction is not None:
         env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = str(sysc.memory_fraction)
@@ -92,8 +93,8 @@ def launch(config: ExperimentConfig, run_dir: Path, *, resume: bool = False, qui
             child_env(config, "searcher", i),
             logs / f"searcher-{i}.log",
         )
-        for i in range(config.system.num_searchers)
-    ]
+        for i in range(config.system.num_searchers if config.system.mode == "async" else 0)
+    ]  # sync mode: the trainer process generates its own batches
     children = [trainer, *searchers]
     stop_requested = False
 

@@ -20,6 +20,9 @@ from typing import Any
 from tbajax.config import ConfigError, ExperimentConfig
 
 
+LAUNCHER_PID_ENV = "TBAJAX_LAUNCHER_PID"
+
+
 def write_json_atomic(path: Path, payload: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -101,4 +104,10 @@ class StopFlag:
         self.signalled = True
 
     def __call__(self) -> bool:
-        return self.signalled or stop_requested(self.run_dir)
+        return self.signalled or stop_requested(self.run_dir) or self._orphaned()
+
+    @staticmethod
+    def _orphaned() -> bool:
+        """Started by a launcher that has died (e.g. SIGKILL): nobody will supervise us."""
+        parent = os.environ.get(LAUNCHER_PID_ENV)
+        return parent is not None and os.getppid() != int(parent)

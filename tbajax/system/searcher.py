@@ -160,7 +160,22 @@ class PromptStream:
         return out
 
 
-def build_rollouts(config: ExperimentConfig, searcher_id: int, mesh: Any = None, model: CausalLM | None = None) -> Rollouts:
+def make_reward_pool(config: ExperimentConfig) -> Any:
+    """A killable worker pool when the config asks for one (untrusted / slow graders), else None."""
+    if config.rollout.reward_workers <= 0:
+        return None
+    from tbajax.tasks.reward_pool import RewardPool
+
+    return RewardPool(config.rollout.reward_workers, config.rollout.reward_timeout_s)
+
+
+def build_rollouts(
+    config: ExperimentConfig,
+    searcher_id: int,
+    mesh: Any = None,
+    model: CausalLM | None = None,
+    reward_pool: Any = None,
+) -> Rollouts:
     """Model, tokenizer, task and reward scoring of one searcher, from the config."""
     from tbajax.system.assets import load_task, load_tokenizer_for
 
@@ -168,13 +183,10 @@ def build_rollouts(config: ExperimentConfig, searcher_id: int, mesh: Any = None,
         model = load_model(
             config.model.checkpoint, mesh=mesh, param_dtype=config.model.param_dtype, dtype=config.model.dtype
         )
-    task = load_task(config)
-    pool = None
-    if config.rollout.reward_workers > 0:
-        from tbajax.tasks.reward_pool import RewardPool
-
-        pool = RewardPool(config.rollout.reward_workers, config.rollout.reward_timeout_s)
-    return Rollouts(config, model, load_tokenizer_for(config), task, searcher_id=searcher_id, mesh=mesh, reward_pool=pool)
+    return Rollouts(
+        config, model, load_tokenizer_for(config), load_task(config),
+        searcher_id=searcher_id, mesh=mesh, reward_pool=reward_pool,
+    )
 
 
 def run_searcher(run_dir: Path, searcher_id: int, store_url: str | None = None) -> None:
@@ -183,7 +195,7 @@ def run_searcher(run_dir: Path, searcher_id: int, store_url: str | None = None) 
     store = store_url or str(run_dir)
     stop = rundir.StopFlag(run_dir)
     mesh = make_mesh(config.system.searcher_mesh)
-    rollouts = build_rollouts(config, searcher_id, mesh)
+    rollouts = build_rollouts(config, searcher_id, mesh, reward_pool=make_reward_pool(config))
     writer = TrajectoryWriter(trajectory_store_url(store, searcher_id), searcher_id)
     params_reader = ParamReader(param_store_url(store), f"searcher-{searcher_id}")
     metrics = MetricsWriter(run_dir, f"searcher-{searcher_id}", tensorboard=False)

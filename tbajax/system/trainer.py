@@ -30,6 +30,7 @@ from tbajax.sharding import make_mesh
 from tbajax.stores import ParamPublisher, TrajectoryReader, discover_searcher_stores, param_store_url
 from tbajax.system import rundir
 from tbajax.system.evaluation import Evaluator
+from tbajax.system.searcher import make_reward_pool
 from tbajax.system.metrics import MetricsWriter, plot_learning_curve
 from tbajax.trajectory import Trajectory
 from tbajax.training import Checkpointer, Trainer
@@ -120,7 +121,8 @@ def run_trainer(run_dir: Path, *, resume: bool = False, store_url: str | None = 
     model = load_model(config.model.checkpoint, mesh=mesh, param_dtype=config.model.param_dtype,
                        dtype=config.model.dtype, remat=config.model.remat)
     learner = Learner(config, model, mesh)
-    evaluator = Evaluator(config, learner.trainer.policy(), mesh)
+    reward_pool = make_reward_pool(config)  # shared by evaluation and (sync mode) generation
+    evaluator = Evaluator(config, learner.trainer.policy(), mesh, reward_pool)
     buffer = make_buffer(config)
     checkpoints = Checkpointer(run_dir / "checkpoints", max_to_keep=config.train.keep_checkpoints)
     metrics = MetricsWriter(run_dir, "trainer")
@@ -137,7 +139,7 @@ def run_trainer(run_dir: Path, *, resume: bool = False, store_url: str | None = 
         log.info("resumed at step %d (version %s)", learner.step, publisher.latest_version())
     version = publisher.latest_version() or 0
     source = (
-        InlineRollouts(config, run_dir, store, learner, mesh) if config.system.mode == "sync" else StoreTail(store)
+        InlineRollouts(config, run_dir, store, learner, mesh, reward_pool) if config.system.mode == "sync" else StoreTail(store)
     )
     if not summary_start:
         acc = evaluator.run(learner.trainer.policy())
@@ -184,8 +186,10 @@ def run_trainer(run_dir: Path, *, resume: bool = False, store_url: str | None = 
             _checkpoint(checkpoints, learner, buffer, summary_start, start_time)
     publisher.wait()
     final = evaluator.run(learner.trainer.policy())
-    _checkpoint(checkpoints, learner, buffer, summary_start, start_time, force=True)
     checkpoints.wait()
+    if checkpoints.latest_step() != learner.step:
+        _checkpoint(checkpoints, learner, buffer, summary_start, start_time, force=True)
+        checkpoints.wait()
     if learner.step % config.system.sync_every:
         version = publisher.publish(nnx.to_pure_dict(learner.trainer.state.params), step=learner.step)
     publisher.close()
@@ -209,7 +213,8 @@ def run_trainer(run_dir: Path, *, resume: bool = False, store_url: str | None = 
     }
     rundir.write_json_atomic(run_dir / "summary.json", summary)
     metrics.close()
-    source.close()
+    if reward_pool is not None:
+        reward_pool.close()
     plot_learning_curve(run_dir)
     rundir.write_status(run_dir, "trainer", {**last, **final, "step": learner.step, "phase": "done"})
     return summary
@@ -230,8 +235,6 @@ class StoreTail:
                 self.tailer.add_source(TrajectoryReader(url))
         self.tailer.poll(buffer)
 
-    def close(self) -> None:
-        pass
 
 
 class InlineRollouts:
@@ -240,13 +243,14 @@ class InlineRollouts:
     The same `Rollouts` the searcher process uses; rows are also written to a trajectory store
     so a sync run's data is as durable and inspectable as an async one's."""
 
-    def __init__(self, config: ExperimentConfig, run_dir: Path, store: str, learner: Learner, mesh: Any):
+    def __init__(self, config: ExperimentConfig, run_dir: Path, store: str, learner: Learner, mesh: Any,
+                 reward_pool: Any):
         from tbajax.stores import TrajectoryWriter, trajectory_store_url
         from tbajax.system.searcher import PromptStream, build_rollouts
 
         self.config = config
         self.run_dir = run_dir
-        self.rollouts = build_rollouts(config, 0, mesh, model=learner.trainer.policy())
+        self.rollouts = build_rollouts(config, 0, mesh, model=learner.trainer.policy(), reward_pool=reward_pool)
         self.writer = TrajectoryWriter(trajectory_store_url(store, 0), 0)
         self.stream = PromptStream(self.rollouts.task.load("train"), 0, 1, config.seed, start=self.writer.committed_rows())
         self.key = jax.random.PRNGKey(config.seed + 1000)
@@ -271,9 +275,6 @@ class InlineRollouts:
     def set_params(self, learner: Learner) -> None:
         self.rollouts.set_params(learner.trainer.state.params)
 
-    def close(self) -> None:
-        if self.rollouts.reward_pool is not None:
-            self.rollouts.reward_pool.close()
 
 
 def _checkpoint(checkpoints: Checkpointer, learner: Learner, buffer: ReplayBuffer,

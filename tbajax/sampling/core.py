@@ -1,0 +1,210 @@
+"""The pure sampling core: prefill, decode loop and scoring as functions of (model, arrays).
+
+Nothing here holds state or does I/O; `tbajax.sampling.sampler.Sampler` jits these once per shape
+bucket with the model's graphdef static and its params passed as arguments.
+
+Layout: prompts are LEFT-padded to P slots, so every row's next token is written at the same
+cache slot (`KVCache.index`); a row's position ids skip its padding (cumsum(mask) - 1). Response
+token j of a row sits at position `prompt_len + j` and cache slot `P + j`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from tbajax.batch import token_logprobs
+from tbajax.models import CausalLM, KVCache, ModelConfig, positions_from_mask
+from tbajax.sampling.step import sample_logits
+from tbajax.sharding import constrain
+
+Array = jax.Array
+
+_CACHE_AXES = ("layers", "batch", "length", "kv_heads", "head_dim")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeSpec:
+    """The static (compile-time) part of a sampling config; the rest is traced."""
+
+    max_new_tokens: int
+    top_k: int
+    use_top_p: bool
+    greedy: bool
+    stop_token_ids: tuple[int, ...]
+    pad_token_id: int
+
+
+class DecodeOut(NamedTuple):
+    tokens: Array  # [N, max_new] int32, pad after the stop token
+    logprobs: Array  # [N, max_new] f32 under softmax(logits / T); 0 after the stop token
+    lengths: Array  # [N] int32 response lengths (stop token included)
+    finished: Array  # [N] bool: ended by a stop token (not by max_new_tokens)
+
+
+class Knobs(NamedTuple):
+    """Traced sampling controls: changing them does not recompile."""
+
+    temperature: Array  # f32 scalar > 0
+    top_p: Array  # f32 scalar in (0, 1]
+    min_new_tokens: Array  # int32 scalar
+
+
+def prefill(
+    model: CausalLM, cache: KVCache, tokens: Array, mask: Array, *, num_samples: int
+) -> tuple[KVCache, Array, Array]:
+    """Run the prompts [B, P] once and write their keys/values, repeated K times per prompt, into
+    the preallocated `cache` ([B*K] rows; its old contents are overwritten, so pass it donated).
+
+    Returns the cache, the next-token logits [B*K, V] and the real prompt lengths [B*K]; rows are
+    prompt-major (row = prompt * K + k).
+    """
+    cfg = model.config
+    b, _ = tokens.shape
+    if cache.k.shape[1] != b * num_samples:
+        raise ValueError(f"cache has {cache.k.shape[1]} rows, need {b} prompts x {num_samples} samples")
+    mask = mask.astype(bool)
+    small = KVCache.init(cfg, b, cache.slots, cache.k.dtype)
+    hidden, small = model.hidden_states(tokens, positions_from_mask(mask), mask, small)
+    logits = model.logits(hidden[:, -1])  # left padding: the last column is every row's last token
+
+    def rep(x: Array, axis: int) -> Array:
+        return jnp.repeat(x, num_samples, axis=axis) if num_samples > 1 else x
+
+    def fill(buf: Array, x: Array, axes: tuple[str, ...]) -> Array:
+        # a full overwrite of the donated buffer, so XLA writes the result in place
+        return constrain(jax.lax.dynamic_update_slice(buf, x, (0,) * x.ndim), axes)
+
+    cache = KVCache(
+        k=fill(cache.k, rep(small.k, 1), _CACHE_AXES),
+        v=fill(cache.v, rep(small.v, 1), _CACHE_AXES),
+        valid=fill(cache.valid, rep(small.valid, 0), ("batch", "length")),
+        index=small.index,
+    )
+    logits = constrain(rep(logits, 0), ("batch", "act_vocab"))
+    return cache, logits, rep(mask.sum(-1, dtype=jnp.int32), 0)
+
+
+def init_cache(cfg: ModelConfig, rows: int, slots: int) -> KVCache:
+    cache = KVCache.init(cfg, rows, slots)
+    return KVCache(
+        k=constrain(cache.k, _CACHE_AXES),
+        v=constrain(cache.v, _CACHE_AXES),
+        valid=constrain(cache.valid, ("batch", "length")),
+        index=cache.index,
+    )
+
+
+def decode(
+    model: CausalLM,
+    cache: KVCache,
+    first_logits: Array,
+    prompt_len: Array,
+    active: Array,
+    key: Array,
+    knobs: Knobs,
+    spec: DecodeSpec,
+) -> tuple[DecodeOut, KVCache]:
+    """Sample up to max_new_tokens per row inside one `lax.while_loop` that exits as soon as every
+    row is done. Inactive rows (batch padding) start done and emit only padding. The cache comes
+    back (pass it donated: the loop then updates it in place and the caller can reuse it)."""
+    n, vocab = first_logits.shape
+    rows = jnp.arange(n, dtype=jnp.int32)
+    stop_ids = jnp.asarray(spec.stop_token_ids, jnp.int32).reshape(-1)
+    stop_vocab = jnp.zeros((vocab,), bool).at[stop_ids].set(True)
+    top_p = knobs.top_p if spec.use_top_p else None
+
+    def pick(logits: Array, step: Array) -> tuple[Array, Array]:
+        return sample_logits(
+            jax.random.fold_in(key, step),
+            logits,
+            temperature=knobs.temperature,
+            top_k=spec.top_k,
+            top_p=top_p,
+            greedy=spec.greedy,
+            banned=stop_vocab & (step < knobs.min_new_tokens),
+            row_ids=rows,
+        )
+
+    def emit(out: DecodeOut, tok: Array, lp: Array, step: Array) -> tuple[DecodeOut, Array]:
+        """Write step's token (pad for done rows); return the new outputs and the written token."""
+        done = out.finished | ~active
+        tok = jnp.where(done, spec.pad_token_id, tok)
+        lp = jnp.where(done, 0.0, lp)
+        stopped = ~done & (tok[:, None] == stop_ids[None, :]).any(-1)
+        out = DecodeOut(
+            tokens=jax.lax.dynamic_update_slice(out.tokens, tok[:, None], (0, step)),
+            logprobs=jax.lax.dynamic_update_slice(out.logprobs, lp[:, None], (0, step)),
+            lengths=out.lengths + (~done).astype(jnp.int32),
+            finished=out.finished | stopped,
+        )
+        return out, tok
+
+    def all_done(out: DecodeOut) -> Array:
+        return jnp.all(out.finished | ~active)
+
+    empty = DecodeOut(
+        tokens=constrain(jnp.full((n, spec.max_new_tokens), spec.pad_token_id, jnp.int32), ("batch", "length")),
+        logprobs=constrain(jnp.zeros((n, spec.max_new_tokens), jnp.float32), ("batch", "length")),
+        lengths=jnp.zeros((n,), jnp.int32),
+        finished=jnp.zeros((n,), bool),
+    )
+    step0 = jnp.zeros((), jnp.int32)
+    out, tok = emit(empty, *pick(first_logits, step0), step0)
+    ones = jnp.ones((n, 1), bool)
+
+    def cond(carry: tuple[Array, KVCache, Array, DecodeOut]) -> Array:
+        step, _, _, out = carry
+        return (step < spec.max_new_tokens) & ~all_done(out)
+
+    def body(carry: tuple[Array, KVCache, Array, DecodeOut]) -> tuple[Array, KVCache, Array, DecodeOut]:
+        step, cache, prev, out = carry
+        positions = (prompt_len + step - 1)[:, None]
+        hidden, cache = model.hidden_states(prev[:, None], positions, ones, cache)
+        logits = model.logits(hidden[:, 0])
+        out, tok = emit(out, *pick(logits, step), step)
+        return step + 1, cache, tok, out
+
+    _, cache, _, out = jax.lax.while_loop(cond, body, (step0 + 1, cache, tok, out))
+    return out._replace(finished=out.finished & active), cache
+
+
+def score(
+    model: CausalLM,
+    prompt: Array,
+    prompt_mask: Array,
+    response: Array,
+    response_mask: Array,
+    temperature: Array,
+    *,
+    chunk: int,
+) -> Array:
+    """Log-probs [N, R] of `response` after the left-padded `prompt` under softmax(logits / T),
+    0 off `response_mask`. One batched forward over `prompt + response`, in row chunks of `chunk`
+    (strided, so each chunk spans every data shard) to bound the [rows, R, vocab] logits."""
+    n, p = prompt.shape
+    r = response.shape[1]
+    tokens = jnp.concatenate([prompt, response], axis=1)
+    mask = jnp.concatenate([prompt_mask, response_mask], axis=1).astype(bool)
+
+    def one(args: tuple[Array, Array]) -> Array:
+        t, m = args
+        hidden, _ = model.hidden_states(t, attention_mask=m)
+        # logits at slot p-1+j predict response token j; token_logprobs aligns entry j+1 with it
+        logits = model.logits(hidden[:, p - 1 : p + r - 1])
+        return token_logprobs(jnp.pad(logits, ((0, 0), (0, 1), (0, 0))), t[:, p - 1 :], temperature)[:, 1:]
+
+    if chunk >= n:
+        lp = one((tokens, mask))
+    else:
+        m = n // chunk
+
+        def split(x: Array) -> Array:  # row i*m + j -> [j, i]: iterate j, each chunk strided
+            return x.reshape(chunk, m, *x.shape[1:]).swapaxes(0, 1)
+
+        lp = jax.lax.map(one, (split(tokens), split(mask)))  # [m, chunk, r]
+        lp = lp.swapaxes(0, 1).reshape(n, r)
+    return jnp.where(response_mask, lp, 0.0)

@@ -1,0 +1,384 @@
+"""`Sampler`: the stateful edge around the pure core (compiled-function cache, params, mesh).
+
+One call = prefill the unique prompts once, repeat their cache rows K times, decode inside one
+compiled `lax.while_loop`, optionally score the samples under a reference model, and hand back
+numpy arrays. Shapes are bucketed (prompt batch to a power of two, prompt length to a power of
+two) so a long-running searcher compiles a handful of programs, each logged once.
+
+The model's graphdef is static in every program and its params are an argument, so publishing new
+weights (`update_params`) never recompiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from tbajax.models import CausalLM, ModelConfig
+from tbajax.sampling import core
+from tbajax.sampling.config import SamplingConfig
+from tbajax.sharding import MeshConfig, make_mesh, named_sharding, param_shardings
+
+log = logging.getLogger(__name__)
+
+# Rows x tokens x vocab of fp32 logits one scoring chunk may materialise (~1 GiB).
+_SCORE_LOGITS_BUDGET = 2**28
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleOutput:
+    """K samples per prompt, prompt-major (row = prompt * K + k), as host numpy arrays.
+
+    logprobs are under the full tempered distribution softmax(logits / T) even when top-k/top-p
+    truncated the sampling distribution; entries past `length` are 0 (tokens there are padding).
+    """
+
+    prompt_index: np.ndarray  # [N] int32: index into the prompts passed to `sample`
+    tokens: np.ndarray  # [N, max_new_tokens] int32, pad_token_id after `length`
+    length: np.ndarray  # [N] int32: response length, the stop token included
+    finished: np.ndarray  # [N] bool: ended by a stop token (False: hit max_new_tokens)
+    logprobs: np.ndarray  # [N, max_new_tokens] float32
+    reference_logprobs: np.ndarray | None = None  # [N, max_new_tokens] float32, same layout
+
+    @property
+    def mask(self) -> np.ndarray:
+        """[N, max_new_tokens] bool: which entries are response tokens."""
+        return np.arange(self.tokens.shape[1])[None, :] < self.length[:, None]
+
+    def __len__(self) -> int:
+        return len(self.prompt_index)
+
+    def response(self, i: int) -> np.ndarray:
+        return self.tokens[i, : self.length[i]]
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileEvent:
+    kind: str  # "cache" (allocation) | "generate" (prefill + decode) | "score" (reference)
+    shape: tuple[tuple[str, Any], ...]
+    seconds: float
+
+
+# ----------------------------------------------------------------------------- bucketing
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def batch_bucket(num_prompts: int, num_samples: int, batch_shards: int) -> int:
+    """Prompt rows to prefill: a power of two >= num_prompts, raised so that rows * K splits
+    evenly over the mesh's batch shards."""
+    step = batch_shards // math.gcd(batch_shards, num_samples)
+    b = next_pow2(num_prompts)
+    return -(-b // step) * step
+
+
+def length_bucket(longest: int, limit: int, minimum: int) -> int:
+    """Prompt slots: a power of two >= longest (at least `minimum`), capped at `limit`."""
+    return min(max(next_pow2(longest), minimum), limit)
+
+
+# ----------------------------------------------------------------------------- the edge
+
+
+class Sampler:
+    """Samples from a `CausalLM` with compiled, bucketed, sharded programs.
+
+    mesh: where params and the batch live (batch over data x fsdp, params by the logical rules);
+      None = one device. max_cache_length: prompt + new tokens must fit (default: the model's
+      max_position_embeddings). min_prompt_bucket: smallest prompt-length bucket.
+    reference: an optional reference model for `sample(..., reference_logprobs=True)`.
+    """
+
+    def __init__(
+        self,
+        model: CausalLM,
+        *,
+        mesh: Mesh | None = None,
+        max_cache_length: int | None = None,
+        min_prompt_bucket: int = 16,
+        reference: CausalLM | None = None,
+    ):
+        self.config: ModelConfig = model.config
+        self.mesh = mesh if mesh is not None else make_mesh(MeshConfig(), devices=jax.devices()[:1])
+        self.max_cache_length = max_cache_length or self.config.max_position_embeddings
+        if min_prompt_bucket < 1:
+            raise ValueError(f"min_prompt_bucket must be >= 1, got {min_prompt_bucket}")
+        self.min_prompt_bucket = min_prompt_bucket
+        self.batch_shards = self.mesh.shape.get("data", 1) * self.mesh.shape.get("fsdp", 1)
+        self._policy = _Params.from_model(model, self.mesh)
+        self._reference = _Params.from_model(reference, self.mesh) if reference is not None else None
+        self._compiled: dict[tuple[Any, ...], Any] = {}
+        self._cache: core.KVCache | None = None  # the last call's cache, reused when shapes match
+        self.compile_events: list[CompileEvent] = []
+
+    # -- state updates -------------------------------------------------------------------
+
+    def update_params(self, model_or_state: CausalLM | nnx.State) -> None:
+        """Swap in new policy weights (same architecture); compiled programs are kept."""
+        self._policy = self._policy.replace(model_or_state)
+
+    def set_reference(self, model: CausalLM | None) -> None:
+        if model is not None and model.config.vocab_size != self.config.vocab_size:
+            raise ValueError(
+                f"reference vocab {model.config.vocab_size} != policy vocab {self.config.vocab_size}"
+            )
+        if model is None:
+            self._reference = None
+        elif self._reference is not None:
+            self._reference = self._reference.replace(model)
+        else:
+            self._reference = _Params.from_model(model, self.mesh)
+
+    # -- sampling --------------------------------------------------------------------------
+
+    def sample(
+        self,
+        prompts: Sequence[Sequence[int] | np.ndarray],
+        config: SamplingConfig,
+        key: jax.Array,
+        *,
+        reference_logprobs: bool = False,
+    ) -> SampleOutput:
+        """K = config.num_samples samples for each prompt (token id lists, unpadded)."""
+        cfg = self.config
+        pad = config.pad_token_id if config.pad_token_id is not None else (cfg.pad_token_id or 0)
+        stops = config.stop_token_ids if config.stop_token_ids is not None else cfg.eos_token_ids
+        prompt_arrays = self._check_prompts(prompts, config, pad, stops)
+        if reference_logprobs and self._reference is None:
+            raise ValueError(
+                "reference_logprobs=True needs a reference model: Sampler(..., reference=model) "
+                "or sampler.set_reference(model)"
+            )
+        k = config.num_samples
+        n_prompts = len(prompt_arrays)
+        b = batch_bucket(n_prompts, k, self.batch_shards)
+        longest = max(len(p) for p in prompt_arrays)
+        p_len = length_bucket(longest, self.max_cache_length - config.max_new_tokens, self.min_prompt_bucket)
+        slots = p_len + config.max_new_tokens
+        tokens, mask = left_pad(prompt_arrays, b, p_len, pad)
+        n = b * k
+        active = np.arange(n) < n_prompts * k
+
+        spec = core.DecodeSpec(
+            max_new_tokens=config.max_new_tokens,
+            top_k=config.top_k,
+            use_top_p=config.top_p < 1.0,
+            greedy=config.is_greedy,
+            stop_token_ids=tuple(stops),
+            pad_token_id=pad,
+        )
+        knobs = core.Knobs(
+            temperature=self._put(np.float32(config.logprob_temperature), ()),
+            top_p=self._put(np.float32(config.top_p), ()),
+            min_new_tokens=self._put(np.int32(config.min_new_tokens), ()),
+        )
+        shape = (("batch", b), ("prompt_len", p_len), ("num_samples", k), ("spec", spec))
+        out, self._cache = self._run(
+            ("generate", shape),
+            lambda: _jit_generate(self._policy, k, spec),
+            self._policy.leaves,
+            self._take_cache(n, slots),
+            self._put(tokens, ("batch", "length")),
+            self._put(mask, ("batch", "length")),
+            self._put(active, ("batch",)),
+            self._put_key(key),
+            knobs,
+        )
+        ref = None
+        if reference_logprobs:
+            assert self._reference is not None
+            resp_mask = jnp.arange(config.max_new_tokens)[None, :] < out.lengths[:, None]
+            chunk = score_chunk(n, p_len + config.max_new_tokens, cfg.vocab_size, self.batch_shards)
+            ref = self._run(
+                ("score", (("rows", n), ("prompt_len", p_len), ("response_len", config.max_new_tokens), ("chunk", chunk))),
+                lambda: _jit_score(self._reference, chunk),
+                self._reference.leaves,
+                self._put(np.repeat(tokens, k, axis=0), ("batch", "length")),
+                self._put(np.repeat(mask, k, axis=0), ("batch", "length")),
+                out.tokens,
+                resp_mask,
+                knobs.temperature,
+            )
+        real = n_prompts * k
+        host = jax.device_get(out)
+        return SampleOutput(
+            prompt_index=(np.arange(real) // k).astype(np.int32),
+            tokens=np.asarray(host.tokens[:real]),
+            length=np.asarray(host.lengths[:real]),
+            finished=np.asarray(host.finished[:real]),
+            logprobs=np.asarray(host.logprobs[:real]),
+            reference_logprobs=None if ref is None else np.asarray(jax.device_get(ref))[:real],
+        )
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _check_prompts(
+        self, prompts: Sequence[Any], config: SamplingConfig, pad: int, stops: Sequence[int]
+    ) -> list[np.ndarray]:
+        vocab = self.config.vocab_size
+        if not 0 <= pad < vocab:
+            raise ValueError(f"pad_token_id={pad} is outside the vocabulary [0, {vocab})")
+        bad = [s for s in stops if not 0 <= s < vocab]
+        if bad:
+            raise ValueError(f"stop token ids {bad} are outside the vocabulary [0, {vocab})")
+        if config.top_k > vocab:
+            raise ValueError(f"top_k={config.top_k} exceeds the vocabulary size {vocab}")
+        if len(prompts) == 0:
+            raise ValueError("sample() got no prompts")
+        arrays = [np.asarray(p, dtype=np.int64).reshape(-1) for p in prompts]
+        limit = self.max_cache_length - config.max_new_tokens
+        for i, a in enumerate(arrays):
+            if a.size == 0:
+                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token (e.g. BOS)")
+            if a.size > limit:
+                raise ValueError(
+                    f"prompt {i} has {a.size} tokens, but the cache holds {self.max_cache_length} "
+                    f"and max_new_tokens={config.max_new_tokens} leaves room for {max(limit, 0)}; "
+                    "truncate the prompt, lower max_new_tokens or raise Sampler(max_cache_length=...)"
+                )
+            if a.min() < 0 or a.max() >= vocab:
+                raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {vocab})")
+        return [a.astype(np.int32) for a in arrays]
+
+    def _put(self, x: Any, logical_axes: tuple[str, ...]) -> jax.Array:
+        x = np.asarray(x)
+        if not logical_axes:
+            return jax.device_put(x, NamedSharding(self.mesh, P()))
+        return jax.device_put(x, named_sharding(logical_axes, x.shape, self.mesh))
+
+    def _take_cache(self, rows: int, slots: int) -> core.KVCache:
+        """The preallocated cache for this shape (the previous one if it fits; it is donated)."""
+        cache, self._cache = self._cache, None
+        if cache is None or cache.k.shape[1] != rows or cache.slots != slots:
+            del cache  # free the old buffer before allocating the new one
+            cache = self._run(
+                ("cache", (("rows", rows), ("slots", slots))),
+                lambda: jax.jit(functools.partial(core.init_cache, self.config, rows, slots)),
+            )
+        return cache
+
+    def release_cache(self) -> None:
+        """Drop the held KV cache (e.g. to free memory while the searcher idles)."""
+        self._cache = None
+
+    @property
+    def cache_bytes(self) -> int:
+        return 0 if self._cache is None else self._cache.nbytes()
+
+    def _put_key(self, key: jax.Array) -> jax.Array:
+        if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+            key = jax.random.wrap_key_data(jnp.asarray(key, jnp.uint32))
+        return jax.device_put(key, NamedSharding(self.mesh, P()))
+
+    def _run(self, key: tuple[Any, ...], build: Callable[[], Any], *args: Any) -> Any:
+        """Call the program for `key`, compiling (ahead of time, logged) on first use."""
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            kind, shape = key
+            t0 = time.perf_counter()
+            with jax.set_mesh(self.mesh):
+                compiled = build().lower(*args).compile()
+            seconds = time.perf_counter() - t0
+            self._compiled[key] = compiled
+            self.compile_events.append(CompileEvent(kind, shape, seconds))
+            log.info("sampler: compiled %s %s in %.2f s", kind, dict(shape), seconds)
+        return compiled(*args)
+
+
+def left_pad(prompts: Sequence[np.ndarray], rows: int, length: int, pad: int) -> tuple[np.ndarray, np.ndarray]:
+    """[rows, length] tokens and mask, prompts right-aligned; extra rows hold one pad token
+    (masked real, so their attention is well defined; their samples are dropped)."""
+    tokens = np.full((rows, length), pad, np.int32)
+    mask = np.zeros((rows, length), bool)
+    for i, p in enumerate(prompts):
+        tokens[i, length - len(p) :] = p
+        mask[i, length - len(p) :] = True
+    mask[len(prompts) :, -1] = True
+    return tokens, mask
+
+
+def score_chunk(rows: int, seq: int, vocab: int, batch_shards: int) -> int:
+    """Largest row chunk that divides `rows`, is a multiple of `batch_shards` (when possible),
+    and keeps a chunk's fp32 logits under budget."""
+    best = None
+    for c in range(rows, 0, -1):
+        if rows % c or (c % batch_shards and c != rows):
+            continue
+        best = c
+        if c * seq * vocab <= _SCORE_LOGITS_BUDGET:
+            return c
+    return best or rows
+
+
+# ----------------------------------------------------------------------------- params + jit
+
+
+@dataclasses.dataclass(frozen=True)
+class _Params:
+    """A model split once: static graphdef + treedef, and the param leaves placed on the mesh."""
+
+    graphdef: Any
+    treedef: Any
+    leaves: list[jax.Array]
+    shardings: list[Any]
+
+    @classmethod
+    def from_model(cls, model: CausalLM, mesh: Mesh) -> "_Params":
+        graphdef, state = nnx.split(model)
+        leaves, treedef = jax.tree.flatten(state)
+        shardings = jax.tree.leaves(
+            param_shardings(state, mesh), is_leaf=lambda s: isinstance(s, jax.sharding.Sharding)
+        )
+        return cls(graphdef, treedef, _place(leaves, shardings), shardings)
+
+    def replace(self, model_or_state: CausalLM | nnx.State) -> "_Params":
+        state = nnx.state(model_or_state) if isinstance(model_or_state, nnx.Module) else model_or_state
+        leaves, treedef = jax.tree.flatten(state)
+        if treedef != self.treedef or any(
+            a.shape != b.shape or a.dtype != b.dtype for a, b in zip(leaves, self.leaves)
+        ):
+            raise ValueError(
+                "new params do not match the sampler's model (different structure, shapes or "
+                "dtypes); build a new Sampler for a different architecture"
+            )
+        return dataclasses.replace(self, leaves=_place(leaves, self.shardings))
+
+    def model(self, leaves: list[jax.Array]) -> CausalLM:
+        return nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, leaves))
+
+
+def _place(leaves: list[Any], shardings: list[Any]) -> list[jax.Array]:
+    return [jax.device_put(x, s) for x, s in zip(leaves, shardings)]
+
+
+def _jit_generate(params: _Params, num_samples: int, spec: core.DecodeSpec) -> Any:
+    """Prefill + decode as one program; the cache is donated and comes back updated in place."""
+
+    def fn(leaves, cache, tokens, mask, active, key, knobs):  # type: ignore[no-untyped-def]
+        model = params.model(leaves)
+        cache, first_logits, prompt_len = core.prefill(model, cache, tokens, mask, num_samples=num_samples)
+        return core.decode(model, cache, first_logits, prompt_len, active, key, knobs, spec)
+
+    return jax.jit(fn, donate_argnums=(1,))
+
+
+def _jit_score(params: _Params, chunk: int) -> Any:
+    def fn(leaves, prompt, prompt_mask, response, response_mask, temperature):  # type: ignore[no-untyped-def]
+        return core.score(
+            params.model(leaves), prompt, prompt_mask, response, response_mask, temperature, chunk=chunk
+        )
+
+    return jax.jit(fn)

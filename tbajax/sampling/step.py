@@ -1,0 +1,86 @@
+"""One sampling step on a batch of logits: pure, jit-able, testable on hand-made logits.
+
+Randomness is per row: row r draws one uniform from `fold_in(key, row_ids[r])` and inverts the
+CDF, so a sample does not depend on how many other rows share the batch (padding a batch to a
+bucket or splitting it over devices leaves every row's draw unchanged).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+_NEG_INF = -jnp.inf
+
+
+def top_p_filter(sorted_logits: Array, top_p: float | Array) -> Array:
+    """Keep the smallest prefix of descending-sorted logits whose probability mass reaches top_p.
+
+    A token is kept when the mass strictly before it is < top_p, so the most likely token is
+    always kept; the rest become -inf.
+    """
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    return jnp.where(mass_before < top_p, sorted_logits, _NEG_INF)
+
+
+def _inverse_cdf_sample(keys: Array, logits: Array) -> Array:
+    """One categorical draw per row from one uniform per row (not a vocab-sized Gumbel draw:
+    on CPU the random bits, not the cumsum, dominate a sampling step)."""
+    probs = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))  # -inf -> exactly 0
+    cdf = jnp.cumsum(probs, axis=-1)
+    u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys) * cdf[:, -1]
+    idx = jnp.sum(cdf <= u[:, None], axis=-1)
+    # rounding can put u at the very top: fall back to the last token that has mass
+    last = logits.shape[-1] - 1 - jnp.argmax((probs > 0)[:, ::-1], axis=-1)
+    return jnp.minimum(idx, last)
+
+
+def sample_logits(
+    key: Array,
+    logits: Array,
+    *,
+    temperature: float | Array = 1.0,
+    top_k: int = 0,
+    top_p: float | Array | None = None,
+    greedy: bool = False,
+    banned: Array | None = None,
+    row_ids: Array | None = None,
+) -> tuple[Array, Array]:
+    """Draw one token per row; return (tokens [B] int32, log-probs [B] f32).
+
+    logits: [B, V] raw (untempered) logits. temperature > 0 (traced is fine).
+    top_k: static; 0 = off. top_p: None or 1.0 = off (a traced value always applies the filter).
+    greedy: argmax of the (banned-masked) logits.
+    banned: [V] or [B, V] bool, tokens that may not be drawn (e.g. stop ids before min_new_tokens).
+    The returned log-prob is log softmax(logits / T) at the drawn token: the full tempered
+    distribution, not the truncated one that top-k / top-p / `banned` sampled from.
+    """
+    b, v = logits.shape
+    scaled = logits.astype(jnp.float32) / temperature
+    full_logprobs = jax.nn.log_softmax(scaled, axis=-1)
+    if banned is not None:
+        scaled = jnp.where(banned, _NEG_INF, scaled)
+    if greedy:
+        tokens = jnp.argmax(scaled, axis=-1)
+    else:
+        if row_ids is None:
+            row_ids = jnp.arange(b)
+        keys = jax.vmap(lambda r: jax.random.fold_in(key, r))(row_ids)
+        use_top_p = top_p is not None and not (isinstance(top_p, (int, float)) and top_p >= 1.0)
+        if top_k and top_k < v:
+            vals, idx = jax.lax.top_k(scaled, top_k)
+            if use_top_p:
+                vals = top_p_filter(vals, top_p)
+            choice = _inverse_cdf_sample(keys, vals)
+            tokens = jnp.take_along_axis(idx, choice[:, None], axis=-1)[:, 0]
+        elif use_top_p:
+            vals, idx = jax.lax.top_k(scaled, v)  # a full descending sort
+            choice = _inverse_cdf_sample(keys, top_p_filter(vals, top_p))
+            tokens = jnp.take_along_axis(idx, choice[:, None], axis=-1)[:, 0]
+        else:
+            tokens = _inverse_cdf_sample(keys, scaled)
+    tokens = tokens.astype(jnp.int32)
+    logprobs = jnp.take_along_axis(full_logprobs, tokens[:, None], axis=-1)[:, 0]
+    return tokens, logprobs

