@@ -39,8 +39,9 @@ def config() -> ExperimentConfig:
                 compute_dtype="float32",
             ),
             checkpoint_every=100,
+            length_bucket=16,
         ),
-        buffer=BufferConfig(samples_per_group=K, capacity_per_prompt=32, recency_prob=0.95),
+        buffer=BufferConfig(samples_per_group=K, capacity_per_prompt=32, recency_prob=0.95, dedup=False),
         system=SystemSpec(mode="async", num_searchers=1, sync_every=2),
         eval=EvalSpec(every=50, num_problems=300, batch_size=150),
     )

@@ -75,6 +75,7 @@ class TrainSpec:
     objective_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     trainer: TrainerConfig = TrainerConfig()
     score_stop_token: bool = True
+    length_bucket: int = 32  # batches are padded to a multiple of this: few shapes, little waste
     checkpoint_every: int = 50
     keep_checkpoints: int = 2
     log_every: int = 1

@@ -216,6 +216,14 @@ def test_dedup_keeps_newest_copy():
     assert buf.stats()["num_rows"] == 3
 
 
+def test_dedup_off_keeps_every_copy_within_capacity():
+    buf = ReplayBuffer(cfg(dedup=False, capacity_per_prompt=3))
+    buf.add([traj(0, (7, 2), version=v, reward=1.0) for v in (1, 2, 3, 4)])
+    assert contents(buf) == {0: [((7, 2), 2), ((7, 2), 3), ((7, 2), 4)]}  # oldest evicted
+    s = buf.stats()
+    assert s["dedup_drops"] == 0 and s["num_rows"] == 3 and s["evictions"] == 1
+
+
 def test_capacity_evicts_oldest_version():
     buf = ReplayBuffer(cfg(capacity_per_prompt=3))
     buf.add([traj(0, i, version=v) for i, v in [(1, 5), (2, 1), (3, 3)]])

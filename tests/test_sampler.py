@@ -4,6 +4,7 @@ sharding, bucketing and input validation."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 
 import jax
@@ -14,7 +15,8 @@ from flax import nnx
 
 from tbajax.batch import token_logprobs
 from tbajax.models import load_model
-from tbajax.sampling import Sampler, SamplingConfig, batch_bucket, length_bucket, sample_logits
+from tbajax.sampling import Sampler, SamplingConfig, batch_bucket, length_bucket, sample_logits, score
+from tbajax.sampling.sampler import left_pad
 from tbajax.sharding import MeshConfig, make_mesh
 
 PROMPTS = [[1, 5, 6, 7], [1, 9], [1, 3, 4, 5, 6, 7, 8, 9, 10, 11], [1, 40, 41]]
@@ -139,6 +141,14 @@ def test_logprobs_equal_training_forward(llama, llama_sampler):
     # the reference (same weights here) scored in one batched forward gives the same numbers
     assert np.abs(out.reference_logprobs - expected).max() <= 1e-4
 
+    # scoring in strided row chunks (bounded logits memory) gives the same numbers as one chunk
+    prompt, prompt_mask = left_pad([np.asarray(PROMPTS[i]) for i in out.prompt_index], len(out), 16, 0)
+    chunked = nnx.jit(functools.partial(score, chunk=4))(
+        llama, jnp.asarray(prompt), jnp.asarray(prompt_mask), jnp.asarray(out.tokens),
+        jnp.asarray(out.mask), jnp.float32(t),
+    )
+    np.testing.assert_allclose(np.asarray(chunked), out.reference_logprobs, atol=1e-5)
+
 
 # ----------------------------------------------------------------------------- sampling step
 
@@ -156,7 +166,7 @@ def _draw(key, logits, **kw):
 
 def test_sample_logits_statistics():
     logits = jnp.array([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
-    v, n, t = 6, 40_000, 0.8
+    v, n, t = 6, 20_000, 0.8
     batch = jnp.tile(logits, (n, 1))
     key = jax.random.key(0)
     tempered = np.asarray(jax.nn.softmax(logits / t))
@@ -196,6 +206,22 @@ def test_sample_logits_statistics():
     np.testing.assert_array_equal(tok_all[10:20], tok_sub)
 
 
+def test_sample_logits_large_vocab_two_level():
+    """Vocabularies above two blocks are sampled blocks-then-tokens; mass across block edges."""
+    v, n = 3000, 20_000
+    heavy = np.array([5, 127, 128, 700, 1500, 2999])  # 127|128 straddle a block edge
+    logits = jnp.full((v,), -8.0).at[heavy].set(jnp.array([1.0, 0.5, 2.0, 0.0, 1.5, 1.2]))
+    p = np.asarray(jax.nn.softmax(logits))
+    tok, lp = _draw(jax.random.key(0), jnp.tile(logits, (n, 1)), temperature=1.0)
+    freq = _frequencies(tok, v)
+    np.testing.assert_allclose(freq[heavy], p[heavy], atol=0.01)
+    assert abs((1 - freq[heavy].sum()) - (1 - p[heavy].sum())) < 0.006  # the light tail
+    np.testing.assert_allclose(lp, np.log(p)[np.asarray(tok)], atol=1e-5)
+    banned = jnp.zeros(v, bool).at[heavy[2]].set(True)
+    tok, _ = _draw(jax.random.key(1), jnp.tile(logits, (2000, 1)), temperature=1.0, banned=banned)
+    assert heavy[2] not in set(np.asarray(tok))
+
+
 # ----------------------------------------------------------------------------- stops
 
 
@@ -228,7 +254,11 @@ def test_sharded_matches_single_device(tiny_checkpoint, llama_sampler, mesh_conf
     key = jax.random.key(7)
     single = llama_sampler.sample(PROMPTS, cfg, key)
     mesh = make_mesh(mesh_config)
-    sharded = Sampler(load_model(tiny_checkpoint("llama"), mesh=mesh), mesh=mesh).sample(PROMPTS, cfg, key)
+    sampler = Sampler(load_model(tiny_checkpoint("llama"), mesh=mesh), mesh=mesh)
+    sharded = sampler.sample(PROMPTS, cfg, key)
+    cache = sampler._cache  # the held KV cache really is split over the batch shards
+    assert cache.k.sharding.spec[1] == (("data", "fsdp") if mesh_config.fsdp > 1 else "data")
+    assert len(cache.k.sharding.device_set) == 8
     np.testing.assert_array_equal(sharded.tokens, single.tokens)
     np.testing.assert_array_equal(sharded.length, single.length)
     np.testing.assert_allclose(sharded.logprobs, single.logprobs, atol=1e-5)
@@ -256,6 +286,8 @@ def test_buckets_determinism_and_large_k(llama_sampler):
     assert len(b) == 12
     np.testing.assert_array_equal(a.tokens, again.tokens)
     assert (a.tokens != other.tokens).any()
+    # a raw uint32 key is the same key as its typed form
+    np.testing.assert_array_equal(sampler.sample(PROMPTS, cfg, jax.random.PRNGKey(0)).tokens, a.tokens)
     # a row's sample does not depend on the batch padding around it
     np.testing.assert_array_equal(
         sampler.sample(PROMPTS[:3], cfg, jax.random.key(0)).tokens, a.tokens[:12]

@@ -51,6 +51,9 @@ class BufferConfig:
       `stale_decay ** (staleness - max_staleness)` ("weight"; the recency branch takes the
       newest rows regardless). None: no limit. (replay)
     async_level: fifo_once drops groups more than this many versions older than the trainer.
+    dedup: keep one copy of each distinct response per prompt (replay; the reference does). Turn
+      it off for tasks with short canonical answers, where every correct sample is the same token
+      sequence and dedup would leave one correct row among many distinct wrong ones.
     keep_failed_grades: keep rows whose reward_status is TIMEOUT or ERROR (default: drop them,
       counted in stats as `failed_grade_drops`).
     """
@@ -68,6 +71,7 @@ class BufferConfig:
     stale_decay: float = 0.5
     async_level: int = 2
     keep_failed_grades: bool = False
+    dedup: bool = True
 
     def __post_init__(self) -> None:
         _one_of("mode", self.mode, ("replay", "fifo_once"))

@@ -54,7 +54,7 @@ class _PromptRows:
     __slots__ = ("rows", "heap", "max_version")
 
     def __init__(self) -> None:
-        self.rows: dict[bytes, tuple[OrderKey, Trajectory]] = {}
+        self.rows: dict[bytes | tuple[bytes, OrderKey], tuple[OrderKey, Trajectory]] = {}
         self.heap: list[tuple[OrderKey, bytes]] = []
         self.max_version = -(2**62)
 
@@ -158,7 +158,8 @@ class ReplayBuffer:
         pr = self._prompts.get(pid)
         if pr is None:
             pr = self._prompts[pid] = _PromptRows()
-        rkey = t.response_key
+        # without dedup every row is its own entry (OrderKey is unique and rebuild-stable)
+        rkey = t.response_key if self.config.dedup else (t.response_key, key)
         old = pr.rows.get(rkey)
         if old is not None:  # duplicate response: keep the newest copy
             self._counts["dedup_drops"] += 1

@@ -89,6 +89,7 @@ def prefill(
 
 
 def init_cache(cfg: ModelConfig, rows: int, slots: int) -> KVCache:
+    """An empty cache laid out over the mesh like the one `prefill` returns."""
     cache = KVCache.init(cfg, rows, slots)
     return KVCache(
         k=constrain(cache.k, _CACHE_AXES),

