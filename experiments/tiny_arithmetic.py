@@ -26,22 +26,25 @@ def config() -> ExperimentConfig:
             prompts_per_call=16,
             sampling=SamplingConfig(max_new_tokens=6, num_samples=K, temperature=1.0),
             max_prompt_tokens=16,
+            max_calls_per_version=1,  # trainer and searcher share 2 cores: do not run ahead
+            reference_logprobs=True,  # the searcher scores the reference; the trainer need not
         ),
         train=TrainSpec(
             steps=300,
             groups_per_step=16,
             objective="tb",
             trainer=TrainerConfig(
-                optimizer=OptimizerConfig(lr=LRSchedule(kind="constant", peak=1e-4), max_grad_norm=1.0),
+                optimizer=OptimizerConfig(lr=LRSchedule(kind="constant", peak=5e-5), max_grad_norm=1.0),
                 beta=BetaSchedule(kind="constant", start=0.1),
                 temperature=1.0,
                 param_dtype="float32",
                 compute_dtype="float32",
+                compute_reference_logprobs=False,
             ),
             checkpoint_every=100,
             length_bucket=16,
         ),
         buffer=BufferConfig(samples_per_group=K, capacity_per_prompt=32, recency_prob=0.95, dedup=False),
-        system=SystemSpec(mode="async", num_searchers=1, sync_every=2),
+        system=SystemSpec(mode="async", num_searchers=1, sync_every=1),
         eval=EvalSpec(every=50, num_problems=300, batch_size=150),
     )

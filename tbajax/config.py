@@ -54,6 +54,12 @@ class RolloutSpec:
     prompts_per_call: prompts sampled together in one batched `Sampler.sample`.
     sampling.num_samples: K' samples generated per prompt (>= train.samples_per_group).
     reward_workers: 0 scores in-process (fine for cheap graders); > 0 uses a killable pool.
+    reference_logprobs: searchers score each sample under the reference policy (the initial
+      checkpoint, which they load anyway) so the trainer does not have to; needs
+      train.trainer.compute_reference_logprobs=False and no reference resets.
+    max_calls_per_version: a searcher that has made this many generation calls with one param
+      version pauses until the trainer publishes the next (None: never pause). For searchers that
+      share devices with the trainer (a CPU, one GPU), where generating far ahead only steals time.
     """
 
     prompts_per_call: int = 8
@@ -61,6 +67,8 @@ class RolloutSpec:
     max_prompt_tokens: int = 256
     reward_workers: int = 0
     reward_timeout_s: float = 10.0
+    max_calls_per_version: int | None = None
+    reference_logprobs: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +152,13 @@ class ExperimentConfig:
             raise ConfigError(
                 f"train.trainer.temperature={t_train} must equal rollout.sampling.temperature={t_sample}: "
                 "TBA scores trajectories under the distribution they were sampled from"
+            )
+        trainer = self.train.trainer
+        if self.rollout.reference_logprobs == trainer.compute_reference_logprobs:
+            raise ConfigError(
+                "exactly one side must compute reference log-probs: set rollout.reference_logprobs=true "
+                "with train.trainer.compute_reference_logprobs=false (searchers score the initial "
+                "policy), or the reverse (the trainer scores its reference in the step)"
             )
         if self.system.sync_every < 1 or self.system.num_searchers < 1:
             raise ConfigError("system.sync_every and system.num_searchers must be >= 1")

@@ -8,7 +8,6 @@ roles on different hosts that share the run directory (or a bucket URL via --sto
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import logging
 import os
@@ -53,9 +52,9 @@ def load_experiment(name: str):  # -> ExperimentConfig
         path = available[name]
     if not path.exists():
         raise ConfigError(f"experiment file {path} does not exist")
-    spec = importlib.util.spec_from_file_location(f"tbajax_experiment_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    from tbajax.imports import load_module
+
+    module = load_module(str(path))
     if not hasattr(module, "config"):
         raise ConfigError(f"{path} defines no `config()` function returning an ExperimentConfig")
     return module.config()

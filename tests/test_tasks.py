@@ -438,7 +438,7 @@ def test_registry():
     t = _user_task()
     assert reg.get(t) is t and reg.get(t, chat=True).chat
     assert get_task("tbajax.tasks.arithmetic:arithmetic_task", digits=2, num_eval=5).load("eval")[0].meta["a"] < 100
-    with pytest.raises(ImportError, match="cannot import task module"):
+    with pytest.raises(ValueError, match="cannot import task .no_such_module_xyz:make"):
         get_task("no_such_module_xyz:make")
 
 

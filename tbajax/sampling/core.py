@@ -148,7 +148,9 @@ def decode(
         return jnp.all(out.finished | ~active)
 
     empty = DecodeOut(
-        tokens=constrain(jnp.full((n, spec.max_new_tokens), spec.pad_token_id, jnp.int32), ("batch", "length")),
+        tokens=constrain(
+            jnp.full((n, spec.max_new_tokens), spec.pad_token_id, jnp.int32), ("batch", "length")
+        ),
         logprobs=constrain(jnp.zeros((n, spec.max_new_tokens), jnp.float32), ("batch", "length")),
         lengths=jnp.zeros((n,), jnp.int32),
         finished=jnp.zeros((n,), bool),

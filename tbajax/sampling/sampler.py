@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from tbajax.models import CausalLM, ModelConfig
 from tbajax.sampling import core
@@ -209,7 +210,8 @@ class Sampler:
             resp_mask = jnp.arange(config.max_new_tokens)[None, :] < out.lengths[:, None]
             chunk = score_chunk(n, p_len + config.max_new_tokens, cfg.vocab_size, self.batch_shards)
             ref = self._run(
-                ("score", (("rows", n), ("prompt_len", p_len), ("response_len", config.max_new_tokens), ("chunk", chunk))),
+                ("score", (("rows", n), ("prompt_len", p_len),
+                           ("response_len", config.max_new_tokens), ("chunk", chunk))),
                 lambda: _jit_score(self._reference, chunk),
                 self._reference.leaves,
                 self._put(np.repeat(tokens, k, axis=0), ("batch", "length")),
@@ -309,7 +311,9 @@ class Sampler:
         return compiled(*args)
 
 
-def left_pad(prompts: Sequence[np.ndarray], rows: int, length: int, pad: int) -> tuple[np.ndarray, np.ndarray]:
+def left_pad(
+    prompts: Sequence[np.ndarray], rows: int, length: int, pad: int
+) -> tuple[np.ndarray, np.ndarray]:
     """[rows, length] tokens and mask, prompts right-aligned; extra rows hold one pad token
     (masked real, so their attention is well defined; their samples are dropped)."""
     tokens = np.full((rows, length), pad, np.int32)
@@ -343,32 +347,53 @@ class _Params:
 
     graphdef: Any
     treedef: Any
+    paths: list[str]  # one per leaf, e.g. "['layers']['q_proj']"
     leaves: list[jax.Array]
     shardings: list[Any]
 
     @classmethod
-    def from_model(cls, model: CausalLM, mesh: Mesh) -> "_Params":
+    def from_model(cls, model: CausalLM, mesh: Mesh) -> _Params:
         graphdef, state = nnx.split(model)
         leaves, treedef = jax.tree.flatten(state)
         shardings = jax.tree.leaves(
             param_shardings(state, mesh), is_leaf=lambda s: isinstance(s, jax.sharding.Sharding)
         )
-        return cls(graphdef, treedef, _place(leaves, shardings), shardings)
+        paths = list(_flat_by_path(state))
+        if len(paths) != len(leaves):
+            raise ValueError("the model holds state besides its params; the sampler expects params only")
+        return cls(graphdef, treedef, paths, _place(leaves, shardings), shardings)
 
-    def replace(self, model_or_state: CausalLM | nnx.State) -> "_Params":
-        state = nnx.state(model_or_state) if isinstance(model_or_state, nnx.Module) else model_or_state
-        leaves, treedef = jax.tree.flatten(state)
-        if treedef != self.treedef or any(
-            a.shape != b.shape or a.dtype != b.dtype for a, b in zip(leaves, self.leaves)
+    def replace(self, model_or_state: Any) -> _Params:
+        """The same model with new weights: a CausalLM, an nnx.State of its params (e.g. restored
+        from a checkpoint) or the matching pure dict. Matched by param path, shape and dtype."""
+        state = model_or_state
+        if isinstance(state, nnx.Module):
+            state = nnx.state(state, nnx.Param)
+        new = _flat_by_path(state)
+        old = dict(zip(self.paths, self.leaves))
+        if set(new) != set(old) or any(
+            new[k].shape != old[k].shape or new[k].dtype != old[k].dtype for k in old
         ):
+            missing, extra = sorted(set(old) - set(new)), sorted(set(new) - set(old))
             raise ValueError(
                 "new params do not match the sampler's model (different structure, shapes or "
-                "dtypes); build a new Sampler for a different architecture"
+                f"dtypes; missing {missing[:3]}, unexpected {extra[:3]}); build a new Sampler for "
+                "a different architecture"
             )
-        return dataclasses.replace(self, leaves=_place(leaves, self.shardings))
+        return dataclasses.replace(self, leaves=_place([new[k] for k in self.paths], self.shardings))
 
     def model(self, leaves: list[jax.Array]) -> CausalLM:
         return nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, leaves))
+
+
+def _flat_by_path(tree: Any) -> dict[str, Any]:
+    """Leaves keyed by path, with nnx.Variable's own `.value` step dropped (so a State and its
+    pure dict match)."""
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        key = jax.tree_util.keystr(path)
+        out[key.removesuffix(".value")] = leaf
+    return out
 
 
 def _place(leaves: list[Any], shardings: list[Any]) -> list[jax.Array]:

@@ -22,7 +22,7 @@ from tbajax.config import ExperimentConfig
 from tbajax.models import CausalLM, load_model
 from tbajax.sampling import Sampler, SampleOutput, SamplingConfig
 from tbajax.sharding import make_mesh
-from tbajax.stores import ParamReader, TrajectoryWriter, param_store_url, trajectory_store_url
+from tbajax.stores import ParamReader, ParamVersionError, TrajectoryWriter, param_store_url, trajectory_store_url
 from tbajax.system import rundir
 from tbajax.system.metrics import MetricsWriter
 from tbajax.tasks.base import Problem, Task
@@ -58,6 +58,7 @@ class Rollouts:
         searcher_id: int = 0,
         mesh: Any = None,
         reward_pool: Any = None,
+        reference_logprobs: bool = False,
     ):
         self.config = config
         self.tokenizer = tokenizer
@@ -66,8 +67,14 @@ class Rollouts:
         self.reward_pool = reward_pool
         sampling = config.rollout.sampling
         self.param_state = nnx.state(model, nnx.Param)  # shapes/shardings for param restores
+        # The reference is the initial policy: a searcher can score it for free while it would
+        # otherwise wait, sparing the trainer a forward pass (rollout.reference_logprobs).
+        self.reference_logprobs = reference_logprobs
         self.sampler = Sampler(
-            model, mesh=mesh, max_cache_length=config.rollout.max_prompt_tokens + sampling.max_new_tokens
+            model,
+            mesh=mesh,
+            max_cache_length=config.rollout.max_prompt_tokens + sampling.max_new_tokens,
+            reference=_frozen_copy(model) if reference_logprobs else None,
         )
         self._prompt_cache: dict[tuple[str, int], np.ndarray] = {}
         self.stop_ids = set(
@@ -99,11 +106,16 @@ class Rollouts:
         return score_in_process(self.task, completions, answers)
 
     def sample_and_score(
-        self, problems: Sequence[Problem], sampling: SamplingConfig, key: jax.Array, split: str = "train"
+        self,
+        problems: Sequence[Problem],
+        sampling: SamplingConfig,
+        key: jax.Array,
+        split: str = "train",
+        reference: bool = False,
     ) -> tuple[SampleOutput, list[np.ndarray], list[tuple[float, RewardStatus]]]:
         """Sample `sampling.num_samples` completions per problem and grade each one."""
         prompts = [self.encode(p, split) for p in problems]
-        out = self.sampler.sample(prompts, sampling, key)
+        out = self.sampler.sample(prompts, sampling, key, reference_logprobs=reference)
         answers = [problems[int(i)].answer for i in out.prompt_index]
         texts = [self.decode(out.response(i)) for i in range(len(out))]
         return out, prompts, self.score(texts, answers)
@@ -112,7 +124,9 @@ class Rollouts:
         self, problems: Sequence[Problem], key: jax.Array, *, version: int, first_group_id: int
     ) -> list[Trajectory]:
         """K' scored samples for each problem; rows of one problem share one group id."""
-        out, prompts, rewards = self.sample_and_score(problems, self.config.rollout.sampling, key)
+        out, prompts, rewards = self.sample_and_score(
+            problems, self.config.rollout.sampling, key, reference=self.reference_logprobs
+        )
         now = time.time()
         rows = []
         for i, (reward, status) in enumerate(rewards):
@@ -131,6 +145,9 @@ class Rollouts:
                     policy_version=version,
                     searcher_id=self.searcher_id,
                     wall_time=now,
+                    reference_logprobs=None
+                    if out.reference_logprobs is None
+                    else np.asarray(out.reference_logprobs[i, : len(resp)], np.float32),
                 )
             )
         return rows
@@ -186,7 +203,14 @@ def build_rollouts(
     return Rollouts(
         config, model, load_tokenizer_for(config), load_task(config),
         searcher_id=searcher_id, mesh=mesh, reward_pool=reward_pool,
+        reference_logprobs=config.rollout.reference_logprobs,
     )
+
+
+def _frozen_copy(model: CausalLM) -> CausalLM:
+    """A copy with its own buffers: the original's may be donated by a train step (sync mode)."""
+    graphdef, state = nnx.split(model)
+    return nnx.merge(graphdef, jax.tree.map(lambda x: x.copy(), state))
 
 
 def run_searcher(run_dir: Path, searcher_id: int, store_url: str | None = None) -> None:
@@ -208,14 +232,24 @@ def run_searcher(run_dir: Path, searcher_id: int, store_url: str | None = None) 
     calls = tokens = samples = 0
     t_start = time.time()
     log.info("searcher %d: %d train problems in its shard, resuming after %d rows", searcher_id, len(stream.indices), committed)
+    calls_this_version = 0
+    lead_limit = config.rollout.max_calls_per_version
     while not stop():
         latest = params_reader.latest_version()
         if latest is not None and latest > version:
             t0 = time.time()
-            restored = params_reader.restore(latest, params_template.values, params_template.shardings)
+            try:
+                restored = params_reader.restore(latest, params_template.values, params_template.shardings)
+            except ParamVersionError as e:  # collected between pointer read and lease: take the next
+                log.warning("searcher %d: %s; retrying with the newest version", searcher_id, e)
+                continue
             rollouts.set_params(params_template.to_state(restored))
             log.info("searcher %d: loaded params version %d in %.2fs", searcher_id, latest, time.time() - t0)
-            version = latest
+            version, calls_this_version = latest, 0
+        if lead_limit is not None and calls_this_version >= lead_limit:
+            time.sleep(0.02)  # far enough ahead of the trainer: leave the devices to it
+            continue
+        calls_this_version += 1
         t0 = time.time()
         batch = stream.take(config.rollout.prompts_per_call)
         rows = rollouts.generate(

@@ -8,7 +8,6 @@ resume, the final summary.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import time
 import uuid
@@ -40,17 +39,6 @@ log = logging.getLogger(__name__)
 
 def resolve_objective(name: str) -> Any:
     """A registered name, 'package.module:fn', or 'path/to/file.py:fn' (a user's own file)."""
-    path, sep, attr = name.partition(".py:")
-    if sep:
-        file = Path(path + ".py")
-        if not file.exists():
-            raise FileNotFoundError(f"objective file {file} does not exist")
-        spec = importlib.util.spec_from_file_location(f"tbajax_user_objective_{file.stem}", file)
-        module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-        spec.loader.exec_module(module)  # type: ignore[union-attr]
-        if not hasattr(module, attr):
-            raise AttributeError(f"{file} has no function {attr!r}")
-        return get_objective(getattr(module, attr))
     return get_objective(name)
 
 
@@ -142,8 +130,12 @@ def run_trainer(run_dir: Path, *, resume: bool = False, store_url: str | None = 
     source = (
         InlineRollouts(config, run_dir, store, learner, mesh, reward_pool) if config.system.mode == "sync" else StoreTail(store)
     )
+    log.info("trainer: %s, %s objective, %d steps of %d groups x K=%d, mesh %s", config.name,
+             config.train.objective, config.train.steps, config.train.groups_per_step,
+             config.buffer.samples_per_group, dict(mesh.shape))
     if not summary_start:
         acc = evaluator.run(learner.trainer.policy())
+        log.info("eval before training: accuracy %.3f", acc["eval_accuracy"])
         summary_start = {"eval_accuracy_start": acc["eval_accuracy"]}
         metrics.write(learner.step, {**acc, "version": version, "elapsed_s": 0.0})
         rundir.write_status(run_dir, "trainer", {"step": learner.step, "phase": "waiting for data", **acc})
@@ -178,6 +170,10 @@ def run_trainer(run_dir: Path, *, resume: bool = False, store_url: str | None = 
                   "elapsed_s": time.time() - start_time}
         if config.eval.every and step % config.eval.every == 0 and step < config.train.steps:
             record.update(evaluator.run(learner.trainer.policy()))
+            log.info("step %d: eval accuracy %.3f", step, record["eval_accuracy"])
+        if step % 10 == 0:
+            log.info("step %d: loss %.4g reward %.3f lag %.1f buffer %d rows (%.2fs/step)", step, record.get("loss", float("nan")),
+                     record["reward_mean"], record["policy_lag_mean"], record["buffer_rows"], record["step_time_s"])
         if step % config.train.log_every == 0 or "eval_accuracy" in record:
             metrics.write(step, record)
         last = {k: record[k] for k in ("reward_mean", "eval_accuracy") if k in record} | {
@@ -189,6 +185,7 @@ def run_trainer(run_dir: Path, *, resume: bool = False, store_url: str | None = 
             _checkpoint(checkpoints, learner, buffer, summary_start, start_time)
     publisher.wait()
     final = evaluator.run(learner.trainer.policy())
+    log.info("final eval accuracy %.3f after %d steps", final["eval_accuracy"], learner.step)
     checkpoints.wait()
     if checkpoints.latest_step() != learner.step:
         _checkpoint(checkpoints, learner, buffer, summary_start, start_time, force=True)
@@ -226,16 +223,22 @@ def run_trainer(run_dir: Path, *, resume: bool = False, store_url: str | None = 
 class StoreTail:
     """Async data source: new rows from every searcher's store (searchers may appear late)."""
 
+    rediscover_every_s = 5.0  # listing the store directory is cheap, but not free on a bucket
+
     def __init__(self, store: str):
         self.store = store
         self.tailer = Tailer([])
         self.known: set[int] = set()
+        self.last_discovery = -float("inf")
 
     def fill(self, buffer: ReplayBuffer, version: int) -> None:
-        for sid, url in discover_searcher_stores(self.store).items():
-            if sid not in self.known:
-                self.known.add(sid)
-                self.tailer.add_source(TrajectoryReader(url))
+        if time.time() - self.last_discovery > self.rediscover_every_s or not self.known:
+            self.last_discovery = time.time()
+            for sid, url in discover_searcher_stores(self.store).items():
+                if sid not in self.known:
+                    self.known.add(sid)
+                    self.tailer.add_source(TrajectoryReader(url))
+                    log.info("tailing searcher %d's trajectories (%s)", sid, url)
         self.tailer.poll(buffer)
 
 

@@ -10,17 +10,12 @@ taking `(completion: str, answer) -> (reward: float, RewardStatus)`.
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import importlib.util
 import inspect
 import math
-import re
-import sys
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
-from types import ModuleType
 from typing import Any, Protocol
 
+from tbajax.imports import import_object
 from tbajax.tasks.evaluation import accuracy, mean_pass_at_k
 from tbajax.trajectory import RewardStatus
 
@@ -134,45 +129,8 @@ BUILTIN_TASKS: Mapping[str, str] = {
 }
 
 
-USER_MODULE_PREFIX = "tbajax_user_task_"
-
-
-def load_module(where: str) -> ModuleType:
-    """A dotted module name, or a `.py` file loaded under a name derived from its path (reward
-    workers load that file again under the same name, see `tbajax.tasks.reward_pool`)."""
-    if not where.endswith(".py"):
-        return importlib.import_module(where)
-    path = Path(where).expanduser().resolve()
-    if not path.is_file():
-        raise ImportError(f"no Python file at {path}")
-    name = USER_MODULE_PREFIX + re.sub(r"\W", "_", str(path.with_suffix("")))
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot load {path} as a Python module")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # pickling and dataclasses look the module up by name
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    return module
-
-
 def _import_object(path: str) -> Any:
-    where, _, attr = path.rpartition(":")
-    if not where or not attr:
-        raise ValueError(f"task path {path!r} must look like 'package.module:factory' or 'path/to/file.py:factory'")
-    try:
-        module = load_module(where)
-    except ImportError as e:
-        raise ImportError(f"cannot import task module {where!r} (from {path!r}): {e}") from e
-    try:
-        return getattr(module, attr)
-    except AttributeError:
-        raise AttributeError(f"{where!r} has no attribute {attr!r} (from task path {path!r})") from None
+    return import_object(path, "task")
 
 
 def _build(spec: Any, label: str, kwargs: Mapping[str, Any]) -> Task:
