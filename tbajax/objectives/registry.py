@@ -8,19 +8,14 @@ import path string, which also survives a round trip through `config.json`.
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import importlib.util
-import inspect
-import sys
-import typing
 from collections.abc import Callable, Mapping
-from pathlib import Path
-from types import MappingProxyType, ModuleType
+from types import MappingProxyType
 from typing import Any
 
 import jax
 
 from tbajax.batch import Batch
+from tbajax.imports import import_object
 from tbajax.objectives.base import Metrics, Ratio
 from tbajax.objectives.dpo import OnlineDPOConfig, online_dpo
 from tbajax.objectives.policy_gradient import (
@@ -138,51 +133,8 @@ OBJECTIVES: Mapping[str, ObjectiveSpec] = MappingProxyType(
 )
 
 
-def _load_module(where: str) -> ModuleType:
-    """A dotted module name, or a `.py` file path (loaded under a name derived from its path)."""
-    if not where.endswith(".py"):
-        return importlib.import_module(where)
-    path = Path(where).expanduser().resolve()
-    name = "tbajax_user_objective_" + "_".join(path.with_suffix("").parts[1:])
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None or not path.is_file():
-        raise ImportError(f"no Python file at {path}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses in the file look their module up here
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    return module
-
-
 def _import(path: str) -> Any:
-    where, _, attr = path.rpartition(":")
-    try:
-        return getattr(_load_module(where), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(
-            f"cannot import objective {path!r} (expected 'package.module:name' or "
-            f"'path/to/file.py:name'): {e}"
-        ) from e
-
-
-def _config_annotation(fn: Callable[..., Any]) -> type | None:
-    """The dataclass annotated on fn's third parameter, if any."""
-    try:
-        params = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):  # builtins and some C callables have no signature
-        return None
-    if len(params) < 3 or params[2].annotation is inspect.Parameter.empty:
-        return None
-    try:
-        hint = typing.get_type_hints(fn).get(params[2].name)
-    except (NameError, TypeError, AttributeError) as e:
-        raise ValueError(f"cannot resolve the config annotation of objective {fn!r}: {e}") from e
-    return hint if isinstance(hint, type) and dataclasses.is_dataclass(hint) else None
+    return import_object(path, "objective")
 
 
 def get_objective(
