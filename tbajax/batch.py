@@ -35,6 +35,8 @@ class Batch:
     group_id: Array  # [B] int32 in [0, B): rows with equal id are one group
     sample_mask: Array  # [B] bool: False for padding rows (e.g. to fill a micro-batch)
     policy_version: Array  # [B] int32: param version the sample was generated with
+    prompt_id: Array  # [B] int32: the prompt's id in its dataset (0 for padding rows); indexes
+    #   per-prompt trainable tables such as a learned log Z
     beta: Array  # [] f32: KL coefficient at the trainer's current step
 
     @property
@@ -95,6 +97,7 @@ def collate(
     reward = np.zeros((n,), np.float32)
     gid = np.zeros((n,), np.int32)
     version = np.zeros((n,), np.int32)
+    prompt_id = np.zeros((n,), np.int32)
     i = 0
     for g, group in enumerate(groups):
         for t in group:
@@ -110,6 +113,7 @@ def collate(
             reward[i] = t.reward
             gid[i] = g
             version[i] = t.policy_version
+            prompt_id[i] = _int32_id(t.prompt_id)
             i += 1
     sample_mask = np.arange(n) < len(rows)
     gid[len(rows) :] = np.arange(len(groups), len(groups) + n - len(rows))  # padding: own groups
@@ -125,5 +129,14 @@ def collate(
         group_id=gid,
         sample_mask=sample_mask,
         policy_version=version,
+        prompt_id=prompt_id,
         beta=np.float32(beta),
     )
+
+
+def _int32_id(prompt_id: int) -> int:
+    if not np.iinfo(np.int32).min <= prompt_id <= np.iinfo(np.int32).max:
+        raise ValueError(
+            f"prompt_id {prompt_id} does not fit in int32; number the dataset's prompts 0, 1, 2, ..."
+        )
+    return int(prompt_id)

@@ -211,7 +211,7 @@ def test_smollm2_countdown_is_cpu_sized():
     assert Path(c.model.checkpoint).is_absolute()  # the converted GGUF, outside the repo
     assert (c.task.name, c.task.chat_template, c.train.objective) == ("countdown", True, "tb")
     assert c.system.num_searchers == 1 and c.rollout.prompts_per_call <= 8
-    assert c.rollout.sampling.num_samples <= 8 and c.rollout.sampling.max_new_tokens <= 96
+    assert c.rollout.sampling.num_samples <= 16 and c.rollout.sampling.max_new_tokens <= 96
 
 
 # ------------------------------------------------------------------------------ building the objects

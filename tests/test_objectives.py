@@ -88,9 +88,10 @@ def build(rows: list[Row], beta: float, seed: int = 0):
         group_id=jnp.asarray([r.gid for r in rows], jnp.int32),
         sample_mask=jnp.asarray([r.real for r in rows]),
         policy_version=jnp.zeros((B,), jnp.int32),
+        prompt_id=jnp.asarray([r.pid for r in rows], jnp.int32),
         beta=jnp.asarray(beta, jnp.float64),
     )
-    return batch, jnp.asarray(lp), jnp.asarray([r.pid for r in rows], jnp.int32)
+    return batch, jnp.asarray(lp), batch.prompt_id
 
 
 def random_group(k: int, gid: int, rng, pid: int = 0) -> list[Row]:

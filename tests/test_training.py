@@ -36,7 +36,11 @@ from tbajax.training import (
     TrainerConfig,
     abstract_train_state,
     beta_at,
+    aux_adam_update,
+    aux_rows_touched,
+    init_aux_opt_state,
     init_train_state,
+    initial_aux,
     learning_rate,
     make_train_step,
     raise_on_bad_step,
@@ -53,6 +57,8 @@ MODEL = ModelConfig(
 # groups by explicit id, not contiguous numbering; the last row is padding (its own group)
 GROUP_IDS = np.array([5, 5, 1, 1, 7, 7, 3, 0], np.int32)
 SAMPLE_MASK = np.array([1, 1, 1, 1, 1, 1, 1, 0], bool)
+# prompt 2 has two groups (ids 5 and 7); padding rows carry prompt id 0
+PROMPT_IDS = np.array([2, 2, 9, 9, 2, 2, 4, 0], np.int32)
 
 
 def vargrad_tb(batch: Batch, logprobs, config=None):
@@ -91,6 +97,7 @@ def make_batch(seed: int, rows: int = 8, seq: int = 16) -> Batch:
         group_id=GROUP_IDS[:rows] if rows == 8 else (np.arange(rows) // 2).astype(np.int32),
         sample_mask=SAMPLE_MASK[:rows] if rows == 8 else np.ones(rows, bool),
         policy_version=np.zeros(rows, np.int32),
+        prompt_id=PROMPT_IDS[:rows] if rows == 8 else np.zeros(rows, np.int32),
         beta=np.float32(0.5),
     )
 
@@ -390,10 +397,171 @@ def test_trainer_with_registered_tb_matches_hand_written(single_device_run):
         assert m["loss"] == pytest.approx(single_device_run[1][u - 1]["loss"], rel=1e-5)
         assert m["grad_norm"] == pytest.approx(single_device_run[1][u - 1]["grad_norm"], rel=1e-5)
     assert trainer.updates_applied == 2
+    assert trainer.state.aux is None and trainer.state.aux_opt_state is None
+    assert "aux_grad_norm" not in m
     assert_trees_close(trainer.state.params, single_device_run[0].params)
     with pytest.raises(ValueError, match="num_microbatches=3"):
         three = dataclasses.replace(ACCUM_CONFIG, num_microbatches=3)
         Trainer(fresh_model(), three, "tb").step(make_batch(0))
+
+
+# ----------------------------------------------------------------------------- learned log Z
+
+# aux lr = 1e-8 x 1e7 = 0.1 for 20 updates, then cosine to 0 over 20; the policy moves by
+# ~1e-8 per weight and update, so S − R stays ~0 and each log Z target stays put. Short Adam
+# memories (b1 0.5, b2 0.9): with the defaults log Z overshoots and comes back slowly
+LOGZ_CONFIG = TrainerConfig(
+    optimizer=OptimizerConfig(
+        lr=LRSchedule("wsd", peak=1e-8, stable_steps=20, decay_steps=20), b1=0.5, b2=0.9,
+        max_grad_norm=1.0,
+    ),
+    compute_dtype="float32",
+    aux_table_size=12,
+)
+LOGZ_STEPS, LOGZ_SAVE_AT, LOGZ_INIT = 40, 38, 0.5
+# β = 0.5; rows by group 5, 5 | 1, 1 | 7, 7 | 3 | padding, prompts 2, 2 | 9, 9 | 2, 2 | 4 | 0
+LOGZ_REWARD = np.array([1, 1, 0, 1, 1, 0, 1, 0], np.float32)
+LOGZ_TARGET = {2: 1.5, 9: 1.0, 4: 2.0}  # −mean(S − R − r/β) per prompt with S = R: mean r / β
+
+
+def logz_batch() -> Batch:
+    return dataclasses.replace(make_batch(0), reward=LOGZ_REWARD)
+
+
+@pytest.fixture(scope="module")
+def logz_run(tmp_path_factory):
+    """tb_learned_logz through Trainer on one fixed batch; the table after every update, and a
+    checkpoint at update LOGZ_SAVE_AT."""
+    from tbajax.objectives import LearnedLogZConfig
+
+    objective_config = LearnedLogZConfig(aux_lr_scale=1e7, init_log_z=LOGZ_INIT)
+    trainer = Trainer(fresh_model(), LOGZ_CONFIG, "tb_learned_logz", objective_config,
+                      compiler_options=FAST_COMPILE)
+    # committed to a device like a restored state, so the resume test reuses this compilation
+    trainer.state = jax.device_put(trainer.state, jax.devices()[0])
+    ckpt = Checkpointer(tmp_path_factory.mktemp("logz") / "ckpt", max_to_keep=None)
+    batch = logz_batch()
+    tables, metrics = [np.array(trainer.state.aux["log_z"])], []
+    for u in range(1, LOGZ_STEPS + 1):
+        metrics.append(trainer.step(batch))
+        tables.append(np.array(trainer.state.aux["log_z"]))
+        if u == 1:
+            first_count = np.array(trainer.state.aux_opt_state.count)
+        if u == LOGZ_SAVE_AT:
+            ckpt.save(trainer.state)
+    ckpt.wait()
+    yield trainer, objective_config, ckpt, np.stack(tables), metrics, first_count
+    ckpt.close()
+
+
+def test_learned_logz_one_step_moves_only_the_batch_prompts(logz_run):
+    """Update 1 by hand: S = R (the reference is the initial policy), so δ = −r/β ∈ {0, −2} and
+    log Z + δ ∈ {0.5, −1.5}; the loss is the mean over 4 groups of mean (log Z + δ)²:
+    (2.25 + 1.25 + 1.25 + 2.25)/4 = 1.75, and ∂/∂log Z_p = (1/4) Σ_{groups of p} 2 (log Z + δ̄)
+    = −1.0, −0.25, −0.75 for prompts 2, 9, 4. Adam's first step is lr · g/(|g| + eps): each
+    of those rows moves up by the aux lr, 0.1; no other row moves."""
+    _, _, _, tables, metrics, count = logz_run
+    touched = np.isin(np.arange(12), [2, 4, 9])
+    grads = {2: -1.0, 9: -0.25, 4: -0.75}
+    m = metrics[0]
+    assert m["loss"] == pytest.approx(1.75, rel=1e-5)
+    assert m["aux_grad_norm"] == pytest.approx(math.sqrt(sum(g * g for g in grads.values())), rel=1e-5)
+    assert m["log_z"] == pytest.approx(LOGZ_INIT) and m["log_z_gap"] == pytest.approx(-1.0, rel=1e-5)
+    assert m["lr"] == pytest.approx(1e-8)
+    assert np.all(tables[0] == LOGZ_INIT)
+    for p, g in grads.items():
+        # (rel 1e-5: Adam's bias correction 1 − b2 loses digits in float32, in optax too)
+        assert tables[1][p] - LOGZ_INIT == pytest.approx(0.1 * abs(g) / (abs(g) + 1e-8), rel=1e-5)
+    assert np.all(tables[1][~touched] == LOGZ_INIT)  # prompt 0 too: the padding row's id
+    assert count.tolist() == touched.astype(int).tolist()
+    # rows outside the batch never move, not even on momentum, over the whole run
+    assert np.all(tables[:, ~touched] == LOGZ_INIT)
+
+
+def test_learned_logz_converges_to_the_vargrad_estimate(logz_run):
+    trainer, _, _, tables, metrics, _ = logz_run
+    # the policy stayed at the reference (S − R ≈ 0), so the targets are mean r / β
+    assert max(abs(m["kl"]) for m in metrics) < 1e-3
+    for p, target in LOGZ_TARGET.items():
+        gaps = np.abs(tables[:, p] - target)
+        first = round(abs(target - LOGZ_INIT) / 0.1)  # updates to get there at lr 0.1
+        assert np.all(np.diff(gaps[:first]) < 0)  # straight toward it at first
+        assert gaps[-1] < 3e-3, (p, tables[-5:, p], target)
+    # the step's own gap, against the exact −δ̄ of the current policy
+    assert abs(metrics[-1]["log_z_gap"]) < 2e-3
+    assert np.asarray(trainer.state.aux_opt_state.count)[[2, 4, 9]].tolist() == [LOGZ_STEPS] * 3
+
+
+def test_learned_logz_checkpoint_resume_is_bit_exact(logz_run):
+    trainer, objective_config, ckpt, tables, _, _ = logz_run
+    want = host(trainer.state)
+    assert int(want.step) == LOGZ_STEPS
+    abstract_model = nnx.eval_shape(lambda: CausalLM(MODEL, rngs=nnx.Rngs(0)))
+    aux = jax.eval_shape(lambda: initial_aux("tb_learned_logz", objective_config, LOGZ_CONFIG))
+    _, target = abstract_train_state(abstract_model, LOGZ_CONFIG, aux=aux)
+    restored, _ = ckpt.restore(target, step=LOGZ_SAVE_AT)
+    assert np.array_equal(np.asarray(restored.aux["log_z"]), tables[LOGZ_SAVE_AT])
+    assert np.asarray(restored.aux_opt_state.count)[2] == LOGZ_SAVE_AT
+    trainer.state = restored
+    for _ in range(LOGZ_STEPS - LOGZ_SAVE_AT):
+        trainer.step(logz_batch())
+    got = leaves(trainer.state)
+    assert len(got) == len(leaves(want))
+    assert all(np.array_equal(a, b) for a, b in zip(got, leaves(want)))
+
+
+def test_learned_logz_bad_prompt_ids_and_table_size_error_clearly(logz_run):
+    trainer = logz_run[0]
+    before = trainer.updates_applied
+    for bad_id in (12, -1):
+        pid = PROMPT_IDS.copy()
+        pid[3] = bad_id
+        with pytest.raises(ValueError, match=r"outside the aux table \[0, 12\).*aux_table_size"):
+            trainer.step(dataclasses.replace(logz_batch(), prompt_id=pid))
+    assert trainer.updates_applied == before
+    with pytest.raises(ValueError, match="aux_table_size"):
+        Trainer(fresh_model(), dataclasses.replace(LOGZ_CONFIG, aux_table_size=0), "tb_learned_logz")
+
+
+def test_aux_adam_matches_optax_adam_row_by_row():
+    """Each row is its own Adam stepping only when touched; the others keep their moments."""
+    config = OptimizerConfig(b1=0.8, b2=0.9, eps=1e-3)
+    rng = np.random.default_rng(0)
+    touched = np.array([[1, 0, 1], [0, 0, 1], [1, 0, 1]], bool)  # 3 updates x 3 rows
+    grads = rng.normal(size=(3, 3, 2)).astype(np.float32)  # a leaf [N=3, 2]
+    aux = {"w": jnp.zeros((3, 2))}
+    state = init_aux_opt_state(aux)
+    ours = jax.jit(functools.partial(aux_adam_update, config=config))
+    adam = optax.scale_by_adam(b1=0.8, b2=0.9, eps=1e-3)
+    theirs = jax.jit(adam.update)
+    row_states = [adam.init(jnp.zeros(2)) for _ in range(3)]
+    for u in range(3):
+        upd, state = ours({"w": jnp.asarray(grads[u])}, state, jnp.asarray(touched[u]))
+        for r in range(3):
+            if touched[u, r]:
+                want, row_states[r] = theirs(jnp.asarray(grads[u, r]), row_states[r])
+                np.testing.assert_allclose(upd["w"][r], want, rtol=1e-6)
+            else:
+                assert np.all(np.asarray(upd["w"][r]) == 0)
+    assert np.asarray(state.count).tolist() == [2, 0, 3]
+    assert np.all(np.asarray(state.mu["w"][1]) == 0)
+    hits = aux_rows_touched(jnp.array([4, 1, 1, 0]), jnp.array([True, True, True, False]), 5)
+    assert np.asarray(hits).tolist() == [False, True, False, False, True]  # padding's id 0: no
+
+
+def test_collate_fills_prompt_id():
+    from tbajax.batch import collate
+    from tbajax.trajectory import Trajectory
+
+    def traj(pid):
+        return Trajectory(prompt_id=pid, group_id=0, prompt_tokens=np.array([5, 6]),
+                          response_tokens=np.array([7]), behavior_logprobs=np.array([-1.0]), reward=1.0)
+
+    batch = collate([[traj(1_000_000)] * 2, [traj(3)] * 2], beta=0.1, num_rows=6)
+    assert batch.prompt_id.dtype == np.int32
+    assert batch.prompt_id.tolist() == [1_000_000, 1_000_000, 3, 3, 0, 0]
+    with pytest.raises(ValueError, match="does not fit in int32"):
+        collate([[traj(2**31)]], beta=0.1)
 
 
 # ----------------------------------------------------------------------------- checkpoints

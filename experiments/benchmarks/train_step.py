@@ -97,7 +97,8 @@ def run_jax(ckpt: str, rows: int, seq: int, repeats: int, precision: str) -> dic
             tokens=b["tokens"], attention_mask=b["attention_mask"], loss_mask=b["loss_mask"],
             behavior_logprobs=zeros, reference_logprobs=zeros, reward=b["reward"],
             group_id=b["group_id"], sample_mask=np.ones(rows, bool),
-            policy_version=np.zeros(rows, np.int32), beta=np.float32(BETA),
+            policy_version=np.zeros(rows, np.int32), prompt_id=np.zeros(rows, np.int32),
+            beta=np.float32(BETA),
         )
     )
     step = make_train_step(graphdef, config, "tb")

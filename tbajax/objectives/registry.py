@@ -8,6 +8,8 @@ import path string, which also survives a round trip through `config.json`.
 from __future__ import annotations
 
 import dataclasses
+import typing
+import inspect
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
@@ -135,6 +137,21 @@ OBJECTIVES: Mapping[str, ObjectiveSpec] = MappingProxyType(
 
 def _import(path: str) -> Any:
     return import_object(path, "objective")
+
+
+def _config_annotation(fn: Callable[..., Any]) -> type | None:
+    """The dataclass annotated on fn's third parameter, if any."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # builtins and some C callables have no signature
+        return None
+    if len(params) < 3 or params[2].annotation is inspect.Parameter.empty:
+        return None
+    try:
+        hint = typing.get_type_hints(fn).get(params[2].name)
+    except (NameError, TypeError, AttributeError) as e:
+        raise ValueError(f"cannot resolve the config annotation of objective {fn!r}: {e}") from e
+    return hint if isinstance(hint, type) and dataclasses.is_dataclass(hint) else None
 
 
 def get_objective(

@@ -7,15 +7,23 @@
     metrics = raise_on_bad_step(out, update)  # NonFiniteLossError: the update was not applied
 
 `Trainer` wraps exactly that with the host-side checks; `Checkpointer` saves and restores states.
+An objective with per-prompt trainable params (`tb_learned_logz`) needs
+`TrainerConfig(aux_table_size=number of prompt ids)` and a state built with
+`init_train_state(model, config, mesh, aux=initial_aux("tb_learned_logz", objective_config, config))`
+(`Trainer` does this); the table is `state.aux`, e.g. `state.aux["log_z"][prompt_id]`.
 """
 
 from tbajax.training.checkpoint import Checkpointer
 from tbajax.training.config import BetaSchedule, LRSchedule, OptimizerConfig, TrainerConfig
 from tbajax.training.schedules import beta_at, learning_rate
 from tbajax.training.state import (
+    AuxAdamState,
     TrainState,
     abstract_state,
     abstract_train_state,
+    aux_adam_update,
+    aux_rows_touched,
+    init_aux_opt_state,
     init_train_state,
     make_optimizer,
     reset_reference,
@@ -30,6 +38,7 @@ from tbajax.training.step import (
     Trainer,
     accumulate_gradients,
     batch_shardings,
+    initial_aux,
     make_train_step,
     raise_on_bad_step,
     sequence_logprobs,
@@ -37,6 +46,7 @@ from tbajax.training.step import (
 )
 
 __all__ = [
+    "AuxAdamState",
     "BetaSchedule",
     "Checkpointer",
     "LRSchedule",
@@ -50,9 +60,13 @@ __all__ = [
     "abstract_state",
     "abstract_train_state",
     "accumulate_gradients",
+    "aux_adam_update",
+    "aux_rows_touched",
     "batch_shardings",
     "beta_at",
+    "init_aux_opt_state",
     "init_train_state",
+    "initial_aux",
     "learning_rate",
     "make_optimizer",
     "make_train_step",

@@ -132,6 +132,11 @@ class TrainerConfig:
       (TBA′: 50), also re-initialising the Adam moments when `reset_optimizer_on_reference_reset`.
     param_dtype / compute_dtype: master weights and optimizer state in param_dtype, forward and
       backward in compute_dtype (default fp32 master + bf16 compute; "float32" twice = pure fp32).
+    aux_table_size: for objectives with per-prompt trainable params (`tb_learned_logz`), the
+      number of distinct prompt ids, i.e. the largest `batch.prompt_id` + 1 (ids index the table
+      directly; a batch with an id outside [0, size) is refused on the host). The table and its
+      Adam state are dense and replicated on every device: 16 bytes per entry, fine up to a few
+      million ids (a 1e6-problem generated task costs 16 MB). Unused by other objectives.
     """
 
     optimizer: OptimizerConfig = OptimizerConfig()
@@ -144,6 +149,7 @@ class TrainerConfig:
     param_dtype: str = "float32"
     compute_dtype: str = "bfloat16"
     seed: int = 0
+    aux_table_size: int = 0
 
     def __post_init__(self) -> None:
         if self.temperature <= 0:
@@ -160,6 +166,8 @@ class TrainerConfig:
                     "reference_reset_every needs compute_reference_logprobs=True: with reference "
                     "log-probs taken from the batch the trainer holds no reference to reset"
                 )
+        if self.aux_table_size < 0:
+            raise ValueError(f"aux_table_size must be >= 0, got {self.aux_table_size}")
         for name in ("param_dtype", "compute_dtype"):
             if getattr(self, name) not in _DTYPES:
                 raise ValueError(f"{name}={getattr(self, name)!r}; choose one of {_DTYPES}")

@@ -4,13 +4,17 @@ The policy Module is split once (`nnx.split`) into a static graphdef and its Par
 states travel through `jax.jit` (plain jit over Modules loses tied weights, and re-traces the
 graph). Params keep their `nnx.Param` wrappers, so the `logical_axes` metadata that decides their
 sharding stays with them, and with the optimizer moments optax builds in their image.
+
+Objectives with trainable per-prompt params (a learned log Z table, see `ObjectiveSpec.init_aux`)
+add `aux` and its own optimizer state `aux_opt_state` (`AuxAdamState`); for every other objective
+both are None and the step does exactly what it did without them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +27,7 @@ from tbajax.sharding import named_sharding
 from tbajax.training.config import OptimizerConfig, TrainerConfig
 
 Array = jax.Array
+PyTree = Any
 
 
 @jax.tree_util.register_dataclass
@@ -34,7 +39,8 @@ class TrainState:
     key (raw, not typed, so it saves and restores as a plain array); update u draws from
     `update_key(state)` = fold_in(rng, step), so a restored run continues the same stream
     without the key having to change. ref_params: the frozen reference policy, or None when
-    reference log-probs come with the batch.
+    reference log-probs come with the batch. aux / aux_opt_state: the objective's per-prompt
+    trainable table (leading axis = prompt id) and its `AuxAdamState`, or None (no aux).
     """
 
     params: nnx.State
@@ -42,6 +48,16 @@ class TrainState:
     ref_params: nnx.State | None
     step: Array
     rng: Array
+    aux: PyTree | None = None
+    aux_opt_state: AuxAdamState | None = None
+
+
+class AuxAdamState(NamedTuple):
+    """Adam moments of an aux table, with one step count per table row (prompt id)."""
+
+    count: Array  # [N] int32: updates this row has received
+    mu: PyTree
+    nu: PyTree
 
 
 def update_key(state: TrainState) -> Array:
@@ -60,6 +76,63 @@ def make_optimizer(config: OptimizerConfig) -> optax.GradientTransformation:
     if config.weight_decay:
         parts.append(optax.add_decayed_weights(config.weight_decay))
     return optax.chain(*parts)
+
+
+def aux_table_size(aux: PyTree) -> int:
+    """N, the leading axis every leaf of an aux table shares (one entry per prompt id)."""
+    sizes = {x.shape[0] if x.ndim else None for x in jax.tree.leaves(aux)}
+    if len(sizes) != 1 or None in sizes:
+        raise ValueError(
+            f"every aux leaf needs the same leading axis (one entry per prompt id), got leading "
+            f"sizes {sorted(sizes, key=str)}"
+        )
+    return sizes.pop()
+
+
+def init_aux_opt_state(aux: PyTree) -> AuxAdamState:
+    return AuxAdamState(
+        count=jnp.zeros((aux_table_size(aux),), jnp.int32),
+        mu=jax.tree.map(jnp.zeros_like, aux),
+        nu=jax.tree.map(jnp.zeros_like, aux),
+    )
+
+
+def aux_rows_touched(prompt_id: Array, sample_mask: Array, size: int) -> Array:
+    """[size] bool: the table rows a batch trains (prompt ids of its real rows)."""
+    hits = jax.ops.segment_sum(sample_mask.astype(jnp.int32), prompt_id, num_segments=size)
+    return hits > 0
+
+
+def aux_adam_update(
+    grads: PyTree, state: AuxAdamState, touched: Array, config: OptimizerConfig
+) -> tuple[PyTree, AuxAdamState]:
+    """(Adam direction, new state) for an aux table, stepping only the `touched` rows.
+
+    Each row is its own Adam (b1, b2, eps of `config`; no weight decay: decay would pull log Z
+    to 0) that moves only when its prompt is in the batch. Plain dense Adam over the table would
+    keep moving rows absent from the batch on stale momentum, and bias-correct a row first seen
+    at update 500 with the global count (a first step ~2x too large, then ~10 more in the same
+    direction). A touched row's update equals `optax.scale_by_adam`'s at the row's own count.
+    """
+    b1, b2, eps = config.b1, config.b2, config.eps
+    count = state.count + touched.astype(jnp.int32)
+    n = jnp.maximum(count, 1).astype(jnp.float32)  # untouched rows at count 0 are masked out
+
+    def per_row(x: Array, leaf: Array) -> Array:  # [N] -> broadcastable against leaf [N, ...]
+        return x.reshape(x.shape + (1,) * (leaf.ndim - 1))
+
+    def moment(decay: float, m: Array, g: Array) -> Array:
+        return jnp.where(per_row(touched, g), decay * m + (1 - decay) * g, m)
+
+    mu = jax.tree.map(lambda m, g: moment(b1, m, g), state.mu, grads)
+    nu = jax.tree.map(lambda v, g: moment(b2, v, g * g), state.nu, grads)
+
+    def direction(m: Array, v: Array) -> Array:
+        m_hat = m / per_row(1 - b1**n, m).astype(m.dtype)
+        v_hat = v / per_row(1 - b2**n, v).astype(v.dtype)
+        return jnp.where(per_row(touched, m), m_hat / (jnp.sqrt(v_hat) + eps), 0.0).astype(m.dtype)
+
+    return jax.tree.map(direction, mu, nu), AuxAdamState(count=count, mu=mu, nu=nu)
 
 
 def split_policy(model: nnx.Module, config: TrainerConfig) -> tuple[nnx.GraphDef, nnx.State]:
@@ -92,37 +165,42 @@ def split_policy(model: nnx.Module, config: TrainerConfig) -> tuple[nnx.GraphDef
 
 
 def init_train_state(
-    model: nnx.Module, config: TrainerConfig, mesh: Mesh | None = None
+    model: nnx.Module, config: TrainerConfig, mesh: Mesh | None = None, *, aux: PyTree | None = None
 ) -> tuple[nnx.GraphDef, TrainState]:
     """Split `model` and build step 0 of training (reference = a copy of the initial policy).
 
-    With `mesh`, every array is created directly in its target sharding (`state_shardings`).
+    aux: the objective's initial per-prompt table (`tbajax.training.initial_aux`), or None; it
+    gets its own `AuxAdamState`. With `mesh`, every array is created directly in its target
+    sharding (`state_shardings`; the aux table is replicated).
     """
     graphdef, params = split_policy(model, config)
+    if aux is not None:
+        aux_table_size(aux)  # one leading axis for all leaves, or a clear error
     build = functools.partial(
         _new_state, optimizer=config.optimizer, with_reference=config.compute_reference_logprobs
     )
     seed = jnp.asarray(config.seed, jnp.uint32)
     if mesh is None:
-        return graphdef, _build_state(params, seed, config.optimizer, config.compute_reference_logprobs)
-    shardings = state_shardings(jax.eval_shape(build, params, seed), mesh)
+        return graphdef, _build_state(params, seed, aux, config.optimizer, config.compute_reference_logprobs)
+    shardings = state_shardings(jax.eval_shape(build, params, seed, aux), mesh)
     params = jax.device_put(params, shardings.params)
-    return graphdef, jax.jit(build, out_shardings=shardings)(params, seed)
+    return graphdef, jax.jit(build, out_shardings=shardings)(params, seed, aux)
 
 
 def abstract_train_state(
-    model: nnx.Module, config: TrainerConfig, mesh: Mesh | None = None
+    model: nnx.Module, config: TrainerConfig, mesh: Mesh | None = None, *, aux: PyTree | None = None
 ) -> tuple[nnx.GraphDef, TrainState]:
     """(graphdef, state of ShapeDtypeStructs with shardings): a restore target, built for free.
 
     `model` may be abstract (`nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0)))`), so a
-    restart never materialises a throwaway state. Without a mesh, arrays go to the first device.
+    restart never materialises a throwaway state. `aux` (concrete or abstract) as in
+    `init_train_state`. Without a mesh, arrays go to the first device.
     """
     graphdef, params = split_policy(model, config)
     build = functools.partial(
         _new_state, optimizer=config.optimizer, with_reference=config.compute_reference_logprobs
     )
-    abstract = jax.eval_shape(build, params, jax.ShapeDtypeStruct((), jnp.uint32))
+    abstract = jax.eval_shape(build, params, jax.ShapeDtypeStruct((), jnp.uint32), aux)
     if mesh is None:
         one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         shardings = jax.tree.map(lambda _: one, abstract)
@@ -136,7 +214,7 @@ def abstract_train_state(
 
 
 def _new_state(
-    params: nnx.State, seed: Array, optimizer: OptimizerConfig, with_reference: bool
+    params: nnx.State, seed: Array, aux: PyTree | None, optimizer: OptimizerConfig, with_reference: bool
 ) -> TrainState:
     # copies: the state is donated to the step, so it must not share buffers with the model
     return TrainState(
@@ -145,10 +223,12 @@ def _new_state(
         ref_params=jax.tree.map(jnp.copy, params) if with_reference else None,
         step=jnp.zeros((), jnp.int32),
         rng=jax.random.PRNGKey(seed),
+        aux=None if aux is None else jax.tree.map(jnp.copy, aux),
+        aux_opt_state=None if aux is None else init_aux_opt_state(aux),
     )
 
 
-_build_state = jax.jit(_new_state, static_argnums=(2, 3))
+_build_state = jax.jit(_new_state, static_argnums=(3, 4))
 
 
 def state_shardings(state: Any, mesh: Mesh) -> Any:
@@ -178,13 +258,17 @@ def abstract_state(state: Any) -> Any:
 def reset_reference(state: TrainState, tx: optax.GradientTransformation, reset_moments: bool) -> TrainState:
     """The reference becomes a copy of the current policy (TBA′ every ρ steps).
 
-    reset_moments re-initialises the optimizer state (Adam moments and bias-correction count),
-    like building a fresh torch optimizer; the learning-rate schedule follows `step`, so it goes on.
+    reset_moments re-initialises the optimizer state (Adam moments and bias-correction count, the
+    aux table's too: a new reference moves every log Z target), like building a fresh torch
+    optimizer; the learning-rate schedule follows `step`, so it goes on. The aux table is kept.
     """
     if state.ref_params is None:
         raise ValueError("this state keeps no reference params (compute_reference_logprobs=False)")
-    opt_state = tx.init(state.params) if reset_moments else state.opt_state
-    return dataclasses.replace(state, ref_params=jax.tree.map(jnp.copy, state.params), opt_state=opt_state)
+    new = dataclasses.replace(state, ref_params=jax.tree.map(jnp.copy, state.params))
+    if not reset_moments:
+        return new
+    aux_opt = None if state.aux is None else init_aux_opt_state(state.aux)
+    return dataclasses.replace(new, opt_state=tx.init(state.params), aux_opt_state=aux_opt)
 
 
 def _is_var(x: Any) -> bool:

@@ -10,6 +10,13 @@ A non-finite loss or gradient norm never reaches the params: inside the step the
 branch taken only when loss and gradient norm are finite (else the old state comes back), and
 the host raises `NonFiniteLossError` naming the update and the groups whose inputs or
 log-probs are non-finite.
+
+Objectives with per-prompt aux params (`tb_learned_logz`'s log Z table, `TrainState.aux`):
+the loss is differentiated with respect to params and aux together; each row reads its table
+entry by `batch.prompt_id`. The aux table has its own per-row Adam (`aux_adam_update`) at
+lr(step) × `objective_config.aux_lr_scale`; gradient clipping (`max_grad_norm`) looks at the
+params' global norm only and never scales the aux gradient (log Z has to travel ~r/β, and its
+gradient is large exactly when it lags). Without aux nothing of this is traced.
 """
 
 from __future__ import annotations
@@ -28,11 +35,15 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tbajax.batch import Batch, token_logprobs
 from tbajax.objectives.base import Max, Metrics, Min, Ratio, combine_metrics
+from tbajax.objectives.registry import ObjectiveSpec, gather_aux, get_objective
 from tbajax.sharding import LOGICAL_RULES, constrain
 from tbajax.training.config import TrainerConfig
 from tbajax.training.schedules import beta_at, learning_rate
 from tbajax.training.state import (
     TrainState,
+    aux_adam_update,
+    aux_rows_touched,
+    aux_table_size,
     init_train_state,
     make_optimizer,
     reset_reference,
@@ -40,6 +51,7 @@ from tbajax.training.state import (
 )
 
 Array = jax.Array
+PyTree = Any
 Objective = Callable[[Batch, Array, Any], tuple[Ratio, Metrics]]
 
 
@@ -104,7 +116,7 @@ def _rows_finite(batch: Batch, logprobs: Array) -> Array:
 
 
 def _microbatch_loss(
-    params: nnx.State,
+    trainable: tuple[nnx.State, PyTree | None],
     ref_params: nnx.State | None,
     batch: Batch,
     *,
@@ -113,14 +125,19 @@ def _microbatch_loss(
     objective_config: Any,
     config: TrainerConfig,
 ) -> tuple[Array, tuple[Array, Metrics, Array]]:
-    """(loss sum, (loss count, metrics, row_finite)): the sum is what gets differentiated."""
+    """(loss sum, (loss count, metrics, row_finite)): the sum is what gets differentiated,
+    with respect to `trainable` = (params, aux table or None)."""
+    params, aux = trainable
     logprobs = sequence_logprobs(graphdef, params, batch, config.temperature)
     if config.compute_reference_logprobs:
         ref = sequence_logprobs(graphdef, jax.lax.stop_gradient(ref_params), batch, config.temperature)
         batch = dataclasses.replace(
             batch, reference_logprobs=jnp.where(batch.loss_mask, jax.lax.stop_gradient(ref), 0.0)
         )
-    loss, metrics = objective(batch, logprobs, objective_config)
+    if aux is None:
+        loss, metrics = objective(batch, logprobs, objective_config)
+    else:
+        loss, metrics = objective(batch, logprobs, objective_config, gather_aux(aux, batch.prompt_id))
     row_ok = _rows_finite(batch, jax.lax.stop_gradient(logprobs))
     return loss.total, (jax.lax.stop_gradient(loss.count), metrics, row_ok)
 
@@ -188,8 +205,10 @@ def accumulate_gradients(
     objective: Objective,
     objective_config: Any,
     config: TrainerConfig,
-) -> tuple[Any, Array, Array, Metrics, Array]:
-    """(Σ grad of loss sums, Σ loss sums, Σ counts, combined metrics, row_finite [B])."""
+    aux: PyTree | None = None,
+) -> tuple[tuple[Any, PyTree | None], Array, Array, Metrics, Array]:
+    """((Σ grads of params, Σ grads of aux or None), Σ loss sums, Σ counts, combined metrics,
+    row_finite [B]). `aux` is the objective's per-prompt table (None: the objective has none)."""
     loss_fn = functools.partial(
         _microbatch_loss,
         graphdef=graphdef,
@@ -198,17 +217,18 @@ def accumulate_gradients(
         config=config,
     )
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    trainable = (params, aux)
     m = config.num_microbatches
     mbs = split_microbatches(batch, m)
     if m == 1:
         mb = jax.tree.map(lambda x: x[0], mbs)
-        (total, (count, metrics, row_ok)), grads = grad_fn(params, ref_params, mb)
+        (total, (count, metrics, row_ok)), grads = grad_fn(trainable, ref_params, mb)
         return grads, total, count, metrics, row_ok
 
     first = jax.tree.map(lambda x: x[0], mbs)
-    (total_s, (count_s, metric_s, _)), _ = jax.eval_shape(grad_fn, params, ref_params, first)
+    (total_s, (count_s, metric_s, _)), _ = jax.eval_shape(grad_fn, trainable, ref_params, first)
     carry0 = (
-        jax.tree.map(jnp.zeros_like, params),
+        jax.tree.map(jnp.zeros_like, trainable),
         jnp.zeros(total_s.shape, total_s.dtype),
         jnp.zeros(count_s.shape, count_s.dtype),
         _identity_metrics(metric_s),
@@ -216,7 +236,7 @@ def accumulate_gradients(
 
     def body(carry: Any, mb: Batch) -> tuple[Any, Array]:
         g_acc, t_acc, c_acc, m_acc = carry
-        (total, (count, metrics, row_ok)), grads = grad_fn(params, ref_params, mb)
+        (total, (count, metrics, row_ok)), grads = grad_fn(trainable, ref_params, mb)
         g_acc = jax.tree.map(jnp.add, g_acc, grads)
         return (g_acc, t_acc + total, c_acc + count, combine_metrics(m_acc, metrics)), row_ok
 
@@ -236,13 +256,25 @@ def train_step(
     objective_config: Any,
     config: TrainerConfig,
 ) -> tuple[TrainState, StepOutput]:
-    """One AdamW update (pure; jit it with `make_train_step`)."""
+    """One AdamW update (pure; jit it with `make_train_step`).
+
+    With `state.aux`, also one per-row Adam update of the aux table (rows of the batch's
+    prompts only) at lr × `objective_config.aux_lr_scale`, unclipped; metrics gain aux_grad_norm.
+    """
+    has_aux = getattr(objective, "has_aux", False)
+    if has_aux != (state.aux is not None):
+        raise ValueError(
+            f"objective {getattr(objective, 'name', objective)!r} "
+            + ("trains an aux table but the state has none: build it with "
+               "init_train_state(..., aux=initial_aux(objective, objective_config, config))"
+               if has_aux else "has no aux params but the state holds an aux table")
+        )
     tx = make_optimizer(config.optimizer)
     update = state.step + 1
     if config.beta is not None:
         batch = dataclasses.replace(batch, beta=beta_at(config.beta, update))
     batch = dataclasses.replace(batch, beta=jnp.asarray(batch.beta, jnp.float32))
-    grads, total, count, obj_metrics, row_ok = accumulate_gradients(
+    (grads, aux_grads), total, count, obj_metrics, row_ok = accumulate_gradients(
         state.params,
         state.ref_params,
         batch,
@@ -250,6 +282,7 @@ def train_step(
         objective=objective,
         objective_config=objective_config,
         config=config,
+        aux=state.aux,
     )
     denom = jnp.maximum(count, 1e-12)
     loss = total / denom
@@ -257,11 +290,19 @@ def train_step(
     grad_norm = optax.global_norm(grads)
     lr = learning_rate(config.optimizer.lr, state.step)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    extra_metrics: dict[str, Array] = {}
+    touched = None
+    if state.aux is not None:
+        aux_grads = jax.tree.map(lambda g: (g / denom).astype(g.dtype), aux_grads)
+        aux_grad_norm = optax.global_norm(aux_grads)
+        finite = finite & jnp.isfinite(aux_grad_norm)
+        touched = aux_rows_touched(batch.prompt_id, batch.sample_mask, aux_table_size(state.aux))
+        extra_metrics["aux_grad_norm"] = aux_grad_norm
     layout_ok = microbatch_layout_ok(batch, config.num_microbatches)
     applied = finite & layout_ok
 
-    def apply(operand: tuple[TrainState, Any]) -> TrainState:
-        old, g = operand
+    def apply(operand: tuple[TrainState, Any, Any]) -> TrainState:
+        old, g, aux_g = operand
         if config.optimizer.max_grad_norm is not None:
             c = config.optimizer.max_grad_norm
             scale = jnp.where(grad_norm < c, 1.0, c / grad_norm)
@@ -269,6 +310,11 @@ def train_step(
         updates, opt_state = tx.update(g, old.opt_state, old.params)
         params = jax.tree.map(lambda p, u: (p - lr * u).astype(p.dtype), old.params, updates)
         new = dataclasses.replace(old, params=params, opt_state=opt_state, step=update)
+        if old.aux is not None:
+            aux_lr = lr * objective_config.aux_lr_scale
+            aux_updates, aux_opt = aux_adam_update(aux_g, old.aux_opt_state, touched, config.optimizer)
+            aux = jax.tree.map(lambda a, u: (a - aux_lr * u).astype(a.dtype), old.aux, aux_updates)
+            new = dataclasses.replace(new, aux=aux, aux_opt_state=aux_opt)
         if config.reference_reset_every is not None:
             reset = functools.partial(
                 reset_reference, tx=tx, reset_moments=config.reset_optimizer_on_reference_reset
@@ -278,7 +324,7 @@ def train_step(
 
     # a branch, not a select after the fact: the select kept XLA from fusing the AdamW pass
     # (4x slower optimizer on CPU), and the skipped branch costs nothing
-    new = jax.lax.cond(applied, apply, lambda operand: operand[0], (state, grads))
+    new = jax.lax.cond(applied, apply, lambda operand: operand[0], (state, grads, aux_grads))
 
     real = batch.sample_mask
     metrics = {k: v.value for k, v in obj_metrics.items()}
@@ -290,6 +336,7 @@ def train_step(
         tokens=(batch.attention_mask & real[:, None]).sum().astype(jnp.float32),
         loss_tokens=batch.row_mask().sum(),
         sequences=real.sum().astype(jnp.float32),
+        **extra_metrics,
     )
     metrics = {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
     return new, StepOutput(metrics, applied, finite, layout_ok, row_ok, batch.group_id)
@@ -303,21 +350,45 @@ def batch_shardings(mesh: Mesh) -> Batch:
     return Batch(**fields)
 
 
-def resolve_objective(objective: Any, objective_config: Any = None) -> tuple[Objective, Any]:
-    """(callable, config) from a registered name, an import path, an ObjectiveSpec or a function.
+def resolve_objective(objective: Any, objective_config: Any = None) -> tuple[ObjectiveSpec, Any]:
+    """(spec, config) from a registered name, an import path, an ObjectiveSpec or a function.
 
     objective_config None means the objective's default config (`spec.make_config()`; a bare
     function gets config=None, as in `tbajax.objectives.get_objective`).
     """
-    from tbajax.objectives import get_objective
-
     spec = get_objective(objective)
-    if spec.has_aux:
-        raise NotImplementedError(
-            f"objective {spec.name!r} trains per-prompt aux params (a learned log Z); the trainer "
-            "does not hold aux params yet (it needs Batch.prompt_id and an aux optimizer state)"
+    config = spec.make_config() if objective_config is None else objective_config
+    if spec.has_aux and not hasattr(config, "aux_lr_scale"):
+        raise ValueError(
+            f"objective {spec.name!r} has aux params but its config {config!r} has no "
+            "aux_lr_scale (the aux learning-rate multiplier)"
         )
-    return spec, spec.make_config() if objective_config is None else objective_config
+    return spec, config
+
+
+def initial_aux(objective: Any, objective_config: Any, config: TrainerConfig) -> PyTree | None:
+    """The objective's initial per-prompt table (`spec.init_aux(objective_config,
+    config.aux_table_size)`), or None for objectives without aux params.
+
+    Pass it to `init_train_state(..., aux=...)`; `Trainer` does both.
+    """
+    spec, objective_config = resolve_objective(objective, objective_config)
+    if not spec.has_aux:
+        return None
+    if config.aux_table_size < 1:
+        raise ValueError(
+            f"objective {spec.name!r} trains one entry per prompt id (a learned log Z table); set "
+            "TrainerConfig.aux_table_size to the number of distinct prompt ids (largest "
+            "Trajectory.prompt_id + 1, e.g. the dataset's size)"
+        )
+    aux = spec.init_aux(objective_config, config.aux_table_size)
+    size = aux_table_size(aux)
+    if size != config.aux_table_size:
+        raise ValueError(
+            f"objective {spec.name!r}: init_aux made a table of {size} rows for "
+            f"aux_table_size={config.aux_table_size}"
+        )
+    return aux
 
 
 def make_train_step(
@@ -334,7 +405,8 @@ def make_train_step(
 
     graphdef, config, objective and objective_config are baked in (static). `objective` is
     anything `tbajax.objectives.get_objective` accepts ("tb", "tba_prime", a function, ...);
-    objective_config None means its default config. With `mesh`, the
+    objective_config None means its default config. An objective with aux params needs a state
+    built with `init_train_state(..., aux=initial_aux(...))`. With `mesh`, the
     state is pinned to `state_sharding` (see `state_shardings`) in and out, the batch is split
     over the batch axes (its size must divide by data × fsdp), and outputs are replicated; the
     mesh is put in context while tracing so the model's activation constraints apply.
@@ -394,6 +466,9 @@ class Trainer:
 
     trainer = Trainer(model, TrainerConfig(...), "tb", mesh=mesh)
     metrics = trainer.step(batch)     # raises NonFiniteLossError, nothing applied
+
+    An objective with aux params (`tb_learned_logz`) gets its table from `initial_aux`, sized by
+    `config.aux_table_size`; `trainer.state.aux["log_z"][prompt_id]` is the learned log Z.
     """
 
     def __init__(
@@ -409,13 +484,28 @@ class Trainer:
     ):
         self.config = config
         self.mesh = mesh
-        self.graphdef, fresh = init_train_state(model, config, mesh)
+        spec, objective_config = resolve_objective(objective, objective_config)
+        self.graphdef, fresh = init_train_state(
+            model, config, mesh, aux=initial_aux(spec, objective_config, config)
+        )
         self.state = fresh if state is None else state
+        if (self.state.aux is None) != (fresh.aux is None):
+            raise ValueError(
+                f"objective {spec.name!r} "
+                + ("trains an aux table but the given state has none" if spec.has_aux
+                   else "has no aux params but the given state holds an aux table")
+            )
+        self._aux_size = None if self.state.aux is None else aux_table_size(self.state.aux)
+        if self._aux_size is not None and self._aux_size != config.aux_table_size:
+            raise ValueError(
+                f"the given state's aux table has {self._aux_size} rows but "
+                f"TrainerConfig.aux_table_size={config.aux_table_size}"
+            )
         self.shardings = state_shardings(self.state, mesh) if mesh is not None else None
         self._step = make_train_step(
             self.graphdef,
             config,
-            objective,
+            spec,
             objective_config,
             mesh=mesh,
             state_sharding=self.shardings,
@@ -446,3 +536,15 @@ class Trainer:
             shards = int(np.prod([self.mesh.shape[a] for a in LOGICAL_RULES["batch"] or ()]))
             if n % shards:
                 raise ValueError(f"batch of {n} rows does not split over {shards} data-parallel devices")
+        prompt_id = np.asarray(jax.device_get(batch.prompt_id))
+        if prompt_id.shape != (n,):
+            raise ValueError(f"batch.prompt_id has shape {prompt_id.shape}, expected ({n},): one per row")
+        if self._aux_size is not None:
+            bad = (prompt_id < 0) | (prompt_id >= self._aux_size)
+            if bad.any():
+                rows = np.flatnonzero(bad)
+                raise ValueError(
+                    f"prompt ids {sorted({int(i) for i in prompt_id[rows]})[:10]} (rows "
+                    f"{rows[:10].tolist()}) are outside the aux table [0, {self._aux_size}); "
+                    "set TrainerConfig.aux_table_size to the largest prompt id + 1"
+                )
