@@ -26,11 +26,11 @@ def config() -> ExperimentConfig:
             prompts_per_call=16,
             sampling=SamplingConfig(max_new_tokens=6, num_samples=K, temperature=1.0),
             max_prompt_tokens=16,
-            max_calls_per_version=1,  # trainer and searcher share 2 cores: do not run ahead
+            max_calls_per_version=2,  # trainer and searcher share 2 cores: do not run ahead
             reference_logprobs=True,  # the searcher scores the reference; the trainer need not
         ),
         train=TrainSpec(
-            steps=300,
+            steps=800,
             groups_per_step=16,
             objective="tb",
             trainer=TrainerConfig(
@@ -44,7 +44,13 @@ def config() -> ExperimentConfig:
             checkpoint_every=100,
             length_bucket=16,
         ),
-        buffer=BufferConfig(samples_per_group=K, capacity_per_prompt=32, recency_prob=0.95, dedup=False),
-        system=SystemSpec(mode="async", num_searchers=1, sync_every=1),
-        eval=EvalSpec(every=50, num_problems=300, batch_size=150),
+        buffer=BufferConfig(
+            samples_per_group=K,
+            capacity_per_prompt=32,
+            recency_prob=0.95,
+            dedup=False,  # every correct answer is the same token sequence
+            max_staleness=4,  # bounded lag: the trainer waits rather than replay stale data
+        ),
+        system=SystemSpec(mode="async", num_searchers=1, sync_every=2),
+        eval=EvalSpec(every=100, num_problems=500, batch_size=250),
     )

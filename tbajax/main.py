@@ -118,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         format=f"%(asctime)s {args.role}{'-' + str(args.searcher_id) if args.role == 'searcher' else ''} "
         "%(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
+        force=True,  # importing jax may already have configured the root logger
     )
     for noisy in ("absl", "jax._src", "orbax", "tensorstore", "httpx"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -10,7 +10,7 @@ from tbajax.batch import Batch
 from tbajax.objectives.registry import ObjectiveSpec, get_objective
 
 _PER_TOKEN = ("attention_mask", "loss_mask", "behavior_logprobs", "reference_logprobs")
-_PER_ROW = ("reward", "group_id", "sample_mask", "policy_version")
+_PER_ROW = ("reward", "group_id", "sample_mask", "policy_version", "prompt_id")
 _FINITE = ("reward", "behavior_logprobs", "reference_logprobs", "beta")
 
 
