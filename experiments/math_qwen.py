@@ -71,6 +71,7 @@ def config() -> ExperimentConfig:
             steps=420,
             groups_per_step=GROUPS_PER_STEP,
             objective="tba_prime",
+            length_bucket=256,  # 4096-token context: at most 16 train-step shapes
             trainer=TrainerConfig(
                 optimizer=OptimizerConfig(lr=LRSchedule(kind="constant", peak=1e-6), max_grad_norm=1.0),
                 beta=BetaSchedule(kind="constant", start=0.005),

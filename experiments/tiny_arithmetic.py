@@ -30,7 +30,7 @@ def config() -> ExperimentConfig:
             reference_logprobs=True,  # the searcher scores the reference; the trainer need not
         ),
         train=TrainSpec(
-            steps=800,
+            steps=600,
             groups_per_step=16,
             objective="tb",
             trainer=TrainerConfig(

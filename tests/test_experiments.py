@@ -341,7 +341,6 @@ def test_missing_checkpoint_fails_fast_offline(tmp_path: Path):
     assert not (tmp_path / "run").exists()  # nothing started, nothing written
 
 
-@pytest.mark.xfail(strict=True, reason="the launcher's checkpoint error does not yet say to pass --set model.checkpoint=DIR")
 def test_missing_checkpoint_error_says_what_to_pass(tmp_path: Path):
     out = _cli(["--experiment=math_qwen", f"--run-dir={tmp_path / 'run'}"], tmp_path)
     assert out.returncode == 2

@@ -223,6 +223,10 @@ def _run_and_kill(url: str, kill_after_rows: int, delay_s: float) -> int:
         proc.kill()
         proc.wait(timeout=30)
     assert proc.returncode == -signal.SIGKILL
+    # lines printed before the kill that we had not read yet: the append in flight is the last one
+    for rest in proc.stdout.read().decode().split():
+        if rest.isdigit():
+            start = max(start, int(rest))
     return start
 
 

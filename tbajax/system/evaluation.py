@@ -4,6 +4,7 @@ searchers never stall; the sampler's compiled programs are kept across evaluatio
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 import jax
@@ -14,15 +15,21 @@ from tbajax.models import CausalLM
 from tbajax.system.assets import load_task, load_tokenizer_for
 from tbajax.system.searcher import Rollouts
 
+log = logging.getLogger(__name__)
+
 
 class Evaluator:
     def __init__(self, config: ExperimentConfig, model: CausalLM, mesh: Any = None, reward_pool: Any = None):
         task = load_task(config)
-        self.problems = list(task.load("eval"))[: config.eval.num_problems]
-        if not self.problems:
-            raise ValueError(f"task {task.name!r} has no eval problems")
         self.batch_size = config.eval.batch_size
         self.rollouts = Rollouts(config, model, load_tokenizer_for(config), task, mesh=mesh, reward_pool=reward_pool)
+        problems = list(task.load("eval"))[: config.eval.num_problems]
+        self.problems = [p for p in problems if self.rollouts.fits(p, "eval")]
+        if len(self.problems) < len(problems):
+            log.warning("eval: %d of %d problems have prompts over rollout.max_prompt_tokens and are skipped",
+                        len(problems) - len(self.problems), len(problems))
+        if not self.problems:
+            raise ValueError(f"task {task.name!r} has no eval problems that fit rollout.max_prompt_tokens")
         self.sampling = dataclasses.replace(
             config.rollout.sampling,
             num_samples=1,

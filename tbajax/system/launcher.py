@@ -151,11 +151,17 @@ def launch(config: ExperimentConfig, run_dir: Path, *, resume: bool = False, qui
 def preflight(config: ExperimentConfig) -> None:
     """Fail in the launcher, with one clear message, on what every role would fail on."""
     from tbajax.config import ConfigError
-    from tbajax.models import resolve_checkpoint
+    from tbajax.models import CheckpointError, resolve_checkpoint
     from tbajax.system.assets import load_task, load_tokenizer_for
     from tbajax.system.trainer import resolve_objective
 
-    resolve_checkpoint(config.model.checkpoint)  # also fetches a hub id once, for all roles
+    try:
+        resolve_checkpoint(config.model.checkpoint)  # also fetches a hub id once, for all roles
+    except CheckpointError as e:
+        raise CheckpointError(
+            f"model.checkpoint={config.model.checkpoint!r}: {e}. Pass a local Hugging Face directory "
+            "with --set model.checkpoint=DIR (or download the hub id on a machine with network access)"
+        ) from None
     try:
         load_tokenizer_for(config)
         resolve_objective(config.train.objective)
@@ -193,7 +199,9 @@ class _Progress:
         if not quiet:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=config.train.steps, desc="trainer steps", unit="step", dynamic_ncols=True)
+            # disable=None: a bar on a terminal, nothing in a log file (the status line is in status/)
+            self.bar = tqdm(total=config.train.steps, desc="trainer steps", unit="step", dynamic_ncols=True,
+                            disable=None, mininterval=1.0)
 
     def update(self) -> None:
         if self.bar is None:

@@ -31,6 +31,10 @@ from tbajax.trajectory import RewardStatus, Trajectory
 log = logging.getLogger(__name__)
 
 
+class PromptTooLongError(ValueError):
+    """A prompt does not fit rollout.max_prompt_tokens (the problem is skipped, not fatal)."""
+
+
 def score_in_process(task: Task, completions: Sequence[str], answers: Sequence[Any]) -> list[tuple[float, RewardStatus]]:
     """Score with the task's reward function in this process; an exception costs that sample an
     ERROR status (reward 0), never the searcher."""
@@ -77,6 +81,7 @@ class Rollouts:
             reference=_frozen_copy(model) if reference_logprobs else None,
         )
         self._prompt_cache: dict[tuple[str, int], np.ndarray] = {}
+        self.skipped_prompts = 0
         self.stop_ids = set(
             sampling.stop_token_ids if sampling.stop_token_ids is not None else model.config.eos_token_ids
         )
@@ -87,12 +92,34 @@ class Rollouts:
             text = self.task.prompt(problem, self.tokenizer)
             ids = self.tokenizer(text, add_special_tokens=not self.task.chat)["input_ids"]
             if len(ids) > self.config.rollout.max_prompt_tokens:
-                raise ValueError(
+                raise PromptTooLongError(
                     f"prompt of problem {problem.id} has {len(ids)} tokens, more than "
                     f"rollout.max_prompt_tokens={self.config.rollout.max_prompt_tokens}; raise it"
                 )
             self._prompt_cache[key] = np.asarray(ids, np.int32)
         return self._prompt_cache[key]
+
+    def fits(self, problem: Problem, split: str = "train") -> bool:
+        """Whether the problem's prompt fits rollout.max_prompt_tokens (over-long ones are skipped)."""
+        try:
+            self.encode(problem, split)
+            return True
+        except PromptTooLongError:
+            return False
+
+    def take_fitting(self, stream: "PromptStream", n: int) -> list[Problem]:
+        """The next `n` problems whose prompts fit, counting the skipped ones."""
+        out: list[Problem] = []
+        while len(out) < n:
+            for p in stream.take(n - len(out)):
+                if self.fits(p):
+                    out.append(p)
+                else:
+                    self.skipped_prompts += 1
+                    if self.skipped_prompts in (1, 10, 100, 1000):
+                        log.warning("skipped %d problems whose prompts exceed rollout.max_prompt_tokens=%d",
+                                    self.skipped_prompts, self.config.rollout.max_prompt_tokens)
+        return out
 
     def decode(self, tokens: np.ndarray) -> str:
         """Completion text without its stop token."""
@@ -251,7 +278,7 @@ def run_searcher(run_dir: Path, searcher_id: int, store_url: str | None = None) 
             continue
         calls_this_version += 1
         t0 = time.time()
-        batch = stream.take(config.rollout.prompts_per_call)
+        batch = rollouts.take_fitting(stream, config.rollout.prompts_per_call)
         rows = rollouts.generate(
             batch,
             jax.random.fold_in(key, committed + calls),

@@ -266,7 +266,7 @@ class InlineRollouts:
     def fill(self, buffer: ReplayBuffer, version: int) -> None:
         t0 = time.time()
         rows = self.rollouts.generate(
-            self.stream.take(self.config.train.groups_per_step),
+            self.rollouts.take_fitting(self.stream, self.config.train.groups_per_step),
             jax.random.fold_in(self.key, self.writer.committed_rows()),
             version=version,
             first_group_id=self.writer.committed_rows(),
