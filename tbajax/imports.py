@@ -27,8 +27,11 @@ def load_module(where: str) -> ModuleType:
     if not path.is_file():
         raise ImportError(f"no Python file at {path}")
     name = USER_MODULE_PREFIX + re.sub(r"\W", "_", str(path.with_suffix("")))
-    if name in sys.modules:
-        return sys.modules[name]
+    return sys.modules[name] if name in sys.modules else load_file_as(name, path)
+
+
+def load_file_as(name: str, path: str | Path) -> ModuleType:
+    """Execute a `.py` file as module `name`, registered in sys.modules (removed again on error)."""
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot load {path} as a Python module")

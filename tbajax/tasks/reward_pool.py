@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any, NamedTuple
 
+from tbajax.imports import load_file_as
 from tbajax.tasks.base import Problem, Task
 from tbajax.trajectory import RewardStatus
 
@@ -85,16 +86,7 @@ def _ensure_modules(modules: tuple[tuple[str, str], ...]) -> None:
             continue
         except ModuleNotFoundError:
             pass
-        spec = importlib.util.spec_from_file_location(name, file)
-        if spec is None or spec.loader is None:
-            raise ImportError(f"cannot load module {name!r} from {file}")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        try:
-            spec.loader.exec_module(module)
-        except BaseException:
-            del sys.modules[name]
-            raise
+        load_file_as(name, file)
 
 
 def _worker_main(conn: Connection) -> None:
