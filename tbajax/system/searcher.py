@@ -252,7 +252,8 @@ def run_searcher(run_dir: Path, searcher_id: int, store_url: str | None = None) 
     metrics = MetricsWriter(run_dir, f"searcher-{searcher_id}", tensorboard=False)
     problems = rollouts.task.load("train")
     committed = writer.committed_rows()
-    stream = PromptStream(problems, searcher_id, config.system.num_searchers, config.seed, start=committed)
+    stream = PromptStream(problems, searcher_id, config.system.num_searchers, config.seed,
+                          start=committed // config.rollout.sampling.num_samples)  # problems already done
     version = 0
     params_template = _ParamsTemplate(rollouts.param_state, mesh)
     key = jax.random.fold_in(jax.random.PRNGKey(config.seed + 1000), searcher_id)

@@ -258,7 +258,8 @@ class InlineRollouts:
         self.run_dir = run_dir
         self.rollouts = build_rollouts(config, 0, mesh, model=learner.trainer.policy(), reward_pool=reward_pool)
         self.writer = TrajectoryWriter(trajectory_store_url(store, 0), 0)
-        self.stream = PromptStream(self.rollouts.task.load("train"), 0, 1, config.seed, start=self.writer.committed_rows())
+        self.stream = PromptStream(self.rollouts.task.load("train"), 0, 1, config.seed,
+                                   start=self.writer.committed_rows() // config.rollout.sampling.num_samples)
         self.key = jax.random.PRNGKey(config.seed + 1000)
         self.samples = 0
         self.generate_s = self.last_generate_s = 0.0
