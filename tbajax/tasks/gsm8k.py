@@ -163,8 +163,13 @@ def gsm8k_task(
         question_field=question_field,
         answer_field=answer_field,
     )
+    return _gsm_task("gsm8k", load, grader, chat, system_prompt)
+
+
+def _gsm_task(name: str, load: Any, grader: str, chat: bool, system_prompt: str | None) -> Task:
+    """GSM8K's prompt and graders over any loader of word problems."""
     return Task(
-        name="gsm8k",
+        name=name,
         load_fn=load,
         prompt_fn=_question_only,
         plain_prompt_fn=gsm8k_prompt,
@@ -206,13 +211,4 @@ def gsm_symbolic_task(
     load = functools.partial(
         _load_gsm_symbolic, sizes={"train": num_train, "eval": num_eval}, seed=seed, eval_fraction=eval_fraction
     )
-    return Task(
-        name="gsm_symbolic",
-        load_fn=load,
-        prompt_fn=_question_only,
-        plain_prompt_fn=gsm8k_prompt,
-        reward_fn=_grader(grader),
-        cheap_reward=True,
-        chat=chat,
-        system_prompt=system_prompt,
-    )
+    return _gsm_task("gsm_symbolic", load, grader, chat, system_prompt)
