@@ -1,8 +1,16 @@
 """The embedded default: a ~0.8M-parameter policy learns 3-digit addition with TBA on a CPU.
 
 Offline and small on purpose: the policy ships in experiments/assets/tiny-arithmetic/ (built by
-experiments/make_tiny_arithmetic.py, warm-started to ~25% greedy accuracy), the task is
+experiments/make_tiny_arithmetic.py, warm-started to 33.2% greedy accuracy), the task is
 generated, and one trainer plus one searcher process share two CPU cores.
+
+Settings that matter on this task (measured, see the README): sampling temperature 0.7 (the
+paper's GSM8K value; at T = 1 the sampled reward is ~0.2 and the signal is weaker), learning
+rate 1e-4 decayed by a cosine to 1e-5 over the run (at a constant 1e-4 greedy accuracy swings by
+±10 points between evaluations), publish every step (k = 1), and the recency branch using each
+generation group at most once (`max_recent_uses=1`, trainer waits for new data): with one
+searcher the recent set is small, and replaying the same groups at lr 1e-4 diverged
+(33% -> 20% in 300 steps) where one use each climbs to ~60%.
 """
 
 from pathlib import Path
@@ -14,6 +22,8 @@ from tbajax.training.config import BetaSchedule, LRSchedule, OptimizerConfig, Tr
 
 CHECKPOINT = Path(__file__).resolve().parent / "assets" / "tiny-arithmetic"
 K = 8
+STEPS = 600
+TEMPERATURE = 0.7
 
 
 def config() -> ExperimentConfig:
@@ -24,19 +34,21 @@ def config() -> ExperimentConfig:
         task=TaskSpec(name="arithmetic", options={"digits": 3}),
         rollout=RolloutSpec(
             prompts_per_call=16,
-            sampling=SamplingConfig(max_new_tokens=6, num_samples=K, temperature=1.0),
+            sampling=SamplingConfig(max_new_tokens=6, num_samples=K, temperature=TEMPERATURE),
             max_prompt_tokens=16,
             max_calls_per_version=2,  # trainer and searcher share 2 cores: do not run ahead
             reference_logprobs=True,  # the searcher scores the reference; the trainer need not
         ),
         train=TrainSpec(
-            steps=600,
+            steps=STEPS,
             groups_per_step=16,
             objective="tb",
             trainer=TrainerConfig(
-                optimizer=OptimizerConfig(lr=LRSchedule(kind="constant", peak=5e-5), max_grad_norm=1.0),
+                optimizer=OptimizerConfig(
+                    lr=LRSchedule(kind="cosine", peak=1e-4, decay_steps=STEPS, final_fraction=0.1), max_grad_norm=1.0
+                ),
                 beta=BetaSchedule(kind="constant", start=0.1),
-                temperature=1.0,
+                temperature=TEMPERATURE,
                 param_dtype="float32",
                 compute_dtype="float32",
                 compute_reference_logprobs=False,
@@ -50,7 +62,9 @@ def config() -> ExperimentConfig:
             recency_prob=0.95,
             dedup=False,  # every correct answer is the same token sequence
             max_staleness=4,  # bounded lag: the trainer waits rather than replay stale data
+            max_recent_uses=1,  # one searcher: train on each new group once, then wait for more
+            recency_fallback="wait",
         ),
-        system=SystemSpec(mode="async", num_searchers=1, sync_every=2),
+        system=SystemSpec(mode="async", num_searchers=1, sync_every=1),
         eval=EvalSpec(every=100, num_problems=500, batch_size=250),
     )

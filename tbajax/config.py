@@ -162,6 +162,7 @@ class ExperimentConfig:
             )
         if self.system.sync_every < 1 or self.system.num_searchers < 1:
             raise ConfigError("system.sync_every and system.num_searchers must be >= 1")
+        self._check_recency_supply()
         if self.train.groups_per_step < 1 or self.train.steps < 1:
             raise ConfigError("train.steps and train.groups_per_step must be >= 1")
         if (self.train.groups_per_step * k) % self.train.trainer.num_microbatches:
@@ -170,13 +171,33 @@ class ExperimentConfig:
                 f"train.trainer.num_microbatches={self.train.trainer.num_microbatches} equal micro-batches"
             )
 
+    def _check_recency_supply(self) -> None:
+        """Refuse a configuration that deadlocks: a trainer that waits for unused recent groups,
+        and searchers that stop after max_calls_per_version calls until the next sync."""
+        b, r, s = self.buffer, self.rollout, self.system
+        if not (s.mode == "async" and b.mode == "replay" and b.max_recent_uses is not None
+                and b.recency_fallback == "wait" and b.recency_prob > 0 and r.max_calls_per_version is not None):
+            return
+        needed = s.sync_every * self.train.groups_per_step * b.recency_prob
+        supplied = s.num_searchers * r.max_calls_per_version * r.prompts_per_call * b.max_recent_uses
+        if needed > supplied:
+            raise ConfigError(
+                f"between two syncs the trainer wants ~{needed:.0f} recent groups (system.sync_every="
+                f"{s.sync_every} x train.groups_per_step={self.train.groups_per_step} x buffer.recency_prob="
+                f"{b.recency_prob}) but the searchers make at most {supplied} (num_searchers x "
+                f"rollout.max_calls_per_version x rollout.prompts_per_call x buffer.max_recent_uses) and then "
+                "wait for new params, while buffer.recency_fallback='wait' makes the trainer wait for them: "
+                "raise rollout.max_calls_per_version (or set it to null), raise buffer.max_recent_uses (or "
+                "null), or set buffer.recency_fallback=reward"
+            )
+
     # ------------------------------------------------------------------ (de)serialisation
 
     def to_dict(self) -> dict[str, Any]:
         return to_jsonable(self)
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "ExperimentConfig":
+    def from_dict(cls, d: Mapping[str, Any]) -> ExperimentConfig:
         return from_jsonable(cls, d, "")
 
     def to_json(self) -> str:

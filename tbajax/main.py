@@ -198,6 +198,7 @@ def print_summary(summary: dict, run_dir: Path) -> None:
         ("samples generated", summary["samples_generated"]),
         ("wall time", f"{summary['wall_time_s']:.1f} s"),
         ("trainer waiting for data", f"{summary['trainer_wait_s']:.1f} s"),
+        ("policy lag (mean / max)", f"{summary.get('policy_lag_mean', float('nan')):.2f} / {summary.get('policy_lag_max', '-')} versions"),
         ("final param version", summary["final_version"]),
         ("run directory", str(run_dir)),
     ]

@@ -344,6 +344,35 @@ def test_recency_fallback_wait_raises():
         buf.sample(np.random.default_rng(0), 1)
 
 
+def test_max_recent_uses_caps_reuse_of_recent_groups_and_then_waits():
+    buf = ReplayBuffer(cfg(recency_prob=1.0, max_recent_uses=1, recency_fallback="wait"))
+    buf.add([traj(p, i, version=0, group=p) for p in range(4) for i in range(3)])
+    buf.mark_sync(0)
+    first = buf.sample(np.random.default_rng(0), 3)
+    assert len({g[0].prompt_id for g in first}) == 3  # each recent group drawn at most once
+    second = buf.sample(np.random.default_rng(1), 3)  # one unused group left, then fallback
+    assert [g[0].prompt_id for g in second].count(second[0][0].prompt_id) >= 1
+    assert buf.stats()["groups_recency"] == 4 and buf.stats()["recency_fallbacks"] == 2
+    with pytest.raises(BufferEmptyError, match="used fewer than 1 times"):
+        buf.sample(np.random.default_rng(2), 1)
+    state = json.loads(json.dumps(buf.state_dict()))
+    buf.add([traj(9, i, version=1, group=9) for i in range(3)])  # a new group arrives
+    assert buf.sample(np.random.default_rng(3), 1)[0][0].prompt_id == 9
+    rebuilt = ReplayBuffer(buf.config)  # uses survive a restart (state + rows from the stores)
+    rebuilt.add([traj(p, i, version=0, group=p) for p in range(4) for i in range(3)])
+    rebuilt.load_state_dict(state)
+    with pytest.raises(BufferEmptyError):
+        rebuilt.sample(np.random.default_rng(2), 1)
+
+
+def test_max_recent_uses_two_allows_two_draws_per_group():
+    buf = ReplayBuffer(cfg(recency_prob=1.0, max_recent_uses=2, recency_fallback="wait"))
+    buf.add([traj(0, i, version=0) for i in range(3)])
+    assert len(buf.sample(np.random.default_rng(0), 2)) == 2
+    with pytest.raises(BufferEmptyError):
+        buf.sample(np.random.default_rng(1), 1)
+
+
 def test_recency_branch_prefers_newest_generation_group():
     buf = ReplayBuffer(cfg(recency_prob=1.0, samples_per_group=4))
     buf.add([traj(0, 10 + i, version=4, group=1, searcher=0) for i in range(5)])

@@ -47,6 +47,9 @@ def test_overrides_are_typed():
         ("rollout.sampling.temperature=-1", "temperature must be >= 0"),
         ("train.steps", "not of the form key=value"),
         ("buffer.samples_per_group=16", "cannot fill groups"),
+        ("buffer.max_recent_uses=0", "max_recent_uses must be None or >= 1"),
+        # trainer waits for unused recent groups, searchers wait for params: refused up front
+        ("system.sync_every=32", r"wants ~486 recent groups.*searchers make at most 32"),
     ],
 )
 def test_bad_overrides_are_clear_errors(override, message):
@@ -63,3 +66,11 @@ def test_help_lists_fields():
 def test_unknown_experiment():
     with pytest.raises(ConfigError, match="unknown experiment 'nope'; available: .*tiny_arithmetic"):
         load_experiment("nope")
+
+
+def test_recency_supply_check_passes_when_either_side_gives_way():
+    base = load_experiment("tiny_arithmetic")
+    for extra in ("rollout.max_calls_per_version=null", "buffer.max_recent_uses=null", "buffer.recency_fallback=reward",
+                  "system.num_searchers=16"):
+        cfg = apply_overrides(base, ["system.sync_every=32", extra])
+        assert cfg.system.sync_every == 32

@@ -56,6 +56,12 @@ class BufferConfig:
       sequence and dedup would leave one correct row among many distinct wrong ones.
     keep_failed_grades: keep rows whose reward_status is TIMEOUT or ERROR (default: drop them,
       counted in stats as `failed_grade_drops`).
+    max_recent_uses: the recency branch draws each generation group at most this many times
+      (replay); a prompt whose groups are used up stops being recent. None: no limit (the
+      reference). With few searchers the recent set is small and the trainer otherwise steps on
+      the same groups again and again, which on the tiny default task diverges where on-policy
+      training at the same learning rate improves; 1 with recency_fallback="wait" makes the
+      trainer wait for new data instead, keeping the replay ratio of the recency branch at 1.
     """
 
     mode: Mode = "replay"
@@ -72,6 +78,7 @@ class BufferConfig:
     async_level: int = 2
     keep_failed_grades: bool = False
     dedup: bool = True
+    max_recent_uses: int | None = None
 
     def __post_init__(self) -> None:
         _one_of("mode", self.mode, ("replay", "fifo_once"))
@@ -96,6 +103,8 @@ class BufferConfig:
             raise ValueError(f"max_staleness must be None or >= 0, got {self.max_staleness}")
         if not 0.0 < self.stale_decay <= 1.0:
             raise ValueError(f"stale_decay must be in (0, 1], got {self.stale_decay}")
+        if self.max_recent_uses is not None and self.max_recent_uses < 1:
+            raise ValueError(f"max_recent_uses must be None or >= 1, got {self.max_recent_uses}")
         if self.async_level < 0:
             raise ValueError(f"async_level must be >= 0, got {self.async_level}")
         if (

@@ -51,7 +51,7 @@ _COUNTERS = (
 class _PromptRows:
     """Unique responses of one prompt; a lazy-deletion min-heap finds the oldest quickly."""
 
-    __slots__ = ("rows", "heap", "max_version")
+    __slots__ = ("heap", "max_version", "rows")
 
     def __init__(self) -> None:
         self.rows: dict[bytes | tuple[bytes, OrderKey], tuple[OrderKey, Trajectory]] = {}
@@ -89,7 +89,7 @@ class _PromptRows:
 class _Group:
     """Rows of one generation call (fifo_once mode), in arrival order."""
 
-    __slots__ = ("key", "rows", "min_version")
+    __slots__ = ("key", "min_version", "rows")
 
     def __init__(self, key: OrderKey) -> None:
         self.key = key
@@ -112,6 +112,7 @@ class ReplayBuffer:
         self._prompts: dict[int, _PromptRows] = {}  # replay
         self._groups: dict[GroupKey, _Group] = {}  # fifo_once
         self._consumed: dict[GroupKey, int] = {}  # fifo_once: group -> its policy version
+        self._recent_uses: dict[GroupKey, tuple[int, int]] = {}  # replay: group -> (uses, version)
         self._arrivals: dict[int, int] = {}  # searcher_id -> rows seen
         self._sync_versions: list[int] = []  # the last two, ascending
         self._current_version: int | None = None
@@ -205,6 +206,9 @@ class ReplayBuffer:
             )
         if not self._sync_versions or version > self._sync_versions[-1]:
             self._sync_versions = (self._sync_versions + [version])[-2:]
+            floor = recent_min_version(self._sync_versions)
+            if floor is not None:  # groups below the recent floor can never be recent again
+                self._recent_uses = {g: uv for g, uv in self._recent_uses.items() if uv[1] >= floor}
 
     # ------------------------------------------------------------------ versions, staleness
 
@@ -306,29 +310,51 @@ class ReplayBuffer:
                 "wait for searchers"
             )
         floor = recent_min_version(self._sync_versions)
-        recent = (
-            eligible
-            if floor is None
-            else [p for p in eligible if self._prompts[p].max_version >= floor]
-        )
+        cap = cfg.max_recent_uses
+        recent = [
+            p for p in eligible
+            if (floor is None or self._prompts[p].max_version >= floor)
+            and (cap is None or self._unused_recent_rows(p, floor) >= need)
+        ]
         if not recent and cfg.recency_fallback == "wait" and cfg.recency_prob > 0:
             raise BufferEmptyError(
-                f"no prompt has rows with policy_version >= {floor} (the previous sync) and "
-                "recency_fallback='wait'; wait for searchers"
+                f"no prompt has rows with policy_version >= {floor} (the previous sync)"
+                + ("" if cap is None else f" that the recency branch has used fewer than {cap} times")
+                + " and recency_fallback='wait'; wait for searchers"
             )
         groups = []
         for _ in range(num_groups):
             if choose_branch(rng, cfg.recency_prob):
                 if recent:
-                    pid = recent[int(rng.integers(len(recent)))]
-                    groups.append(self._draw_recent(rng, self._prompts[pid], k))
+                    i = int(rng.integers(len(recent)))
+                    pid = recent[i]
+                    groups.append(self._draw_recent(rng, pid, k, floor))
                     self._counts["groups_recency"] += 1
+                    if cap is not None and self._unused_recent_rows(pid, floor) < need:
+                        recent.pop(i)
                     continue
                 self._counts["recency_fallbacks"] += 1
             pid = eligible[int(rng.integers(len(eligible)))]
             groups.append(self._draw_reward(rng, self._prompts[pid], k))
             self._counts["groups_reward"] += 1
         return groups
+
+    def _generation_groups(self, pid: int, floor: int | None) -> list[list[tuple[OrderKey, Trajectory]]]:
+        """A prompt's rows by generation group, newest group first; with a recency-use cap, only
+        groups at or above the recent floor that the recency branch has not used up."""
+        by_group: dict[GroupKey, list[tuple[OrderKey, Trajectory]]] = {}
+        for item in self._prompts[pid].ordered():
+            by_group.setdefault((pid, item[0][2], int(item[1].group_id)), []).append(item)
+        cap = self.config.max_recent_uses
+        if cap is not None:
+            by_group = {
+                g: rows for g, rows in by_group.items()
+                if (floor is None or rows[-1][0][0] >= floor) and self._recent_uses.get(g, (0, 0))[0] < cap
+            }
+        return sorted(by_group.items(), key=lambda kv: kv[1][-1][0], reverse=True)
+
+    def _unused_recent_rows(self, pid: int, floor: int | None) -> int:
+        return sum(len(rows) for _, rows in self._generation_groups(pid, floor))
 
     def _draw_reward(self, rng: np.random.Generator, pr: _PromptRows, k: int) -> list[Trajectory]:
         cfg = self.config
@@ -348,16 +374,18 @@ class ReplayBuffer:
         idx = draw_group(rng, logits, k, replace=len(items) < k)
         return [items[i][1] for i in idx]
 
-    def _draw_recent(self, rng: np.random.Generator, pr: _PromptRows, k: int) -> list[Trajectory]:
-        by_group: dict[tuple[int, int], list[tuple[OrderKey, Trajectory]]] = {}
-        for item in pr.ordered():
-            by_group.setdefault((item[0][2], int(item[1].group_id)), []).append(item)
+    def _draw_recent(self, rng: np.random.Generator, pid: int, k: int, floor: int | None) -> list[Trajectory]:
         # Newest generation group first: a group is as new as its newest row.
-        ordered = sorted(by_group.values(), key=lambda rows: rows[-1][0], reverse=True)
-        taken = take_newest(rng, [len(rows) for rows in ordered], k)
+        ordered = self._generation_groups(pid, floor)
+        taken = take_newest(rng, [len(rows) for _, rows in ordered], k)
         chosen = sorted(
-            (rows[i] for rows, idx in zip(ordered, taken) for i in idx), key=lambda kv: kv[0]
+            (rows[i] for (_, rows), idx in zip(ordered, taken) for i in idx), key=lambda kv: kv[0]
         )
+        if self.config.max_recent_uses is not None:
+            for (gkey, rows), idx in zip(ordered, taken):
+                if len(idx):
+                    uses = self._recent_uses.get(gkey, (0, 0))[0]
+                    self._recent_uses[gkey] = (uses + 1, rows[-1][0][0])
         if len(chosen) < k:  # shortfall="replace": top up uniformly with replacement
             extra = rng.integers(len(chosen), size=k - len(chosen))
             chosen = sorted(chosen + [chosen[i] for i in extra], key=lambda kv: kv[0])
@@ -438,6 +466,7 @@ class ReplayBuffer:
             "sync_versions": list(self._sync_versions),
             "current_version": self._current_version,
             "consumed": sorted([*gkey, v] for gkey, v in self._consumed.items()),
+            "recent_uses": sorted([*gkey, *uv] for gkey, uv in self._recent_uses.items()),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -452,6 +481,7 @@ class ReplayBuffer:
         self._sync_versions = [int(v) for v in state["sync_versions"]][-2:]
         consumed = {(int(p), int(s), int(g)): int(v) for p, s, g, v in state["consumed"]}
         self._consumed = consumed
+        self._recent_uses = {(int(p), int(s), int(g)): (int(u), int(v)) for p, s, g, u, v in state.get("recent_uses", [])}
         for gkey in [g for g in self._groups if g in consumed]:
             group = self._groups.pop(gkey)
             self._counts["late_rows_dropped"] += len(group.rows)

@@ -26,13 +26,18 @@ from tbajax.models import CausalLM, load_model
 from tbajax.objectives import get_objective
 from tbajax.objectives.validate import validate_batch
 from tbajax.sharding import make_mesh
-from tbajax.stores import ParamPublisher, TrajectoryReader, discover_searcher_stores, param_store_url
+from tbajax.stores import (
+    ParamPublisher,
+    TrajectoryReader,
+    discover_searcher_stores,
+    param_store_url,
+)
 from tbajax.system import rundir
 from tbajax.system.evaluation import Evaluator
+from tbajax.system.metrics import MetricsWriter, plot_learning_curve, read_metrics
 from tbajax.system.searcher import make_reward_pool
-from tbajax.system.metrics import MetricsWriter, plot_learning_curve
-from tbajax.trajectory import Trajectory
 from tbajax.training import Checkpointer, Trainer
+from tbajax.trajectory import Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -141,18 +146,25 @@ def run_trainer(run_dir: Path, *, resume: bool = False, store_url: str | None = 
         rundir.write_status(run_dir, "trainer", {"step": learner.step, "phase": "waiting for data", **acc})
     last = {"eval_accuracy": summary_start["eval_accuracy_start"]}
     waited = 0.0
+    stalled_since, next_stall_warning = 0.0, 60.0
     while learner.step < config.train.steps and not stop():
         source.fill(buffer, version)
         try:
             groups = buffer.sample(np.random.default_rng((config.seed, learner.step)),
                                    config.train.groups_per_step, current_version=version)
-        except BufferEmptyError:
+        except BufferEmptyError as e:
             t0 = time.time()
             time.sleep(0.05)
             waited += time.time() - t0
+            stalled_since = stalled_since or t0
+            if t0 - stalled_since > next_stall_warning:
+                log.warning("no trainable batch for %.0f s (%s); are the searchers running? see logs/searcher-*.log",
+                            t0 - stalled_since, e)
+                next_stall_warning *= 2
             rundir.write_status(run_dir, "trainer", {**last, "step": learner.step, "phase": "waiting for data",
                                                      "buffer_rows": len(buffer)})
             continue
+        stalled_since, next_stall_warning = 0.0, 60.0
         step_metrics = learner.train_on(groups, version)
         if config.system.mode == "sync":
             step_metrics["generate_s"] = source.last_generate_s
@@ -197,6 +209,7 @@ def run_trainer(run_dir: Path, *, resume: bool = False, store_url: str | None = 
     metrics.write(learner.step, {**final, "version": version, "elapsed_s": wall})
     searchers = rundir.read_status(run_dir)
     samples = sum(s.get("samples", 0) for k, s in searchers.items() if k.startswith("searcher"))
+    lags = [(r["policy_lag_mean"], r["policy_lag_max"]) for r in read_metrics(run_dir, "trainer") if "policy_lag_mean" in r]
     summary = {
         "experiment": config.name,
         "objective": config.train.objective,
@@ -209,6 +222,9 @@ def run_trainer(run_dir: Path, *, resume: bool = False, store_url: str | None = 
         "wall_time_s": wall,
         "trainer_wait_s": waited,
         "final_version": version,
+        # over trained rows: trainer's param version minus the version that sampled the row
+        "policy_lag_mean": float(np.mean([a for a, _ in lags])) if lags else 0.0,
+        "policy_lag_max": int(max((b for _, b in lags), default=0)),
         "stopped_early": learner.step < config.train.steps,
     }
     rundir.write_json_atomic(run_dir / "summary.json", summary)
