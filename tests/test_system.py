@@ -73,7 +73,7 @@ def _wait_for(predicate, timeout: float, what: str) -> None:
 def test_async_run_with_two_searchers(tmp_path):
     run = tmp_path / "run"
     out = _finish(_main(run, "--set", "train.steps=6", "--set", "system.num_searchers=2",
-                        "--set", "train.checkpoint_every=3"))
+                        "--set", "train.checkpoint_every=3", "--set", "system.sync_every=2"))
     summary = json.loads((run / "summary.json").read_text())
     assert summary["trainer_steps"] == 6, out
     trainer = [r for r in read_metrics(run, "trainer") if "loss" in r]
