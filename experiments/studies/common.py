@@ -10,13 +10,12 @@ is re-run with the same settings, so an interrupted study continues where it sto
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
-import math
 import os
 import platform
 import shlex
+import shutil
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -137,7 +136,7 @@ def run_arm(experiment: str, arm: Arm, common: Sequence[str], runs_dir: Path, *,
     same = config_path.exists() and json.loads(config_path.read_text()) == json.loads(config.to_json())
     if fresh or not (summary and same and not summary.get("stopped_early")):
         if run_dir.exists():
-            _clear(run_dir)
+            shutil.rmtree(run_dir)
         t0 = time.time()
         print(f"  {arm.name}: {' '.join(arm.overrides) or '(base config)'}", flush=True)
         code = launch(config, run_dir, quiet=True)
@@ -151,12 +150,6 @@ def run_arm(experiment: str, arm: Arm, common: Sequence[str], runs_dir: Path, *,
     else:
         print(f"  {arm.name}: reusing the finished run in {run_dir}", flush=True)
     return collect(arm, run_dir, summary)
-
-
-def _clear(run_dir: Path) -> None:
-    import shutil
-
-    shutil.rmtree(run_dir)
 
 
 def collect(arm: Arm, run_dir: Path, summary: dict[str, Any]) -> ArmResult:
@@ -319,11 +312,3 @@ def plot_bars(path: Path, labels: Sequence[str], values: Sequence[Sequence[float
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
-
-
-def pct(x: float | None) -> str:
-    return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.1f}"
-
-
-def replace_arm(arm: Arm, **changes: Any) -> Arm:
-    return dataclasses.replace(arm, **changes)
