@@ -31,11 +31,10 @@ from tbajax.sampling import SamplingConfig
 from tbajax.training.config import BetaSchedule, LRSchedule, OptimizerConfig, TrainerConfig
 
 DEFAULT_DIR = "~/.cache/tbajax/smollm2-135m-instruct"
-K = 8  # trained per group
-GENERATED = 12  # generated per prompt: short answers repeat, and the buffer keeps unique ones only
+K = 8  # samples per prompt, all trained on: answers are a few tokens, so duplicates are expected
 GROUPS_PER_STEP = 4
-TEMPERATURE = 0.5  # 0.7: ~5% well-formed answers; 0.3: too few unique samples per prompt
-SYSTEM_PROMPT = "Reply with one line: the equation inside <answer> </answer> tags."
+TEMPERATURE = 0.7
+PROMPT = "Use the numbers {numbers} to make {target}. Answer with the equation in <answer> </answer> tags."
 
 
 def checkpoint_dir() -> Path:
@@ -48,47 +47,52 @@ def config() -> ExperimentConfig:
     return ExperimentConfig(
         name="smollm2_countdown",
         description=__doc__.strip().splitlines()[0],
-        model=ModelSpec(checkpoint=str(checkpoint_dir()), remat="full"),
+        model=ModelSpec(checkpoint=str(checkpoint_dir())),
         task=TaskSpec(
             name="countdown",
-            # Measured starting points (SmolLM2 as shipped): with the paper's instruction alone it
-            # hardly ever writes an <answer> tag; with this one-line format hint and 2 numbers up to
-            # 10, 25% of samples at T = 0.5 are well-formed (reward 0.1, mostly copying the
-            # instruction's example) and none solve the puzzle, greedy: 90% well-formed, 0% solved.
+            # Measured starting points (SmolLM2 as shipped, 128 samples): with TinyZero's
+            # instruction it copies the instruction's example `(1 + 2) / 3` and solves nothing.
+            # A short instruction and two solved train-side puzzles as earlier chat turns: 88% of
+            # samples well-formed, 15% solved at T = 0.7. What is left to learn is the arithmetic:
+            # which operation on the two given numbers hits the target.
             # (The paper's Qwen3-4B setting: 3-4 numbers up to 99, targets up to 100.)
             options={
                 "num_numbers": [2, 2],
                 "max_number": 10,
                 "target_range": [1, 30],
                 "num_eval": 200,
-                "system_prompt": SYSTEM_PROMPT,
+                "prompt_template": PROMPT,
+                "few_shot": 2,
             },
             chat_template=True,
         ),
         rollout=RolloutSpec(
             prompts_per_call=GROUPS_PER_STEP,
-            sampling=SamplingConfig(max_new_tokens=48, num_samples=GENERATED, temperature=TEMPERATURE),
+            # answers are ~12 tokens; a longer one is a ramble that earns 0 anyway
+            sampling=SamplingConfig(max_new_tokens=24, num_samples=K, temperature=TEMPERATURE),
             max_prompt_tokens=192,
         ),
         train=TrainSpec(
-            steps=60,
+            steps=120,
             groups_per_step=GROUPS_PER_STEP,
             objective="tb",
             trainer=TrainerConfig(
-                # measured on one fixed batch: 1e-6 cuts the TB loss ~35% a step, 1e-5 overshoots
-                optimizer=OptimizerConfig(lr=LRSchedule(kind="constant", peak=1e-6), max_grad_norm=1.0),
-                # r/β: a format-only answer (0.1) is worth 5 nats, a solved one 50
+                optimizer=OptimizerConfig(lr=LRSchedule(kind="constant", peak=1e-5), max_grad_norm=1.0),
+                # r/β: a well-formed wrong answer (0.1) is worth 5 nats, a solved one 50
                 beta=BetaSchedule(kind="constant", start=0.02),
                 temperature=TEMPERATURE,
-                num_microbatches=GROUPS_PER_STEP,  # a group per micro-batch: 5.6 GB peak, not 20 GB
+                # the ~160-token prompt is 93% of a row: score it once per group, not K times
+                # (a 10 s step instead of 55 s on 2 cores; experiments/benchmarks/packed_groups.py)
+                pack_groups=True,
                 param_dtype="float32",
                 compute_dtype="float32",  # bf16 matmuls are slow on CPU
             ),
-            checkpoint_every=30,
+            checkpoint_every=40,
         ),
-        buffer=BufferConfig(samples_per_group=K, capacity_per_prompt=32, recency_prob=0.95),
+        # no dedup: the few correct answers to a puzzle are the same short token sequence
+        buffer=BufferConfig(samples_per_group=K, capacity_per_prompt=32, recency_prob=0.95, dedup=False),
         system=SystemSpec(mode="async", num_searchers=1, sync_every=2),
-        eval=EvalSpec(every=20, num_problems=100, batch_size=50),
+        eval=EvalSpec(every=20, num_problems=200, batch_size=100),
     )
 
 

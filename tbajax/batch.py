@@ -25,6 +25,25 @@ Array = jax.Array
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class PackedGroups:
+    """The batch's groups packed one per row, each prompt once: `prompt, response 1, response 2,
+    ...` with every response attending to the prompt and to itself only. Scoring this costs
+    (P + K·R) tokens per group instead of K·(P + R): K times less prompt work, which dominates
+    when prompts are long and answers short. Built by `collate(pack_microbatches=M)`: packed rows
+    are laid out per micro-batch ([M·G_m] rows, those of slice m first), and `source` indexes the
+    flattened rows of the row's own micro-batch slice, so cutting into M slices keeps it valid.
+    """
+
+    tokens: Array  # [G, L] int32
+    positions: Array  # [G, L] int32: prompt 0..P-1, every response again from P
+    segments: Array  # [G, L] int32: 0 prompt, j + 1 response j, -1 padding
+    previous: Array  # [G, L] int32: the slot whose logits predict this token (its predecessor)
+    source: Array  # [B, T] int32: for each response token of the row layout, its slot in the
+    #   flattened [G_m · L] packed rows of its micro-batch slice (0 where loss_mask is False)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class Batch:
     tokens: Array  # [B, T] int32: prompt + response, right-padded
     attention_mask: Array  # [B, T] bool: real (prompt or response) tokens
@@ -38,6 +57,7 @@ class Batch:
     prompt_id: Array  # [B] int32: the prompt's id in its dataset (0 for padding rows); indexes
     #   per-prompt trainable tables such as a learned log Z
     beta: Array  # [] f32: KL coefficient at the trainer's current step
+    packed: PackedGroups | None = None  # the same rows packed per group (see PackedGroups)
 
     @property
     def batch_size(self) -> int:
@@ -61,6 +81,19 @@ def token_logprobs(logits: Array, tokens: Array, temperature: float = 1.0) -> Ar
     return jnp.pad(picked - logz, ((0, 0), (1, 0)))
 
 
+def packed_token_logprobs(logits: Array, batch: Batch, temperature: float = 1.0) -> Array:
+    """`token_logprobs` for a batch scored through its packed rows: logits [G, L, V] of
+    `batch.packed.tokens`, result [B, T] in the row layout, filled on `loss_mask` only (0 elsewhere:
+    prompt tokens are not scored in a packed row)."""
+    pk = batch.packed
+    logits = logits.astype(jnp.float32) / temperature
+    g = jnp.arange(logits.shape[0])[:, None]
+    logz = jax.nn.logsumexp(logits, axis=-1)[g, pk.previous]
+    picked = logits[g, pk.previous, pk.tokens]
+    flat = (picked - logz).reshape(-1)
+    return jnp.where(batch.loss_mask, flat[pk.source], 0.0)
+
+
 def collate(
     groups: Sequence[Sequence["Trajectory"]],
     beta: float,
@@ -69,6 +102,8 @@ def collate(
     num_rows: int | None = None,
     score_stop_token: bool = True,
     length_bucket: int = 32,
+    pack_microbatches: int | None = None,
+    pack_row_multiple: int = 1,
 ) -> Batch:
     """Pad groups of trajectories into one host-side (numpy) Batch.
 
@@ -76,6 +111,8 @@ def collate(
     `length_bucket`, so a long run compiles a handful of shapes, not one per batch).
     num_rows: pad with masked-out rows up to this many (fixed micro-batch shapes).
     score_stop_token: whether a finished response's final stop token is in the loss.
+    pack_microbatches: also build `Batch.packed` for a step cut into this many micro-batches.
+    pack_row_multiple: make the number of packed rows a multiple of this (the data-parallel shards).
     """
     rows = [t for g in groups for t in g]
     if not rows:
@@ -119,6 +156,13 @@ def collate(
     gid[len(rows) :] = np.arange(len(groups), len(groups) + n - len(rows))  # padding: own groups
     blp *= loss
     rlp *= loss
+    packed = None
+    if pack_microbatches is not None:
+        prompt_len = np.zeros((n,), np.int64)
+        prompt_len[: len(rows)] = [len(t.prompt_tokens) for t in rows]
+        packed = pack_groups(
+            tokens, prompt_len, attn, gid, sample_mask, pack_microbatches, length_bucket, pack_row_multiple
+        )
     return Batch(
         tokens=tokens,
         attention_mask=attn,
@@ -131,7 +175,81 @@ def collate(
         policy_version=version,
         prompt_id=prompt_id,
         beta=np.float32(beta),
+        packed=packed,
     )
+
+
+def pack_groups(
+    tokens: np.ndarray,
+    prompt_len: np.ndarray,
+    attention_mask: np.ndarray,
+    group_id: np.ndarray,
+    sample_mask: np.ndarray,
+    num_microbatches: int,
+    length_bucket: int = 32,
+    row_multiple: int = 1,
+) -> PackedGroups:
+    """PackedGroups of row-layout arrays (host side). Every micro-batch slice gets the same number
+    of packed rows (the most groups any slice holds, rounded up so that the total is a multiple of
+    `row_multiple`) so the slices stack; padding rows are left out."""
+    n, seq = tokens.shape
+    if n % num_microbatches:
+        raise ValueError(f"batch of {n} rows cannot be cut into {num_microbatches} equal micro-batches")
+    per_slice = n // num_microbatches
+    slices: list[list[list[int]]] = []  # slice -> groups -> row indices
+    for m in range(num_microbatches):
+        order: dict[int, list[int]] = {}
+        for i in range(m * per_slice, (m + 1) * per_slice):
+            if sample_mask[i]:
+                order.setdefault(int(group_id[i]), []).append(i)
+        slices.append(list(order.values()))
+    for m, groups in enumerate(slices):
+        for rows in groups:
+            first = rows[0]
+            p = int(prompt_len[first])
+            if p < 1:
+                raise ValueError(f"row {first} has an empty prompt; packing needs at least one prompt token")
+            for i in rows[1:]:
+                if prompt_len[i] != p or not np.array_equal(tokens[i, :p], tokens[first, :p]):
+                    raise ValueError(
+                        f"rows {first} and {i} share group {int(group_id[i])} but not their prompt; "
+                        "packing needs every row of a group to have the same prompt"
+                    )
+    lengths = [
+        int(prompt_len[rows[0]]) + sum(int(attention_mask[i].sum() - prompt_len[i]) for i in rows)
+        for groups in slices for rows in groups
+    ]
+    width = -(-max(lengths, default=1) // length_bucket) * length_bucket
+    g_m = max(1, max(len(groups) for groups in slices))
+    while (num_microbatches * g_m) % row_multiple:
+        g_m += 1
+    shape = (num_microbatches * g_m, width)
+    out_tokens = np.zeros(shape, np.int32)
+    positions = np.zeros(shape, np.int32)
+    segments = np.full(shape, -1, np.int32)
+    previous = np.zeros(shape, np.int32)
+    source = np.zeros((n, seq), np.int32)
+    for m, groups in enumerate(slices):
+        for local, rows in enumerate(groups):
+            g = m * g_m + local
+            p = int(prompt_len[rows[0]])
+            out_tokens[g, :p] = tokens[rows[0], :p]
+            positions[g, :p] = np.arange(p)
+            segments[g, :p] = 0
+            previous[g, :p] = np.maximum(np.arange(p) - 1, 0)
+            at = p
+            for j, i in enumerate(rows):
+                r = int(attention_mask[i].sum()) - p
+                span = slice(at, at + r)
+                out_tokens[g, span] = tokens[i, p : p + r]
+                positions[g, span] = p + np.arange(r)
+                segments[g, span] = j + 1
+                previous[g, span] = np.arange(at, at + r) - 1
+                if r:
+                    previous[g, at] = p - 1
+                source[i, p : p + r] = local * width + np.arange(at, at + r)
+                at += r
+    return PackedGroups(tokens=out_tokens, positions=positions, segments=segments, previous=previous, source=source)
 
 
 def _int32_id(prompt_id: int) -> int:

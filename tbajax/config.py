@@ -249,6 +249,8 @@ def from_jsonable(tp: Any, value: Any, where: str) -> Any:
                 errors.append(str(e))
         raise ConfigError(errors[0] if errors else f"{where}: {value!r} is not valid")
     if origin is Literal:
+        if value is None and "none" in args:  # `--set model.remat=none` parses as YAML null
+            return "none"
         if value not in args:
             raise ConfigError(f"{where}={value!r}; choose one of {list(args)}")
         return value

@@ -306,7 +306,11 @@ def test_smollm2_prompt_fits_with_the_real_tokenizer():
     lengths = []
     for problem in task.load("train")[:50]:
         text = task.prompt(problem, tok)
-        assert text.startswith(f"<|im_start|>system\n{task.system_prompt}<|im_end|>")
+        assert text.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")  # its default
+        # two solved train-side puzzles as earlier turns, then the question
+        assert text.count("<|im_start|>assistant\n<answer> ") == 2
+        assert text.endswith(f"make {problem.answer.target}. Answer with the equation in <answer> </answer> tags."
+                             "<|im_end|>\n<|im_start|>assistant\n")
         lengths.append(len(tok(text, add_special_tokens=False)["input_ids"]))
     assert max(lengths) <= config.rollout.max_prompt_tokens
 

@@ -21,10 +21,11 @@ import optax
 import pytest
 from flax import nnx
 
-from tbajax.batch import Batch
-from tbajax.models import CausalLM, ModelConfig
+from tbajax.batch import Batch, collate
+from tbajax.models import CausalLM, ModelConfig, packed_attention_mask
 from tbajax.objectives.base import Max, Min, Ratio
 from tbajax.sharding import MeshConfig, make_mesh
+from tbajax.trajectory import Trajectory
 from tbajax.training import (
     BetaSchedule,
     Checkpointer,
@@ -624,3 +625,98 @@ if __name__ == "__main__":
         _resume_main(sys.argv[2], int(sys.argv[3]), sys.argv[4])
     else:
         sys.exit("usage: test_training.py resume CKPT_DIR STEP OUT.npz")
+
+
+# ----------------------------------------------------------------------------- packed groups
+
+
+def grouped_trajectories(seed: int) -> list[list[Trajectory]]:
+    """Groups whose rows share their prompt (as in a real buffer): 3 + 1 rows, then 3 rows, so that
+    two micro-batches of 4 rows each hold whole groups; prompts 2-6 and responses 1-7 tokens long."""
+    r = np.random.default_rng(seed)
+    groups = []
+    for size in (3, 1, 3):
+        prompt = r.integers(3, MODEL.vocab_size - 1, int(r.integers(2, 7))).astype(np.int32)
+        rows = []
+        for _ in range(size):
+            resp = r.integers(3, MODEL.vocab_size - 1, int(r.integers(1, 8))).astype(np.int32)
+            rows.append(Trajectory(
+                prompt_id=int(r.integers(0, 10)), group_id=len(groups), prompt_tokens=prompt,
+                response_tokens=resp, behavior_logprobs=-r.random(len(resp)).astype(np.float32),
+                reward=float(r.integers(0, 2)), finished=bool(r.integers(0, 2)),
+            ))
+        groups.append(rows)
+    return groups
+
+
+def grouped_batch(seed: int, pack_microbatches: int | None) -> Batch:
+    return collate(grouped_trajectories(seed), beta=0.5, num_rows=8, length_bucket=8,
+                   pack_microbatches=pack_microbatches)
+
+
+def test_packed_attention_mask_hand_values():
+    # prompt of 2, response 1 of 2 tokens, response 2 of 1 token, one padding slot
+    mask = np.asarray(packed_attention_mask(jnp.array([[0, 0, 1, 1, 2, -1]])))[0].astype(int)
+    np.testing.assert_array_equal(mask, [
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0],
+        [1, 1, 1, 1, 0, 0],
+        [1, 1, 0, 0, 1, 0],  # response 2 sees the prompt and itself, not response 1
+        [1, 1, 0, 0, 0, 0],  # padding sees the prompt (a non-empty softmax), and nothing reads it
+    ])
+
+
+def test_pack_groups_layout_hand_values():
+    prompt, a, b = np.array([7, 8], np.int32), np.array([9, 10], np.int32), np.array([11], np.int32)
+    rows = [Trajectory(0, 0, prompt, x, np.zeros(len(x), np.float32), 0.0) for x in (a, b)]
+    batch = collate([rows], beta=1.0, num_rows=2, length_bucket=1, pack_microbatches=1)
+    pk = batch.packed
+    np.testing.assert_array_equal(pk.tokens, [[7, 8, 9, 10, 11]])
+    np.testing.assert_array_equal(pk.positions, [[0, 1, 2, 3, 2]])
+    np.testing.assert_array_equal(pk.segments, [[0, 0, 1, 1, 2]])
+    np.testing.assert_array_equal(pk.previous, [[0, 0, 1, 2, 1]])  # both responses start after slot 1
+    np.testing.assert_array_equal(pk.source[0, 2:4], [2, 3])
+    np.testing.assert_array_equal(pk.source[1, 2:3], [4])
+
+
+def test_packed_logprobs_equal_the_row_layout():
+    graphdef, params = _model_parts()
+    for seed in range(3):
+        rows, packed = grouped_batch(seed, None), grouped_batch(seed, 1)
+        want = np.asarray(sequence_logprobs(graphdef, params, rows, 0.7))
+        got = np.asarray(sequence_logprobs(graphdef, params, packed, 0.7))
+        assert packed.packed.tokens.shape[1] < rows.tokens.size  # really fewer tokens
+        np.testing.assert_allclose(np.where(rows.loss_mask, got, 0), np.where(rows.loss_mask, want, 0),
+                                   atol=1e-5, rtol=1e-5)
+        assert (got[~rows.loss_mask] == 0).all()
+
+
+@pytest.mark.parametrize("num_microbatches,mesh_config", [(1, None), (2, None), (2, MeshConfig(data=2, fsdp=2, tensor=2))],
+                         ids=["one", "two-microbatches", "data-parallel"])
+def test_packed_step_equals_row_layout_step(num_microbatches, mesh_config):
+    base = dataclasses.replace(ACCUM_CONFIG, num_microbatches=num_microbatches)
+    results = []
+    for pack in (False, True):
+        config = dataclasses.replace(base, pack_groups=pack)
+        mesh, step = compiled_step(config, mesh_config)
+        _, state = init_train_state(fresh_model(), config, mesh)
+        metrics = []
+        for u, seed in enumerate([0, 1], 1):
+            state, out = step(state, grouped_batch(seed, num_microbatches if pack else None))
+            metrics.append(raise_on_bad_step(out, u))
+        results.append((state, metrics))
+    (want_state, want), (got_state, got) = results
+    for g, w in zip(got, want):
+        assert g == pytest.approx(w, rel=1e-5, abs=1e-6)
+    assert_trees_close(got_state.params, want_state.params)
+
+
+def test_packing_refuses_mixed_prompts_and_mismatched_config():
+    groups = grouped_trajectories(0)
+    groups[0][1] = dataclasses.replace(groups[0][1], prompt_tokens=groups[0][1].prompt_tokens + 1)
+    with pytest.raises(ValueError, match="share group 0 but not their prompt"):
+        collate(groups, beta=0.5, pack_microbatches=1)
+    trainer = Trainer(fresh_model(), dataclasses.replace(ACCUM_CONFIG, pack_groups=True), vargrad_tb)
+    with pytest.raises(ValueError, match="pack_microbatches=1"):
+        trainer.step(grouped_batch(0, None))

@@ -1,7 +1,7 @@
 """Flax NNX decoders (Llama, Qwen2/2.5, Qwen3) and Hugging Face checkpoint I/O."""
 
 from tbajax.models.config import ModelConfig, RopeScaling, UnsupportedModelError
-from tbajax.models.decoder import CausalLM, KVCache, positions_from_mask
+from tbajax.models.decoder import CausalLM, KVCache, packed_attention_mask, positions_from_mask
 from tbajax.models.hf import load_config, load_model, resolve_checkpoint, save_model
 from tbajax.models.safetensors_io import CheckpointError
 
@@ -14,6 +14,7 @@ __all__ = [
     "UnsupportedModelError",
     "load_config",
     "load_model",
+    "packed_attention_mask",
     "positions_from_mask",
     "resolve_checkpoint",
     "save_model",

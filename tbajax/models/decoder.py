@@ -151,6 +151,8 @@ class CausalLM(nnx.Module):
 
         attention_mask: [batch, seq], 1 for real tokens. positions default to
         cumsum(mask) - 1, which is right for left and right padding alike.
+        Or [batch, seq, seq]: which key each query may attend to, used as given (no cache; pass
+        positions), e.g. `packed_attention_mask` for several sequences sharing one row.
         With `cache`, the tokens are written at slots cache.index ... index + seq.
         """
         cfg = self.config
@@ -158,6 +160,9 @@ class CausalLM(nnx.Module):
         if attention_mask is None:
             attention_mask = jnp.ones((b, t), bool)
         attention_mask = attention_mask.astype(bool)
+        full_mask = attention_mask.ndim == 3
+        if full_mask and (cache is not None or positions is None):
+            raise ValueError("a [batch, seq, seq] attention mask needs explicit positions and no cache")
         if positions is None:
             positions = positions_from_mask(attention_mask)
             if cache is not None:
@@ -175,9 +180,12 @@ class CausalLM(nnx.Module):
             )
             layer = jax.checkpoint(layer, policy=policy)
 
+        if full_mask:
+            mask = attention_mask
         if cache is None:
-            slots = jnp.arange(t)
-            mask = (slots[None, :] <= slots[:, None])[None] & attention_mask[:, None, :]
+            if not full_mask:
+                slots = jnp.arange(t)
+                mask = (slots[None, :] <= slots[:, None])[None] & attention_mask[:, None, :]
 
             def body(h: Array, p: dict[str, Array]) -> tuple[Array, None]:
                 h, _ = layer(p, h, cos, sin, mask, None)
@@ -217,6 +225,16 @@ class CausalLM(nnx.Module):
 def positions_from_mask(mask: Array) -> Array:
     """Position ids that skip padding: cumsum(mask) - 1, clipped at 0."""
     return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def packed_attention_mask(segments: Array) -> Array:
+    """[b, t] segment ids -> [b, t, t] causal mask for a row packing a shared prompt (segment 0)
+    followed by several continuations (1, 2, ...; -1 is padding): a continuation token sees the
+    prompt and the earlier tokens of its own continuation, never another continuation."""
+    t = segments.shape[-1]
+    causal = jnp.arange(t)[None, :] <= jnp.arange(t)[:, None]
+    key, query = segments[:, None, :], segments[:, :, None]
+    return causal[None] & (key >= 0) & ((key == 0) | (key == query))
 
 
 def rms_norm(x: Array, w: Array, eps: float) -> Array:

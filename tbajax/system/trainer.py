@@ -64,12 +64,15 @@ class Learner:
 
     def train_on(self, groups: Sequence[Sequence[Trajectory]], current_version: int) -> dict[str, float]:
         t0 = time.time()
+        trainer = self.config.train.trainer
         batch = collate(
             groups,
             beta=_beta_placeholder(self.config),
             num_rows=self.rows,
             score_stop_token=self.config.train.score_stop_token,
             length_bucket=self.config.train.length_bucket,
+            pack_microbatches=trainer.num_microbatches if trainer.pack_groups else None,
+            pack_row_multiple=self.trainer.batch_shards,
         )
         validate_batch(batch, self.objective)
         metrics = self.trainer.step(batch)

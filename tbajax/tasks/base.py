@@ -70,6 +70,9 @@ class Task:
     `cheap_reward=True` lets a reward pool score in-process (still catching exceptions) instead
     of in a killable worker: only for graders that cannot hang (regexes, exact compares).
     `success_threshold`: a sample counts as solved when its reward is >= this (for accuracy, pass@k).
+    `few_shot`: worked examples, (problem, reply) pairs, shown before the question: as earlier
+    user/assistant turns in chat mode, as `prompt + reply` blocks separated by a blank line in
+    plain mode. Small models often need one to find the answer format at all.
     """
 
     name: str
@@ -82,6 +85,7 @@ class Task:
     system_prompt: str | None = None
     success_threshold: float = 1.0
     evaluator: Evaluator = default_evaluator
+    few_shot: tuple[tuple[Problem, str], ...] = ()
 
     def load(self, split: str) -> Sequence[Problem]:
         """Problems of `split` ("train" or "eval"); deterministic for a given task config."""
@@ -93,7 +97,8 @@ class Task:
         """The prompt text to tokenize. Chat prompts already hold the template's special tokens, so
         encode them with `add_special_tokens=False`."""
         if not self.chat:
-            return (self.plain_prompt_fn or self.prompt_fn)(problem)
+            plain = self.plain_prompt_fn or self.prompt_fn
+            return "".join(f"{plain(demo)}{reply}\n\n" for demo, reply in self.few_shot) + plain(problem)
         if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
             raise ValueError(
                 f"task {self.name!r} has chat=True but the tokenizer has no chat template; "
@@ -102,6 +107,9 @@ class Task:
         messages = []
         if self.system_prompt is not None:
             messages.append({"role": "system", "content": self.system_prompt})
+        for demo, reply in self.few_shot:
+            messages.append({"role": "user", "content": self.prompt_fn(demo)})
+            messages.append({"role": "assistant", "content": reply})
         messages.append({"role": "user", "content": self.prompt_fn(problem)})
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         if not isinstance(text, str):

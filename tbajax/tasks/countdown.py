@@ -154,8 +154,11 @@ def countdown_reward(
 # --- prompts ------------------------------------------------------------------------------------
 
 
-def instruction(problem: Problem) -> str:
+def instruction(problem: Problem, template: str | None = None) -> str:
+    """The user message: TinyZero's instruction, or `template` with {numbers} and {target} filled in."""
     a: CountdownAnswer = problem.answer
+    if template is not None:
+        return template.format(numbers=list(a.numbers), target=a.target)
     return (
         f"Using the numbers {list(a.numbers)}, write an equation that equals {a.target}. You may use "
         "+, -, * and / and parentheses, and must use every number exactly once. Think it through "
@@ -164,13 +167,13 @@ def instruction(problem: Problem) -> str:
     )
 
 
-def plain_prompt(problem: Problem) -> str:
+def plain_prompt(problem: Problem, template: str | None = None) -> str:
     """TinyZero-style raw-text prompt for base models: a User/Assistant exchange that opens the
     assistant's turn with a thinking tag."""
     return (
         "A conversation between User and Assistant. The user asks a question, and the assistant "
         "solves it: it first reasons about the problem in its mind, then gives the user the answer.\n"
-        f"User: {instruction(problem)}\n"
+        f"User: {instruction(problem, template)}\n"
         "Assistant: Let me solve this step by step.\n<think>"
     )
 
@@ -261,6 +264,20 @@ def _load(split: str, *, source: str, sizes: dict[str, int], seed: int, eval_fra
 SOURCES = ("builtin", "reasoning_gym")
 
 
+def demonstrations(n: int, *, seed: int, eval_fraction: float, gen: dict) -> tuple[tuple[Problem, str], ...]:
+    """`n` worked examples with their generating equation as the reply, drawn from the train side of
+    the content split, so that no demonstration is ever an eval puzzle."""
+    demos = []
+    for i in range(n):
+        numbers, target, witness = draw_for_split(
+            "train", i, seed=seed, eval_fraction=eval_fraction,
+            candidate=functools.partial(_builtin_candidate, split="demo", seed=seed, **gen),
+            key=lambda t: _key(t[0], t[1]),
+        )
+        demos.append((_problem(-1 - i, numbers, target, witness), f"<answer> {witness} </answer>"))
+    return tuple(demos)
+
+
 def countdown_task(
     *,
     source: str = "builtin",
@@ -274,9 +291,15 @@ def countdown_task(
     format_score: float = 0.1,
     chat: bool = False,
     system_prompt: str | None = None,
+    prompt_template: str | None = None,
+    few_shot: int = 0,
 ) -> Task:
     """Countdown puzzles generated offline: `builtin` (this module, lazily, solvable by construction)
-    or `reasoning_gym` (reasoning-gym's generator; ~15 ms a puzzle, materialised at load)."""
+    or `reasoning_gym` (reasoning-gym's generator; ~15 ms a puzzle, materialised at load).
+
+    prompt_template: the user message with {numbers} and {target} (default: TinyZero's instruction).
+    few_shot: solved train-side puzzles shown before the question (see `Task.few_shot`).
+    """
     if source not in SOURCES:
         raise ValueError(f"unknown countdown source {source!r}; use one of {SOURCES}")
     lo, hi = num_numbers
@@ -284,6 +307,16 @@ def countdown_task(
         raise ValueError(f"num_numbers must be (lo, hi) with 2 <= lo <= hi, got {num_numbers}")
     if not (1 <= target_range[0] <= target_range[1]):
         raise ValueError(f"target_range must be (lo, hi) with 1 <= lo <= hi, got {target_range}")
+    if few_shot < 0:
+        raise ValueError(f"few_shot must be >= 0, got {few_shot}")
+    if prompt_template is not None:
+        try:
+            prompt_template.format(numbers=[1, 2], target=3)
+        except (KeyError, IndexError, ValueError) as e:
+            raise ValueError(
+                f"prompt_template {prompt_template!r} does not format: {type(e).__name__}: {e}; "
+                "the only fields are {numbers} and {target} (write literal braces as {{ }})"
+            ) from None
     gen = dict(num_numbers=(lo, hi), max_number=max_number, target_range=tuple(target_range))
     load = functools.partial(
         _load, source=source, sizes={"train": num_train, "eval": num_eval}, seed=seed, eval_fraction=eval_fraction, gen=gen
@@ -291,10 +324,11 @@ def countdown_task(
     return Task(
         name="countdown",
         load_fn=load,
-        prompt_fn=instruction,
-        plain_prompt_fn=plain_prompt,
+        prompt_fn=functools.partial(instruction, template=prompt_template),
+        plain_prompt_fn=functools.partial(plain_prompt, template=prompt_template),
         reward_fn=functools.partial(countdown_reward, format_score=format_score),
         cheap_reward=True,
         chat=chat,
         system_prompt=system_prompt,
+        few_shot=demonstrations(few_shot, seed=seed, eval_fraction=eval_fraction, gen=gen),
     )

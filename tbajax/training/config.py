@@ -137,6 +137,11 @@ class TrainerConfig:
       directly; a batch with an id outside [0, size) is refused on the host). The table and its
       Adam state are dense and replicated on every device: 16 bytes per entry, fine up to a few
       million ids (a 1e6-problem generated task costs 16 MB). Unused by other objectives.
+    pack_groups: score each group as one packed row (its prompt once, then its K responses, each
+      attending to the prompt and itself; `tbajax.batch.PackedGroups`). Same log-probs, K times
+      less prompt work; worth it when prompts are long next to the responses (a packed row is
+      P + K·R tokens long, and attention is quadratic in that). Batches need `collate(...,
+      pack_microbatches=num_microbatches)`.
     """
 
     optimizer: OptimizerConfig = OptimizerConfig()
@@ -150,6 +155,7 @@ class TrainerConfig:
     compute_dtype: str = "bfloat16"
     seed: int = 0
     aux_table_size: int = 0
+    pack_groups: bool = False
 
     def __post_init__(self) -> None:
         if self.temperature <= 0:

@@ -33,9 +33,10 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from tbajax.batch import Batch, token_logprobs
+from tbajax.batch import Batch, PackedGroups, packed_token_logprobs, token_logprobs
 from tbajax.objectives.base import Max, Metrics, Min, Ratio, combine_metrics
 from tbajax.objectives.registry import ObjectiveSpec, gather_aux, get_objective
+from tbajax.models.decoder import packed_attention_mask
 from tbajax.sharding import LOGICAL_RULES, constrain
 from tbajax.training.config import TrainerConfig
 from tbajax.training.schedules import beta_at, learning_rate
@@ -94,8 +95,13 @@ class MicroBatchLayoutError(ValueError):
 
 
 def sequence_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, temperature: float) -> Array:
-    """Per-token log-probs [B, T] of `batch.tokens` under (graphdef, params) at `temperature`."""
+    """Per-token log-probs [B, T] of `batch.tokens` under (graphdef, params) at `temperature`;
+    through `batch.packed` when present (then on response tokens only)."""
     model = nnx.merge(graphdef, params)
+    if batch.packed is not None:
+        pk = batch.packed
+        logits, _ = model(pk.tokens, pk.positions, packed_attention_mask(pk.segments))
+        return packed_token_logprobs(logits, batch, temperature)
     logits, _ = model(batch.tokens, attention_mask=batch.attention_mask)
     return token_logprobs(logits, batch.tokens, temperature)
 
@@ -166,7 +172,8 @@ def microbatch_layout_ok(batch: Batch, num_microbatches: int) -> Array:
 
 
 def split_microbatches(batch: Batch, num_microbatches: int) -> Batch:
-    """[B, ...] -> [M, B/M, ...] contiguous slices, batch dim of each slice sharded like B."""
+    """[B, ...] -> [M, B/M, ...] contiguous slices, batch dim of each slice sharded like B (packed
+    rows likewise: `collate` lays them out per slice)."""
     n, m = batch.batch_size, num_microbatches
     if n % m:
         raise ValueError(f"batch of {n} rows cannot be cut into {m} equal micro-batches")
@@ -174,7 +181,7 @@ def split_microbatches(batch: Batch, num_microbatches: int) -> Batch:
     def cut(x: Array) -> Array:
         if x.ndim == 0:  # beta: the same for every slice
             return jnp.broadcast_to(x, (m,))
-        y = x.reshape(m, n // m, *x.shape[1:])
+        y = x.reshape(m, x.shape[0] // m, *x.shape[1:])  # rows, or packed rows
         return constrain(y, (None, "batch") + (None,) * (y.ndim - 2))
 
     out = jax.tree.map(cut, batch)
@@ -342,11 +349,13 @@ def train_step(
     return new, StepOutput(metrics, applied, finite, layout_ok, row_ok, batch.group_id)
 
 
-def batch_shardings(mesh: Mesh) -> Batch:
-    """Every [B, ...] field split on its batch dim over the "batch" mesh axes; β replicated."""
+def batch_shardings(mesh: Mesh, packed: bool = False) -> Batch:
+    """Every [B, ...] field split on its batch dim over the "batch" mesh axes; β replicated;
+    packed rows (if `packed`) split on their leading dim too."""
     rows = NamedSharding(mesh, P(LOGICAL_RULES["batch"]))
     fields = {f.name: rows for f in dataclasses.fields(Batch)}
     fields["beta"] = NamedSharding(mesh, P())
+    fields["packed"] = PackedGroups(**{f.name: rows for f in dataclasses.fields(PackedGroups)}) if packed else None
     return Batch(**fields)
 
 
@@ -421,7 +430,7 @@ def make_train_step(
         raise ValueError("make_train_step(mesh=...) needs state_sharding=state_shardings(state, mesh)")
     jitted = jax.jit(
         fn,
-        in_shardings=(state_sharding, batch_shardings(mesh)),
+        in_shardings=(state_sharding, batch_shardings(mesh, packed=config.pack_groups)),
         out_shardings=(state_sharding, NamedSharding(mesh, P())),
         donate_argnums=0,
         compiler_options=compiler_options,
@@ -523,6 +532,13 @@ class Trainer:
         self.state, output = self._step(self.state, batch)
         return raise_on_bad_step(output, update)
 
+    @property
+    def batch_shards(self) -> int:
+        """Devices a batch is split over (data × fsdp); 1 without a mesh."""
+        if self.mesh is None:
+            return 1
+        return int(np.prod([self.mesh.shape[a] for a in LOGICAL_RULES["batch"] or ()]))
+
     def policy(self) -> nnx.Module:
         """The current policy as a Module (shares the state's arrays)."""
         return nnx.merge(self.graphdef, self.state.params)
@@ -532,10 +548,20 @@ class Trainer:
         m = self.config.num_microbatches
         if n % m:
             raise ValueError(f"batch of {n} rows does not split into num_microbatches={m}")
-        if self.mesh is not None:
-            shards = int(np.prod([self.mesh.shape[a] for a in LOGICAL_RULES["batch"] or ()]))
-            if n % shards:
-                raise ValueError(f"batch of {n} rows does not split over {shards} data-parallel devices")
+        if (batch.packed is not None) != self.config.pack_groups:
+            raise ValueError(
+                f"TrainerConfig.pack_groups={self.config.pack_groups} but the batch "
+                f"{'has' if batch.packed is not None else 'has no'} packed rows; build it with "
+                f"collate(pack_microbatches={m if self.config.pack_groups else None})"
+            )
+        shards = self.batch_shards
+        if batch.packed is not None and batch.packed.tokens.shape[0] % int(np.lcm(m, shards)):
+            raise ValueError(
+                f"{batch.packed.tokens.shape[0]} packed rows do not split into num_microbatches={m} "
+                f"over {shards} data-parallel devices; pass collate(pack_row_multiple={shards})"
+            )
+        if n % shards:
+            raise ValueError(f"batch of {n} rows does not split over {shards} data-parallel devices")
         prompt_id = np.asarray(jax.device_get(batch.prompt_id))
         if prompt_id.shape != (n,):
             raise ValueError(f"batch.prompt_id has shape {prompt_id.shape}, expected ({n},): one per row")
