@@ -28,6 +28,7 @@ def test_overrides_are_typed():
             "rollout.sampling.stop_token_ids=[2, 5]",
             "task.options.digits=2",
             "train.trainer.optimizer.max_grad_norm=null",
+            "model.remat=none",  # YAML reads `none` as null; the literal "none" is meant
         ],
     )
     assert out.train.steps == 7 and isinstance(out.train.steps, int)
@@ -36,6 +37,7 @@ def test_overrides_are_typed():
     assert out.rollout.sampling.stop_token_ids == (2, 5)
     assert out.task.options == {"digits": 2}
     assert out.train.trainer.optimizer.max_grad_norm is None
+    assert out.model.remat == "none"
 
 
 @pytest.mark.parametrize(

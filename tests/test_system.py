@@ -93,7 +93,8 @@ def test_async_run_with_two_searchers(tmp_path):
 
 
 def test_sync_mode_uses_the_same_trainer_and_user_objective(tmp_path):
-    """A user's objective from their own file, run in sync mode: one process, on-policy."""
+    """A user's objective from their own file, run in sync mode: one process, on-policy, with the
+    groups scored packed (the objective cannot tell)."""
     objective = tmp_path / "my_objective.py"
     objective.write_text(
         "from tbajax.objectives import groups_of, row_mean, seq_sums\n\n"
@@ -103,7 +104,8 @@ def test_sync_mode_uses_the_same_trainer_and_user_objective(tmp_path):
         "    return loss, {'loss': loss}\n"
     )
     run = tmp_path / "run"
-    out = _finish(_main(run, "--mode=sync", f"--objective={objective}:mean_baseline_pg", "--set", "train.steps=3"))
+    out = _finish(_main(run, "--mode=sync", f"--objective={objective}:mean_baseline_pg", "--set", "train.steps=3",
+                        "--set", "train.trainer.pack_groups=true"))
     summary = json.loads((run / "summary.json").read_text())
     assert summary["mode"] == "sync" and summary["trainer_steps"] == 3, out
     trainer = [r for r in read_metrics(run, "trainer") if "loss" in r]

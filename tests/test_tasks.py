@@ -165,6 +165,25 @@ def test_chat_prompt_uses_the_tokenizer_template():
     assert get_task("gsm8k").prompt(problem) == "[MATH TASK] Problem:\nWhat is 2+2?\n\nSolution:\n"
 
 
+def test_few_shot_demos_are_earlier_turns_or_blocks():
+    tok = arithmetic.build_char_tokenizer()
+    tok.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    demo = Problem(id=-1, question="What is 1+1?", answer="2")
+    problem = Problem(id=0, question="What is 2+2?", answer="4")
+    chat = dataclasses.replace(get_task("gsm8k", chat=True, system_prompt="Be brief."), few_shot=((demo, "2"),))
+    assert chat.prompt(problem, tok) == (
+        "<system>Be brief.<user>What is 1+1?<assistant>2<user>What is 2+2?<assistant>"
+    )
+    plain = dataclasses.replace(get_task("gsm8k"), few_shot=((demo, "It is 2."),))
+    assert plain.prompt(problem) == (
+        "[MATH TASK] Problem:\nWhat is 1+1?\n\nSolution:\nIt is 2.\n\n"
+        "[MATH TASK] Problem:\nWhat is 2+2?\n\nSolution:\n"
+    )
+
+
 # --- GSM8K -----------------------------------------------------------------------------------------
 
 
@@ -401,6 +420,26 @@ def test_countdown_generator_solvable_deterministic_disjoint():
     assert str(list(ev[0].answer.numbers)) in prompt and f"equals {ev[0].answer.target}" in prompt
     assert "<answer>" in prompt and prompt.endswith("<think>")
     assert get_task("countdown", chat=True).prompt_fn(ev[0]) == countdown.instruction(ev[0])
+
+
+def test_countdown_prompt_template_and_demos_from_the_train_side():
+    template = "Make {target} from {numbers}."
+    task = get_task("countdown", seed=3, num_numbers=(2, 2), max_number=10, target_range=(1, 30),
+                    num_eval=300, prompt_template=template, few_shot=3)
+    ev = task.load("eval")
+    assert task.prompt_fn(ev[0]) == f"Make {ev[0].answer.target} from {list(ev[0].answer.numbers)}."
+    assert len(task.few_shot) == 3
+    key = lambda a: (tuple(sorted(a.numbers)), a.target)  # noqa: E731
+    eval_keys = {key(p.answer) for p in ev}
+    for demo, reply in task.few_shot:
+        assert countdown.countdown_reward(reply, demo.answer) == (1.0, OK)  # a solved example
+        assert key(demo.answer) not in eval_keys  # never an eval puzzle
+    assert task.few_shot == get_task("countdown", seed=3, num_numbers=(2, 2), max_number=10,
+                                     target_range=(1, 30), prompt_template=template, few_shot=3).few_shot
+    with pytest.raises(ValueError, match="only fields are {numbers} and {target}"):
+        get_task("countdown", prompt_template="Make {goal}.")
+    with pytest.raises(ValueError, match="few_shot must be >= 0"):
+        get_task("countdown", few_shot=-1)
 
 
 def test_split_of_is_stable_and_proportional():
