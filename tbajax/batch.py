@@ -39,7 +39,7 @@ class PackedGroups:
     segments: Array  # [G, L] int32: 0 prompt, j + 1 response j, -1 padding
     previous: Array  # [G, L] int32: the slot whose logits predict this token (its predecessor)
     source: Array  # [B, T] int32: for each response token of the row layout, its slot in the
-    #   flattened [G_m · L] packed rows of its micro-batch slice (0 where loss_mask is False)
+    #   flattened [G_m · L] packed rows of its micro-batch slice (0 off the response)
 
 
 @jax.tree_util.register_dataclass
