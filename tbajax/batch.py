@@ -203,7 +203,7 @@ def pack_groups(
             if sample_mask[i]:
                 order.setdefault(int(group_id[i]), []).append(i)
         slices.append(list(order.values()))
-    for m, groups in enumerate(slices):
+    for groups in slices:
         for rows in groups:
             first = rows[0]
             p = int(prompt_len[first])
@@ -215,10 +215,8 @@ def pack_groups(
                         f"rows {first} and {i} share group {int(group_id[i])} but not their prompt; "
                         "packing needs every row of a group to have the same prompt"
                     )
-    lengths = [
-        int(prompt_len[rows[0]]) + sum(int(attention_mask[i].sum() - prompt_len[i]) for i in rows)
-        for groups in slices for rows in groups
-    ]
+    response_len = attention_mask.sum(-1) - prompt_len
+    lengths = [int(prompt_len[rows[0]] + response_len[rows].sum()) for groups in slices for rows in groups]
     width = -(-max(lengths, default=1) // length_bucket) * length_bucket
     g_m = max(1, max(len(groups) for groups in slices))
     while (num_microbatches * g_m) % row_multiple:
@@ -239,7 +237,7 @@ def pack_groups(
             previous[g, :p] = np.maximum(np.arange(p) - 1, 0)
             at = p
             for j, i in enumerate(rows):
-                r = int(attention_mask[i].sum()) - p
+                r = int(response_len[i])
                 span = slice(at, at + r)
                 out_tokens[g, span] = tokens[i, p : p + r]
                 positions[g, span] = p + np.arange(r)

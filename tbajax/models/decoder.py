@@ -180,10 +180,10 @@ class CausalLM(nnx.Module):
             )
             layer = jax.checkpoint(layer, policy=policy)
 
-        if full_mask:
-            mask = attention_mask
         if cache is None:
-            if not full_mask:
+            if full_mask:
+                mask = attention_mask
+            else:
                 slots = jnp.arange(t)
                 mask = (slots[None, :] <= slots[:, None])[None] & attention_mask[:, None, :]
 

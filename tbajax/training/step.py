@@ -34,9 +34,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tbajax.batch import Batch, PackedGroups, packed_token_logprobs, token_logprobs
+from tbajax.models.decoder import packed_attention_mask
 from tbajax.objectives.base import Max, Metrics, Min, Ratio, combine_metrics
 from tbajax.objectives.registry import ObjectiveSpec, gather_aux, get_objective
-from tbajax.models.decoder import packed_attention_mask
 from tbajax.sharding import LOGICAL_RULES, constrain
 from tbajax.training.config import TrainerConfig
 from tbajax.training.schedules import beta_at, learning_rate
