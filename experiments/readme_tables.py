@@ -1,0 +1,157 @@
+"""Write the README's measured-figure tables from the committed result files, so every number the
+README states traces to a file a script in this repo produced.
+
+    python experiments/readme_tables.py            # print the tables
+    python experiments/readme_tables.py --write    # replace the generated blocks in README.md
+    python experiments/readme_tables.py --check    # exit 1 if README.md is out of date
+
+Sources: `experiments/results/<run>/summary.json` (+ `config.json` beside it) for the experiment
+runs, and `experiments/results/benchmarks/*.json` / `experiments/results/chaos/*.json` (each
+written by a script's `--json PATH`). A README block is the text between
+`<!-- generated:NAME -->` and `<!-- /generated:NAME -->`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "experiments" / "results"
+README = REPO / "README.md"
+
+# Columns shown per benchmark (all scalar columns when a benchmark is not listed here).
+COLUMNS: dict[str, list[str]] = {
+    "forward": ["model", "size", "batch", "seq", "tbajax_tok_s", "torch_tok_s", "ratio"],
+    "train_step": ["size", "objective", "batch", "seq", "tbajax_tok_s", "torch_tok_s", "ratio"],
+    "packed_groups": ["layout", "tokens_in_step", "step_s", "speedup", "token_ratio", "loss_rel_diff"],
+    "chaos": ["scenario", "kills_survived", "rows_committed", "rows_read_back", "torn_rows",
+              "duplicated_rows", "versions_monotone", "wall_s"],
+}
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        if v != v:
+            return "nan"
+        if abs(v) >= 1000:
+            return f"{v:,.0f}"
+        if abs(v) >= 1 or v == 0:
+            return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
+        return f"{v:.3g}"
+    if isinstance(v, int):
+        return f"{v:,}"
+    return str(v)
+
+
+def _table(rows: list[dict[str, Any]], columns: list[str]) -> str:
+    columns = [c for c in columns if any(c in r for r in rows)]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for r in rows:
+        lines.append("| " + " | ".join(_fmt(r.get(c, "")) for c in columns) + " |")
+    return "\n".join(lines)
+
+
+def _machine(info: dict[str, Any] | None) -> str:
+    if not info:
+        return "machine not recorded"
+    parts = [f"{info.get('cpu_count', '?')} CPU cores" if info.get("backend", "cpu") == "cpu" else str(info.get("backend"))]
+    if info.get("matmul_gflops"):
+        parts.append(f"{info['matmul_gflops']:.0f} GFLOP/s fp32 matmul measured in the same run")
+    else:
+        parts.append("matmul rate not recorded")
+    parts.append(f"jax {info.get('jax', '?')}, Python {info.get('python', '?')}, {info.get('date', 'date not recorded')}")
+    return "; ".join(parts)
+
+
+def _rows(payload: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = payload.get("rows", payload.get("results", []))
+    return [r for r in rows if isinstance(r, dict)]
+
+
+def benchmarks_block() -> str:
+    out = []
+    files = sorted((RESULTS / "benchmarks").glob("*.json")) + sorted((RESULTS / "chaos").glob("*.json"))
+    for path in files:
+        payload = json.loads(path.read_text())
+        name = payload.get("benchmark", path.stem)
+        rows = _rows(payload)
+        if not rows:
+            continue
+        scalar = [k for k in rows[0] if isinstance(rows[0][k], (int, float, str, bool))]
+        rel = path.relative_to(REPO)
+        out.append(f"**`{name}`** ([{path.name}]({rel}); {_machine(payload.get('machine'))})\n")
+        out.append(_table(rows, COLUMNS.get(name, scalar[:9])))
+        if payload.get("command"):
+            out.append(f"\n`{payload['command']}`")
+        out.append("")
+    return "\n".join(out).rstrip()
+
+
+def _run_row(path: Path) -> dict[str, Any]:
+    s = json.loads(path.read_text())
+    row: dict[str, Any] = {
+        "run": f"[{path.parent.relative_to(RESULTS)}]({path.relative_to(REPO)})",
+        "objective": s.get("objective", ""),
+        "accuracy start → end": f"{s['eval_accuracy_start']:.1%} → {s['eval_accuracy_end']:.1%}"
+        if "eval_accuracy_start" in s else "",
+        "steps": s.get("trainer_steps", ""),
+        "wall time": f"{s['wall_time_s']:.0f} s" if "wall_time_s" in s else "",
+        "samples": s.get("samples_generated", ""),
+        "trainer wait": f"{s['trainer_wait_s']:.0f} s" if "trainer_wait_s" in s else "",
+        "lag mean / max": f"{s['policy_lag_mean']:.2f} / {s['policy_lag_max']}" if "policy_lag_mean" in s else "not recorded",
+        "machine": _machine(s.get("machine")),
+    }
+    return row
+
+
+def runs_block() -> str:
+    rows = [_run_row(p) for p in sorted(RESULTS.glob("**/summary.json"))]
+    if not rows:
+        return "(no committed runs)"
+    return _table(rows, list(rows[0]))
+
+
+BLOCKS: dict[str, Callable[[], str]] = {"runs": runs_block, "benchmarks": benchmarks_block}
+
+
+def render(readme: str) -> str:
+    for name, make in BLOCKS.items():
+        pattern = re.compile(rf"(<!-- generated:{name} -->\n)(?:.*?\n)?(<!-- /generated:{name} -->)", re.DOTALL)
+        if not pattern.search(readme):
+            raise SystemExit(f"README.md has no <!-- generated:{name} --> block")
+        readme = pattern.sub(lambda m: m.group(1) + make() + "\n" + m.group(2), readme)
+    return readme
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--write", action="store_true", help="rewrite the generated blocks of README.md")
+    mode.add_argument("--check", action="store_true", help="exit 1 when README.md differs from the files")
+    args = ap.parse_args()
+    current = README.read_text()
+    fresh = render(current)
+    if args.write:
+        README.write_text(fresh)
+        print(f"updated {README}")
+    elif args.check:
+        if fresh != current:
+            print("README.md's generated tables are out of date: run python experiments/readme_tables.py --write")
+            return 1
+        print("README.md's generated tables match the result files")
+    else:
+        for name, make in BLOCKS.items():
+            print(f"## {name}\n{make()}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
