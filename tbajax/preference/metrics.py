@@ -108,9 +108,8 @@ def win_rate(
     else:
         raise ValueError(f"ties must be 'half', 'loss' or 'drop', got {ties!r}")
     if n == 0:
-        raise ValueError(
-            "no prompts to compute a win rate over" + (" (every prompt tied and ties='drop')" if pol.size else "")
-        )
+        why = " (every prompt tied and ties='drop')" if pol.size else ""
+        raise ValueError("no prompts to compute a win rate over" + why)
     low, high = wilson_interval(successes, n, confidence)
     return WinRate(successes / n, low, high, n, wins, tied, losses, confidence)
 
@@ -244,7 +243,9 @@ def response_perplexity(sft_logprobs: Array, response_mask: Array) -> Perplexity
 
 
 @jax.jit
-def prompt_inclusive_perplexity(sft_logprobs: Array, response_mask: Array, attention_mask: Array) -> Perplexity:
+def prompt_inclusive_perplexity(
+    sft_logprobs: Array, response_mask: Array, attention_mask: Array
+) -> Perplexity:
     """The TBA reference's variant: exp(response NLL / (prompt + response tokens)).
 
     Only response tokens contribute NLL, but the divisor counts every real token of the row
