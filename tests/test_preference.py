@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import math
+import random
+import shutil
+import sys
+import tarfile
+import zipfile
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tbajax.preference import data as D
 from tbajax.preference import metrics as M
+from tbajax.preference.lexicon import Afinn, Vader, lexicon_dir
 
 Z95 = 1.959963984540054  # two-sided 95% normal quantile
 
@@ -154,7 +164,8 @@ def test_perplexity_response_only_and_prompt_inclusive_hand_values():
     np.testing.assert_allclose(incl.per_sequence, [math.exp(3 / 4), math.exp(1.5 / 4)], rtol=1e-6)
     np.testing.assert_allclose(incl.pooled, math.exp(4.5 / 8), rtol=1e-6)
     # a row without response tokens is NaN and leaves mean / pooled unchanged
-    empty = M.response_perplexity(jnp.concatenate([logprobs, logprobs[:1]]), jnp.concatenate([response, 0 * response[:1]]))
+    with_empty_row = (jnp.concatenate([logprobs, logprobs[:1]]), jnp.concatenate([response, 0 * response[:1]]))
+    empty = M.response_perplexity(*with_empty_row)
     assert np.isnan(empty.per_sequence[2])
     np.testing.assert_allclose([empty.mean, empty.pooled], [resp.mean, resp.pooled], rtol=1e-6)
 
@@ -167,15 +178,6 @@ def test_token_logprobs_from_logits_gathers_the_log_softmax():
 
 # --------------------------------------------------------------------------- lexicons
 
-import importlib.util  # noqa: E402
-import random  # noqa: E402
-import shutil  # noqa: E402
-import sys  # noqa: E402
-import tarfile  # noqa: E402
-import zipfile  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-from tbajax.preference.lexicon import Afinn, Vader, lexicon_dir  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -195,7 +197,8 @@ def _write(path: Path, rows: list[str]) -> Path:
 
 
 def test_afinn_sums_valences_with_phrases_word_boundaries_and_emoticons(tmp_path):
-    lex = _write(tmp_path / "afinn.txt", ["good\t3", "bad\t-3", "not good\t-2", "does not work\t-3", "self-deluded\t-2"])
+    entries = ["good\t3", "bad\t-3", "not good\t-2", "does not work\t-3", "self-deluded\t-2"]
+    lex = _write(tmp_path / "afinn.txt", entries)
     emo = _write(tmp_path / "emo.txt", [":)\t2", ":(\t-2"])
     afinn = Afinn.load(lex)
     assert afinn.score("Good, GOOD   good!") == 9.0
@@ -213,8 +216,9 @@ def test_afinn_sums_valences_with_phrases_word_boundaries_and_emoticons(tmp_path
 
 
 def _tiny_vader(tmp_path: Path) -> Vader:
-    rows = ["good\t1.9\t0.9\t[]", "bad\t-2.5\t0.7\t[]", "kind\t2.4\t0.5\t[]", "no\t-1.2\t0.7\t[]", "smiling\t1.6\t0.5\t[]"]
-    return Vader.load(_write(tmp_path / "vader.txt", rows), _write(tmp_path / "emoji.txt", ["😁\tbeaming face with smiling eyes"]))
+    rows = [f"{w}\t{v}\t0.5\t[]" for w, v in (("good", 1.9), ("bad", -2.5), ("kind", 2.4), ("no", -1.2), ("smiling", 1.6))]
+    emoji = _write(tmp_path / "emoji.txt", ["😁\tbeaming face with smiling eyes"])
+    return Vader.load(_write(tmp_path / "vader.txt", rows), emoji)
 
 
 def _compound(x: float) -> float:
@@ -231,7 +235,8 @@ def test_vader_compound_on_hand_computed_sentences(tmp_path):
     assert v.compound("The book was not good.") == pytest.approx(_compound(1.9 * -0.74), abs=1e-12)
     assert v.compound("The book isn't good") == pytest.approx(_compound(1.9 * -0.74), abs=1e-12)
     # booster in caps among lower-case words: +0.293 + 0.733; two "!" add 2 × 0.292
-    assert v.compound("The book was VERY good!!") == pytest.approx(_compound(1.9 + 0.293 + 0.733 + 2 * 0.292), abs=1e-12)
+    expected = _compound(1.9 + 0.293 + 0.733 + 2 * 0.292)
+    assert v.compound("The book was VERY good!!") == pytest.approx(expected, abs=1e-12)
     # a booster two words back counts 0.95 of itself; a word in caps gains 0.733
     assert v.compound("the book is really quite GOOD") == pytest.approx(
         _compound(1.9 + 0.733 + 0.293 + 0.95 * 0.293), abs=1e-12
@@ -254,7 +259,7 @@ def test_vader_compound_on_hand_computed_sentences(tmp_path):
 def _cached(*names: str) -> list[Path]:
     paths = [lexicon_dir() / n for n in names]
     if not all(p.is_file() for p in paths):
-        pytest.skip(f"lexicons not fetched; run `python experiments/assets/fetch_lexicons.py` (needs PyPI once)")
+        pytest.skip("lexicons not fetched; run `python experiments/assets/fetch_lexicons.py` (needs PyPI once)")
     return paths
 
 
@@ -279,11 +284,12 @@ def _parity_texts(vocab: list[str], n_random: int = 600, passage_stride: int = 1
         "It was never so good, without doubt the bomb. No, not bad at all??",
     ]
     rng = random.Random(0)
-    extra = ["not", "but", "very", "kind", "of", "least", "at", "no", "never", "so", "this", "without", "doubt"]
-    extra += ["KIND", "VERY", "isn't", "sort", "the", "bomb", ":)", "😁", "or", "nor", "kinda", "GOOD", "BAD"]
+    extra = "not but very kind of least at no never so this without doubt KIND VERY isn't sort the bomb".split()
+    extra += [":)", "😁", "or", "nor", "kinda", "GOOD", "BAD"]
     words = vocab + extra * 20
     for _ in range(n_random):
-        texts.append(" ".join(rng.choice(words) + rng.choice(["", "", ",", "!", "?", "."]) for _ in range(rng.randint(1, 25))))
+        n_words = rng.randint(1, 25)
+        texts.append(" ".join(rng.choice(words) + rng.choice(["", "", ",", "!", "?", "."]) for _ in range(n_words)))
     return texts
 
 
@@ -292,7 +298,8 @@ def test_vader_matches_the_real_package_exactly(tmp_path, monkeypatch):
     lexicon, emoji = _cached("vader_lexicon.txt", "emoji_utf8_lexicon.txt")
     with zipfile.ZipFile(_cached_archive("vaderSentiment-3.3.2")) as z:
         z.extractall(tmp_path)
-    real = _load_module("_vader_reference", tmp_path / "vaderSentiment" / "vaderSentiment.py", monkeypatch).SentimentIntensityAnalyzer()
+    module = _load_module("_vader_reference", tmp_path / "vaderSentiment" / "vaderSentiment.py", monkeypatch)
+    real = module.SentimentIntensityAnalyzer()
     ours = Vader.load(lexicon, emoji)
     texts = _parity_texts(sorted(ours.valences)[::5])
     mismatches = [t for t in texts if real.polarity_scores(t) != ours.polarity_scores(t).rounded()]
@@ -310,14 +317,14 @@ def test_afinn_matches_the_real_package_exactly(tmp_path, monkeypatch):
         ours = Afinn.load(words, emoticons=emo, emoticons_path=emoticons)
         texts = _parity_texts(sorted(ours.valences)[::3], n_random=n_random, passage_stride=stride)
         mismatches = [t for t in texts if real.score(t) != ours.score(t)]
-        assert not mismatches, f"emoticons={emo}: {len(mismatches)}/{len(texts)} differ, e.g. {mismatches[:3]}"
+        assert not mismatches, f"emoticons={emo}: {len(mismatches)}/{len(texts)} differ: {mismatches[:3]}"
 
 
 # --------------------------------------------------------------------------- fetching
 
 
 def test_fetch_lexicons_extracts_pinned_files_and_reuses_them_offline(tmp_path, monkeypatch):
-    fetcher = _load_module("_fetch_lexicons", REPO / "experiments" / "assets" / "fetch_lexicons.py", monkeypatch)
+    fetcher = _load_module("_fetch_lexicons", REPO / "experiments/assets/fetch_lexicons.py", monkeypatch)
     payload = "good\t3\n".encode()
     wheels = tmp_path / "wheels"
     wheels.mkdir()
@@ -325,7 +332,11 @@ def test_fetch_lexicons_extracts_pinned_files_and_reuses_them_offline(tmp_path, 
         z.writestr("fakepkg/data/lex.txt", payload)
     member = fetcher.Member("fake", "fakepkg/data/lex.txt", "lex.txt", fetcher._sha256(payload))
     monkeypatch.setattr(fetcher, "DISTRIBUTIONS", (fetcher.Distribution("fakepkg==1.0", "fakepkg-1.0", (member,)),))
-    monkeypatch.setattr(fetcher.subprocess, "run", lambda *a, **k: pytest.fail("must not call pip when the archive is cached"))
+
+    def no_pip(*args, **kwargs):
+        pytest.fail("must not call pip when the archive is cached")
+
+    monkeypatch.setattr(fetcher.subprocess, "run", no_pip)
     paths = fetcher.fetch(tmp_path)
     assert paths == {"fake": tmp_path / "lexicons" / "lex.txt"} and paths["fake"].read_bytes() == payload
     shutil.rmtree(wheels)  # extracted with the right hash: no archive needed any more
@@ -341,9 +352,6 @@ def test_fetch_lexicons_extracts_pinned_files_and_reuses_them_offline(tmp_path, 
 
 # --------------------------------------------------------------------------- prompt data
 
-import json  # noqa: E402
-
-from tbajax.preference import data as D  # noqa: E402
 
 
 def _jsonl(path: Path, rows: list[dict]) -> Path:
@@ -353,7 +361,8 @@ def _jsonl(path: Path, rows: list[dict]) -> Path:
 
 def test_hash_split_is_deterministic_order_free_and_never_leaks(tmp_path):
     prompts = [f"Write a happy sentence about item {i}." for i in range(400)]
-    rows = D.load_jsonl_prompts(_jsonl(tmp_path / "p.jsonl", [{"prompt": p} for p in prompts] + [{"prompt": prompts[3] + "  "}]))
+    records = [{"prompt": p} for p in prompts] + [{"prompt": prompts[3] + "  "}]
+    rows = D.load_jsonl_prompts(_jsonl(tmp_path / "p.jsonl", records))
     split = D.split_by_hash(rows, eval_fraction=0.25)
     train, held = D.prompts_of(split.train), D.prompts_of(split.eval)
     assert len(train) + len(held) == 400  # the whitespace variant of prompt 3 is a duplicate
@@ -378,10 +387,12 @@ def test_hash_split_is_deterministic_order_free_and_never_leaks(tmp_path):
 
 
 def test_jsonl_and_tldr_loaders_read_their_columns_and_explain_bad_rows(tmp_path):
-    rows = D.load_jsonl_prompts(_jsonl(tmp_path / "a.jsonl", [{"prompt": "Hi", "ref": "Hello"}, {"prompt": "Yo", "ref": "Hey"}]), reference_key="ref")
+    records = [{"prompt": "Hi", "ref": "Hello"}, {"prompt": "Yo", "ref": "Hey"}]
+    rows = D.load_jsonl_prompts(_jsonl(tmp_path / "a.jsonl", records), reference_key="ref")
     assert rows == [D.PromptRow("Hi", "Hello"), D.PromptRow("Yo", "Hey")]
-    tldr = [{"query": "SUBREDDIT: r/test\n\nTITLE: t\n\nPOST: p\n\nTL;DR:", "reference_response": " short<|endoftext|>", "id": 1}]
-    assert D.load_tldr(_jsonl(tmp_path / "tldr.jsonl", tldr)) == [D.PromptRow(tldr[0]["query"], tldr[0]["reference_response"])]
+    query, summary = "SUBREDDIT: r/test\n\nTITLE: t\n\nPOST: p\n\nTL;DR:", " short<|endoftext|>"
+    tldr = [{"query": query, "reference_response": summary, "id": 1}]
+    assert D.load_tldr(_jsonl(tmp_path / "tldr.jsonl", tldr)) == [D.PromptRow(query, summary)]
     with pytest.raises(ValueError, match="needs a non-empty string 'prompt'"):
         D.load_jsonl_prompts(_jsonl(tmp_path / "b.jsonl", [{"text": "x"}]))
     with pytest.raises(ValueError, match="needs a string 'reference_response'"):
