@@ -430,9 +430,10 @@ _TB_EMOTICONS: tuple[tuple[float, frozenset[str]], ...] = (
     (-0.75, frozenset((">:[", ":-(", ":(", "=(", ":-[", ":[", ":{", ":-<", ":c", ":-c", "=/"))),
     (-1.00, frozenset((":'(", ":'''(", ";'("))),
 )
-_TB_EMOTICON_RE = re.compile(
-    "(%s)($|\\s)" % "|".join(r" ?".join(re.escape(ch) for ch in e) for _, group in _TB_EMOTICONS for e in group)
-)
+# Emoticons split by the tokeniser (": )") are re-joined. Alternatives follow the group order; the
+# order inside a group does not matter (no emoticon there is another's prefix).
+_TB_SPACED_EMOTICONS = [r" ?".join(re.escape(ch) for ch in e) for _, group in _TB_EMOTICONS for e in group]
+_TB_EMOTICON_RE = re.compile("(%s)($|\\s)" % "|".join(_TB_SPACED_EMOTICONS))
 _TB_SARCASM_RE = re.compile(r"\( ?\! ?\)")
 _TB_NEGATIONS = ("no", "not", "n't", "never")
 
