@@ -9,8 +9,8 @@ What the TBA TL;DR reference reports (TBA_SPEC §8) and what each function here 
 
 | reference                                      | here                                                  |
 |------------------------------------------------|-------------------------------------------------------|
-| win rate: gold(policy) > gold(reference)       | `win_rate(..., ties="loss")` (default `ties="half"`)  |
-| KL: per-token mean of Σ_v p_ref log(p_ref/p_π) | `kl_ref_pi(...).token_mean` (`kl_pi_ref`: KL(π‖ref)) |
+| win rate: gold(policy) > gold(reference)       | `win_rate(..., ties="loss")` (default: "half")        |
+| KL: per-token mean of Σ_v p_ref log(p_ref/p_π) | `kl_ref_pi(...).token_mean` (`kl_pi_ref`: KL(π‖ref))  |
 | perplexity: response NLL / (prompt + response) | `prompt_inclusive_perplexity` (`response_perplexity`) |
 """
 
