@@ -90,8 +90,8 @@ class HeapItem:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tokens", tuple(int(t) for t in self.tokens))
-        if any(t < 0 for t in self.tokens):
-            raise ValueError("token ids must be >= 0")
+        if any(not 0 <= t < 2**31 for t in self.tokens):
+            raise ValueError("token ids must be in [0, 2**31)")
         object.__setattr__(self, "reward", float(self.reward))
         if not math.isfinite(self.reward):
             raise ValueError(f"reward must be finite, got {self.reward}")
@@ -116,15 +116,17 @@ def edit_distances(query: Sequence[int], others: np.ndarray, lengths: np.ndarray
     Row-by-row DP over the query, vectorised over the N sequences; within a row the insertion
     chain D[i, j] = min_k (E[k] + j − k) is one cumulative minimum.
     """
-    others = np.asarray(others, np.int64)
+    others = np.asarray(others)
     n, width = others.shape
-    cols = np.arange(width + 1, dtype=np.int64)
+    cols = np.arange(width + 1, dtype=np.int32)
     prev = np.broadcast_to(cols, (n, width + 1)).copy()  # distance from the empty query prefix
+    e = np.empty_like(prev)
     for i, q in enumerate(query, start=1):
-        e = np.empty_like(prev)
         e[:, 0] = i
-        e[:, 1:] = np.minimum(prev[:, 1:] + 1, prev[:, :-1] + (others != q))
-        prev = np.minimum.accumulate(e - cols, axis=1) + cols
+        np.minimum(prev[:, 1:] + 1, prev[:, :-1] + (others != q), out=e[:, 1:])
+        e -= cols
+        prev = np.minimum.accumulate(e, axis=1)
+        prev += cols
     return prev[np.arange(n), np.asarray(lengths, np.int64)]
 
 
@@ -140,7 +142,7 @@ class RewardHeap:
         self._items: dict[int, HeapItem] = {}  # seq -> item; insertion (seq) order
         self._slot_of: dict[int, int] = {}  # seq -> row in the matrices below
         self._free: list[int] = list(range(cap))  # min-heap of free rows
-        self._tokens = np.full((cap, 8), -1, np.int64)  # stripped tokens, -1 padded
+        self._tokens = np.full((cap, 8), -1, np.int32)  # stripped tokens, -1 padded
         self._lengths = np.zeros(cap, np.int64)
         self._live = np.zeros(cap, bool)
         self._unit: np.ndarray | None = None  # [cap, D] normalised embeddings
@@ -214,13 +216,19 @@ class RewardHeap:
         cfg = self.config
         near = np.zeros(self._live.shape[0], bool)
         if cfg.edit_tolerance is not None:
-            dist = edit_distances(tokens, self._tokens, self._lengths)
-            near |= dist < cfg.edit_tolerance * (len(tokens) + self._lengths)
+            # |len1 - len2| <= distance: rows whose length alone rules them out skip the DP
+            lq, lens = len(tokens), self._lengths
+            bound = cfg.edit_tolerance * (lq + lens)
+            rows = np.flatnonzero(self._live & (np.abs(lens - lq) < bound))
+            if rows.size:
+                width = int(lens[rows].max())
+                dist = edit_distances(tokens, self._tokens[rows, :width], lens[rows])
+                near[rows[dist < bound[rows]]] = True
         if cfg.cosine_tolerance is not None and unit is not None and self._unit is not None:
             near |= self._unit @ unit > cfg.cosine_tolerance
         near &= self._live
-        rows = set(np.flatnonzero(near).tolist())
-        return [s for s, r in self._slot_of.items() if r in rows]
+        hits = set(np.flatnonzero(near).tolist())
+        return [s for s, r in self._slot_of.items() if r in hits] if hits else []
 
     def _insert(self, item: HeapItem, unit: np.ndarray | None, key: Any) -> None:
         seq = self._next_seq
@@ -228,7 +236,7 @@ class RewardHeap:
         row = heapq.heappop(self._free)
         tokens = self._stripped(item)
         if len(tokens) > self._tokens.shape[1]:  # widen the token matrix
-            wider = np.full((self._tokens.shape[0], max(len(tokens), 2 * self._tokens.shape[1])), -1, np.int64)
+            wider = np.full((self._tokens.shape[0], max(len(tokens), 2 * self._tokens.shape[1])), -1, np.int32)
             wider[:, : self._tokens.shape[1]] = self._tokens
             self._tokens = wider
         self._tokens[row] = -1
