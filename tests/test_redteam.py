@@ -188,7 +188,10 @@ def item(tokens, reward, **kw) -> HeapItem:
 def _pairwise_near(buf: RewardHeap) -> bool:
     tol = buf.config.edit_tolerance
     items = buf.items()
-    return any(_levenshtein(a.tokens, b.tokens) < tol * (len(a.tokens) + len(b.tokens)) for a, b in itertools.combinations(items, 2))
+    return any(
+        _levenshtein(a.tokens, b.tokens) < tol * (len(a.tokens) + len(b.tokens))
+        for a, b in itertools.combinations(items, 2)
+    )
 
 
 def test_edit_distance_dedup() -> None:
@@ -213,7 +216,8 @@ def test_edit_distance_dedup() -> None:
 
 def test_exact_duplicates_are_rejected_even_if_better() -> None:
     buf = RewardHeap(RewardHeapConfig(capacity=5, edit_tolerance=None))
-    assert buf.add([item([1, 2], 0.0, text="hi"), item([3, 4], 9.0, text="hi"), item([1, 2], 9.0)]) == [True, False, True]
+    offered = [item([1, 2], 0.0, text="hi"), item([3, 4], 9.0, text="hi"), item([1, 2], 9.0)]
+    assert buf.add(offered) == [True, False, True]  # the text decides when given
     assert buf.stats()["exact_duplicates"] == 1
     no_text = RewardHeap(RewardHeapConfig(capacity=5, edit_tolerance=None))
     assert no_text.add([item([1, 2], 0.0), item([1, 2], 5.0)]) == [True, False]
@@ -287,7 +291,10 @@ def _random_items(rng: np.random.Generator, n: int) -> list[HeapItem]:
 
 
 def _snapshot(buf: RewardHeap):
-    return [(it.tokens, it.reward, it.priority, it.text, it.payload, None if it.embedding is None else it.embedding.tolist()) for it in buf]
+    def emb(it: HeapItem):
+        return None if it.embedding is None else it.embedding.tolist()
+
+    return [(it.tokens, it.reward, it.priority, it.text, it.payload, emb(it)) for it in buf]
 
 
 def test_state_round_trip_and_deterministic_rebuild() -> None:
@@ -312,4 +319,5 @@ def test_state_round_trip_and_deterministic_rebuild() -> None:
     again.add(items)
     assert again.state_dict() == buf.state_dict()
     with pytest.raises(ValueError, match="capacity"):
-        RewardHeap(RewardHeapConfig(capacity=13, cosine_tolerance=0.95, strip_token_ids=(5,))).load_state_dict(state)
+        other = RewardHeapConfig(capacity=13, cosine_tolerance=0.95, strip_token_ids=(5,))
+        RewardHeap(other).load_state_dict(state)

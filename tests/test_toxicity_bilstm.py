@@ -164,7 +164,9 @@ def test_h5_reader_rejects_other_layouts(tmp_path: Path) -> None:
 
 def test_tokenizer_hand_checked() -> None:
     tok = KerasWordTokenizer(
-        word_index={"you": 1, "are": 2, "don't": 3, "stupid": 4, "rare": 5}, num_words=5, filters=KERAS_FILTERS
+        word_index={"you": 1, "are": 2, "don't": 3, "stupid": 4, "rare": 5},
+        num_words=5,
+        filters=KERAS_FILTERS,
     )
     # lowercased; punctuation and tabs/newlines become spaces; the apostrophe is not a filter
     assert tok.words("You ARE\tstupid!!!  Don't,go") == ["you", "are", "stupid", "don't", "go"]
@@ -308,7 +310,8 @@ def test_real_tokenizer_hand_checked(real: ToxicityClassifier) -> None:
     tok = real.tokenizer
     assert tok.num_words == 20000 and tok.oov_token is None
     wi = tok.word_index
-    assert [wi[w] for w in ("the", "you", "are", "so", "dumb", "and", "stupid")] == [1, 6, 19, 37, 1753, 4, 604]
+    words = ("the", "you", "are", "so", "dumb", "and", "stupid")
+    assert [wi[w] for w in words] == [1, 6, 19, 37, 1753, 4, 604]
     assert tok.encode("You are so dumb and stupid!") == [6, 19, 37, 1753, 4, 604]
     rare = next(w for w, i in wi.items() if i == 25000)  # in the vocabulary, beyond num_words
     assert tok.encode(f"the {rare} blorptastic you") == [1, 6]

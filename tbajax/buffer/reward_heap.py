@@ -236,7 +236,8 @@ class RewardHeap:
         row = heapq.heappop(self._free)
         tokens = self._stripped(item)
         if len(tokens) > self._tokens.shape[1]:  # widen the token matrix
-            wider = np.full((self._tokens.shape[0], max(len(tokens), 2 * self._tokens.shape[1])), -1, np.int32)
+            width = max(len(tokens), 2 * self._tokens.shape[1])
+            wider = np.full((self._tokens.shape[0], width), -1, np.int32)
             wider[:, : self._tokens.shape[1]] = self._tokens
             self._tokens = wider
         self._tokens[row] = -1
@@ -314,11 +315,14 @@ class RewardHeap:
         out["mean_reward"] = float(rewards.mean()) if rewards.size else nan
         return out
 
+    def _config_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self.config) | {"strip_token_ids": list(self.config.strip_token_ids)}
+
     def state_dict(self) -> dict[str, Any]:
         """Everything, JSON-able if payloads are: the items in insertion order and the counters."""
         return {
             "format": _STATE_FORMAT,
-            "config": dataclasses.asdict(self.config) | {"strip_token_ids": list(self.config.strip_token_ids)},
+            "config": self._config_dict(),
             "next_seq": self._next_seq,
             "counts": dict(self._counts),
             "items": [
@@ -339,7 +343,7 @@ class RewardHeap:
         """Replace the contents by `state_dict()`'s; the config must match (it decided what is stored)."""
         if state.get("format") != _STATE_FORMAT:
             raise ValueError(f"unknown reward-heap state format {state.get('format')!r}")
-        mine = dataclasses.asdict(self.config) | {"strip_token_ids": list(self.config.strip_token_ids)}
+        mine = self._config_dict()
         theirs = dict(state["config"])
         theirs["strip_token_ids"] = list(theirs.get("strip_token_ids", []))
         diff = sorted(k for k in mine if mine[k] != theirs.get(k))

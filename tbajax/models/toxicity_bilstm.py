@@ -164,7 +164,9 @@ def load_keras_tokenizer(data: bytes) -> KerasWordTokenizer:
     if missing:
         raise ValueError(f"Keras Tokenizer pickle lacks attributes {missing}")
     if state.get("char_level"):
-        raise NotImplementedError("char_level Keras tokenizers are not supported (this classifier's is word-level)")
+        raise NotImplementedError(
+            "char_level Keras tokenizers are not supported (this classifier's is word-level)"
+        )
     if state.get("analyzer") is not None:
         raise NotImplementedError("Keras tokenizers with a custom analyzer are not supported")
     return KerasWordTokenizer(
