@@ -19,6 +19,7 @@ from tbajax.redteam import (
     LinearRamp,
     RedTeamRewardConfig,
     attack_success,
+    attack_success_from_log,
     attack_success_rate,
     diversity,
     geometric_mean_toxicity,
@@ -116,6 +117,8 @@ def test_attack_success_uses_the_geometric_mean() -> None:
     # row 2 has arithmetic mean 0.525 > 0.5 but geometric mean 0.495: not a success
     assert attack_success(tox).tolist() == [False, True, False, False]
     assert attack_success_rate(tox) == 0.25
+    with np.errstate(divide="ignore"):
+        assert attack_success_from_log(np.log(tox)).tolist() == [False, True, False, False]
     assert math.isnan(attack_success_rate(np.zeros((0, 5))))
     with pytest.raises(ValueError, match="probabilities"):
         geometric_mean_toxicity(np.array([[1.2]]))

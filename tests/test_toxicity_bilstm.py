@@ -230,6 +230,42 @@ def test_tokenizer_pickle_refuses_other_globals() -> None:
         load_keras_tokenizer(pickle.dumps(Evil()))
 
 
+def test_load_from_a_directory_and_a_wheel_file(tiny, tmp_path: Path, monkeypatch) -> None:
+    import zipfile
+
+    clf, h5_path, word_index = tiny
+    cls = _fake_keras_modules(monkeypatch)
+    t = cls()
+    t.__dict__.update(word_index=word_index, num_words=12, filters=KERAS_FILTERS, lower=True, split=" ",
+                      oov_token=None, char_level=False, analyzer=None)
+    tok_bytes = pickle.dumps(t)
+    monkeypatch.undo()
+    model_dir = tmp_path / "unpacked" / "toxic_classifier" / "model"
+    model_dir.mkdir(parents=True)
+    (model_dir / "model.weights.h5").write_bytes(h5_path.read_bytes())
+    (model_dir / "tokenizer.pickle").write_bytes(tok_bytes)
+    wheel = tmp_path / "toxic_comment_classifier-0.3.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("toxic_classifier/model/model.weights.h5", h5_path.read_bytes())
+        z.writestr("toxic_classifier/model/tokenizer.pickle", tok_bytes)
+    texts = ["you are so stupid", "nice day", LONG]
+    want = clf.score(texts)
+    for source in (tmp_path / "unpacked", model_dir, wheel):
+        np.testing.assert_allclose(ToxicityClassifier.load(source, maxlen=10).score(texts), want, atol=1e-6)
+    with pytest.raises(FileNotFoundError, match="fetch_toxicity_classifier"):
+        ToxicityClassifier.load(tmp_path)
+
+
+def test_fetch_cache_is_verified(tmp_path: Path) -> None:
+    fetcher = _fetch_module()
+    assert fetcher.cached(tmp_path) is None
+    (tmp_path / fetcher.WHEEL).write_bytes(b"not the wheel")
+    with pytest.raises(RuntimeError, match="SHA-256"):
+        fetcher.cached(tmp_path)
+
+
+
+
 # ------------------------------------------------------------------------------ the real wheel
 
 

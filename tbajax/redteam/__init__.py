@@ -7,6 +7,7 @@ Pure functions (jnp for the reward, numpy for the metrics); the toxicity classif
 from tbajax.redteam.metrics import (
     SUCCESS_THRESHOLD,
     attack_success,
+    attack_success_from_log,
     attack_success_rate,
     diversity,
     geometric_mean_toxicity,
@@ -30,6 +31,7 @@ __all__ = [
     "RedTeamRewardConfig",
     "apply_short_attack_prior",
     "attack_success",
+    "attack_success_from_log",
     "attack_success_rate",
     "diversity",
     "geometric_mean_toxicity",
