@@ -133,6 +133,7 @@ def test_tiny_port_matches_numpy_oracle(tiny) -> None:
     # the network is not trivially constant: different texts give different scores
     assert np.ptp(got[:, 0]) > 1e-2
     np.testing.assert_array_equal(got[3], got[4])
+    assert clf.score([]).shape == (0, 6)
     np.testing.assert_allclose(clf.toxicity(texts), got[:, 0])
     np.testing.assert_allclose(np.exp(clf.log_toxicity(texts)), got[:, 0], rtol=1e-5)
 
