@@ -138,7 +138,7 @@ def sample_temperature(
     return jnp.where(coin, temp, jnp.float32(1.0))
 
 
-def replay_step(key: Array, replay_prob: float = 0.5) -> Array:
+def replay_step(key: Array, replay_prob: float = 0.5, shape: tuple[int, ...] = ()) -> Array:
     """True when a training step draws its batch from the replay buffer (half the steps in the
     reference), False when it trains on fresh online samples."""
-    return jax.random.bernoulli(key, replay_prob)
+    return jax.random.bernoulli(key, replay_prob, shape)
