@@ -283,9 +283,10 @@ def _fetch_module():
 def wheel() -> Path:
     fetcher = _fetch_module()
     try:
-        return fetcher.cached() or fetcher.fetch(timeout_s=120)
+        return fetcher.cached() or fetcher.fetch(timeout_s=90, socket_timeout_s=10, retries=0)
     except Exception as e:  # offline, PyPI down, ...
-        pytest.skip(f"toxic-comment-classifier==0.3.0 wheel not cached and cannot be fetched: {e}")
+        reason = str(e).splitlines()[0]
+        pytest.skip(f"toxic-comment-classifier==0.3.0 wheel not cached and cannot be fetched: {reason}")
 
 
 @pytest.fixture(scope="module")

