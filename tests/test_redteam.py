@@ -249,6 +249,14 @@ def test_eviction_order() -> None:
     assert sorted(it.reward for it in buf) == [3.0, 4.0, 5.0]
     s = buf.stats()
     assert (s["evictions"], s["capacity_drops"], s["size"], s["min_reward"]) == (2, 2, 3, 3.0)
+    # after many replacements (stale heap entries compacted away) the minimum is still right
+    chain = RewardHeap(RewardHeapConfig(capacity=3))
+    for k in range(200):
+        assert chain.add([item([1, 2, 3, 4, 5, 6, 7, 100 + k], float(k))]) == [True]  # replaces k - 1
+    assert len(chain) == 1 and len(chain._heap) < 40
+    chain.add([item([20, 21, 22, 23], 500.0), item([30, 31, 32, 33], 150.0)])
+    assert chain.add([item([40, 41, 42, 43], 160.0)]) == [True]  # evicts 150, not a stale entry
+    assert sorted(it.reward for it in chain) == [160.0, 199.0, 500.0]
     ties = RewardHeap(RewardHeapConfig(capacity=2, edit_tolerance=None))
     ties.add([item([1], 1.0), item([2], 1.0), item([3], 3.0)])
     assert [it.tokens for it in ties] == [(2,), (3,)]  # equal rewards: the older one goes first

@@ -252,6 +252,9 @@ class RewardHeap:
         self._slot_of[seq] = row
         self._exact[key] = seq
         heapq.heappush(self._heap, (item.reward, seq))
+        if len(self._heap) > 2 * len(self._items) + 32:  # drop entries of removed items
+            self._heap = [(it.reward, s) for s, it in self._items.items()]
+            heapq.heapify(self._heap)
 
     def _remove(self, seq: int) -> None:
         item = self._items.pop(seq)
@@ -287,6 +290,8 @@ class RewardHeap:
 
     def probabilities(self) -> np.ndarray:
         """Sampling probability of each item, in `items()` order (for tests and logging)."""
+        if not self._items:
+            raise BufferEmptyError("the reward heap is empty: no sampling distribution yet")
         logits = np.array([it.sampling_logit for it in self._items.values()]) * self.config.priority_inv_temp
         z = np.exp(logits - logits.max())
         return z / z.sum()
