@@ -200,6 +200,7 @@ def _write_or_check_config(run_dir: Path, config) -> None:  # noqa: ANN001
     from tbajax.system import rundir
 
     path = run_dir / "config.json"
+    rundir.make_run_dir(run_dir)
     if path.exists():
         if json.loads(path.read_text()) != config.to_dict():
             raise ConfigError(f"{path} holds a different configuration; use the same experiment and overrides")

@@ -80,6 +80,11 @@ def test_last_error_is_the_main_threads_exception_of_the_last_session():
         """)
     assert last_error(log) == "ZeroDivisionError: integer modulo by zero"
     assert last_error("no traceback here\n") is None
+    logged = ("=== start searcher-0 at Tue (restart 0) ===\n"
+              "12:00:00 searcher-0 ERROR tbajax.tasks.reward_pool: reward of sample 3 failed: KeyError\n"
+              "12:00:09 searcher-0 ERROR tbajax.system.searcher: every grade of 64 samples failed; stopping\n"
+              "12:00:09 searcher-0 INFO tbajax.system.searcher: bye\n")
+    assert last_error(logged).endswith("every grade of 64 samples failed; stopping")
 
 
 @pytest.mark.parametrize("override, key", [
@@ -434,7 +439,7 @@ def test_resume_extends_a_finished_run(tmp_path):
     """A finished 2-step run continued to 3 steps with `--resume --set train.steps=3` (no
     experiment or other overrides: the config comes from the run directory)."""
     run = tmp_path / "run"
-    small = ["--quiet", "--mode=sync", "--set", "eval.num_problems=16", "--set", "eval.batch_size=16",
+    small = ["--quiet", "--set", "eval.num_problems=16", "--set", "eval.batch_size=16",
              "--set", "rollout.prompts_per_call=4", "--set", "train.groups_per_step=4"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("XLA_FLAGS", None)
@@ -452,3 +457,13 @@ def test_resume_extends_a_finished_run(tmp_path):
     assert json.loads((run / "config.json").read_text())["train"]["steps"] == 3
     assert json.loads((run / "summary.json").read_text())["trainer_steps"] == 3
     assert not (run / rundir.LOCK_FILE).exists()
+
+
+def test_resume_compares_against_the_stored_config_with_new_fields_defaulted(tmp_path):
+    """A run started before a field existed resumes: the missing field is its default, no change."""
+    run = tmp_path / "run"
+    rundir.prepare(run, _config(), resume=False)
+    stored = json.loads((run / "config.json").read_text())
+    del stored["system"]["devices_per_searcher"], stored["rollout"]["reward_timeout_s"]
+    rundir.write_json_atomic(run / "config.json", stored)
+    assert rundir.prepare(run, _config(), resume=True) == []

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -55,13 +56,17 @@ def restart_delay(previous: Sequence[float], now: float, *, budget: int, window_
     return min(backoff_s * 2 ** len(recent), MAX_BACKOFF_S)
 
 
+_LOGGED_ERROR = re.compile(r"^\S+ \S+ (?:ERROR|CRITICAL) ")  # "12:00:01 searcher-0 ERROR name: ..."
+
+
 def last_error(log_text: str) -> str | None:
     """The exception line ('ValueError: ...') of the last main-thread traceback in a role's log
     (the last session only): what went wrong, even when background threads (checkpointing,
-    logging) print more afterwards."""
+    logging) print more afterwards. Without a traceback, the last line logged at ERROR level."""
     text = log_text[log_text.rfind(_START_MARK):] if _START_MARK in log_text else log_text
     lines = text.splitlines()
     found = None
+    logged = [line.strip() for line in lines if _LOGGED_ERROR.match(line)]
     for i, line in enumerate(lines):
         if not line.startswith("Traceback (most recent call last):"):
             continue
@@ -72,7 +77,7 @@ def last_error(log_text: str) -> str | None:
             if follow and not follow[0].isspace():
                 found = follow.strip()
                 break
-    return found
+    return found or (logged[-1] if logged else None)
 
 
 @dataclass
@@ -174,6 +179,9 @@ def launch(config: ExperimentConfig, run_dir: Path, *, resume: bool = False, qui
         changed = rundir.prepare(run_dir, config, resume=resume)
         if changed:
             print(f"resume: updating {', '.join(changed)} in {run_dir / 'config.json'}", flush=True)
+        if resume and not rundir.checkpoint_steps(run_dir):
+            print(f"resume: no checkpoint in {run_dir / 'checkpoints'}; the trainer starts again from step 0 "
+                  "(the trajectories already generated are kept)", file=sys.stderr, flush=True)
         common = [f"--run-dir={run_dir}"] + (["--resume"] if resume else [])
         logs = run_dir / "logs"
         trainer = _Child("trainer", ["--role=trainer", *common], child_env(config, "trainer", 0), logs / "trainer.log")

@@ -66,6 +66,10 @@ def prepare(run_dir: Path, config: ExperimentConfig, *, resume: bool) -> list[st
         if not path.exists():
             raise ConfigError(f"--resume: {run_dir} holds no run (no config.json); start it without --resume")
         stored = json.loads(path.read_text())
+        try:  # fields added since the run started take their defaults, and are no difference
+            stored = ExperimentConfig.from_dict(stored).to_dict()
+        except ConfigError:
+            pass  # a field since removed: compare as stored, the difference will name it
         changed = check_resume_changes(stored, config.to_dict())
         if changed:
             write_json_atomic(path, config.to_dict())
