@@ -140,10 +140,12 @@ def test_a_run_that_never_trained_is_replaced_by_the_fixed_command(tmp_path, cap
     (run / "logs").mkdir()
     (run / "logs" / "trainer.log").write_text("ZeroDivisionError\n")
     rundir.write_status(run, "trainer", {"step": 0, "phase": "waiting for data"})
+    (run / "checkpoints" / "0").mkdir(parents=True)  # stopped before its first step
+    rundir.write_json_atomic(run / "summary.json", {"trainer_steps": 0, "stopped_early": True})
     rundir.prepare(run, _config("train.steps=12"), resume=False)  # not "already holds a run"
     assert "never trained" in capsys.readouterr().err
     assert json.loads((run / "config.json").read_text())["train"]["steps"] == 12
-    assert not (run / "trajectories").exists() and not (run / "status").exists()
+    assert not any((run / name).exists() for name in ("trajectories", "status", "checkpoints", "summary.json"))
     assert (run / "logs" / "trainer.log").exists()  # what went wrong the first time stays
     rundir.write_status(run, "trainer", {"step": 3, "phase": "training"})  # this one trained
     with pytest.raises(ConfigError, match="already holds a run"):

@@ -94,10 +94,18 @@ def checkpoint_steps(run_dir: Path) -> list[int]:
 
 
 def never_trained(run_dir: Path) -> bool:
-    """No checkpoint, no summary and no trainer step: nothing a resume could continue from."""
-    if checkpoint_steps(run_dir) or (run_dir / "summary.json").exists():
+    """No trainer step in any checkpoint, status or summary: nothing a resume could continue
+    (a run stopped before its first step still checkpoints its step 0)."""
+    if any(step > 0 for step in checkpoint_steps(run_dir)):
         return False
-    return int(read_status(run_dir).get("trainer", {}).get("step", 0) or 0) == 0
+    try:
+        summary_steps = json.loads((run_dir / "summary.json").read_text()).get("trainer_steps", 0)
+    except FileNotFoundError:
+        summary_steps = 0
+    except (OSError, json.JSONDecodeError):
+        return False  # cannot tell: keep it
+    status_steps = read_status(run_dir).get("trainer", {}).get("step", 0)
+    return int(summary_steps or 0) == 0 and int(status_steps or 0) == 0
 
 
 def remove_run(run_dir: Path) -> None:
