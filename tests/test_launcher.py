@@ -177,6 +177,21 @@ def test_run_dir_under_a_file_is_a_one_line_error(tmp_path):
         rundir.make_run_dir(tmp_path / "afile" / "run")
 
 
+def test_read_only_filesystem_is_a_one_line_error_from_main(tmp_path, capsys, monkeypatch):
+    """As root no directory is read-only to us, so the filesystem's refusal is simulated."""
+    import errno
+
+    def refuse(self, *args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
+
+    monkeypatch.setattr(Path, "mkdir", refuse)
+    code = main([f"--run-dir={tmp_path / 'run'}", "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.strip().splitlines() == [
+        f"error: cannot use {tmp_path / 'run'} as the run directory: Read-only file system; choose another --run-dir"
+    ], err
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
 def test_read_only_run_dir_is_a_one_line_error(tmp_path):
     ro = tmp_path / "ro"
