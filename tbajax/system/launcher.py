@@ -269,8 +269,9 @@ class Supervisor:
                 s.history.append(r)
                 delay = restart_delay(s.restart_times, now, budget=sysc.max_searcher_restarts,
                                       window_s=sysc.restart_window_s, backoff_s=sysc.restart_backoff_s)
+                recent = len([x for x in s.restart_times if now - x < sysc.restart_window_s])
                 if delay is None:
-                    print(f"\n{s.role} {describe_exit(r)}; giving up after {len(s.restart_times)} restarts within "
+                    print(f"\n{s.role} {describe_exit(r)}; giving up after {recent} restarts within "
                           f"{sysc.restart_window_s:g} s (system.max_searcher_restarts="
                           f"{sysc.max_searcher_restarts}).\n{s.tail()}", file=sys.stderr, flush=True)
                     return 1
@@ -278,8 +279,7 @@ class Supervisor:
                 s.restart_times.append(now)
                 s.restart_at = now + delay
                 print(f"\n{s.role} exited with {r}; restarting in {delay:g} s ({describe_exit(r)}; restart "
-                      f"{len([x for x in s.restart_times if now - x < sysc.restart_window_s])} of "
-                      f"{sysc.max_searcher_restarts} within {sysc.restart_window_s:g} s)", flush=True)
+                      f"{recent + 1} of {sysc.max_searcher_restarts} within {sysc.restart_window_s:g} s)", flush=True)
             for c in self.children:
                 if c.restart_at is not None and now >= c.restart_at:
                     c.start()
@@ -296,7 +296,8 @@ class Supervisor:
         delay = restart_delay(t.restart_times, now, budget=sysc.max_trainer_restarts,
                               window_s=sysc.restart_window_s, backoff_s=sysc.restart_backoff_s)
         if delay is None:
-            budget = (f" after {len(t.restart_times)} automatic restarts within {sysc.restart_window_s:g} s"
+            recent = len([x for x in t.restart_times if now - x < sysc.restart_window_s])
+            budget = (f" after {recent} automatic restarts within {sysc.restart_window_s:g} s"
                       if sysc.max_trainer_restarts else "")
             print(f"\ntrainer failed ({describe_exit(code)}){budget}.\n{t.tail()}\n"
                   f"to continue from {ckpt}: {resume_command(self.run_dir)}", file=sys.stderr, flush=True)
