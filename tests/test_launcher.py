@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -313,6 +314,12 @@ ROLE = textwrap.dedent("""\
             time.sleep(0.3)
             status(step=step, phase="training")
         sys.exit(0)
+    if behaviour == "train_forever":
+        step = 0
+        while True:
+            step += 1
+            status(step=step, phase="training")
+            time.sleep(0.2)
     if behaviour == "wait":  # a trainer that waits for data forever
         while True:
             status(step=0, phase="waiting for data")
@@ -411,6 +418,17 @@ def test_stall_ends_the_run_naming_the_stuck_role(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "the trainer has been waiting for data at step 0" in err
     assert "searcher-0: never reported" in err
+
+
+def test_silent_searcher_is_killed_and_restarted_while_the_trainer_trains(tmp_path, capsys):
+    sup = _supervisor(tmp_path, "train_forever", ["sleep_then_die"], "system.stall_timeout_s=1.5",
+                      "system.max_searcher_restarts=1")
+    assert sup.run() == 1  # hung, restarted, hung again: its budget is used up
+    out, err = capsys.readouterr()
+    assert re.search(r"searcher-0 has not reported for \d+ s while the trainer kept training", err), err
+    assert "searcher-0 exited with -9; restarting in 0.2 s (killed by signal 9 (SIGKILL); restart 1 of 1" in out
+    assert "searcher-0 killed by signal 9 (SIGKILL); giving up after 1 restarts" in err
+    assert len(_starts(sup, "searcher-0")) == 2
 
 
 def test_first_ctrl_c_stops_cleanly_and_says_what_it_force_kills(tmp_path, capsys):

@@ -91,6 +91,7 @@ class _Child:
     restarts: int = 0
     restart_times: list[float] = field(default_factory=list)
     restart_at: float | None = None  # a restart is scheduled for this time (monotonic)
+    started_at: float = 0.0  # wall time of the latest start (status files carry wall times)
     history: list[int] = field(default_factory=list)
 
     def start(self) -> None:
@@ -107,6 +108,7 @@ class _Child:
         )
         log.close()
         self.restart_at = None
+        self.started_at = time.time()
 
     def poll(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
@@ -283,6 +285,7 @@ class Supervisor:
             for c in self.children:
                 if c.restart_at is not None and now >= c.restart_at:
                     c.start()
+            self._kill_hung_searchers(status, now)
             stalled = self._stalled(status, now)
             if stalled:
                 print(f"\nstalled: {stalled}\nstopping the run.", file=sys.stderr, flush=True)
@@ -311,6 +314,23 @@ class Supervisor:
         print(f"\ntrainer failed ({describe_exit(code)}); restarting it from {ckpt} in {delay:g} s "
               f"(restart {t.restarts}, system.max_trainer_restarts={sysc.max_trainer_restarts})", flush=True)
         return None
+
+    def _kill_hung_searchers(self, status: dict[str, dict[str, Any]], now: float) -> None:
+        """Kill a searcher that has not reported for stall_timeout_s while the trainer kept
+        stepping (so it is not merely paused waiting for new params); the restart path takes it
+        from there, within its budget. A hung grader or a wedged device is the usual cause."""
+        timeout = self.config.system.stall_timeout_s
+        if timeout is None or now - self.last_progress >= timeout:
+            return  # the trainer is stuck too: `_stalled` names who
+        for s in self.searchers:
+            if not s.running():
+                continue
+            reported = max(float(status.get(s.role, {}).get("time", 0.0)), s.started_at)
+            silent = time.time() - reported
+            if silent > timeout:
+                print(f"\n{s.role} has not reported for {silent:.0f} s while the trainer kept training "
+                      f"(system.stall_timeout_s={timeout:g}); it looks hung: killing it", file=sys.stderr, flush=True)
+                s.signal(signal.SIGKILL)
 
     def _stalled(self, status: dict[str, dict[str, Any]], now: float) -> str | None:
         """Why the run is stuck, once the trainer's step has not moved for stall_timeout_s."""
