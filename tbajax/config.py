@@ -111,8 +111,9 @@ class SystemSpec:
     restart_backoff_s: delay before a restart; doubles with each earlier restart of that role
       still in the window (capped at 60 s), so a crash loop does not spin.
     stall_timeout_s: end the run, naming the stuck role, when the trainer's step has not advanced
-      for this long (waiting for data no searcher delivers, or hung); None = wait forever. Counts
-      from the start too, so it must cover model loading, compilation and the first evaluation.
+      for this long (waiting for data no searcher delivers, or hung); a searcher silent this long
+      while the trainer keeps stepping is killed and restarted. None = wait forever. Counts from
+      the start too, so it must cover model loading, compilation and the first evaluation.
     stop_grace_s: after a stop request, how long each role gets to checkpoint and exit before it
       is killed (a second Ctrl-C kills at once).
     """

@@ -8,7 +8,8 @@ Supervision: each role runs in its own process group (its reward workers and any
 started are in it too), and the whole group is killed when the role dies, before a restart.
 Restarts wait an exponential backoff and count against a budget per time window; a trainer is
 restarted only when `system.max_trainer_restarts` allows it, with `--resume`. A run whose
-trainer step stops advancing for `system.stall_timeout_s` is stopped, naming the stuck role.
+trainer step stops advancing for `system.stall_timeout_s` is stopped, naming the stuck role; a
+searcher silent that long while the trainer keeps stepping is killed and restarted.
 """
 
 from __future__ import annotations
