@@ -101,6 +101,21 @@ class SystemSpec:
     devices: "shared" = every process sees all local devices (on one GPU each takes
       `memory_fraction`); "split" = the launcher gives the trainer `trainer_devices` GPUs and each
       searcher `devices_per_searcher` GPUs (CUDA_VISIBLE_DEVICES).
+
+    Supervision by the launcher (a budget per time window, so that a few transient crashes over
+    a multi-day run are survived while a crash loop ends the run):
+    max_searcher_restarts: restarts of one searcher allowed within `restart_window_s`.
+    max_trainer_restarts: automatic restarts of a failed trainer (with --resume semantics: from
+      its last checkpoint) within `restart_window_s`; 0 = a trainer failure ends the run.
+    restart_window_s: the sliding window the restart budgets count in.
+    restart_backoff_s: delay before a restart; doubles with each earlier restart of that role
+      still in the window (capped at 60 s), so a crash loop does not spin.
+    stall_timeout_s: end the run, naming the stuck role, when the trainer's step has not advanced
+      for this long (waiting for data no searcher delivers, or hung); a searcher silent this long
+      while the trainer keeps stepping is killed and restarted. None = wait forever. Counts from
+      the start too, so it must cover model loading, compilation and the first evaluation.
+    stop_grace_s: after a stop request, how long each role gets to checkpoint and exit before it
+      is killed (a second Ctrl-C kills at once).
     """
 
     mode: Literal["async", "sync"] = "async"
@@ -115,6 +130,11 @@ class SystemSpec:
     devices_per_searcher: int = 1
     memory_fraction: float | None = None
     max_searcher_restarts: int = 3
+    max_trainer_restarts: int = 0
+    restart_window_s: float = 3600.0
+    restart_backoff_s: float = 2.0
+    stall_timeout_s: float | None = 3600.0
+    stop_grace_s: float = 60.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,16 +180,28 @@ class ExperimentConfig:
                 "with train.trainer.compute_reference_logprobs=false (searchers score the initial "
                 "policy), or the reverse (the trainer scores its reference in the step)"
             )
-        if self.system.sync_every < 1 or self.system.num_searchers < 1:
-            raise ConfigError("system.sync_every and system.num_searchers must be >= 1")
+        self._check_ranges()
         self._check_recency_supply()
-        if self.train.groups_per_step < 1 or self.train.steps < 1:
-            raise ConfigError("train.steps and train.groups_per_step must be >= 1")
         if (self.train.groups_per_step * k) % self.train.trainer.num_microbatches:
             raise ConfigError(
                 f"{self.train.groups_per_step} groups x K={k} rows do not split into "
                 f"train.trainer.num_microbatches={self.train.trainer.num_microbatches} equal micro-batches"
             )
+
+    def _check_ranges(self) -> None:
+        """Every numeric field of the top-level specs in its range, named by its full key: a
+        `train.checkpoint_every=0` found here costs nothing, found after a step it costs a run."""
+        for key, (lo, lo_open), optional in _RANGES:
+            value: Any = self
+            for part in key.split("."):
+                value = getattr(value, part)
+            if value is None and optional:
+                continue
+            if value is None or (value <= lo if lo_open else value < lo) or value != value:  # NaN too
+                bound = f"> {lo:g}" if lo_open else f">= {lo:g}"
+                raise ConfigError(f"{key}={value!r} must be {bound}{' (or null)' if optional else ''}")
+        if self.system.memory_fraction is not None and self.system.memory_fraction > 1:
+            raise ConfigError(f"system.memory_fraction={self.system.memory_fraction} must be in (0, 1]")
 
     def _check_recency_supply(self) -> None:
         """Refuse a configuration that deadlocks: a trainer that waits for unused recent groups,
@@ -204,6 +236,105 @@ class ExperimentConfig:
         return json.dumps(self.to_dict(), indent=2)
 
 
+# (key, (lower bound, bound excluded), None allowed): the numeric ranges `_check_ranges` enforces
+_RANGES: tuple[tuple[str, tuple[float, bool], bool], ...] = (
+    ("rollout.prompts_per_call", (1, False), False),
+    ("rollout.max_prompt_tokens", (1, False), False),
+    ("rollout.reward_workers", (0, False), False),
+    ("rollout.reward_timeout_s", (0, True), False),
+    ("rollout.max_calls_per_version", (1, False), True),
+    ("train.steps", (1, False), False),
+    ("train.groups_per_step", (1, False), False),
+    ("train.length_bucket", (1, False), False),
+    ("train.checkpoint_every", (1, False), False),
+    ("train.keep_checkpoints", (1, False), False),
+    ("train.log_every", (1, False), False),
+    ("system.num_searchers", (1, False), False),
+    ("system.sync_every", (1, False), False),
+    ("system.keep_param_versions", (1, False), False),
+    ("system.trainer_devices", (1, False), False),
+    ("system.devices_per_searcher", (1, False), False),
+    ("system.memory_fraction", (0, True), True),
+    ("system.max_searcher_restarts", (0, False), False),
+    ("system.max_trainer_restarts", (0, False), False),
+    ("system.restart_window_s", (0, True), False),
+    ("system.restart_backoff_s", (0, False), False),
+    ("system.stall_timeout_s", (0, True), True),
+    ("system.stop_grace_s", (0, False), False),
+    ("eval.every", (0, False), False),
+    ("eval.num_problems", (1, False), False),
+    ("eval.max_new_tokens", (1, False), True),
+    ("eval.batch_size", (1, False), False),
+)
+
+# Keys `--resume` may change: how long to train and how often to evaluate, checkpoint and log,
+# schedule lengths, supervision budgets. None of them changes what a checkpoint or a stored row
+# means; anything else would (a different model, task, objective, batch shape, buffer policy).
+RESUME_SAFE_KEYS: tuple[str, ...] = (
+    "description",
+    "train.steps",
+    "train.checkpoint_every",
+    "train.keep_checkpoints",
+    "train.log_every",
+    "train.trainer.optimizer.lr.warmup_steps",
+    "train.trainer.optimizer.lr.stable_steps",
+    "train.trainer.optimizer.lr.decay_steps",
+    "train.trainer.beta.decay_steps",
+    "train.trainer.beta.stop_step",
+    "eval.every",
+    "eval.num_problems",
+    "eval.batch_size",
+    "eval.max_new_tokens",
+    "system.max_searcher_restarts",
+    "system.max_trainer_restarts",
+    "system.restart_window_s",
+    "system.restart_backoff_s",
+    "system.stall_timeout_s",
+    "system.stop_grace_s",
+)
+
+
+def config_differences(old: Mapping[str, Any], new: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two `to_dict()` trees (a sub-tree that exists on
+    one side only counts as one key)."""
+    out = []
+    for key in sorted(set(old) | set(new)):
+        where = _join(prefix, key)
+        a, b = old.get(key, _MISSING), new.get(key, _MISSING)
+        if isinstance(a, Mapping) and isinstance(b, Mapping):
+            out.extend(config_differences(a, b, where))
+        elif a != b:
+            out.append(where)
+    return out
+
+
+def check_resume_changes(stored: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
+    """The keys `--resume` changes, all of them safe; ConfigError listing the unsafe ones."""
+    changed = config_differences(stored, new)
+    unsafe = [k for k in changed if k not in RESUME_SAFE_KEYS]
+    if unsafe:
+        shown = ", ".join(f"{k} ({_get(stored, k)!r} -> {_get(new, k)!r})" for k in unsafe[:8])
+        more = f" and {len(unsafe) - 8} more" if len(unsafe) > 8 else ""
+        raise ConfigError(
+            f"--resume: the configuration differs from the stored one in {shown}{more}; these cannot "
+            "change on resume (only " + ", ".join(RESUME_SAFE_KEYS[1:]) + " can). Resume with the same "
+            "experiment and overrides, or start a new --run-dir"
+        )
+    return changed
+
+
+_MISSING = object()
+
+
+def _get(tree: Mapping[str, Any], key: str) -> Any:
+    node: Any = tree
+    for part in key.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return "(absent)"
+        node = node[part]
+    return node
+
+
 # ---------------------------------------------------------------------------- generic machinery
 
 
@@ -232,6 +363,8 @@ def from_jsonable(tp: Any, value: Any, where: str) -> Any:
         kwargs = {k: from_jsonable(hints[k], v, _join(where, k)) for k, v in value.items()}
         try:
             return tp(**kwargs)
+        except ConfigError:
+            raise  # already names its keys
         except (TypeError, ValueError) as e:
             raise ConfigError(f"{where or 'config'}: {e}") from None
     if tp is Any:

@@ -100,9 +100,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def resolve_config(args: argparse.Namespace):  # -> ExperimentConfig
+    """The experiment with its overrides applied. `--resume` without `--experiment` starts from
+    the run's stored config.json, so `--run-dir=X --resume --set train.steps=N` extends a run."""
     from tbajax.config import apply_overrides
+    from tbajax.system import rundir
 
-    config = load_experiment(args.experiment or DEFAULT_EXPERIMENT)
+    stored = args.run_dir is not None and (args.run_dir / "config.json").is_file()
+    if args.resume and args.experiment is None and args.role == "launcher" and stored:
+        config = rundir.load_config(args.run_dir)
+    else:
+        config = load_experiment(args.experiment or DEFAULT_EXPERIMENT)
     overrides = list(args.overrides)
     if args.objective:
         overrides.append(f"train.objective={args.objective}")
@@ -129,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
         return _run(args)
     except (ConfigError, CheckpointError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except SyntaxError as e:  # a user's experiment / objective / task file
+        print(f"error: SyntaxError in {e.filename}, line {e.lineno}: {e.msg}", file=sys.stderr)
         return 2
 
 
@@ -167,15 +177,21 @@ def _run(args: argparse.Namespace) -> int:
         run_searcher(run_dir, args.searcher_id, store_url=args.store)
         return 0
 
-    from tbajax.system.launcher import launch, read_summary
+    from tbajax.system.launcher import launch, read_summary, resume_command
 
     print(f"tbajax: experiment {config.name!r} ({config.system.mode}, objective {config.train.objective}, "
           f"{config.system.num_searchers if config.system.mode == 'async' else 0} searcher processes) -> {run_dir}",
           flush=True)
+    session_start = time.time() - 1.0  # file times can be coarser than time.time()
     code = launch(config, run_dir, resume=args.resume, quiet=args.quiet)
-    summary = read_summary(run_dir)
+    summary = read_summary(run_dir, since=session_start)  # never a previous session's table
     if summary is not None:
         print_summary(summary, run_dir)
+        if summary.get("stopped_early"):
+            steps = rundir.checkpoint_steps(run_dir)
+            print(f"stopped early at trainer step {summary['trainer_steps']} of {config.train.steps}"
+                  f"{f' (last checkpoint: step {steps[-1]})' if steps else ''}; continue with: "
+                  f"{resume_command(run_dir)}")
     return code
 
 
@@ -184,6 +200,7 @@ def _write_or_check_config(run_dir: Path, config) -> None:  # noqa: ANN001
     from tbajax.system import rundir
 
     path = run_dir / "config.json"
+    rundir.make_run_dir(run_dir)
     if path.exists():
         if json.loads(path.read_text()) != config.to_dict():
             raise ConfigError(f"{path} holds a different configuration; use the same experiment and overrides")

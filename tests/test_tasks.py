@@ -598,3 +598,74 @@ def test_pass_at_k_hand_computed():
     m = default_evaluator([[1.0, 0.0], [0.0, 0.0]], 1.0)
     assert m == {"accuracy": 0.5, "mean_reward": 0.25, "pass@1": 0.25, "pass@2": 0.5}
     assert get_task("countdown").evaluate([[1.0], [0.1]]) == {"accuracy": 0.5, "mean_reward": pytest.approx(0.55)}
+
+
+# --- graders that cannot stall a run (issue 19) ----------------------------------------------------
+
+
+def _timed(fn, *args):
+    t0 = time.perf_counter()
+    out = fn(*args)
+    return out, time.perf_counter() - t0
+
+
+@pytest.mark.parametrize("completion", [
+    "the answer is" + " " * 2000,  # four backtracking \s* made this O(n^4): 200 spaces took 22 s
+    "The final answer is:" + " " * 2000 + "$" + " " * 2000,
+    "the answer is " * 3000,
+    "#### " + " " * 5000,
+])
+def test_gsm8k_graders_are_linear_on_adversarial_whitespace(completion):
+    for grader in gsm8k.GRADERS.values():
+        (reward, status), seconds = _timed(grader, completion, "7")
+        assert (reward, status) == (0.0, NO_ANSWER) or grader is gsm8k.last_number_reward
+        assert seconds < 1.0, f"{grader.__name__} took {seconds:.2f}s"
+    # the same patterns still find the number after any amount of whitespace
+    assert gsm8k.answer_is_reward("the answer is" + " " * 500 + "7", "7") == (1.0, OK)
+    assert gsm8k.answer_is_reward("The final answer is: $ \\boxed{ 7}", "7") == (1.0, OK)
+    assert gsm8k.strict_reward("####" + " " * 500 + "7", "7") == (1.0, OK)
+
+
+@pytest.mark.parametrize("completion", [
+    "<answer>" * 8000,  # the non-greedy regex scanned to the end from every tag: 7.8 s
+    "<answer>" * 50_000 + "1 + 2</answer>",
+    "</answer>" * 50_000,
+])
+def test_countdown_answer_extraction_is_linear(completion):
+    got, seconds = _timed(countdown.countdown_reward, completion, countdown.CountdownAnswer(3, (1, 2)))
+    assert seconds < 1.0, f"took {seconds:.2f}s"
+    assert got == (0.0, NO_ANSWER)
+
+
+@pytest.mark.parametrize("completion, expected", [
+    ("<answer>a</answer> <answer> b </answer>", "b"),
+    ("<answer>a</answer></answer>", "a"),  # a stray closing tag closes nothing
+    ("<answer><answer>x</answer>", "<answer>x"),  # the first opening tag pairs with the close
+    ("<answer>a</answer><answer>unclosed", "a"),
+    ("<answer>\n1 +\n2\n</answer>", "1 +\n2"),
+    ("no tags", None),
+])
+def test_countdown_extract_answer_pairs_like_the_non_greedy_regex(completion, expected):
+    assert countdown.extract_answer(completion) == expected
+
+
+def test_expensive_task_graded_in_process_is_refused_with_the_fix():
+    from tbajax.tasks import check_grading_mode
+
+    expensive = _task(lambda c, a: (1.0, OK), cheap=False)
+    with pytest.raises(ValueError, match=r"rollout\.reward_workers=2"):
+        check_grading_mode(expensive, reward_workers=0)
+    check_grading_mode(expensive, reward_workers=2)  # killable workers with a deadline: fine
+    check_grading_mode(_task(lambda c, a: (1.0, OK), cheap=True), reward_workers=0)
+
+
+@pytest.mark.slow
+def test_math_verify_power_tower_times_out_in_a_worker():
+    """In a killable worker a power tower that runs math-verify for minutes costs its deadline."""
+    pytest.importorskip("math_verify")
+    task = get_task("math")
+    tower = "\\boxed{2^{2^{2^{2^{2^{2}}}}}}"
+    with RewardPool(num_workers=1, timeout_s=2.0) as pool:
+        got, seconds = _timed(pool.score, task, [(tower, "4"), ("\\boxed{4}", "4")])
+    assert got == [(0.0, TIMEOUT), (1.0, OK)]
+    assert seconds < 90

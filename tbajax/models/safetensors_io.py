@@ -93,18 +93,49 @@ class SafetensorsReader:
 
 
 def _read_header(path: Path) -> dict[str, tuple[np.dtype, tuple[int, ...], int, int]]:
+    """Entries of one file's header, each checked against the file: a header that is cut, not
+    JSON, or whose tensors reach past the end of the data (a file truncated by a failed copy or
+    a full disk) is a CheckpointError naming the file, found before any tensor is read."""
+
+    def corrupt(why: str) -> CheckpointError:
+        return CheckpointError(
+            f"{path} is corrupt or truncated: {why}; download or export the checkpoint again"
+        )
+
+    size = path.stat().st_size
     with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
+        head = f.read(8)
+        if len(head) < 8:
+            raise corrupt(f"{size} bytes, shorter than the 8-byte header length")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8:
+            raise corrupt(f"the header says it is {n} bytes but only {size - 8} follow")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise corrupt(f"the {n}-byte header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise corrupt("the header is not a JSON object")
     base = 8 + n
+    data_size = size - base
     out = {}
     for key, meta in header.items():
         if key == "__metadata__":
             continue
-        if meta["dtype"] not in _DTYPES:
-            raise CheckpointError(f"{path}: tensor {key!r} has unsupported dtype {meta['dtype']}")
-        start, end = meta["data_offsets"]
-        out[key] = (_DTYPES[meta["dtype"]], tuple(meta["shape"]), base + start, base + end)
+        try:
+            dtype_name, shape, (start, end) = meta["dtype"], tuple(int(d) for d in meta["shape"]), meta["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise corrupt(f"tensor {key!r} has a malformed header entry {meta!r}") from None
+        if dtype_name not in _DTYPES:
+            raise CheckpointError(f"{path}: tensor {key!r} has unsupported dtype {dtype_name}")
+        dtype = _DTYPES[dtype_name]
+        expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end) or end - start != expected:
+            raise corrupt(f"tensor {key!r} of shape {list(shape)} {dtype_name} needs {expected} bytes but its "
+                          f"offsets are {[start, end]}")
+        if end > data_size:
+            raise corrupt(f"tensor {key!r} ends at data byte {end} but the file holds only {data_size} bytes of data")
+        out[key] = (dtype, shape, base + start, base + end)
     return out
 
 

@@ -3,12 +3,21 @@
 Each role is `python -m tbajax.main --role=... --run-dir=...`, the same command a scheduler
 (SLURM, Kubernetes, Ray jobs) would run on another host, so the launcher is a convenience for one
 machine, not a cluster manager. Roles talk only through the run directory / stores.
+
+Supervision: each role runs in its own process group (its reward workers and any grader they
+started are in it too), and the whole group is killed when the role dies, before a restart.
+Restarts wait an exponential backoff and count against a budget per time window; a trainer is
+restarted only when `system.max_trainer_restarts` allows it, with `--resume`. A run whose
+trainer step stops advancing for `system.stall_timeout_s` is stopped, naming the stuck role; a
+searcher silent that long while the trainer keeps stepping is killed and restarted.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -21,6 +30,56 @@ from typing import Any
 from tbajax.config import ExperimentConfig
 from tbajax.system import rundir
 
+MAX_BACKOFF_S = 60.0
+_START_MARK = "=== start "
+
+
+def describe_exit(code: int) -> str:
+    """'exited with code 1' or 'killed by signal 9 (SIGKILL)' (Popen reports a signal as -N)."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = "unknown signal"
+        return f"killed by signal {-code} ({name})"
+    return f"exited with code {code}"
+
+
+def restart_delay(previous: Sequence[float], now: float, *, budget: int, window_s: float,
+                  backoff_s: float) -> float | None:
+    """Seconds to wait before restarting a role that was restarted at `previous` times, or None
+    when `budget` restarts within the last `window_s` are used up. The delay doubles with each
+    restart still in the window (capped at MAX_BACKOFF_S): crash loops slow down, and an old
+    crash stops counting once it leaves the window."""
+    recent = [t for t in previous if now - t < window_s]
+    if len(recent) >= budget:
+        return None
+    return min(backoff_s * 2 ** len(recent), MAX_BACKOFF_S)
+
+
+_LOGGED_ERROR = re.compile(r"^\S+ \S+ (?:ERROR|CRITICAL) ")  # "12:00:01 searcher-0 ERROR name: ..."
+
+
+def last_error(log_text: str) -> str | None:
+    """The exception line ('ValueError: ...') of the last main-thread traceback in a role's log
+    (the last session only): what went wrong, even when background threads (checkpointing,
+    logging) print more afterwards. Without a traceback, the last line logged at ERROR level."""
+    text = log_text[log_text.rfind(_START_MARK):] if _START_MARK in log_text else log_text
+    lines = text.splitlines()
+    found = None
+    logged = [line.strip() for line in lines if _LOGGED_ERROR.match(line)]
+    for i, line in enumerate(lines):
+        if not line.startswith("Traceback (most recent call last):"):
+            continue
+        before = lines[i - 1] if i > 0 else ""
+        if before.startswith(("Exception in thread", "Exception ignored in")):
+            continue
+        for follow in lines[i + 1:]:
+            if follow and not follow[0].isspace():
+                found = follow.strip()
+                break
+    return found or (logged[-1] if logged else None)
+
 
 @dataclass
 class _Child:
@@ -28,33 +87,61 @@ class _Child:
     args: list[str]
     env: dict[str, str]
     log_path: Path
+    command: list[str] | None = None  # what `args` follow; default: this Python running tbajax.main
     proc: subprocess.Popen[bytes] | None = None
     restarts: int = 0
+    restart_times: list[float] = field(default_factory=list)
+    restart_at: float | None = None  # a restart is scheduled for this time (monotonic)
+    started_at: float = 0.0  # wall time of the latest start (status files carry wall times)
     history: list[int] = field(default_factory=list)
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
-        log.write(f"\n=== start {self.role} at {time.ctime()} (restart {self.restarts}) ===\n".encode())
+        log.write(f"\n{_START_MARK}{self.role} at {time.ctime()} (restart {self.restarts}) ===\n".encode())
         log.flush()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tbajax.main", *self.args],
+            [*(self.command or [sys.executable, "-m", "tbajax.main"]), *self.args],
             stdout=log,
             stderr=subprocess.STDOUT,
             env=self.env,
-            start_new_session=True,  # Ctrl-C reaches the launcher only; it forwards a clean stop
+            start_new_session=True,  # its own process group; Ctrl-C reaches the launcher only
         )
         log.close()
+        self.restart_at = None
+        self.started_at = time.time()
 
     def poll(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
 
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
     def signal(self, sig: int) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                pass
+        """Send `sig` to the role's whole process group, also after the role itself has exited
+        (its reward workers or a hung grader may still be alive in the group)."""
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def kill_group(self) -> None:
+        self.signal(signal.SIGKILL)
+        if self.proc is not None:
+            self.proc.wait()
+
+    def tail(self, lines: int = 15) -> str:
+        """The last lines of this role's latest session in its log, led by the error line."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        session = text[text.rfind(_START_MARK):] if _START_MARK in text else text
+        out = "\n".join(session.splitlines()[-lines:])
+        error = last_error(text)
+        return (f"  error: {error}\n" if error else "") + f"  last lines of {self.log_path}:\n{out}"
 
 
 def child_env(config: ExperimentConfig, role: str, index: int) -> dict[str, str]:
@@ -79,115 +166,218 @@ def child_env(config: ExperimentConfig, role: str, index: int) -> dict[str, str]
     return env
 
 
+def resume_command(run_dir: Path) -> str:
+    """The command that continues this run (the config is read back from the run directory)."""
+    return f"python -m tbajax.main --run-dir={shlex.quote(str(run_dir))} --resume"
+
+
 def launch(config: ExperimentConfig, run_dir: Path, *, resume: bool = False, quiet: bool = False) -> int:
-    """Run the experiment to completion; returns the process exit code."""
+    """Run the experiment to completion; returns the process exit code.
+
+    Everything that can be checked before a role starts is (preflight); the run directory is
+    locked for the life of the run; config.json is written only after those checks pass."""
     preflight(config)
-    rundir.prepare(run_dir, config, resume=resume)
-    common = [f"--run-dir={run_dir}"] + (["--resume"] if resume else [])
-    logs = run_dir / "logs"
-    trainer = _Child("trainer", ["--role=trainer", *common], child_env(config, "trainer", 0), logs / "trainer.log")
-    searchers = [
-        _Child(
-            f"searcher-{i}",
-            ["--role=searcher", f"--searcher-id={i}", *common],
-            child_env(config, "searcher", i),
-            logs / f"searcher-{i}.log",
-        )
-        for i in range(config.system.num_searchers if config.system.mode == "async" else 0)
-    ]  # sync mode: the trainer process generates its own batches
-    children = [trainer, *searchers]
-    stop_requested = False
+    rundir.make_run_dir(run_dir)
+    with rundir.RunLock(run_dir):
+        changed = rundir.prepare(run_dir, config, resume=resume)
+        if changed:
+            print(f"resume: updating {', '.join(changed)} in {run_dir / 'config.json'}", flush=True)
+        if resume and not rundir.checkpoint_steps(run_dir):
+            print(f"resume: no checkpoint in {run_dir / 'checkpoints'}; the trainer starts again from step 0 "
+                  "(the trajectories already generated are kept)", file=sys.stderr, flush=True)
+        common = [f"--run-dir={run_dir}"] + (["--resume"] if resume else [])
+        logs = run_dir / "logs"
+        trainer = _Child("trainer", ["--role=trainer", *common], child_env(config, "trainer", 0), logs / "trainer.log")
+        searchers = [
+            _Child(
+                f"searcher-{i}",
+                ["--role=searcher", f"--searcher-id={i}", *common],
+                child_env(config, "searcher", i),
+                logs / f"searcher-{i}.log",
+            )
+            for i in range(config.system.num_searchers if config.system.mode == "async" else 0)
+        ]  # sync mode: the trainer process generates its own batches
+        return Supervisor(config, run_dir, trainer, searchers, quiet=quiet).run()
 
-    def on_signal(signum: int, frame: Any) -> None:
-        nonlocal stop_requested
-        stop_requested = True
 
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    progress = _Progress(config, run_dir, quiet)
-    try:
-        for c in children:
-            c.start()
-        code = 0
+class Supervisor:
+    """Runs the roles until the trainer finishes, the user stops, or the run cannot go on."""
+
+    tick_s = 0.5
+
+    def __init__(self, config: ExperimentConfig, run_dir: Path, trainer: _Child, searchers: Sequence[_Child],
+                 *, quiet: bool = True):
+        self.config = config
+        self.run_dir = run_dir
+        self.trainer = trainer
+        self.searchers = list(searchers)
+        self.children = [trainer, *self.searchers]
+        self.quiet = quiet
+        self.interrupts = 0
+        self.last_step = -1
+        self.last_progress = time.monotonic()
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self.interrupts += 1
+        if self.interrupts >= 2:
+            # a second Ctrl-C: act inside the handler, the main loop may be blocked in a wait
+            print("\nsecond interrupt: killing every role now (SIGKILL); steps since the trainer's last "
+                  "checkpoint are lost", file=sys.stderr, flush=True)
+            for c in self.children:
+                c.signal(signal.SIGKILL)
+
+    def run(self) -> int:
+        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        progress = _Progress(self.config, self.run_dir, self.quiet)
+        try:
+            for c in self.children:
+                c.start()
+            self.last_progress = time.monotonic()
+            code = self._supervise(progress)
+            self._shutdown()
+            progress.close()
+            return code
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+            for c in self.children:
+                c.signal(signal.SIGKILL)
+
+    # -- the loop --------------------------------------------------------------------------
+
+    def _supervise(self, progress: _Progress) -> int:
+        sysc = self.config.system
         while True:
-            time.sleep(0.5)
-            progress.update()
-            if stop_requested:
-                print("\nstopping: asking every role to shut down cleanly (checkpointing)...", flush=True)
-                code = 130
-                break
-            t = trainer.poll()
-            if t is not None:
-                if t != 0:
-                    print(f"\ntrainer failed (exit {t}); last lines of {trainer.log_path}:", file=sys.stderr)
-                    print(_tail(trainer.log_path), file=sys.stderr)
-                    code = t if t > 0 else 1
-                break
-            for s in searchers:
+            time.sleep(self.tick_s)
+            status = rundir.read_status(self.run_dir)
+            progress.update(status)
+            if self.interrupts:
+                print("\nstopping: asking every role to shut down cleanly (checkpointing); "
+                      "press Ctrl-C again to kill them at once", flush=True)
+                return 130
+            now = time.monotonic()
+            t = self.trainer.poll()
+            if t is not None and self.trainer.restart_at is None:
+                self.trainer.kill_group()
+                if t == 0:
+                    return 0
+                code = self._trainer_failed(t, now)
+                if code is not None:
+                    return code
+            for s in self.searchers:
                 r = s.poll()
-                if r is None:
+                if r is None or s.restart_at is not None:
                     continue
+                s.kill_group()  # its reward workers and graders too, before a new one starts
                 s.history.append(r)
-                if s.restarts >= config.system.max_searcher_restarts:
-                    print(f"\n{s.role} failed {s.restarts + 1} times (exit {r}); giving up. Last lines:", file=sys.stderr)
-                    print(_tail(s.log_path), file=sys.stderr)
-                    stop_requested = True
-                    code = 1
-                    break
+                delay = restart_delay(s.restart_times, now, budget=sysc.max_searcher_restarts,
+                                      window_s=sysc.restart_window_s, backoff_s=sysc.restart_backoff_s)
+                recent = len([x for x in s.restart_times if now - x < sysc.restart_window_s])
+                if delay is None:
+                    print(f"\n{s.role} {describe_exit(r)}; giving up after {recent} restarts within "
+                          f"{sysc.restart_window_s:g} s (system.max_searcher_restarts="
+                          f"{sysc.max_searcher_restarts}).\n{s.tail()}", file=sys.stderr, flush=True)
+                    return 1
                 s.restarts += 1
-                print(f"\n{s.role} exited with {r}; restarting ({s.restarts}/{config.system.max_searcher_restarts})", flush=True)
-                s.start()
-            if code:
-                break
-        _shutdown(children, run_dir)
-        progress.close()
-        return code
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-        for c in children:
-            c.signal(signal.SIGKILL)
+                s.restart_times.append(now)
+                s.restart_at = now + delay
+                print(f"\n{s.role} exited with {r}; restarting in {delay:g} s ({describe_exit(r)}; restart "
+                      f"{recent + 1} of {sysc.max_searcher_restarts} within {sysc.restart_window_s:g} s)", flush=True)
+            for c in self.children:
+                if c.restart_at is not None and now >= c.restart_at:
+                    c.start()
+            self._kill_hung_searchers(status, now)
+            stalled = self._stalled(status, now)
+            if stalled:
+                print(f"\nstalled: {stalled}\nstopping the run.", file=sys.stderr, flush=True)
+                return 3
 
+    def _trainer_failed(self, code: int, now: float) -> int | None:
+        sysc = self.config.system
+        t = self.trainer
+        steps = rundir.checkpoint_steps(self.run_dir)
+        ckpt = f"its last checkpoint (step {steps[-1]})" if steps else "step 0 (there is no checkpoint yet)"
+        delay = restart_delay(t.restart_times, now, budget=sysc.max_trainer_restarts,
+                              window_s=sysc.restart_window_s, backoff_s=sysc.restart_backoff_s)
+        if delay is None:
+            recent = len([x for x in t.restart_times if now - x < sysc.restart_window_s])
+            budget = (f" after {recent} automatic restarts within {sysc.restart_window_s:g} s"
+                      if sysc.max_trainer_restarts else "")
+            print(f"\ntrainer failed ({describe_exit(code)}){budget}.\n{t.tail()}\n"
+                  f"to continue from {ckpt}: {resume_command(self.run_dir)}", file=sys.stderr, flush=True)
+            return code if code > 0 else 1
+        t.restarts += 1
+        t.restart_times.append(now)
+        t.restart_at = now + delay
+        if "--resume" not in t.args:
+            t.args.append("--resume")
+        self.last_progress = now + delay  # the stall clock restarts with the trainer
+        print(f"\ntrainer failed ({describe_exit(code)}); restarting it from {ckpt} in {delay:g} s "
+              f"(restart {t.restarts}, system.max_trainer_restarts={sysc.max_trainer_restarts})", flush=True)
+        return None
 
-def preflight(config: ExperimentConfig) -> None:
-    """Fail in the launcher, with one clear message, on what every role would fail on."""
-    from tbajax.config import ConfigError
-    from tbajax.models import CheckpointError, resolve_checkpoint
-    from tbajax.system.assets import load_task, load_tokenizer_for
-    from tbajax.system.trainer import resolve_objective
+    def _kill_hung_searchers(self, status: dict[str, dict[str, Any]], now: float) -> None:
+        """Kill a searcher that has not reported for stall_timeout_s while the trainer kept
+        stepping (so it is not merely paused waiting for new params); the restart path takes it
+        from there, within its budget. A hung grader or a wedged device is the usual cause."""
+        timeout = self.config.system.stall_timeout_s
+        if timeout is None or now - self.last_progress >= timeout:
+            return  # the trainer is stuck too: `_stalled` names who
+        for s in self.searchers:
+            if not s.running():
+                continue
+            reported = max(float(status.get(s.role, {}).get("time", 0.0)), s.started_at)
+            silent = time.time() - reported
+            if silent > timeout:
+                print(f"\n{s.role} has not reported for {silent:.0f} s while the trainer kept training "
+                      f"(system.stall_timeout_s={timeout:g}); it looks hung: killing it", file=sys.stderr, flush=True)
+                s.signal(signal.SIGKILL)
 
-    try:
-        resolve_checkpoint(config.model.checkpoint)  # also fetches a hub id once, for all roles
-    except CheckpointError as e:
-        raise CheckpointError(
-            f"model.checkpoint={config.model.checkpoint!r}: {e}. Pass a local Hugging Face directory "
-            "with --set model.checkpoint=DIR (or download the hub id on a machine with network access)"
-        ) from None
-    try:
-        load_tokenizer_for(config)
-        resolve_objective(config.train.objective)
-        load_task(config)
-    except (ValueError, ImportError, AttributeError, TypeError) as e:
-        raise ConfigError(f"{type(e).__name__}: {e}") from None
+    def _stalled(self, status: dict[str, dict[str, Any]], now: float) -> str | None:
+        """Why the run is stuck, once the trainer's step has not moved for stall_timeout_s."""
+        timeout = self.config.system.stall_timeout_s
+        trainer = status.get("trainer", {})
+        step = int(trainer.get("step", 0) or 0)
+        if step != self.last_step:
+            self.last_step, self.last_progress = step, now
+        if timeout is None or now - self.last_progress < timeout or self.trainer.restart_at is not None:
+            return None
+        idle = now - self.last_progress
+        phase = trainer.get("phase")
+        if phase != "waiting for data":
+            return (f"the trainer has not advanced past step {step} for {idle:.0f} s (phase: {phase or 'starting'}); "
+                    f"it looks hung (system.stall_timeout_s={timeout:g}). See {self.trainer.log_path}")
+        lines = []
+        for s in self.searchers:
+            st = status.get(s.role)
+            seen = f"last reported {time.time() - st['time']:.0f} s ago ({st.get('calls', 0)} calls, " \
+                   f"{st.get('samples', 0)} samples)" if st and "time" in st else "never reported"
+            lines.append(f"  {s.role}: {seen}; log {s.log_path}")
+        who = "the searchers deliver nothing trainable (a hung grader? every grade failing?)" if self.searchers \
+            else "the trainer's own generation delivers nothing trainable"
+        return (f"the trainer has been waiting for data at step {step} for {idle:.0f} s "
+                f"(system.stall_timeout_s={timeout:g}): {who}\n" + "\n".join(lines))
 
+    # -- stopping --------------------------------------------------------------------------
 
-def _shutdown(children: Sequence[_Child], run_dir: Path, grace_s: float = 60.0) -> None:
-    rundir.request_stop(run_dir)
-    for c in children:
-        c.signal(signal.SIGTERM)
-    deadline = time.time() + grace_s
-    for c in children:
-        while c.poll() is None and time.time() < deadline:
-            time.sleep(0.1)
-        c.signal(signal.SIGKILL)
-        if c.proc is not None:
-            c.proc.wait()
-
-
-def _tail(path: Path, lines: int = 25) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
+    def _shutdown(self) -> None:
+        """Ask every role to stop (stop file + SIGTERM to its group), wait up to stop_grace_s,
+        then kill what is left, saying so."""
+        rundir.request_stop(self.run_dir)
+        for c in self.children:
+            if c.running():
+                c.signal(signal.SIGTERM)
+        grace = self.config.system.stop_grace_s
+        deadline = time.monotonic() + grace
+        for c in self.children:
+            while c.running() and time.monotonic() < deadline and self.interrupts < 2:
+                time.sleep(0.1)
+            if c.running():
+                if self.interrupts < 2:
+                    print(f"{c.role} did not exit within {grace:g} s of the stop request; killing it (SIGKILL)",
+                          file=sys.stderr, flush=True)
+            if c.proc is not None:
+                c.kill_group()
 
 
 class _Progress:
@@ -203,10 +393,10 @@ class _Progress:
             self.bar = tqdm(total=config.train.steps, desc="trainer steps", unit="step", dynamic_ncols=True,
                             disable=None, mininterval=1.0)
 
-    def update(self) -> None:
+    def update(self, status: dict[str, dict[str, Any]] | None = None) -> None:
         if self.bar is None:
             return
-        status = rundir.read_status(self.run_dir)
+        status = rundir.read_status(self.run_dir) if status is None else status
         t = status.get("trainer", {})
         gen = sum(s.get("tokens_per_s", 0.0) for k, s in status.items() if k.startswith("searcher"))
         samples = sum(s.get("samples", 0) for k, s in status.items() if k.startswith("searcher"))
@@ -225,6 +415,44 @@ class _Progress:
             self.bar.close()
 
 
-def read_summary(run_dir: Path) -> dict[str, Any] | None:
+def preflight(config: ExperimentConfig) -> None:
+    """Fail in the launcher, with one clear message, on what every role would fail on."""
+    from tbajax.config import ConfigError
+    from tbajax.models import CheckpointError, resolve_checkpoint
+    from tbajax.models.safetensors_io import SafetensorsReader
+    from tbajax.system.assets import load_task, load_tokenizer_for
+    from tbajax.system.trainer import resolve_objective
+    from tbajax.tasks import check_grading_mode
+
+    try:
+        directory = resolve_checkpoint(config.model.checkpoint)  # also fetches a hub id once, for all roles
+    except CheckpointError as e:
+        raise CheckpointError(
+            f"model.checkpoint={config.model.checkpoint!r}: {e}. Pass a local Hugging Face directory "
+            "with --set model.checkpoint=DIR (or download the hub id on a machine with network access)"
+        ) from None
+    SafetensorsReader(directory)  # the weights exist, and every header and size is intact
+    try:
+        load_tokenizer_for(config)
+        resolve_objective(config.train.objective)
+        task = load_task(config)
+        check_grading_mode(task, config.rollout.reward_workers)
+    except SyntaxError as e:
+        raise ConfigError(f"SyntaxError in {e.filename}, line {e.lineno}: {e.msg}") from None
+    except KeyError as e:
+        raise ConfigError(str(e.args[0]) if e.args else repr(e)) from None
+    except (ValueError, ImportError, AttributeError, TypeError, OSError) as e:
+        raise ConfigError(f"{type(e).__name__}: {e}") from None
+
+
+def read_summary(run_dir: Path, since: float | None = None) -> dict[str, Any] | None:
+    """summary.json, or None; with `since`, only one written at or after that time (so a failed
+    session does not show the previous session's summary as if it were its own)."""
     path = run_dir / "summary.json"
-    return json.loads(path.read_text()) if path.exists() else None
+    try:
+        if since is not None and path.stat().st_mtime < since:
+            return None
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+

@@ -125,6 +125,21 @@ class Task:
         return self.evaluator(rewards, self.success_threshold)
 
 
+def check_grading_mode(task: Task, reward_workers: int) -> None:
+    """Refuse to grade an expensive task in-process: there a grader that hangs (math-verify on a
+    tower of powers, a user's slow checker) freezes the searcher and the trainer's evaluation with
+    no time limit and no output. Only a worker process can be killed at a deadline."""
+    if task.cheap_reward or reward_workers > 0:
+        return
+    raise ValueError(
+        f"task {task.name!r} has cheap_reward=False (its grader can be slow or hang) but "
+        "rollout.reward_workers=0 would grade it inside the searcher and trainer processes, with no "
+        "time limit. Grade it in killable worker processes with a per-sample deadline: "
+        "--set rollout.reward_workers=2 (the deadline is rollout.reward_timeout_s); or, if the grader "
+        "cannot hang (a regex, an exact compare), mark the task cheap_reward=True"
+    )
+
+
 TaskFactory = Callable[..., Task]
 
 # Built-in tasks, named by import path so that looking a name up imports only that task's module.

@@ -23,8 +23,12 @@ PROMPT_TEMPLATE = "[MATH TASK] Problem:\n{question}\n\nSolution:\n"
 _NUM = r"(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)(?:[eE][+-]?\d{1,3}(?!\d))?"
 _SIGNED = rf"(?:(?<![\w)\]])-)?\$?(?:{_NUM})"
 NUMBER_RE = re.compile(_SIGNED)
-_STRICT_RE = re.compile(rf"####\s*({_SIGNED})")
-_ANSWER_IS_RE = re.compile(rf"the\s+(?:final\s+)?answer\s+is\s*:?\s*\$?\s*(?:\\boxed\{{)?\s*({_SIGNED})", re.IGNORECASE)
+_STRICT_RE = re.compile(rf"####\s*+({_SIGNED})")
+# Possessive `\s*+`: whitespace is never given back (nothing after it can start with whitespace),
+# so "the answer is" followed by n spaces costs O(n), not the O(n^4) of four backtracking `\s*`.
+_ANSWER_IS_RE = re.compile(
+    rf"the\s++(?:final\s++)?answer\s++is\s*+:?\s*+\$?\s*+(?:\\boxed\{{)?\s*+({_SIGNED})", re.IGNORECASE
+)
 
 
 def parse_number(text: str) -> Fraction:

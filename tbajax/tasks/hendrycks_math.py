@@ -2,7 +2,9 @@
 
 math-verify can take unbounded time on adversarial LaTeX and its own signal-based timeout only
 works on a main thread, so this task is marked expensive: `RewardPool` runs it in a killable
-worker process with a timeout, and math-verify's internal timeouts are switched off.
+worker process with a timeout, and math-verify's internal timeouts are switched off. With
+rollout.reward_workers=0 it would be graded in-process with no limit (a power tower such as
+2^{2^{2^{2^{2^{2}}}}} ran past 30 s), so the launcher refuses that configuration.
 """
 
 from __future__ import annotations
