@@ -67,22 +67,28 @@ def test_init_equals_base_exactly_and_gradients_change_only_adapters(tiny_checkp
     assert adapters["layers.o_proj"]["a"].shape == (2, 6, 12, 4)  # [layers, heads, head_dim, r]
     assert adapters["layers.q_proj"]["b"].shape == (2, 4, 6, 12)  # [layers, r, heads, head_dim]
     assert adapters["layers.q_proj"]["a"].get_metadata()["logical_axes"] == ("layers", "embed", None)
-    # at init (B = 0) every weight, hence every logit, is bit-identical to the base
-    for x, y in zip(jax.tree.leaves(apply_lora(base, adapters, cfg)), jax.tree.leaves(base)):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-    base_logits = _logits(model)
-    np.testing.assert_array_equal(_logits(merge_lora(model, adapters, cfg)), base_logits)
-
     tokens, mask = jnp.asarray(TOKENS), jnp.asarray(MASK)
 
+    def logits(params):
+        return nnx.merge(graphdef, params)(tokens, attention_mask=mask)[0]
+
     def loss(ad):  # next-token NLL; the base params are closed over, never differentiated
-        m = nnx.merge(graphdef, apply_lora(base, ad, cfg))
-        logp = jax.nn.log_softmax(m(tokens, attention_mask=mask)[0][:, :-1])
+        logp = jax.nn.log_softmax(logits(apply_lora(base, ad, cfg))[:, :-1])
         nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], -1)[..., 0]
         return jnp.sum(nll * mask[:, 1:]) / jnp.sum(mask[:, 1:])
 
+    base_fwd = jax.jit(logits)
+    lora_fwd = jax.jit(lambda ad: logits(apply_lora(base, ad, cfg)))
     grad_fn = jax.jit(jax.value_and_grad(loss))
-    before = jax.tree.map(np.asarray, jax.tree.leaves(base))
+
+    # at init (B = 0) every weight, hence every logit, is bit-identical to the base
+    merged = jax.jit(lambda ad: apply_lora(base, ad, cfg))(adapters)
+    for x, y in zip(jax.tree.leaves(merged), jax.tree.leaves(base)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    base_logits = np.asarray(base_fwd(base))
+    np.testing.assert_array_equal(np.asarray(lora_fwd(adapters)), base_logits)
+
+    before = [np.asarray(x) for x in jax.tree.leaves(base)]
     l0, g = grad_fn(adapters)
     assert jax.tree.structure(g) == jax.tree.structure(adapters)  # gradients exist for adapters only
     for name, pair in g.items():
@@ -101,11 +107,9 @@ def test_init_equals_base_exactly_and_gradients_change_only_adapters(tiny_checkp
         assert not np.array_equal(np.asarray(step2[name]["a"][...]), np.asarray(step1[name]["a"][...]))
     for x, y in zip(jax.tree.leaves(base), before):  # the base never moved
         np.testing.assert_array_equal(np.asarray(x), y)
-    np.testing.assert_array_equal(_logits(model), base_logits)  # reference = base, adapters off
-    assert not np.allclose(_logits(merge_lora(model, step2, cfg)), base_logits)
-    assert jax.tree.structure(adapter_arrays(step2)) == jax.tree.structure(
-        {n: {"a": 0, "b": 0} for n in adapters}
-    )
+    np.testing.assert_array_equal(np.asarray(base_fwd(base)), base_logits)  # reference = base, adapters off
+    assert not np.allclose(np.asarray(lora_fwd(step2)), base_logits)
+    assert jax.tree.structure(adapter_arrays(step2)) == jax.tree.structure({n: {"a": 0, "b": 0} for n in adapters})
 
 
 def test_merged_export_and_peft_adapter_match_torch(tiny_checkpoint, tmp_path):

@@ -163,21 +163,31 @@ def lora_specs(params: Any, config: LoraConfig) -> dict[str, LoraSpec]:
 
 def init_lora(params: Any, config: LoraConfig, key: Array, dtype: Any = None) -> Adapters:
     """Adapters for `params`: A ~ U(-1/sqrt(fan_in), 1/sqrt(fan_in)) (PEFT's Kaiming-uniform
-    default), B = 0. dtype defaults to each base weight's dtype."""
+    default), B = 0. dtype defaults to each base weight's dtype. Works on abstract params too
+    (under `jax.eval_shape`)."""
     base = dict(_flat(params))
-    out: Adapters = {}
-    for i, (name, s) in enumerate(sorted(lora_specs(params, config).items())):
-        dt = dtype or base[name].dtype
-        bound = 1.0 / math.sqrt(s.fan_in)
-        a = jax.random.uniform(
-            jax.random.fold_in(key, i), (*s.batch_shape, *s.in_shape, config.rank), dt, -bound, bound
-        )
-        b = jnp.zeros((*s.batch_shape, config.rank, *s.out_shape), dt)
-        out[name] = {
+    specs = sorted(lora_specs(params, config).items())
+    dtypes = [np.dtype(dtype or base[name].dtype) for name, _ in specs]
+
+    def arrays(key: Array) -> list[tuple[Array, Array]]:
+        # one uniform draw cut into pieces: a single RNG kernel however many adapters there are
+        shapes = [(*s.batch_shape, *s.in_shape, config.rank) for _, s in specs]
+        u = jax.random.uniform(key, (sum(math.prod(sh) for sh in shapes),), jnp.float32, -1.0, 1.0)
+        out, start = [], 0
+        for (_, s), sh, dt in zip(specs, shapes, dtypes):
+            a = u[start : start + math.prod(sh)].reshape(sh) / math.sqrt(s.fan_in)
+            start += math.prod(sh)
+            out.append((a.astype(dt), jnp.zeros((*s.batch_shape, config.rank, *s.out_shape), dt)))
+        return out
+
+    made = jax.jit(arrays)(key)  # one compile for all adapters (eager RNG compiles per shape)
+    return {
+        name: {
             "a": nnx.Param(a, logical_axes=(*s.batch_axes, *s.in_axes, None)),
             "b": nnx.Param(b, logical_axes=(*s.batch_axes, None, *s.out_axes)),
         }
-    return out
+        for (name, s), (a, b) in zip(specs, made)
+    }
 
 
 def lora_delta(spec: LoraSpec, a: Array, b: Array, scale: float) -> Array:
