@@ -92,7 +92,8 @@ def _torch(model: Any, batch: dict[str, np.ndarray]) -> Any:
 
 
 def _ours(batch: dict[str, np.ndarray]) -> tuple[jax.Array, jax.Array, jax.Array]:
-    return tuple(jnp.asarray(batch[k]) for k in ("input_ids", "attention_mask", "token_type_ids"))  # type: ignore[return-value]
+    keys = ("input_ids", "attention_mask", "token_type_ids")
+    return tuple(jnp.asarray(batch[k]) for k in keys)  # type: ignore[return-value]
 
 
 def _st_formula(hidden: np.ndarray, mask: np.ndarray) -> np.ndarray:
@@ -115,7 +116,8 @@ def test_hidden_states_pooler_and_embeddings_match_transformers(checkpoints, mod
     np.testing.assert_allclose(np.asarray(hidden), ref.last_hidden_state.numpy(), atol=1e-5)
     np.testing.assert_allclose(np.asarray(enc.pooled_output(hidden)), ref.pooler_output.numpy(), atol=1e-5)
     emb = np.asarray(enc.embed(*_ours(batch)))
-    np.testing.assert_allclose(emb, _st_formula(ref.last_hidden_state.numpy(), batch["attention_mask"]), atol=1e-5)
+    st = _st_formula(ref.last_hidden_state.numpy(), batch["attention_mask"])
+    np.testing.assert_allclose(emb, st, atol=1e-5)
     np.testing.assert_allclose(np.linalg.norm(emb, axis=-1), 1.0, atol=1e-6)
     # padding does not leak: a padded row embeds as it does unpadded (BERT's positions count from
     # the row's start, so only right padding is invariant there; RoBERTa skips left padding too)
@@ -163,7 +165,11 @@ def test_sentence_transformers_pooling_config(checkpoints, tmp_path):
     ]
     (d / "modules.json").write_text(json.dumps(modules))
     (d / "1_Pooling").mkdir()
-    pooling = {"pooling_mode_cls_token": True, "pooling_mode_mean_tokens": False, "pooling_mode_max_tokens": False}
+    pooling = {
+        "pooling_mode_cls_token": True,
+        "pooling_mode_mean_tokens": False,
+        "pooling_mode_max_tokens": False,
+    }
     (d / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
     (d / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 7}))
     enc = load_encoder(d)
@@ -222,7 +228,8 @@ def test_save_encoder_round_trip_loads_in_transformers(checkpoints, tmp_path, mo
         ref = _torch(AutoModel.from_pretrained(out).eval(), batch)
         hidden = ours.hidden_states(*_ours(batch))
         np.testing.assert_allclose(ref.last_hidden_state.numpy(), np.asarray(hidden), atol=1e-5)
-        np.testing.assert_allclose(ref.pooler_output.numpy(), np.asarray(ours.pooled_output(hidden)), atol=1e-5)
+        pooled = np.asarray(ours.pooled_output(hidden))
+        np.testing.assert_allclose(ref.pooler_output.numpy(), pooled, atol=1e-5)
 
 
 def test_sharded_load_matches_single_device(checkpoints):

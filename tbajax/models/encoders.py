@@ -100,7 +100,9 @@ class EncoderConfig:
                 f"model_type={self.model_type!r} is not an encoder tbajax supports {ENCODER_MODEL_TYPES}"
             )
         if self.hidden_size % self.num_heads:
-            raise ValueError(f"hidden_size={self.hidden_size} is not a multiple of num_heads={self.num_heads}")
+            raise ValueError(
+                f"hidden_size={self.hidden_size} is not a multiple of num_heads={self.num_heads}"
+            )
         if self.hidden_act not in _ACTIVATIONS:
             raise UnsupportedModelError(
                 f"hidden_act={self.hidden_act!r} is not supported; supported: {sorted(_ACTIVATIONS)}"
@@ -148,7 +150,9 @@ class EncoderConfig:
                     f"{flag}=true: this is a decoder configuration; tbajax encoders are bidirectional only"
                 )
         if hf.get("layer_norm_type", "post") not in ("post", None):
-            raise UnsupportedModelError(f"layer_norm_type={hf['layer_norm_type']!r}: only post-LN is supported")
+            raise UnsupportedModelError(
+                f"layer_norm_type={hf['layer_norm_type']!r}: only post-LN is supported"
+            )
         id2label = hf.get("id2label") or {}
         labels = tuple(str(id2label[k]) for k in sorted(id2label, key=int)) if id2label else ()
         num_labels = len(labels) or int(hf.get("num_labels", 2))
@@ -226,19 +230,24 @@ class SentencePooling:
 # ---------------------------------------------------------------------------- parameters
 
 # name -> (logical axes, shape fn, init kind); names under "layers." get a leading "layers" axis
+_QKV = (("embed", "q_heads", "head_dim"), lambda c: (c.hidden_size, c.num_heads, c.head_dim), "normal")
 _PARAMS: dict[str, tuple[tuple[str | None, ...], Callable[[EncoderConfig], tuple[int, ...]], str]] = {
     "word_embeddings": (("vocab", "embed"), lambda c: (c.vocab_size, c.hidden_size), "normal"),
     "position_embeddings": ((None, "embed"), lambda c: (c.max_position_embeddings, c.hidden_size), "normal"),
     "token_type_embeddings": ((None, "embed"), lambda c: (c.type_vocab_size, c.hidden_size), "normal"),
     "embed_norm": (("norm",), lambda c: (c.hidden_size,), "ones"),
     "embed_norm_bias": (("norm",), lambda c: (c.hidden_size,), "zeros"),
-    "layers.q_proj": (("embed", "q_heads", "head_dim"), lambda c: (c.hidden_size, c.num_heads, c.head_dim), "normal"),
-    "layers.k_proj": (("embed", "q_heads", "head_dim"), lambda c: (c.hidden_size, c.num_heads, c.head_dim), "normal"),
-    "layers.v_proj": (("embed", "q_heads", "head_dim"), lambda c: (c.hidden_size, c.num_heads, c.head_dim), "normal"),
+    "layers.q_proj": _QKV,
+    "layers.k_proj": _QKV,
+    "layers.v_proj": _QKV,
     "layers.q_bias": (("q_heads", "head_dim"), lambda c: (c.num_heads, c.head_dim), "zeros"),
     "layers.k_bias": (("q_heads", "head_dim"), lambda c: (c.num_heads, c.head_dim), "zeros"),
     "layers.v_bias": (("q_heads", "head_dim"), lambda c: (c.num_heads, c.head_dim), "zeros"),
-    "layers.o_proj": (("q_heads", "head_dim", "embed"), lambda c: (c.num_heads, c.head_dim, c.hidden_size), "normal"),
+    "layers.o_proj": (
+        ("q_heads", "head_dim", "embed"),
+        lambda c: (c.num_heads, c.head_dim, c.hidden_size),
+        "normal",
+    ),
     "layers.o_bias": (("norm",), lambda c: (c.hidden_size,), "zeros"),
     "layers.attn_norm": (("norm",), lambda c: (c.hidden_size,), "ones"),
     "layers.attn_norm_bias": (("norm",), lambda c: (c.hidden_size,), "zeros"),
@@ -261,7 +270,10 @@ _PARAMS: dict[str, tuple[tuple[str | None, ...], Callable[[EncoderConfig], tuple
     "head_out_bias": ((None,), lambda c: (c.num_labels,), "zeros"),
 }
 _POOLER = ("pooler", "pooler_bias")
-_HEADS = {"bert": ("classifier", "classifier_bias"), "roberta": ("head_dense", "head_dense_bias", "head_out", "head_out_bias")}
+_HEADS = {
+    "bert": ("classifier", "classifier_bias"),
+    "roberta": ("head_dense", "head_dense_bias", "head_out", "head_out_bias"),
+}
 
 
 def param_names(cfg: EncoderConfig) -> tuple[str, ...]:
@@ -358,7 +370,9 @@ class Encoder(nnx.Module):
         x, _ = jax.lax.scan(body, x, self.layers.stacked(cfg))
         return x
 
-    def __call__(self, tokens: Array, attention_mask: Array | None = None, token_type_ids: Array | None = None) -> Array:
+    def __call__(
+        self, tokens: Array, attention_mask: Array | None = None, token_type_ids: Array | None = None
+    ) -> Array:
         return self.hidden_states(tokens, attention_mask, token_type_ids)
 
     def pool(self, hidden: Array, attention_mask: Array) -> Array:
@@ -475,9 +489,17 @@ def _linear(hf: str, heads_out: bool = False, heads_in: bool = False, trunk: boo
     return _Mapping(hf, to_ours, to_hf, trunk)
 
 
+def _split_heads(a: np.ndarray, c: EncoderConfig) -> np.ndarray:
+    return a.reshape(c.num_heads, c.head_dim)
+
+
+def _flatten(a: np.ndarray, c: EncoderConfig) -> np.ndarray:
+    return a.reshape(-1)
+
+
 def _vec(hf: str, heads: bool = False, trunk: bool = True) -> _Mapping:
     if heads:
-        return _Mapping(hf, lambda a, c: a.reshape(c.num_heads, c.head_dim), lambda a, c: a.reshape(-1), trunk)
+        return _Mapping(hf, _split_heads, _flatten, trunk)
     return _Mapping(hf, _same, _same, trunk)
 
 
@@ -587,7 +609,9 @@ def read_pooling(directory: Path) -> SentencePooling:
     return SentencePooling(mode=mode, normalize=normalize, max_seq_length=max_len)  # type: ignore[arg-type]
 
 
-def load_encoder_config(source: str | os.PathLike[str], *, head: Head = "none", **runtime: Any) -> EncoderConfig:
+def load_encoder_config(
+    source: str | os.PathLike[str], *, head: Head = "none", **runtime: Any
+) -> EncoderConfig:
     directory = resolve_checkpoint(source)
     return EncoderConfig.from_hf(json.loads((directory / "config.json").read_text()), head=head, **runtime)
 
@@ -627,6 +651,10 @@ def load_classifier(source: str | os.PathLike[str], *, mesh: Mesh | None = None,
     return _load(directory, reader, cfg, prefix, read_pooling(directory), mesh)
 
 
+def _is_var(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
 def abstract_encoder(cfg: EncoderConfig, pooling: SentencePooling | None = None) -> Encoder:
     return nnx.eval_shape(lambda: Encoder(cfg, rngs=nnx.Rngs(0), pooling=pooling))
 
@@ -646,7 +674,7 @@ def _load(
         param_shardings(abstract, mesh)
         if mesh is not None
         else jax.tree.map(
-            lambda v: SingleDeviceSharding(jax.devices()[0]), abstract, is_leaf=lambda v: isinstance(v, nnx.Variable)
+            lambda v: SingleDeviceSharding(jax.devices()[0]), abstract, is_leaf=_is_var
         )
     )
 
@@ -687,11 +715,12 @@ def _load(
         def callback(index: tuple[slice, ...]) -> np.ndarray:
             if not layered:
                 return np.asarray(tensor(None)[index], dtype=dtype)
-            return np.stack([np.asarray(tensor(i)[index[1:]], dtype=dtype) for i in range(cfg.num_layers)[index[0]]])
+            layers = range(cfg.num_layers)[index[0]]
+            return np.stack([np.asarray(tensor(i)[index[1:]], dtype=dtype) for i in layers])
 
         return var.replace(jax.make_array_from_callback(var.shape, sharding, callback))
 
-    flat, treedef = jax.tree_util.tree_flatten_with_path(abstract, is_leaf=lambda v: isinstance(v, nnx.Variable))
+    flat, treedef = jax.tree_util.tree_flatten_with_path(abstract, is_leaf=_is_var)
     flat_shardings = jax.tree.leaves(shardings, is_leaf=lambda v: isinstance(v, jax.sharding.Sharding))
     state = jax.tree_util.tree_unflatten(treedef, [build(p, v, s) for (p, v), s in zip(flat, flat_shardings)])
     _check_unused(reader, used, prefix, cfg)
@@ -730,7 +759,8 @@ def hf_tensors(model: Encoder, dtype: str | None = None) -> Iterator[tuple[str, 
         pre = prefix if m.trunk else ""
         if ours.startswith("layers."):
             for i in range(cfg.num_layers):
-                yield pre + m.hf_name.format(i=i), np.ascontiguousarray(m.to_hf(host[i], cfg)).astype(np_dtype)
+                out = np.ascontiguousarray(m.to_hf(host[i], cfg)).astype(np_dtype)
+                yield pre + m.hf_name.format(i=i), out
         else:
             yield pre + m.hf_name, np.ascontiguousarray(m.to_hf(host, cfg)).astype(np_dtype)
 
@@ -759,7 +789,9 @@ def save_encoder(
     return directory
 
 
-def embed_texts(encoder: Encoder, tokenizer: Any, texts: list[str], *, max_length: int | None = None) -> np.ndarray:
+def embed_texts(
+    encoder: Encoder, tokenizer: Any, texts: list[str], *, max_length: int | None = None
+) -> np.ndarray:
     """Sentence embeddings [len(texts), D] (host fp32) with an HF tokenizer, truncating at the
     model's `max_seq_length` (sentence-transformers' limit, 256 for all-MiniLM-L6-v2) unless
     `max_length` is given."""

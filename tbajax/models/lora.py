@@ -59,7 +59,9 @@ class LoraConfig:
         if self.rank < 1:
             raise ValueError(f"LoRA rank must be >= 1, got {self.rank}")
         if not self.targets:
-            raise ValueError("LoraConfig.targets is empty: name the weights to adapt, e.g. ('q_proj', 'v_proj')")
+            raise ValueError(
+                "LoraConfig.targets is empty: name the weights to adapt, e.g. ('q_proj', 'v_proj')"
+            )
         if isinstance(self.targets, str):
             raise TypeError(f"LoraConfig.targets must be a tuple of names, got the string {self.targets!r}")
         if self.dropout != 0.0:
@@ -113,9 +115,13 @@ def split_axes(name: str, logical_axes: tuple[str | None, ...]) -> tuple[tuple[s
     batch = tuple(a for a in axes[:1] if a == "layers")
     rest = axes[len(batch) :]
     if len(rest) < 2:
-        raise ValueError(f"LoRA target {name!r} has axes {axes}: only matrices (projections) can take adapters")
+        raise ValueError(
+            f"LoRA target {name!r} has axes {axes}: only matrices (projections) can take adapters"
+        )
     if rest[0] == "vocab":
-        raise ValueError(f"LoRA target {name!r} is an embedding table {axes}; embedding adapters are not implemented")
+        raise ValueError(
+            f"LoRA target {name!r} is an embedding table {axes}; embedding adapters are not implemented"
+        )
     if rest[0] == "embed":
         return batch, rest[:1], rest[1:]
     if rest[-1] == "embed":
@@ -254,13 +260,16 @@ def _hf_modules(model: nnx.Module) -> tuple[str, dict[str, tuple[str, Any]]]:
                 "PEFT export of a classifier needs PEFT's modules_to_save for the head; export the "
                 "merged model (merge_lora + save_encoder) instead"
             )
-        return "FEATURE_EXTRACTION", {n: (m.hf_name, m.to_hf) for n, m in encoder_mappings(model.config).items()}
+        table = encoder_mappings(model.config)
+        return "FEATURE_EXTRACTION", {n: (m.hf_name, m.to_hf) for n, m in table.items()}
     from tbajax.models import hf
 
     return "CAUSAL_LM", {n: (m.hf_name, m.to_hf) for n, m in hf._mappings(model.config).items()}
 
 
-def peft_tensors(model: nnx.Module, adapters: Adapters, config: LoraConfig) -> tuple[str, dict[str, np.ndarray], list[str]]:
+def peft_tensors(
+    model: nnx.Module, adapters: Adapters, config: LoraConfig
+) -> tuple[str, dict[str, np.ndarray], list[str]]:
     """(task type, PEFT state dict with [r, in] lora_A / [out, r] lora_B, target module suffixes)."""
     task, table = _hf_modules(model)
     specs = lora_specs(nnx.state(model, nnx.Param), config)
@@ -276,7 +285,9 @@ def peft_tensors(model: nnx.Module, adapters: Adapters, config: LoraConfig) -> t
         probe = np.arange(math.prod(s.shape[len(s.batch_shape) :]), dtype=np.float64)
         probe = probe.reshape(s.shape[len(s.batch_shape) :])
         if not np.array_equal(np.asarray(to_hf(probe, model.config)), probe.reshape(s.fan_in, s.fan_out).T):
-            raise NotImplementedError(f"{name}: its HF layout is not a plain [out, in] Linear; PEFT export unsupported")
+            raise NotImplementedError(
+                f"{name}: its HF layout is not a plain [out, in] Linear; PEFT export unsupported"
+            )
         a = np.asarray(jax.device_get(pair["a"][...]), np.float32).reshape(*s.batch_shape, s.fan_in, -1)
         b = np.asarray(jax.device_get(pair["b"][...]), np.float32).reshape(*s.batch_shape, -1, s.fan_out)
         module = hf_name[: -len(".weight")]
