@@ -153,6 +153,24 @@ def test_roberta_positions_start_after_padding_idx_and_skip_padding(checkpoints)
     np.testing.assert_array_equal(np.asarray(bert.default_positions(tokens)), [list(range(6))] * 2)
 
 
+def test_too_long_inputs_are_refused_and_bf16_runs(checkpoints):
+    roberta = load_encoder(checkpoints["roberta", False])
+    assert roberta.max_length == 40 - 2  # positions pad_token_id + 1 ... 39
+    ids = jnp.full((1, 39), 5)
+    with pytest.raises(ValueError, match="39 tokens exceed this roberta encoder's 38 positions"):
+        roberta.hidden_states(ids)
+    with pytest.raises(ValueError, match="41 tokens exceed this bert encoder's 40 positions"):
+        load_encoder(checkpoints["bert", False]).embed(jnp.full((1, 41), 5), jnp.ones((1, 41)))
+    # bf16 weights and compute: fp32 logits close to the fp32 model's
+    batch = _batch("roberta")
+    ref = np.asarray(load_classifier(checkpoints["roberta", True]).classify(*_ours(batch)))
+    half = load_classifier(checkpoints["roberta", True], param_dtype="bfloat16", dtype="bfloat16")
+    assert half.layers.q_proj[...].dtype == jnp.bfloat16
+    logits = half.classify(*_ours(batch))
+    assert logits.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(logits), ref, atol=5e-2)
+
+
 def test_sentence_transformers_pooling_config(checkpoints, tmp_path):
     src = checkpoints["bert", False]
     d = tmp_path / "st"

@@ -27,6 +27,7 @@ from tbajax.models.lora import (
     split_axes,
 )
 from tbajax.models.safetensors_io import SafetensorsReader
+from tbajax.sharding import MeshConfig, logical_to_spec, make_mesh, param_shardings
 
 ALL_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 TOKENS = np.array([[5, 6, 7, 8, 9, 10, 11], [0, 0, 12, 13, 14, 15, 16], [17, 18, 19, 20, 0, 0, 0]])
@@ -207,6 +208,27 @@ def test_lora_on_an_encoder_is_the_same_transform(tmp_path):
     assert json.loads((peft_dir / "adapter_config.json").read_text())["target_modules"] == [
         "attention.output.dense", "attention.self.query", "attention.self.value", "intermediate.dense"
     ]
+
+
+def test_adapters_shard_like_their_weights(tiny_checkpoint):
+    directory = tiny_checkpoint("llama")
+    cfg = LoraConfig(rank=4, alpha=8.0, targets=("q_proj", "o_proj", "down_proj"))
+    model = load_model(directory)
+    adapters = _randomise_b(init_lora(nnx.state(model, nnx.Param), cfg, jax.random.key(0)))
+    ref = _logits(merge_lora(model, adapters, cfg))
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    graphdef, base = nnx.split(load_model(directory, mesh=mesh), nnx.Param)
+    sharded = init_lora(base, cfg, jax.random.key(0), mesh=mesh)
+    a = sharded["layers.q_proj"]["a"][...]  # [layers, embed, r]: embed split over fsdp like q_proj's
+    assert a.sharding.spec == logical_to_spec(("layers", "embed", None), a.shape, mesh)
+    assert a.addressable_shards[0].data.shape == (2, 36, 4)
+    b = sharded["layers.o_proj"]["b"][...]  # [layers, r, embed]
+    assert b.sharding.spec == logical_to_spec(("layers", None, "embed"), b.shape, mesh)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(adapters["layers.q_proj"]["a"][...]))
+    placed = jax.device_put(adapters, param_shardings(sharded, mesh))  # e.g. adapters received
+    with jax.set_mesh(mesh):
+        out = jax.jit(lambda ad: _forward(graphdef, apply_lora(base, ad, cfg)))(placed)
+    np.testing.assert_allclose(np.asarray(out), ref, atol=1e-5)
 
 
 def test_bad_targets_and_mismatched_adapters_are_clear_errors(tiny_checkpoint):

@@ -333,6 +333,13 @@ class Encoder(nnx.Module):
     def _p(self, name: str) -> Array:
         return getattr(self, name)[...].astype(self.config.jnp_dtype)
 
+    @property
+    def max_length(self) -> int:
+        """Longest input the position table covers (RoBERTa's positions start at pad_token_id + 1)."""
+        cfg = self.config
+        offset = cfg.pad_token_id + 1 if cfg.model_type == "roberta" else 0
+        return cfg.max_position_embeddings - offset
+
     def default_positions(self, tokens: Array) -> Array:
         """BERT: 0, 1, 2, ... RoBERTa: padding_idx + 1 + (index among non-pad tokens), pads at
         padding_idx, exactly as transformers derives them from the token ids."""
@@ -352,6 +359,12 @@ class Encoder(nnx.Module):
         """Last-layer hidden states [batch, seq, hidden] (compute dtype); attention_mask [batch, seq]
         is 1 for real tokens (padded keys are never attended to)."""
         cfg = self.config
+        if positions is None and tokens.shape[1] > self.max_length:
+            # a position past the table would be clamped by the gather: refuse instead
+            raise ValueError(
+                f"{tokens.shape[1]} tokens exceed this {cfg.model_type} encoder's {self.max_length} "
+                "positions; truncate the input (e.g. the tokenizer's max_length)"
+            )
         if attention_mask is None:
             attention_mask = jnp.ones(tokens.shape, bool)
         if token_type_ids is None:
@@ -795,7 +808,7 @@ def embed_texts(
     """Sentence embeddings [len(texts), D] (host fp32) with an HF tokenizer, truncating at the
     model's `max_seq_length` (sentence-transformers' limit, 256 for all-MiniLM-L6-v2) unless
     `max_length` is given."""
-    limit = max_length or encoder.pooling.max_seq_length or encoder.config.max_position_embeddings
+    limit = min(max_length or encoder.pooling.max_seq_length or encoder.max_length, encoder.max_length)
     batch = tokenizer(list(texts), padding=True, truncation=True, max_length=limit, return_tensors="np")
     token_types = batch.get("token_type_ids")
     out = encoder.embed(

@@ -33,8 +33,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from tbajax.models.safetensors_io import write_safetensors
+from tbajax.sharding import named_sharding
 
 Array = jax.Array
 Adapters = dict[str, dict[str, nnx.Param]]  # dotted weight name -> {"a": Param, "b": Param}
@@ -167,10 +169,13 @@ def lora_specs(params: Any, config: LoraConfig) -> dict[str, LoraSpec]:
     return specs
 
 
-def init_lora(params: Any, config: LoraConfig, key: Array, dtype: Any = None) -> Adapters:
+def init_lora(
+    params: Any, config: LoraConfig, key: Array, dtype: Any = None, *, mesh: Mesh | None = None
+) -> Adapters:
     """Adapters for `params`: A ~ U(-1/sqrt(fan_in), 1/sqrt(fan_in)) (PEFT's Kaiming-uniform
-    default), B = 0. dtype defaults to each base weight's dtype. Works on abstract params too
-    (under `jax.eval_shape`)."""
+    default), B = 0. dtype defaults to each base weight's dtype. With `mesh`, every adapter is
+    created directly in the sharding its logical axes give (the weight's own rules). Works on
+    abstract params too (under `jax.eval_shape`)."""
     base = dict(_flat(params))
     specs = sorted(lora_specs(params, config).items())
     dtypes = [np.dtype(dtype or base[name].dtype) for name, _ in specs]
@@ -186,13 +191,21 @@ def init_lora(params: Any, config: LoraConfig, key: Array, dtype: Any = None) ->
             out.append((a.astype(dt), jnp.zeros((*s.batch_shape, config.rank, *s.out_shape), dt)))
         return out
 
-    made = jax.jit(arrays)(key)  # one compile for all adapters (eager RNG compiles per shape)
+    axes = [
+        ((*s.batch_axes, *s.in_axes, None), (*s.batch_axes, None, *s.out_axes)) for _, s in specs
+    ]
+    shardings = None
+    if mesh is not None:
+        shapes = jax.eval_shape(arrays, key)
+        shardings = [
+            (named_sharding(ax_a, a.shape, mesh), named_sharding(ax_b, b.shape, mesh))
+            for (ax_a, ax_b), (a, b) in zip(axes, shapes)
+        ]
+    # one compile for all adapters (eager RNG would compile once per shape)
+    made = jax.jit(arrays, out_shardings=shardings)(key)
     return {
-        name: {
-            "a": nnx.Param(a, logical_axes=(*s.batch_axes, *s.in_axes, None)),
-            "b": nnx.Param(b, logical_axes=(*s.batch_axes, None, *s.out_axes)),
-        }
-        for (name, s), (a, b) in zip(specs, made)
+        name: {"a": nnx.Param(a, logical_axes=ax_a), "b": nnx.Param(b, logical_axes=ax_b)}
+        for (name, _), (a, b), (ax_a, ax_b) in zip(specs, made, axes)
     }
 
 
