@@ -21,6 +21,7 @@ from tbajax.models.lora import (
     adapter_nbytes,
     apply_lora,
     init_lora,
+    load_peft_adapter,
     lora_specs,
     merge_lora,
     save_peft_adapter,
@@ -160,6 +161,38 @@ def test_merged_export_and_peft_adapter_match_torch(tiny_checkpoint, tmp_path):
             input_ids=torch.tensor(TOKENS), attention_mask=torch.tensor(MASK)
         ).logits.numpy()
     np.testing.assert_allclose(peft_logits[real], ours[real], atol=1e-4)
+
+
+def test_peft_trained_adapter_loads_into_our_model(tiny_checkpoint, tmp_path):
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    directory = tiny_checkpoint("llama")
+    torch.manual_seed(0)
+    pcfg = peft.LoraConfig(r=3, lora_alpha=5, target_modules=["q_proj", "v_proj", "down_proj"])
+    torch_model = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(directory).eval(), pcfg).eval()
+    with torch.no_grad():
+        for name, p in torch_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.1)
+        ref = torch_model(input_ids=torch.tensor(TOKENS), attention_mask=torch.tensor(MASK)).logits.numpy()
+    torch_model.save_pretrained(tmp_path / "peft")
+    model = load_model(directory)
+    cfg, adapters = load_peft_adapter(tmp_path / "peft", model)
+    assert cfg.rank == 3 and cfg.alpha == 5.0
+    assert sorted(cfg.targets) == ["layers.down_proj", "layers.q_proj", "layers.v_proj"]
+    real = MASK.astype(bool)
+    np.testing.assert_allclose(_logits(merge_lora(model, adapters, cfg))[real], ref[real], atol=1e-4)
+    # and our own export reads back bit for bit
+    again_cfg, again = load_peft_adapter(save_peft_adapter(tmp_path / "ours", model, adapters, cfg), model)
+    assert again_cfg == cfg
+    for name in adapters:
+        for k in ("a", "b"):
+            np.testing.assert_array_equal(np.asarray(again[name][k][...]), np.asarray(adapters[name][k][...]))
+    meta = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    (tmp_path / "peft" / "adapter_config.json").write_text(json.dumps({**meta, "use_rslora": True}))
+    with pytest.raises(NotImplementedError, match="use_rslora=True"):
+        load_peft_adapter(tmp_path / "peft", model)
 
 
 def test_adapter_bytes_for_rank_8_on_a_50m_llama_are_under_2_percent():

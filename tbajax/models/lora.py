@@ -35,7 +35,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from tbajax.models.safetensors_io import write_safetensors
+from tbajax.models.safetensors_io import SafetensorsReader, write_safetensors
 from tbajax.sharding import named_sharding
 
 Array = jax.Array
@@ -347,3 +347,91 @@ def save_peft_adapter(
     }
     (directory / "adapter_config.json").write_text(json.dumps(peft_config, indent=2))
     return directory
+
+
+def load_peft_adapter(
+    directory: str | os.PathLike[str], model: nnx.Module, *, mesh: Mesh | None = None
+) -> tuple[LoraConfig, Adapters]:
+    """Read a PEFT LoRA adapter dir (ours or `PeftModel.save_pretrained`'s) for `model`'s family
+    into (LoraConfig, adapters). Refuses PEFT options that change the math (rsLoRA, DoRA, biases,
+    per-module ranks, extra saved modules). lora_dropout only acts in PEFT training and is not
+    carried over (our LoRA has none)."""
+    directory = Path(directory)
+    meta = json.loads((directory / "adapter_config.json").read_text())
+    if meta.get("peft_type") != "LORA":
+        raise ValueError(
+            f"{directory}: peft_type={meta.get('peft_type')!r}, only 'LORA' adapters are read"
+        )
+    for key, neutral in (
+        ("use_rslora", False),
+        ("use_dora", False),
+        ("bias", "none"),
+        ("fan_in_fan_out", False),
+        ("modules_to_save", None),
+        ("rank_pattern", {}),
+        ("alpha_pattern", {}),
+        ("layers_to_transform", None),
+    ):
+        if meta.get(key, neutral) not in (neutral, None):
+            raise NotImplementedError(
+                f"{directory}/adapter_config.json sets {key}={meta[key]!r}; not supported"
+            )
+    found_files = sorted(p.name for p in directory.glob("*.safetensors"))
+    if found_files != ["adapter_model.safetensors"]:
+        raise ValueError(
+            f"{directory} should hold exactly one adapter_model.safetensors (found {found_files}); "
+            "keep each PEFT adapter in its own directory"
+        )
+    reader = SafetensorsReader(directory)
+    tensors = {k: reader.get(k) for k in reader.keys()}
+    _, table = _hf_modules(model)
+    rank = int(meta["r"])
+    targets, found = [], {}
+    for name, (hf_name, _) in table.items():
+        module = hf_name[: -len(".weight")] if hf_name.endswith(".weight") else None
+        if module is None:
+            continue
+        layered = "{i}" in module
+        first = f"{PEFT_PREFIX}{module.format(i=0) if layered else module}.lora_A.weight"
+        if first in tensors:
+            targets.append(name)
+            found[name] = module
+    if not targets:
+        raise ValueError(f"{directory}: no lora_A tensor matches a weight of this {type(model).__name__}")
+    config = LoraConfig(rank=rank, alpha=float(meta["lora_alpha"]), targets=tuple(targets))
+    specs = lora_specs(nnx.state(model, nnx.Param), config)
+    dtypes = {n: v.dtype for n, v in _flat(nnx.state(model, nnx.Param))}
+    adapters: Adapters = {}
+    used: set[str] = set()
+    for name, module in found.items():
+        s = specs[name]
+        layers = range(s.batch_shape[0]) if s.batch_shape else [None]
+        a_list, b_list = [], []
+        for i in layers:
+            path = PEFT_PREFIX + (module.format(i=i) if i is not None else module)
+            a, b = tensors[path + ".lora_A.weight"], tensors[path + ".lora_B.weight"]
+            if a.shape != (rank, s.fan_in) or b.shape != (s.fan_out, rank):
+                raise ValueError(
+                    f"{path}: lora_A {a.shape} / lora_B {b.shape}, expected "
+                    f"{(rank, s.fan_in)} / {(s.fan_out, rank)}"
+                )
+            used |= {path + ".lora_A.weight", path + ".lora_B.weight"}
+            a_list.append(a.T.reshape(*s.in_shape, rank))
+            b_list.append(b.T.reshape(rank, *s.out_shape))
+        a_host = np.stack(a_list) if s.batch_shape else a_list[0]
+        b_host = np.stack(b_list) if s.batch_shape else b_list[0]
+        pair = {}
+        for key, host, ax in (
+            ("a", a_host, (*s.batch_axes, *s.in_axes, None)),
+            ("b", b_host, (*s.batch_axes, None, *s.out_axes)),
+        ):
+            host = np.ascontiguousarray(host).astype(dtypes[name])
+            value = jax.device_put(host, named_sharding(ax, host.shape, mesh)) if mesh else jnp.asarray(host)
+            pair[key] = nnx.Param(value, logical_axes=ax)
+        adapters[name] = pair
+    extra = sorted(set(tensors) - used)
+    if extra:
+        raise ValueError(
+            f"{directory}: {len(extra)} adapter tensors match no weight of this model (e.g. {extra[:3]})"
+        )
+    return config, adapters
