@@ -13,7 +13,14 @@ from tbajax.models.encoders import (
     save_encoder,
 )
 from tbajax.models.hf import load_config, load_model, resolve_checkpoint, save_model
-from tbajax.models.lora import LoraConfig, apply_lora, init_lora, merge_lora, save_peft_adapter
+from tbajax.models.lora import (
+    LoraConfig,
+    apply_lora,
+    init_lora,
+    load_peft_adapter,
+    merge_lora,
+    save_peft_adapter,
+)
 from tbajax.models.safetensors_io import CheckpointError
 
 __all__ = [
@@ -34,6 +41,7 @@ __all__ = [
     "load_config",
     "load_encoder",
     "load_model",
+    "load_peft_adapter",
     "merge_lora",
     "packed_attention_mask",
     "positions_from_mask",

@@ -16,7 +16,8 @@ logical axes, so they shard with the same rules as the weights they modify.
 
 Export: `merge_lora` gives an ordinary model (save it with `save_model` / `save_encoder`),
 `save_peft_adapter` writes `adapter_config.json` + `adapter_model.safetensors` that
-`peft.PeftModel.from_pretrained` loads onto the torch base model.
+`peft.PeftModel.from_pretrained` loads onto the torch base model, and `load_peft_adapter` reads
+such a directory (also one PEFT itself saved) back into adapters.
 """
 
 from __future__ import annotations
