@@ -144,6 +144,29 @@ def test_classification_logits_match_transformers(checkpoints, model_type):
     assert load_encoder(directory).config.head == "none"
 
 
+def test_roberta_classifier_ignores_a_stored_pooler(checkpoints, tmp_path):
+    """Older RobertaForSequenceClassification files carry roberta.pooler.*, which transformers
+    ignores (the head reads <s>); so do we. An unknown tensor is still an error."""
+    from tbajax.models.safetensors_io import SafetensorsReader, write_safetensors
+
+    src = checkpoints["roberta", True]
+    reader = SafetensorsReader(src)
+    tensors = {k: np.array(reader.get(k)) for k in reader.keys()}
+    d = tmp_path / "with-pooler"
+    d.mkdir()
+    (d / "config.json").write_text((src / "config.json").read_text())
+    pooler = {"roberta.pooler.dense.weight": np.ones((48, 48), np.float32)}
+    write_safetensors(d / "model.safetensors", {**tensors, **pooler})
+    batch = _batch("roberta")
+    np.testing.assert_array_equal(
+        np.asarray(load_classifier(d).classify(*_ours(batch))),
+        np.asarray(load_classifier(src).classify(*_ours(batch))),
+    )
+    write_safetensors(d / "model.safetensors", {**tensors, "roberta.extra.weight": np.ones(3, np.float32)})
+    with pytest.raises(CheckpointError, match="roberta.extra.weight"):
+        load_classifier(d)
+
+
 def test_roberta_positions_start_after_padding_idx_and_skip_padding(checkpoints):
     enc = load_encoder(checkpoints["roberta", False])
     tokens = jnp.asarray([[0, 5, 6, 2, 1, 1], [1, 1, 0, 5, 6, 2]])  # pad id 1

@@ -742,9 +742,16 @@ def _load(
 
 def _check_unused(reader: SafetensorsReader, used: set[str], prefix: str, cfg: EncoderConfig) -> None:
     extra = [k for k in reader.keys() if k not in used and not k.endswith(_IGNORED_SUFFIXES)]
-    skipped = [k for k in extra if cfg.head == "none" and k.startswith(_HEAD_PREFIXES)]
+
+    def unused_part(k: str) -> bool:
+        if cfg.head == "none":
+            return k.startswith(_HEAD_PREFIXES)  # the trunk of a *ForX checkpoint
+        # a RoBERTa classifier reads <s> directly; some checkpoints still carry a pooler
+        return cfg.head == "roberta" and k.startswith(prefix + "pooler.")
+
+    skipped = [k for k in extra if unused_part(k)]
     if skipped:
-        log.info("encoder %s: skipped %d head tensors (%s...)", reader.directory, len(skipped), skipped[0])
+        log.info("encoder %s: skipped %d unused tensors (%s...)", reader.directory, len(skipped), skipped[0])
     extra = [k for k in extra if k not in skipped]
     if extra:
         raise CheckpointError(
