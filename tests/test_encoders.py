@@ -360,6 +360,8 @@ def test_real_minilm_paraphrases_and_transformers_parity():
         "My cat sleeps on the windowsill.",
     ]
     emb = embed_texts(enc, tokenizer, texts)
+    np.testing.assert_allclose(embed_texts(enc, tokenizer, texts, batch_size=4), emb, atol=1e-5)
+    assert embed_texts(enc, tokenizer, []).shape == (0, 384)
     sim = emb @ emb.T
     assert sim[0, 1] >= 0.6 and sim[2, 3] >= 0.6, sim
     unrelated = [(0, 2), (0, 4), (1, 5), (2, 4), (3, 5), (4, 5)]

@@ -810,17 +810,29 @@ def save_encoder(
 
 
 def embed_texts(
-    encoder: Encoder, tokenizer: Any, texts: list[str], *, max_length: int | None = None
+    encoder: Encoder,
+    tokenizer: Any,
+    texts: list[str],
+    *,
+    max_length: int | None = None,
+    batch_size: int = 128,
 ) -> np.ndarray:
-    """Sentence embeddings [len(texts), D] (host fp32) with an HF tokenizer, truncating at the
-    model's `max_seq_length` (sentence-transformers' limit, 256 for all-MiniLM-L6-v2) unless
-    `max_length` is given."""
+    """Sentence embeddings [len(texts), D] (host fp32) with an HF tokenizer, `batch_size` texts
+    at a time, truncating at the model's `max_seq_length` (sentence-transformers' limit, 256 for
+    all-MiniLM-L6-v2) unless `max_length` is given."""
     limit = min(max_length or encoder.pooling.max_seq_length or encoder.max_length, encoder.max_length)
-    batch = tokenizer(list(texts), padding=True, truncation=True, max_length=limit, return_tensors="np")
-    token_types = batch.get("token_type_ids")
-    out = encoder.embed(
-        jnp.asarray(batch["input_ids"]),
-        jnp.asarray(batch["attention_mask"]),
-        None if token_types is None else jnp.asarray(token_types),
-    )
-    return np.asarray(out)
+    texts = list(texts)
+    chunks = []
+    for start in range(0, len(texts), batch_size):
+        chunk = texts[start : start + batch_size]
+        batch = tokenizer(chunk, padding=True, truncation=True, max_length=limit, return_tensors="np")
+        token_types = batch.get("token_type_ids")
+        out = encoder.embed(
+            jnp.asarray(batch["input_ids"]),
+            jnp.asarray(batch["attention_mask"]),
+            None if token_types is None else jnp.asarray(token_types),
+        )
+        chunks.append(np.asarray(out))
+    if not chunks:
+        return np.zeros((0, encoder.config.hidden_size), np.float32)
+    return np.concatenate(chunks)
