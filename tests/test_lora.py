@@ -1,0 +1,283 @@
+"""LoRA: exact identity at init, gradients reach adapters only, merged export and PEFT adapters
+match torch (transformers + peft) logits, adapter size for r = 8 on a 50M Llama, clear errors."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+
+from tbajax.models import CausalLM, ModelConfig, load_model, save_model
+from tbajax.models.encoders import load_encoder, save_encoder
+from tbajax.models.lora import (
+    LoraConfig,
+    adapter_arrays,
+    adapter_nbytes,
+    apply_lora,
+    init_lora,
+    load_peft_adapter,
+    lora_specs,
+    merge_lora,
+    save_peft_adapter,
+    split_axes,
+)
+from tbajax.models.safetensors_io import SafetensorsReader
+from tbajax.sharding import MeshConfig, logical_to_spec, make_mesh, param_shardings
+
+ALL_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+TOKENS = np.array([[5, 6, 7, 8, 9, 10, 11], [0, 0, 12, 13, 14, 15, 16], [17, 18, 19, 20, 0, 0, 0]])
+MASK = (TOKENS != 0).astype(np.int32)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _forward(graphdef, state):
+    return nnx.merge(graphdef, state)(jnp.asarray(TOKENS), attention_mask=jnp.asarray(MASK))[0]
+
+
+def _logits(model: CausalLM) -> np.ndarray:
+    return np.asarray(_forward(*nnx.split(model)))
+
+
+def _randomise_b(adapters, seed: int = 1, std: float = 0.1):
+    """Non-zero B so exported deltas are visible (init has B = 0)."""
+    out = {}
+    for i, (name, pair) in enumerate(sorted(adapters.items())):
+        b = pair["b"]
+        noise = jax.random.normal(jax.random.fold_in(jax.random.key(seed), i), b.shape, b.dtype) * std
+        out[name] = {"a": pair["a"], "b": nnx.Param(noise, **b.get_metadata())}
+    return out
+
+
+def test_split_axes_reads_input_and_output_from_logical_axes():
+    heads = ("q_heads", "head_dim")
+    assert split_axes("q", ("layers", "embed", *heads)) == (("layers",), ("embed",), heads)
+    assert split_axes("o", ("layers", *heads, "embed")) == (("layers",), heads, ("embed",))
+    assert split_axes("down", ("layers", "mlp", "embed")) == (("layers",), ("mlp",), ("embed",))
+    assert split_axes("lm_head", ("embed", "vocab")) == ((), ("embed",), ("vocab",))
+    with pytest.raises(ValueError, match="embedding table"):
+        split_axes("embed_tokens", ("vocab", "embed"))
+    with pytest.raises(ValueError, match="only matrices"):
+        split_axes("input_norm", ("layers", "norm"))
+
+
+def test_init_equals_base_exactly_and_gradients_change_only_adapters(tiny_checkpoint):
+    model = load_model(tiny_checkpoint("llama"))
+    cfg = LoraConfig(rank=4, alpha=8.0, targets=ALL_PROJ)
+    graphdef, base = nnx.split(model, nnx.Param)
+    adapters = init_lora(base, cfg, jax.random.key(0))
+    assert sorted(adapters) == sorted(f"layers.{n}" for n in ALL_PROJ)
+    assert adapters["layers.o_proj"]["a"].shape == (2, 6, 12, 4)  # [layers, heads, head_dim, r]
+    assert adapters["layers.q_proj"]["b"].shape == (2, 4, 6, 12)  # [layers, r, heads, head_dim]
+    assert adapters["layers.q_proj"]["a"].get_metadata()["logical_axes"] == ("layers", "embed", None)
+    tokens, mask = jnp.asarray(TOKENS), jnp.asarray(MASK)
+
+    def logits(params):
+        return nnx.merge(graphdef, params)(tokens, attention_mask=mask)[0]
+
+    def loss(ad):  # next-token NLL; the base params are closed over, never differentiated
+        logp = jax.nn.log_softmax(logits(apply_lora(base, ad, cfg))[:, :-1])
+        nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], -1)[..., 0]
+        return jnp.sum(nll * mask[:, 1:]) / jnp.sum(mask[:, 1:])
+
+    base_fwd = jax.jit(logits)
+    lora_fwd = jax.jit(lambda ad: logits(apply_lora(base, ad, cfg)))
+    grad_fn = jax.jit(jax.value_and_grad(loss))
+
+    # at init (B = 0) every weight, hence every logit, is bit-identical to the base
+    merged = jax.jit(lambda ad: apply_lora(base, ad, cfg))(adapters)
+    for x, y in zip(jax.tree.leaves(merged), jax.tree.leaves(base)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    base_logits = np.asarray(base_fwd(base))
+    np.testing.assert_array_equal(np.asarray(lora_fwd(adapters)), base_logits)
+
+    before = [np.asarray(x) for x in jax.tree.leaves(base)]
+    l0, g = grad_fn(adapters)
+    assert jax.tree.structure(g) == jax.tree.structure(adapters)  # gradients exist for adapters only
+    for name, pair in g.items():
+        assert not np.any(np.asarray(pair["a"][...])), name  # dL/dA = 0 while B = 0
+        assert np.abs(np.asarray(pair["b"][...])).max() > 0, name
+
+    def sgd(ad, grads, lr=0.5):
+        return jax.tree.map(lambda p, d: p - lr * d, ad, grads)
+
+    step1 = sgd(adapters, g)
+    l1, g1 = grad_fn(step1)
+    step2 = sgd(step1, g1)
+    assert float(l1) < float(l0)
+    for name in adapters:
+        np.testing.assert_array_equal(np.asarray(step1[name]["a"][...]), np.asarray(adapters[name]["a"][...]))
+        assert not np.array_equal(np.asarray(step2[name]["a"][...]), np.asarray(step1[name]["a"][...]))
+    for x, y in zip(jax.tree.leaves(base), before):  # the base never moved
+        np.testing.assert_array_equal(np.asarray(x), y)
+    np.testing.assert_array_equal(np.asarray(base_fwd(base)), base_logits)  # reference = base, adapters off
+    assert not np.allclose(np.asarray(lora_fwd(step2)), base_logits)
+    pure = jax.tree.structure({n: {"a": 0, "b": 0} for n in adapters})
+    assert jax.tree.structure(adapter_arrays(step2)) == pure  # publishable as plain arrays
+
+
+def test_merged_export_and_peft_adapter_match_torch(tiny_checkpoint, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    directory = tiny_checkpoint("llama")
+    model = load_model(directory)
+    cfg = LoraConfig(rank=4, alpha=8.0, targets=("q_proj", "v_proj", "o_proj", "down_proj", "up_proj"))
+    adapters = _randomise_b(init_lora(nnx.state(model, nnx.Param), cfg, jax.random.key(0)))
+    merged = merge_lora(model, adapters, cfg)
+    ours = _logits(merged)
+    assert np.abs(ours - _logits(model)).max() > 0.1  # the adapters really change the model
+    real = MASK.astype(bool)
+
+    out = save_model(merged, tmp_path / "merged")
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(out).eval()(
+            input_ids=torch.tensor(TOKENS), attention_mask=torch.tensor(MASK)
+        ).logits.numpy()
+    np.testing.assert_allclose(ref[real], ours[real], atol=1e-4)
+
+    peft_dir = save_peft_adapter(
+        tmp_path / "adapter", model, adapters, cfg, base_model_name_or_path=str(directory)
+    )
+    meta = json.loads((peft_dir / "adapter_config.json").read_text())
+    assert meta["r"] == 4 and meta["lora_alpha"] == 8.0 and meta["task_type"] == "CAUSAL_LM"
+    assert meta["target_modules"] == [
+        "mlp.down_proj", "mlp.up_proj", "self_attn.o_proj", "self_attn.q_proj", "self_attn.v_proj"
+    ]
+    reader = SafetensorsReader(peft_dir)
+    pre = "base_model.model.model.layers."
+    assert reader.shape(pre + "1.self_attn.o_proj.lora_A.weight") == (4, 72)  # [r, in]
+    assert reader.shape(pre + "1.self_attn.v_proj.lora_B.weight") == (24, 4)  # [out, r]
+    assert reader.shape(pre + "0.mlp.down_proj.lora_A.weight") == (4, 96)
+    assert len(reader.keys()) == 2 * 2 * 5
+    base = AutoModelForCausalLM.from_pretrained(directory).eval()
+    with torch.no_grad():
+        peft_logits = PeftModel.from_pretrained(base, peft_dir).eval()(
+            input_ids=torch.tensor(TOKENS), attention_mask=torch.tensor(MASK)
+        ).logits.numpy()
+    np.testing.assert_allclose(peft_logits[real], ours[real], atol=1e-4)
+
+
+def test_peft_trained_adapter_loads_into_our_model(tiny_checkpoint, tmp_path):
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    directory = tiny_checkpoint("llama")
+    torch.manual_seed(0)
+    pcfg = peft.LoraConfig(r=3, lora_alpha=5, target_modules=["q_proj", "v_proj", "down_proj"])
+    torch_model = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(directory).eval(), pcfg).eval()
+    with torch.no_grad():
+        for name, p in torch_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.1)
+        ref = torch_model(input_ids=torch.tensor(TOKENS), attention_mask=torch.tensor(MASK)).logits.numpy()
+    torch_model.save_pretrained(tmp_path / "peft")
+    model = load_model(directory)
+    cfg, adapters = load_peft_adapter(tmp_path / "peft", model)
+    assert cfg.rank == 3 and cfg.alpha == 5.0
+    assert sorted(cfg.targets) == ["layers.down_proj", "layers.q_proj", "layers.v_proj"]
+    real = MASK.astype(bool)
+    np.testing.assert_allclose(_logits(merge_lora(model, adapters, cfg))[real], ref[real], atol=1e-4)
+    # and our own export reads back bit for bit
+    again_cfg, again = load_peft_adapter(save_peft_adapter(tmp_path / "ours", model, adapters, cfg), model)
+    assert again_cfg == cfg
+    for name in adapters:
+        for k in ("a", "b"):
+            np.testing.assert_array_equal(np.asarray(again[name][k][...]), np.asarray(adapters[name][k][...]))
+    meta = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    (tmp_path / "peft" / "adapter_config.json").write_text(json.dumps({**meta, "use_rslora": True}))
+    with pytest.raises(NotImplementedError, match="use_rslora=True"):
+        load_peft_adapter(tmp_path / "peft", model)
+
+
+def test_adapter_bytes_for_rank_8_on_a_50m_llama_are_under_2_percent():
+    cfg = ModelConfig(
+        model_type="llama", vocab_size=32000, hidden_size=512, intermediate_size=1376,
+        num_layers=8, num_heads=8, num_kv_heads=4, head_dim=64, tie_word_embeddings=False,
+    )
+    abstract = nnx.state(nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0))), nnx.Param)
+    full = adapter_nbytes(abstract)
+    assert full == cfg.num_params() * 4 and 45e6 < cfg.num_params() < 60e6
+    lora = LoraConfig(rank=8, alpha=16.0, targets=ALL_PROJ)
+    adapters = jax.eval_shape(lambda: init_lora(abstract, lora, jax.random.key(0)))
+    d, f, q, kv = 512, 1376, 512, 256
+    per_layer = 8 * ((d + q) + 2 * (d + kv) + (q + d) + 2 * (d + f) + (f + d))
+    assert adapter_nbytes(adapters) == 8 * per_layer * 4  # hand count: r·(in + out) per projection
+    assert adapter_nbytes(adapters) / full <= 0.02
+    small = adapter_nbytes(adapters)
+    print(f"r=8 adapters: {small / 2**20:.2f} MiB = {small / full:.2%} of {full / 2**20:.0f} MiB")
+
+
+def test_lora_on_an_encoder_is_the_same_transform(tmp_path):
+    """BERT: merged export and PEFT adapter (feature extraction) equal our merged encoder."""
+    from peft import PeftModel
+    from transformers import AutoModel, BertConfig
+
+    torch.manual_seed(0)
+    hf_cfg = BertConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                        vocab_size=53, max_position_embeddings=16)
+    src = tmp_path / "bert"
+    AutoModel.from_config(hf_cfg).float().eval().save_pretrained(src)
+    enc = load_encoder(src)
+    cfg = LoraConfig(rank=2, alpha=6.0, targets=("q_proj", "v_proj", "o_proj", "up_proj"))
+    adapters = _randomise_b(init_lora(nnx.state(enc, nnx.Param), cfg, jax.random.key(0)), std=0.3)
+    merged = merge_lora(enc, adapters, cfg)
+    tokens, mask = TOKENS % 53, MASK
+    ours = np.asarray(merged.hidden_states(jnp.asarray(tokens), jnp.asarray(mask)))
+    assert np.abs(ours - np.asarray(enc.hidden_states(jnp.asarray(tokens), jnp.asarray(mask)))).max() > 0.05
+    batch = dict(input_ids=torch.tensor(tokens), attention_mask=torch.tensor(mask))
+    with torch.no_grad():
+        exported = save_encoder(merged, tmp_path / "merged")
+        ref = AutoModel.from_pretrained(exported).eval()(**batch).last_hidden_state
+        peft_dir = save_peft_adapter(tmp_path / "adapter", enc, adapters, cfg)
+        via_peft = PeftModel.from_pretrained(AutoModel.from_pretrained(src).eval(), peft_dir).eval()(**batch)
+    np.testing.assert_allclose(ref.numpy(), ours, atol=1e-5)
+    np.testing.assert_allclose(via_peft.last_hidden_state.numpy(), ours, atol=1e-5)
+    assert json.loads((peft_dir / "adapter_config.json").read_text())["target_modules"] == [
+        "attention.output.dense", "attention.self.query", "attention.self.value", "intermediate.dense"
+    ]
+
+
+def test_adapters_shard_like_their_weights(tiny_checkpoint):
+    directory = tiny_checkpoint("llama")
+    cfg = LoraConfig(rank=4, alpha=8.0, targets=("q_proj", "o_proj", "down_proj"))
+    model = load_model(directory)
+    adapters = _randomise_b(init_lora(nnx.state(model, nnx.Param), cfg, jax.random.key(0)))
+    ref = _logits(merge_lora(model, adapters, cfg))
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    graphdef, base = nnx.split(load_model(directory, mesh=mesh), nnx.Param)
+    sharded = init_lora(base, cfg, jax.random.key(0), mesh=mesh)
+    a = sharded["layers.q_proj"]["a"][...]  # [layers, embed, r]: embed split over fsdp like q_proj's
+    assert a.sharding.spec == logical_to_spec(("layers", "embed", None), a.shape, mesh)
+    assert a.addressable_shards[0].data.shape == (2, 36, 4)
+    b = sharded["layers.o_proj"]["b"][...]  # [layers, r, embed]
+    assert b.sharding.spec == logical_to_spec(("layers", None, "embed"), b.shape, mesh)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(adapters["layers.q_proj"]["a"][...]))
+    placed = jax.device_put(adapters, param_shardings(sharded, mesh))  # e.g. adapters received
+    with jax.set_mesh(mesh):
+        out = jax.jit(lambda ad: _forward(graphdef, apply_lora(base, ad, cfg)))(placed)
+    np.testing.assert_allclose(np.asarray(out), ref, atol=1e-5)
+
+
+def test_bad_targets_and_mismatched_adapters_are_clear_errors(tiny_checkpoint):
+    params = nnx.state(load_model(tiny_checkpoint("llama")), nnx.Param)
+    with pytest.raises(ValueError, match="'wq' matches no weight.*layers.q_proj"):
+        lora_specs(params, LoraConfig(targets=("wq",)))
+    with pytest.raises(ValueError, match="only matrices"):
+        lora_specs(params, LoraConfig(targets=("input_norm",)))
+    with pytest.raises(ValueError, match="embedding table"):
+        lora_specs(params, LoraConfig(targets=("embed_tokens",)))
+    every = lora_specs(params, LoraConfig(targets=("layers.*_proj",)))
+    assert sorted(every) == sorted(f"layers.{n}" for n in ALL_PROJ)
+    adapters = init_lora(params, LoraConfig(targets=("q_proj",)), jax.random.key(0))
+    with pytest.raises(ValueError, match="adapters cover"):
+        apply_lora(params, adapters, LoraConfig(targets=("q_proj", "v_proj")))
+    with pytest.raises(NotImplementedError, match="dropout"):
+        LoraConfig(dropout=0.1)
+    with pytest.raises(ValueError, match="rank"):
+        LoraConfig(rank=0)
