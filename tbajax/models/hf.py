@@ -8,12 +8,11 @@ Export writes files that `transformers.AutoModelForCausalLM.from_pretrained` (an
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 

@@ -8,7 +8,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from tbajax.models import layers as L
 from tbajax.models.config import ModelConfig, UnsupportedModelError, rope_inv_freq
