@@ -259,6 +259,29 @@ def test_gpt2_checkpoint_without_transformer_prefix(ckpt, tmp_path):
     np.testing.assert_allclose(_ours(load_model(d), ids, mask), _ours(load_model(src), ids, mask), atol=0)
 
 
+def test_pythia_v4_layout_loads(ckpt, tmp_path):
+    """Pythia's own files: config.json with rotary_pct / rotary_emb_base (no rope_parameters),
+    causal-mask and rotary buffers next to the weights; and the v5 name lm_head for embed_out."""
+    from tbajax.models.safetensors_io import SafetensorsReader, write_safetensors
+
+    src = ckpt("neox_sequential")
+    reader = SafetensorsReader(src)
+    tensors = {k.replace("embed_out.", "lm_head."): np.array(reader.get(k)) for k in reader.keys()}
+    for i in range(2):
+        tensors[f"gpt_neox.layers.{i}.attention.bias"] = np.tril(np.ones((1, 1, 64, 64), bool))
+        tensors[f"gpt_neox.layers.{i}.attention.masked_bias"] = np.array(-1e9, np.float32)
+        tensors[f"gpt_neox.layers.{i}.attention.rotary_emb.inv_freq"] = np.ones(2, np.float32)
+    d = tmp_path / "pythia"
+    d.mkdir()
+    write_safetensors(d / "model.safetensors", tensors)
+    hf = json.loads((src / "config.json").read_text())
+    del hf["rope_parameters"]
+    hf.update(rotary_pct=0.25, rotary_emb_base=500, transformers_version="4.24.0")
+    (d / "config.json").write_text(json.dumps(hf))
+    ids, mask = _batch(10)
+    np.testing.assert_allclose(_ours(load_model(d), ids, mask), _ours(load_model(src), ids, mask), atol=0)
+
+
 # ----------------------------------------------------------------------------- classifiers
 
 
@@ -288,6 +311,8 @@ def test_scorer_export_round_trip_and_wrong_loader(ckpt, tmp_path):
     )
     with pytest.raises(UnsupportedModelError, match="load_scorer"):
         load_model(directory)
+    with pytest.raises(ValueError, match="cannot sample from a sequence classifier"):
+        Sampler(scorer.model)
     with pytest.raises(UnsupportedModelError, match="load_model"):
         load_scorer(ckpt("neox_parallel"))
 
