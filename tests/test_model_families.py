@@ -360,3 +360,25 @@ def test_remat_gradients_equal_plain(ckpt):
     remat = grads(load_model(directory, remat="full"))
     for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(remat)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+
+
+def test_hand_built_config_exports_and_is_checked(tmp_path):
+    """A random-init GPT-2 from a hand-written ModelConfig saves as a checkpoint transformers
+    loads with the same logits; a config mixing families is refused on construction."""
+    from transformers import AutoModelForCausalLM
+
+    from tbajax.models import CausalLM
+
+    fields = dict(model_type="gpt2", vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_layers=2,
+                  num_heads=4, num_kv_heads=4, head_dim=8, max_position_embeddings=32, qkv_bias=True,
+                  o_bias=True, tie_word_embeddings=True, eos_token_id=2)
+    model = CausalLM(ModelConfig(hidden_act="gelu_new", **fields), rngs=nnx.Rngs(0))
+    out = save_model(model, tmp_path / "gpt2")
+    ids = np.random.RandomState(11).randint(3, VOCAB, (2, 9))
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)(input_ids=torch.tensor(ids)).logits
+    assert np.abs(_ours(model, ids, np.ones_like(ids)) - ref.numpy()).max() <= 1e-4
+    with pytest.raises(UnsupportedModelError, match="hidden_act"):
+        ModelConfig(hidden_act="silu", **fields)
+    with pytest.raises(UnsupportedModelError, match="num_kv_heads=2"):
+        ModelConfig(hidden_act="gelu_new", **{**fields, "num_kv_heads": 2})

@@ -94,6 +94,9 @@ class ModelConfig:
             )
         if self.num_labels is not None and self.num_labels < 1:
             raise ValueError(f"num_labels={self.num_labels} must be >= 1")
+        from tbajax.models.families import family_for
+
+        family_for(self.model_type).check(self)
 
     @property
     def jnp_param_dtype(self) -> Any:

@@ -73,6 +73,24 @@ class Family:
     final_norm: Callable[..., Any]
     # derived state some checkpoints carry (causal-mask buffers, rotary caches): not weights
     ignored_suffixes: tuple[str, ...] = ()
+    # ModelConfig field -> the values this family implements (checked on construction, so a
+    # hand-built config cannot silently mix families, e.g. GPT-2 with SiLU)
+    fixed: dict[str, tuple[Any, ...]] = dataclasses.field(default_factory=dict)
+
+    def check(self, cfg: "ModelConfig") -> None:
+        from tbajax.models.config import UnsupportedModelError
+
+        for field, allowed in self.fixed.items():
+            value = getattr(cfg, field)
+            if value not in allowed:
+                raise UnsupportedModelError(
+                    f"{cfg.model_type} needs {field} in {allowed}, got {value!r}"
+                )
+        if cfg.num_heads != cfg.num_kv_heads and self.name != "llama":
+            raise UnsupportedModelError(
+                f"{cfg.model_type} has no grouped-query attention: num_kv_heads={cfg.num_kv_heads} "
+                f"must equal num_heads={cfg.num_heads}"
+            )
 
 
 def family_for(model_type: str) -> Family:

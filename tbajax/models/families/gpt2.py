@@ -203,4 +203,6 @@ FAMILY = Family(
     final_norm=final_norm,
     # old checkpoints carry the causal-mask buffers
     ignored_suffixes=(".attn.bias", ".attn.masked_bias"),
+    fixed={"hidden_act": ("gelu_new", "gelu"), "qkv_bias": (True,), "o_bias": (True,), "qk_norm": (False,),
+           "rotary_pct": (1.0,), "parallel_residual": (False,), "rope_scaling": (None,)},
 )

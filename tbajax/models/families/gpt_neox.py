@@ -224,4 +224,5 @@ FAMILY = Family(
     final_norm=final_norm,
     # old checkpoints carry causal-mask and rotary buffers
     ignored_suffixes=(".attention.bias", ".attention.masked_bias", "rotary_emb.inv_freq"),
+    fixed={"hidden_act": ("gelu",), "qk_norm": (False,), "rope_scaling": (None,)},
 )

@@ -244,4 +244,5 @@ FAMILY = Family(
     block=block,
     final_norm=final_norm,
     ignored_suffixes=("rotary_emb.inv_freq",),
+    fixed={"hidden_act": ("silu",), "rotary_pct": (1.0,), "parallel_residual": (False,)},
 )
