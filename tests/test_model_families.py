@@ -300,6 +300,25 @@ def test_sequence_scores_match_torch(ckpt, family):
     np.testing.assert_allclose(ours[right], ref, atol=1e-4)
 
 
+def test_scorer_when_pad_is_eos(ckpt, tmp_path):
+    """pad_token_id == eos_token_id: transformers skips a trailing EOS (it looks like padding);
+    we score what the mask covers, so masking the EOS out reproduces transformers."""
+    d = tmp_path / "rm"
+    shutil.copytree(ckpt("cls:gpt2"), d)
+    hf = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**hf, "pad_token_id": 2}))
+    ids = np.random.RandomState(12).randint(3, VOCAB, (2, 8))
+    ids[0, 5], ids[0, 6:] = 2, 2  # content, EOS, padding (also 2)
+    ids[1, 7] = 2  # content, EOS
+    with_eos = np.array([[1] * 6 + [0] * 2, [1] * 8])
+    ref = _torch_out(d, ids, with_eos, classifier=True, positions=False)
+    scorer = load_scorer(d)
+    without_eos = with_eos.copy()
+    without_eos[0, 5] = without_eos[1, 7] = 0
+    np.testing.assert_allclose(np.asarray(scorer.score(ids, without_eos)), ref, atol=1e-4)
+    assert np.abs(np.asarray(scorer.score(ids, with_eos)) - ref).max() > 1e-3  # the EOS's own value
+
+
 def test_scorer_export_round_trip_and_wrong_loader(ckpt, tmp_path):
     directory = ckpt("cls:gpt_neox")
     scorer = load_scorer(directory)
