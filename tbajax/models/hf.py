@@ -129,7 +129,6 @@ def load_model(
     *,
     mesh: Mesh | None = None,
     config: ModelConfig | None = None,
-    _allow_score_head: bool = False,
     **runtime: Any,
 ) -> CausalLM:
     """Load an HF causal-LM checkpoint (dir or hub id) straight into its sharding on `mesh`.
@@ -138,15 +137,18 @@ def load_model(
     """
     directory = resolve_checkpoint(source)
     cfg = config or ModelConfig.from_hf(json.loads((directory / "config.json").read_text()), **runtime)
-    if cfg.num_labels is not None and not _allow_score_head:
+    if cfg.num_labels is not None:
         raise UnsupportedModelError(
             f"{directory} is a sequence-classification checkpoint (num_labels={cfg.num_labels}, "
             "a `score` head, no LM head); load it with tbajax.models.load_scorer"
         )
-    return _load(directory, cfg, mesh)
+    return load_weights(directory, cfg, mesh)
 
 
-def _load(directory: Path, cfg: ModelConfig, mesh: Mesh | None) -> CausalLM:
+def load_weights(directory: str | os.PathLike[str], cfg: ModelConfig, mesh: Mesh | None = None) -> CausalLM:
+    """The weights of a local checkpoint directory as a `CausalLM` of `cfg` (whatever its head:
+    LM head, tied, or a `score` head), each parameter built directly in its sharding on `mesh`."""
+    directory = Path(directory)
     reader = SafetensorsReader(directory)
     graphdef, abstract = nnx.split(abstract_model(cfg))
     shardings = (

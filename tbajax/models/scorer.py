@@ -17,6 +17,7 @@ contain the pad id.
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -28,6 +29,7 @@ from jax.sharding import Mesh
 
 from tbajax.models.config import ModelConfig, UnsupportedModelError
 from tbajax.models.decoder import CausalLM, positions_from_mask
+from tbajax.models.hf import load_weights, resolve_checkpoint
 
 Array = jax.Array
 
@@ -99,10 +101,6 @@ def load_scorer(
 
     runtime: param_dtype / dtype / remat. The reward of a reward model is `score(...)[:, 0]`.
     """
-    import json
-
-    from tbajax.models.hf import load_model, resolve_checkpoint
-
     directory = resolve_checkpoint(source)
     cfg = ModelConfig.from_hf(json.loads((directory / "config.json").read_text()), **runtime)
     if cfg.num_labels is None:
@@ -110,4 +108,4 @@ def load_scorer(
             f"{directory} is not a sequence-classification checkpoint (config.json architectures "
             "has no *ForSequenceClassification); load causal LMs with load_model"
         )
-    return SequenceScorer(load_model(directory, mesh=mesh, config=cfg, _allow_score_head=True))
+    return SequenceScorer(load_weights(directory, cfg, mesh))
