@@ -300,6 +300,17 @@ def test_sequence_scores_match_torch(ckpt, family):
     np.testing.assert_allclose(ours[right], ref, atol=1e-4)
 
 
+def test_scorer_sharded_matches_single_device(ckpt):
+    directory = ckpt("cls:gpt_neox")
+    ids, mask = _batch(13)
+    single = np.asarray(load_scorer(directory).score(ids, mask))
+    mesh = make_mesh(MeshConfig(data=1, fsdp=2, tensor=2), devices=jax.devices()[:4])
+    scorer = load_scorer(directory, mesh=mesh)
+    with jax.set_mesh(mesh):
+        sharded = np.asarray(scorer.score(ids, mask))
+    np.testing.assert_allclose(sharded, single, atol=1e-5)
+
+
 def test_scorer_when_pad_is_eos(ckpt, tmp_path):
     """pad_token_id == eos_token_id: transformers skips a trailing EOS (it looks like padding);
     we score what the mask covers, so masking the EOS out reproduces transformers."""
