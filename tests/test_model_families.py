@@ -363,7 +363,6 @@ def test_scorer_export_round_trip_and_wrong_loader(ckpt, tmp_path):
          "rope_parameters.rope_type='yarn'"),
         ("neox_parallel", {"hidden_act": "gelu_new"}, "hidden_act='gelu_new'"),
         ("neox_parallel", {"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.3}}, "rotary_pct=0.3"),
-        ("neox_parallel", {"architectures": ["GPTNeoXForTokenClassification"]}, "architectures="),
     ],
 )
 def test_unsupported_variant_names_the_field(ckpt, name, changes, message):

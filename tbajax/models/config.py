@@ -153,11 +153,6 @@ class ModelConfig:
         archs = hf.get("architectures") or []
         if any(a.endswith("ForSequenceClassification") for a in archs):
             fields["num_labels"] = int(hf.get("num_labels") or len(hf.get("id2label") or {}) or 2)
-        elif archs and not any(a.endswith("ForCausalLM") or a.endswith("LMHeadModel") for a in archs):
-            raise UnsupportedModelError(
-                f"config.json has architectures={archs}; tbajax loads *ForCausalLM (load_model) and "
-                "*ForSequenceClassification (load_scorer) checkpoints"
-            )
         eos = hf.get("eos_token_id")
         fields.update(
             model_type=model_type,

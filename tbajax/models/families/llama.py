@@ -3,6 +3,7 @@ full RoPE, grouped-query attention, SwiGLU MLP, optionally tied embeddings."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -65,8 +66,6 @@ def parse_hf(hf: dict[str, Any]) -> dict[str, Any]:
 
 
 def to_hf(cfg: ModelConfig) -> dict[str, Any]:
-    import dataclasses
-
     out: dict[str, Any] = {
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size,
