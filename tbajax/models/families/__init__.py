@@ -76,6 +76,7 @@ class Family:
     # ModelConfig field -> the values this family implements (checked on construction, so a
     # hand-built config cannot silently mix families, e.g. GPT-2 with SiLU)
     fixed: dict[str, tuple[Any, ...]] = dataclasses.field(default_factory=dict)
+    validate: Callable[["ModelConfig"], None] | None = None  # any further family-specific check
 
     def check(self, cfg: "ModelConfig") -> None:
         from tbajax.models.config import UnsupportedModelError
@@ -86,6 +87,8 @@ class Family:
                 raise UnsupportedModelError(
                     f"{cfg.model_type} needs {field} in {allowed}, got {value!r}"
                 )
+        if self.validate is not None:
+            self.validate(cfg)
         if cfg.num_heads != cfg.num_kv_heads and self.name != "llama":
             raise UnsupportedModelError(
                 f"{cfg.model_type} has no grouped-query attention: num_kv_heads={cfg.num_kv_heads} "

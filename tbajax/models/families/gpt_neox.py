@@ -88,6 +88,14 @@ def to_hf(cfg: ModelConfig) -> dict[str, Any]:
     }
 
 
+def validate(cfg: ModelConfig) -> None:
+    if cfg.qkv_bias != cfg.o_bias:
+        raise UnsupportedModelError(
+            f"gpt_neox has one attention_bias switch for both projections; got qkv_bias={cfg.qkv_bias}, "
+            f"o_bias={cfg.o_bias}"
+        )
+
+
 # ----------------------------------------------------------------------------- parameters
 
 
@@ -225,4 +233,5 @@ FAMILY = Family(
     # old checkpoints carry causal-mask and rotary buffers
     ignored_suffixes=(".attention.bias", ".attention.masked_bias", "rotary_emb.inv_freq"),
     fixed={"hidden_act": ("gelu",), "qk_norm": (False,), "rope_scaling": (None,)},
+    validate=validate,
 )
