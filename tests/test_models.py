@@ -162,7 +162,7 @@ def _edit_config(directory: Path, **changes) -> None:
 @pytest.mark.parametrize(
     "changes, message",
     [
-        ({"model_type": "gpt2"}, "model_type='gpt2'"),
+        ({"model_type": "mamba"}, "model_type='mamba'"),
         ({"use_sliding_window": True}, "sliding-window"),
         ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "'yarn'"),
         ({"hidden_act": "gelu"}, "hidden_act"),

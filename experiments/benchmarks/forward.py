@@ -1,9 +1,12 @@
-"""Forward-pass tokens/s: tbajax's Flax decoder vs torch transformers, same config and batch.
+"""Forward-pass tokens/s: tbajax's Flax decoders vs torch transformers, same checkpoint and batch.
 
     python experiments/benchmarks/forward.py [--quick] [--json PATH]
 
-Both sides run fp32 on this machine's CPU with the same checkpoint; compile time is reported
-separately from steady state.
+Rows: a Llama-style causal LM, a GPT-NeoX (Pythia-style: partial rotary, parallel residual)
+causal LM, and a GPT-NeoX reward model (`*ForSequenceClassification`, one label) scored at each
+row's last real token of a right-padded batch (`load_scorer(...).score` vs the torch model's
+pooled logits). Both sides run fp32 on this machine's CPU; compile time is reported separately
+from steady state.
 """
 
 from __future__ import annotations
@@ -17,37 +20,73 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import tempfile  # noqa: E402
+
 import torch  # noqa: E402
 from common import SIZES, machine, make_llama_checkpoint, peak_rss_mb, print_table, timed, write_json  # noqa: E402
 from flax import nnx  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification  # noqa: E402
 
-from tbajax.models import load_model  # noqa: E402
+from tbajax.models import load_model, load_scorer  # noqa: E402
+
+PAD = 0
 
 
-def bench(size: str, batch: int, seq: int, repeats: int) -> dict:
-    directory = make_llama_checkpoint(size)
+def make_neox_checkpoint(size: str, reward_model: bool = False) -> Path:
+    """A random-init GPT-NeoX checkpoint shaped like SIZES[size] (rotary_pct 0.25, parallel
+    residual, as Pythia), as a causal LM or a one-label sequence classifier."""
+    s = SIZES[size]
+    directory = Path(tempfile.mkdtemp(prefix=f"bench-neox-{size}-"))
+    cfg = AutoConfig.for_model(
+        "gpt_neox", hidden_size=s["hidden_size"], intermediate_size=4 * s["hidden_size"],
+        num_hidden_layers=s["num_hidden_layers"], num_attention_heads=s["num_attention_heads"],
+        vocab_size=s["vocab_size"], rotary_pct=0.25, use_parallel_residual=True,
+        max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=PAD, num_labels=1,
+    )
+    torch.manual_seed(0)
+    cls = AutoModelForSequenceClassification if reward_model else AutoModelForCausalLM
+    cls.from_config(cfg).float().save_pretrained(directory)
+    return directory
+
+
+def bench(model_name: str, size: str, batch: int, seq: int, repeats: int) -> dict:
     vocab = SIZES[size]["vocab_size"]
-    ids = np.random.RandomState(0).randint(0, vocab, (batch, seq))
-
-    model = load_model(directory)
-    graphdef, state = nnx.split(model)
-    fwd = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t)[0])
-    tokens = jnp.asarray(ids)
-    compile_s, ours = timed(lambda: fwd(state, tokens).block_until_ready(), repeats)
-
-    ref = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-    tids = torch.tensor(ids)
+    rng = np.random.RandomState(0)
+    ids = rng.randint(3, vocab, (batch, seq))
+    mask = np.ones((batch, seq), np.int64)
+    if model_name == "llama":
+        directory = make_llama_checkpoint(size)
+    else:
+        directory = make_neox_checkpoint(size, reward_model=model_name == "neox_rm")
+    if model_name == "neox_rm":  # right-padded prompt + response rows of different lengths
+        lengths = rng.randint(seq // 2, seq + 1, batch)
+        mask = (np.arange(seq)[None, :] < lengths[:, None]).astype(np.int64)
+        ids = np.where(mask == 1, ids, PAD)
+        scorer = load_scorer(directory)
+        config = scorer.config
+        tokens, jmask = jnp.asarray(ids), jnp.asarray(mask)
+        compile_s, ours = timed(lambda: scorer.score(tokens, jmask).block_until_ready(), repeats)
+        ref = AutoModelForSequenceClassification.from_pretrained(directory, dtype=torch.float32).eval()
+    else:
+        model = load_model(directory)
+        config = model.config
+        graphdef, state = nnx.split(model)
+        fwd = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t)[0])
+        tokens = jnp.asarray(ids)
+        compile_s, ours = timed(lambda: fwd(state, tokens).block_until_ready(), repeats)
+        ref = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    tids, tmask = torch.tensor(ids), torch.tensor(mask)
 
     def torch_fwd() -> None:
         with torch.inference_mode():
-            ref(input_ids=tids)
+            ref(input_ids=tids, attention_mask=tmask)
 
     _, theirs = timed(torch_fwd, repeats)
-    n = batch * seq
+    n = int(mask.sum())
     return {
+        "model": model_name,
         "size": size,
-        "params_M": model.config.num_params() / 1e6,
+        "params_M": config.num_params() / 1e6,
         "batch": batch,
         "seq": seq,
         "tbajax_tok_s": n / ours,
@@ -63,12 +102,15 @@ def main() -> None:
     ap.add_argument("--json", help="write the figures to this path")
     args = ap.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    cases = [("10M", 8, 128)] if args.quick else [("10M", 16, 256), ("50M", 16, 256)]
-    rows = [bench(s, b, t, 2 if args.quick else 5) for s, b, t in cases]
+    if args.quick:
+        cases = [("llama", "10M", 8, 128), ("neox", "10M", 8, 128), ("neox_rm", "10M", 8, 128)]
+    else:
+        cases = [(m, s, 16, 256) for s in ("10M", "50M") for m in ("llama", "neox", "neox_rm")]
+    rows = [bench(m, s, b, t, 2 if args.quick else 5) for m, s, b, t in cases]
     info = {**machine(), "torch_threads": torch.get_num_threads(), "peak_rss_mb": peak_rss_mb()}
     print(f"forward pass, fp32, {info['cpu_count']} CPU cores, jax {info['jax']}, torch {torch.__version__}")
-    print_table(rows, ["size", "params_M", "batch", "seq", "tbajax_tok_s", "torch_tok_s", "ratio", "compile_s"])
-    print("ratio = tbajax tokens/s / torch tokens/s (>1: tbajax faster)")
+    print_table(rows, ["model", "size", "params_M", "batch", "seq", "tbajax_tok_s", "torch_tok_s", "ratio", "compile_s"])
+    print("ratio = tbajax tokens/s / torch tokens/s (>1: tbajax faster); tokens = real (unpadded) tokens")
     write_json(args.json, {"benchmark": "forward", "machine": info, "rows": rows})
 
 

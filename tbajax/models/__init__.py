@@ -1,5 +1,5 @@
-"""Flax NNX decoders (Llama, Qwen2/2.5, Qwen3), encoders (BERT, RoBERTa), LoRA and Hugging Face
-checkpoint I/O."""
+"""Flax NNX decoders (Llama, Qwen2/2.5, Qwen3, GPT-NeoX/Pythia, GPT-2), sequence-classification
+scorers on top of them, encoders (BERT, RoBERTa), LoRA, and Hugging Face checkpoint I/O."""
 
 from tbajax.models.config import ModelConfig, RopeScaling, UnsupportedModelError
 from tbajax.models.decoder import CausalLM, KVCache, packed_attention_mask, positions_from_mask
@@ -22,6 +22,7 @@ from tbajax.models.lora import (
     save_peft_adapter,
 )
 from tbajax.models.safetensors_io import CheckpointError
+from tbajax.models.scorer import SequenceScorer, load_scorer
 
 __all__ = [
     "CausalLM",
@@ -33,6 +34,7 @@ __all__ = [
     "ModelConfig",
     "RopeScaling",
     "SentencePooling",
+    "SequenceScorer",
     "UnsupportedModelError",
     "apply_lora",
     "embed_texts",
@@ -42,6 +44,7 @@ __all__ = [
     "load_encoder",
     "load_model",
     "load_peft_adapter",
+    "load_scorer",
     "merge_lora",
     "packed_attention_mask",
     "positions_from_mask",

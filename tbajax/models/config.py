@@ -1,8 +1,9 @@
 """Model configuration: one frozen dataclass for every supported decoder family.
 
-`ModelConfig.from_hf` reads a Hugging Face `config.json` dict (transformers v4 or v5 layout) and
-refuses anything that would change the math in a way this decoder does not implement, so an
-unsupported checkpoint fails loudly instead of producing silently wrong logits.
+`ModelConfig.from_hf` reads a Hugging Face `config.json` dict (transformers v4 or v5 layout); the
+family of its `model_type` (tbajax/models/families/) parses it and refuses anything that would
+change the math in a way we do not implement, so an unsupported checkpoint fails loudly instead
+of producing silently wrong logits.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any, Literal
 import jax.numpy as jnp
 import numpy as np
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gpt_neox", "gpt2")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -36,7 +37,7 @@ class RopeScaling:
 class ModelConfig:
     """Architecture (from the checkpoint) plus runtime choices (dtypes, remat)."""
 
-    model_type: Literal["llama", "qwen2", "qwen3"]
+    model_type: Literal["llama", "qwen2", "qwen3", "gpt_neox", "gpt2"]
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -51,11 +52,18 @@ class ModelConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool = False
+    layer_norm_eps: float = 1e-5  # GPT-NeoX / GPT-2 LayerNorm
+    rotary_pct: float = 1.0  # share of each head's dims that RoPE rotates (GPT-NeoX)
+    parallel_residual: bool = False  # GPT-NeoX: x + attn(ln1(x)) + mlp(ln2(x))
+    hidden_act: str = "silu"  # "silu" (Llama/Qwen), "gelu" (erf), "gelu_new" (tanh)
     max_position_embeddings: int = 2048
     initializer_range: float = 0.02
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
+    # A *ForSequenceClassification checkpoint: a `score` head [hidden, num_labels] instead of
+    # the LM head (see tbajax.models.scorer).
+    num_labels: int | None = None
     # Runtime choices: not part of the checkpoint.
     param_dtype: str = "float32"
     dtype: str = "float32"
@@ -75,6 +83,20 @@ class ModelConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r}; choose one of {sorted(DTYPES)}")
         if self.remat not in ("none", "full", "dots"):
             raise ValueError(f"remat={self.remat!r}; choose 'none', 'full' or 'dots'")
+        if self.hidden_act not in ("silu", "gelu", "gelu_new"):
+            raise UnsupportedModelError(
+                f"hidden_act={self.hidden_act!r} is not supported; supported: silu, gelu, gelu_new"
+            )
+        if not 0.0 < self.rotary_pct <= 1.0 or self.rotary_dim % 2:
+            raise UnsupportedModelError(
+                f"rotary_pct={self.rotary_pct} gives {self.rotary_dim} rotary dims of head_dim "
+                f"{self.head_dim}; it must be in (0, 1] and give an even number of dims"
+            )
+        if self.num_labels is not None and self.num_labels < 1:
+            raise ValueError(f"num_labels={self.num_labels} must be >= 1")
+        from tbajax.models.families import family_for
+
+        family_for(self.model_type).check(self)
 
     @property
     def jnp_param_dtype(self) -> Any:
@@ -92,108 +114,75 @@ class ModelConfig:
             return (self.eos_token_id,)
         return tuple(self.eos_token_id)
 
+    @property
+    def rotary_dim(self) -> int:
+        """Dims of each head that RoPE rotates (all of them except for partial-rotary GPT-NeoX)."""
+        return int(self.head_dim * self.rotary_pct)
+
     def num_params(self) -> int:
-        d, f, l = self.hidden_size, self.intermediate_size, self.num_layers
-        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        per_layer = d * (q + 2 * kv) + q * d + 3 * d * f + 2 * d
-        per_layer += (q + 2 * kv) * self.qkv_bias + d * self.o_bias + 2 * self.head_dim * self.qk_norm
-        emb = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
-        return l * per_layer + emb + d
+        from tbajax.models.families import family_for
+
+        family = family_for(self.model_type)
+        top = sum(math.prod(s.shape) for s in family.top_params(self).values())
+        layer = sum(math.prod(s.shape) for s in family.layer_params(self).values())
+        if self.num_labels is not None:
+            head = self.hidden_size * self.num_labels
+        else:
+            head = 0 if self.tie_word_embeddings else self.hidden_size * self.vocab_size
+        return top + self.num_layers * layer + head
 
     # ------------------------------------------------------------------ HF conversion
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], **runtime: Any) -> "ModelConfig":
-        """Build from a `config.json` dict; `runtime` sets param_dtype / dtype / remat."""
+        """Build from a `config.json` dict; `runtime` sets param_dtype / dtype / remat.
+
+        The family of `model_type` parses (and validates) the architecture; a
+        `*ForSequenceClassification` checkpoint also sets `num_labels` (a score head, no LM head).
+        """
+        from tbajax.models.families import family_for, supported_model_types
+
         model_type = hf.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
+        try:
+            family = family_for(model_type)
+        except KeyError:
             raise UnsupportedModelError(
-                f"config.json has model_type={model_type!r}; tbajax supports {SUPPORTED_MODEL_TYPES}"
-            )
-        act = hf.get("hidden_act", "silu")
-        if act != "silu":
-            raise UnsupportedModelError(f"hidden_act={act!r} is not supported (only 'silu')")
-        if hf.get("mlp_bias"):
-            raise UnsupportedModelError("mlp_bias=true is not supported")
-        if hf.get("use_sliding_window"):
-            raise UnsupportedModelError(
-                "use_sliding_window=true changes attention; sliding-window attention is not "
-                "implemented (set use_sliding_window=false only if every sequence fits the window)"
-            )
-        layer_types = hf.get("layer_types")
-        if layer_types and any(t != "full_attention" for t in layer_types):
-            raise UnsupportedModelError(
-                f"layer_types {sorted(set(layer_types))} are not supported (only full_attention)"
-            )
-        theta, scaling = _parse_rope(hf)
-        num_heads = int(hf["num_attention_heads"])
-        head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
-        attention_bias = bool(hf.get("attention_bias", False))
-        if model_type == "qwen2":
-            qkv_bias, o_bias = True, False
-        else:
-            qkv_bias = o_bias = attention_bias
+                f"config.json has model_type={model_type!r}; tbajax supports {supported_model_types()}"
+            ) from None
+        fields = family.parse_hf(hf)
+        archs = hf.get("architectures") or []
+        if any(a.endswith("ForSequenceClassification") for a in archs):
+            fields["num_labels"] = int(hf.get("num_labels") or len(hf.get("id2label") or {}) or 2)
         eos = hf.get("eos_token_id")
-        return cls(
+        fields.update(
             model_type=model_type,
-            vocab_size=int(hf["vocab_size"]),
-            hidden_size=int(hf["hidden_size"]),
-            intermediate_size=int(hf["intermediate_size"]),
-            num_layers=int(hf["num_hidden_layers"]),
-            num_heads=num_heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
-            head_dim=int(head_dim),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=qkv_bias,
-            o_bias=o_bias,
-            qk_norm=model_type == "qwen3",
-            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
             initializer_range=float(hf.get("initializer_range", 0.02)),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
             pad_token_id=hf.get("pad_token_id"),
-            **runtime,
         )
+        return cls(**fields, **runtime)
 
     def to_hf(self) -> dict[str, Any]:
         """A `config.json` dict that transformers (v4 and v5) and vLLM load."""
-        arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-        out: dict[str, Any] = {
-            "architectures": [arch[self.model_type]],
-            "model_type": self.model_type,
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "hidden_act": "silu",
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "rope_scaling": dataclasses.asdict(self.rope_scaling) if self.rope_scaling else None,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "max_position_embeddings": self.max_position_embeddings,
-            "initializer_range": self.initializer_range,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": list(self.eos_token_id)
-            if isinstance(self.eos_token_id, tuple)
-            else self.eos_token_id,
-            "pad_token_id": self.pad_token_id,
-            "torch_dtype": self.param_dtype,
-            "use_cache": True,
-        }
-        if self.model_type in ("llama", "qwen3"):
-            out["attention_bias"] = self.qkv_bias
-        if self.model_type == "llama":
-            out["mlp_bias"] = False
-        if self.model_type in ("qwen2", "qwen3"):
-            out["use_sliding_window"] = False
-            out["sliding_window"] = None
-            out["max_window_layers"] = self.num_layers
+        from tbajax.models.families import family_for
+
+        family = family_for(self.model_type)
+        causal, classifier = family.architectures[self.model_type]
+        out: dict[str, Any] = {"architectures": [causal], "model_type": self.model_type}
+        out.update(family.to_hf(self))
+        out.update(
+            initializer_range=self.initializer_range,
+            bos_token_id=self.bos_token_id,
+            eos_token_id=list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id,
+            pad_token_id=self.pad_token_id,
+            torch_dtype=self.param_dtype,
+            use_cache=True,
+        )
+        if self.num_labels is not None:
+            out["architectures"] = [classifier]
+            out["id2label"] = {str(i): f"LABEL_{i}" for i in range(self.num_labels)}
+            out["label2id"] = {f"LABEL_{i}": i for i in range(self.num_labels)}
         return out
 
 
@@ -226,7 +215,7 @@ def _parse_rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     """Inverse RoPE frequencies (float64 numpy, then used as constants) incl. Llama-3 scaling."""
-    hd = cfg.head_dim
+    hd = cfg.rotary_dim
     inv = 1.0 / (cfg.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
     s = cfg.rope_scaling
     if s is None:

@@ -1,9 +1,11 @@
-"""One Flax NNX causal decoder for Llama, Qwen2/2.5 and Qwen3.
+"""The shared causal-decoder skeleton for every family (Llama/Qwen, GPT-NeoX, GPT-2).
 
 Layer parameters are stacked along a leading "layers" axis and applied with `lax.scan`, so a
 28-layer model compiles as fast as a 1-layer one and remat is one switch. The NNX module only
-owns the parameters; the math lives in small pure functions (`rms_norm`, `apply_rope`,
-`attention`, `_layer`) that the training forward and the KV-cache decode path share.
+owns the parameters; what differs between architectures (config parsing, parameter tables, HF
+names, the block itself) lives in one module per family under `tbajax/models/families/`, and the
+math in small pure functions (`tbajax/models/layers.py`) that the training forward and the
+KV-cache decode path share.
 
 Attention is causal over cache *slots*, with a per-slot validity mask: left-padded prompt batches,
 right-padded training batches and incremental decoding are all the same code.
@@ -20,41 +22,34 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tbajax.models.config import ModelConfig, rope_inv_freq
+from tbajax.models.families import Family, ParamSpec, family_for
+from tbajax.models.layers import apply_rope, attention, rms_norm  # noqa: F401  (re-exported)
+from tbajax.models.layers import rope_tables as _rope_tables
 from tbajax.sharding import constrain
 
 Array = jax.Array
-_MASK_VALUE = -1e30
-
-# name -> (logical axes after the leading "layers" axis, shape fn, init kind)
-_LAYER_PARAMS: dict[str, tuple[tuple[str, ...], Any, str]] = {
-    "input_norm": (("norm",), lambda c: (c.hidden_size,), "ones"),
-    "q_proj": (("embed", "q_heads", "head_dim"), lambda c: (c.hidden_size, c.num_heads, c.head_dim), "normal"),
-    "k_proj": (("embed", "kv_heads", "head_dim"), lambda c: (c.hidden_size, c.num_kv_heads, c.head_dim), "normal"),
-    "v_proj": (("embed", "kv_heads", "head_dim"), lambda c: (c.hidden_size, c.num_kv_heads, c.head_dim), "normal"),
-    "q_bias": (("q_heads", "head_dim"), lambda c: (c.num_heads, c.head_dim), "zeros"),
-    "k_bias": (("kv_heads", "head_dim"), lambda c: (c.num_kv_heads, c.head_dim), "zeros"),
-    "v_bias": (("kv_heads", "head_dim"), lambda c: (c.num_kv_heads, c.head_dim), "zeros"),
-    "q_norm": (("head_dim",), lambda c: (c.head_dim,), "ones"),
-    "k_norm": (("head_dim",), lambda c: (c.head_dim,), "ones"),
-    "o_proj": (("q_heads", "head_dim", "embed"), lambda c: (c.num_heads, c.head_dim, c.hidden_size), "normal"),
-    "o_bias": (("norm",), lambda c: (c.hidden_size,), "zeros"),
-    "post_attention_norm": (("norm",), lambda c: (c.hidden_size,), "ones"),
-    "gate_proj": (("embed", "mlp"), lambda c: (c.hidden_size, c.intermediate_size), "normal"),
-    "up_proj": (("embed", "mlp"), lambda c: (c.hidden_size, c.intermediate_size), "normal"),
-    "down_proj": (("mlp", "embed"), lambda c: (c.intermediate_size, c.hidden_size), "normal"),
-}
 
 
 def layer_param_names(cfg: ModelConfig) -> tuple[str, ...]:
     """The stacked per-layer parameters this config has."""
-    skip = set()
-    if not cfg.qkv_bias:
-        skip |= {"q_bias", "k_bias", "v_bias"}
-    if not cfg.o_bias:
-        skip.add("o_bias")
-    if not cfg.qk_norm:
-        skip |= {"q_norm", "k_norm"}
-    return tuple(n for n in _LAYER_PARAMS if n not in skip)
+    return tuple(family_for(cfg.model_type).layer_params(cfg))
+
+
+def head_params(cfg: ModelConfig) -> dict[str, ParamSpec]:
+    """The output head: `score` for a sequence classifier, `lm_head` when not tied, else none."""
+    if cfg.num_labels is not None:
+        return {"score": ParamSpec(("embed", None), (cfg.hidden_size, cfg.num_labels))}
+    if cfg.tie_word_embeddings:
+        return {}
+    return {"lm_head": ParamSpec(("embed", "vocab"), (cfg.hidden_size, cfg.vocab_size))}
+
+
+def _init(spec: ParamSpec, cfg: ModelConfig, rngs: nnx.Rngs, lead: tuple[int, ...] = ()) -> Array:
+    shape = (*lead, *spec.shape)
+    if spec.init == "normal":
+        return jax.nn.initializers.normal(cfg.initializer_range)(rngs.params(), shape, cfg.jnp_param_dtype)
+    fill = jnp.ones if spec.init == "ones" else jnp.zeros
+    return fill(shape, cfg.jnp_param_dtype)
 
 
 @jax.tree_util.register_dataclass
@@ -94,41 +89,37 @@ class DecoderLayers(nnx.Module):
     """All transformer blocks' parameters, stacked on a leading layer axis."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        init = jax.nn.initializers.normal(cfg.initializer_range)
-        for name in layer_param_names(cfg):
-            axes, shape_fn, kind = _LAYER_PARAMS[name]
-            shape = (cfg.num_layers, *shape_fn(cfg))
-            if kind == "normal":
-                value = init(rngs.params(), shape, cfg.jnp_param_dtype)
-            elif kind == "ones":
-                value = jnp.ones(shape, cfg.jnp_param_dtype)
-            else:
-                value = jnp.zeros(shape, cfg.jnp_param_dtype)
-            setattr(self, name, nnx.Param(value, logical_axes=("layers", *axes)))
+        for name, spec in family_for(cfg.model_type).layer_params(cfg).items():
+            value = _init(spec, cfg, rngs, (cfg.num_layers,))
+            setattr(self, name, nnx.Param(value, logical_axes=("layers", *spec.axes)))
 
     def stacked(self, cfg: ModelConfig) -> dict[str, Array]:
         return {name: getattr(self, name)[...] for name in layer_param_names(cfg)}
 
 
 class CausalLM(nnx.Module):
-    """Decoder-only LM. `__call__` returns (fp32 logits, updated cache or None)."""
+    """Decoder-only LM. `__call__` returns (fp32 logits, updated cache or None).
+
+    With `config.num_labels` set (a *ForSequenceClassification checkpoint) the head is `score`
+    and "logits" are the per-token head values [..., num_labels]; see `tbajax.models.scorer`.
+    """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.config = cfg
-        init = jax.nn.initializers.normal(cfg.initializer_range)
-        pd = cfg.jnp_param_dtype
-        self.embed_tokens = nnx.Param(
-            init(rngs.params(), (cfg.vocab_size, cfg.hidden_size), pd), logical_axes=("vocab", "embed")
-        )
+        family = family_for(cfg.model_type)
+        for name, spec in family.top_params(cfg).items():
+            setattr(self, name, nnx.Param(_init(spec, cfg, rngs), logical_axes=spec.axes))
         self.layers = DecoderLayers(cfg, rngs)
-        self.norm = nnx.Param(jnp.ones((cfg.hidden_size,), pd), logical_axes=("norm",))
-        self.lm_head = (
-            None
-            if cfg.tie_word_embeddings
-            else nnx.Param(
-                init(rngs.params(), (cfg.hidden_size, cfg.vocab_size), pd), logical_axes=("embed", "vocab")
-            )
-        )
+        heads = {
+            name: nnx.Param(_init(spec, cfg, rngs), logical_axes=spec.axes)
+            for name, spec in head_params(cfg).items()
+        }
+        self.lm_head = nnx.data(heads.get("lm_head"))
+        self.score = nnx.data(heads.get("score"))
+
+    @property
+    def family(self) -> Family:
+        return family_for(self.config.model_type)
 
     def __call__(
         self,
@@ -167,11 +158,13 @@ class CausalLM(nnx.Module):
             positions = positions_from_mask(attention_mask)
             if cache is not None:
                 raise ValueError("pass explicit positions when decoding with a KV cache")
-        x = self.embed_tokens[...].astype(cfg.jnp_dtype)[tokens]
+        family = self.family
+        top = {name: getattr(self, name)[...] for name in family.top_params(cfg)}
+        x = family.embed(cfg, top, tokens, positions)
         x = constrain(x, ("batch", "length", "act_embed"))
-        cos, sin = rope_tables(cfg, positions)
+        tables = family.position_tables(cfg, positions)
         params = self.layers.stacked(cfg)
-        layer = functools.partial(_layer, cfg)
+        layer = functools.partial(family.block, cfg)
         if cfg.remat != "none":
             policy = (
                 jax.checkpoint_policies.dots_with_no_batch_dims_saveable
@@ -188,7 +181,7 @@ class CausalLM(nnx.Module):
                 mask = (slots[None, :] <= slots[:, None])[None] & attention_mask[:, None, :]
 
             def body(h: Array, p: dict[str, Array]) -> tuple[Array, None]:
-                h, _ = layer(p, h, cos, sin, mask, None)
+                h, _ = layer(p, h, tables, mask, None)
                 return h, None
 
             x, _ = jax.lax.scan(body, x, params)
@@ -200,19 +193,23 @@ class CausalLM(nnx.Module):
             def body(carry: tuple[Array, Array, Array], xs: Any) -> tuple[Any, None]:
                 h, ck, cv = carry
                 p, li = xs
-                h, (ck, cv) = layer(p, h, cos, sin, mask, (ck, cv, li, cache.index))
+                h, (ck, cv) = layer(p, h, tables, mask, (ck, cv, li, cache.index))
                 return (h, ck, cv), None
 
             idx = jnp.arange(cfg.num_layers)
             (x, k, v), _ = jax.lax.scan(body, (x, cache.k, cache.v), (params, idx))
             cache = KVCache(k=k, v=v, valid=valid, index=cache.index + t)
-        x = rms_norm(x, self.norm[...], cfg.rms_norm_eps)
-        return x, cache
+        return family.final_norm(cfg, top, x), cache
 
     def logits(self, hidden: Array) -> Array:
         """fp32 logits for hidden states of any leading shape."""
         cfg = self.config
-        w = self.embed_tokens[...].T if self.lm_head is None else self.lm_head[...]
+        if self.score is not None:
+            w = self.score[...]
+        elif self.lm_head is not None:
+            w = self.lm_head[...]
+        else:
+            w = self.embed_tokens[...].T
         out = jnp.einsum(
             "...d,dv->...v", hidden, w.astype(cfg.jnp_dtype), preferred_element_type=jnp.float32
         )
@@ -237,77 +234,6 @@ def packed_attention_mask(segments: Array) -> Array:
     return causal[None] & (key >= 0) & ((key == 0) | (key == query))
 
 
-def rms_norm(x: Array, w: Array, eps: float) -> Array:
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (w.astype(jnp.float32) * xf).astype(x.dtype)
-
-
 def rope_tables(cfg: ModelConfig, positions: Array) -> tuple[Array, Array]:
-    inv = jnp.asarray(rope_inv_freq(cfg), jnp.float32)
-    ang = positions.astype(jnp.float32)[..., None] * inv
-    ang = jnp.concatenate([ang, ang], axis=-1)
-    return jnp.cos(ang), jnp.sin(ang)  # [batch, seq, head_dim]
-
-
-def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
-    """Rotate-half RoPE (the HF convention). x: [batch, seq, heads, head_dim]."""
-    half = x.shape[-1] // 2
-    xf = x.astype(jnp.float32)
-    rot = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
-    return (xf * cos[:, :, None] + rot * sin[:, :, None]).astype(x.dtype)
-
-
-def attention(q: Array, k: Array, v: Array, mask: Array) -> Array:
-    """Grouped-query attention. q [b,t,h,d]; k,v [b,s,kv,d]; mask [b,t,s] -> [b,t,h,d]."""
-    b, t, h, d = q.shape
-    kv = k.shape[2]
-    q = q.reshape(b, t, kv, h // kv, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
-    scores = scores * (d**-0.5)
-    scores = jnp.where(mask[:, None, None], scores, _MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
-    return out.reshape(b, t, h, d)
-
-
-def _layer(
-    cfg: ModelConfig,
-    p: dict[str, Array],
-    x: Array,
-    cos: Array,
-    sin: Array,
-    mask: Array,
-    cache: tuple[Array, Array, Array, Array] | None,
-) -> tuple[Array, tuple[Array, Array] | None]:
-    dt = cfg.jnp_dtype
-    w = {k: v.astype(dt) for k, v in p.items()}
-    h = rms_norm(x, w["input_norm"], cfg.rms_norm_eps)
-    q = jnp.einsum("btd,dhk->bthk", h, w["q_proj"])
-    k = jnp.einsum("btd,dhk->bthk", h, w["k_proj"])
-    v = jnp.einsum("btd,dhk->bthk", h, w["v_proj"])
-    if cfg.qkv_bias:
-        q, k, v = q + w["q_bias"], k + w["k_bias"], v + w["v_bias"]
-    if cfg.qk_norm:
-        q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
-        k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    q = constrain(q, ("batch", "length", "act_heads", None))
-    new_cache = None
-    if cache is not None:
-        ck, cv, li, index = cache
-        ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype)[None], (li, 0, index, 0, 0))
-        cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype)[None], (li, 0, index, 0, 0))
-        k = jax.lax.dynamic_index_in_dim(ck, li, keepdims=False).astype(dt)
-        v = jax.lax.dynamic_index_in_dim(cv, li, keepdims=False).astype(dt)
-        new_cache = (ck, cv)
-    o = attention(q, k, v, mask)
-    o = jnp.einsum("bthk,hkd->btd", o, w["o_proj"])
-    if cfg.o_bias:
-        o = o + w["o_bias"]
-    x = x + o
-    h = rms_norm(x, w["post_attention_norm"], cfg.rms_norm_eps)
-    gate = jnp.einsum("btd,df->btf", h, w["gate_proj"])
-    up = jnp.einsum("btd,df->btf", h, w["up_proj"])
-    x = x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w["down_proj"])
-    return constrain(x, ("batch", "length", "act_embed")), new_cache
+    """cos/sin [batch, seq, rotary_dim] for a RoPE family."""
+    return _rope_tables(rope_inv_freq(cfg), positions)

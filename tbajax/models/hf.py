@@ -8,12 +8,11 @@ Export writes files that `transformers.AutoModelForCausalLM.from_pretrained` (an
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +22,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, SingleDeviceSharding
 
-from tbajax.models.config import ModelConfig
-from tbajax.models.decoder import CausalLM, layer_param_names
+from tbajax.models.config import ModelConfig, UnsupportedModelError
+from tbajax.models.decoder import CausalLM, head_params, layer_param_names
+from tbajax.models.families import Mapping, family_for, transposed
 from tbajax.models.safetensors_io import CheckpointError, SafetensorsReader, write_sharded
 from tbajax.sharding import param_shardings
 
@@ -41,74 +41,40 @@ TOKENIZER_FILES = (
     "tokenizer.model",
     "added_tokens.json",
 )
-# tensors some checkpoints carry that are derived state, not weights
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Mapping:
-    hf_name: str  # may contain {i} for the layer index
-    to_ours: Callable[[np.ndarray, ModelConfig], np.ndarray]
-    to_hf: Callable[[np.ndarray, ModelConfig], np.ndarray]
-
-
-def _identity(a: np.ndarray, c: ModelConfig) -> np.ndarray:
-    return a
-
-
-def _linear_in(heads_attr: str | None) -> _Mapping:
-    """HF Linear [out, in] -> ours [in, heads, head_dim] (or [in, out])."""
-
-    def to_ours(a: np.ndarray, c: ModelConfig) -> np.ndarray:
-        a = a.T
-        return a.reshape(a.shape[0], getattr(c, heads_attr), c.head_dim) if heads_attr else a
-
-    def to_hf(a: np.ndarray, c: ModelConfig) -> np.ndarray:
-        return a.reshape(a.shape[0], -1).T
-
-    return _Mapping("", to_ours, to_hf)
-
-
-def _mappings(cfg: ModelConfig) -> dict[str, _Mapping]:
-    pre = "model.layers.{i}."
-    q, kv = _linear_in("num_heads"), _linear_in("num_kv_heads")
-    plain = _linear_in(None)
-
-    def bias(heads_attr: str) -> _Mapping:
-        return _Mapping(
-            "",
-            lambda a, c: a.reshape(getattr(c, heads_attr), c.head_dim),
-            lambda a, c: a.reshape(-1),
-        )
-
-    table = {
-        "embed_tokens": _Mapping("model.embed_tokens.weight", _identity, _identity),
-        "norm": _Mapping("model.norm.weight", _identity, _identity),
-        "lm_head": dataclasses.replace(plain, hf_name="lm_head.weight"),
-        "layers.input_norm": _Mapping(pre + "input_layernorm.weight", _identity, _identity),
-        "layers.post_attention_norm": _Mapping(pre + "post_attention_layernorm.weight", _identity, _identity),
-        "layers.q_proj": dataclasses.replace(q, hf_name=pre + "self_attn.q_proj.weight"),
-        "layers.k_proj": dataclasses.replace(kv, hf_name=pre + "self_attn.k_proj.weight"),
-        "layers.v_proj": dataclasses.replace(kv, hf_name=pre + "self_attn.v_proj.weight"),
-        "layers.q_bias": dataclasses.replace(bias("num_heads"), hf_name=pre + "self_attn.q_proj.bias"),
-        "layers.k_bias": dataclasses.replace(bias("num_kv_heads"), hf_name=pre + "self_attn.k_proj.bias"),
-        "layers.v_bias": dataclasses.replace(bias("num_kv_heads"), hf_name=pre + "self_attn.v_proj.bias"),
-        "layers.q_norm": _Mapping(pre + "self_attn.q_norm.weight", _identity, _identity),
-        "layers.k_norm": _Mapping(pre + "self_attn.k_norm.weight", _identity, _identity),
-        "layers.o_proj": _Mapping(
-            pre + "self_attn.o_proj.weight",
-            lambda a, c: a.T.reshape(c.num_heads, c.head_dim, c.hidden_size),
-            lambda a, c: a.reshape(-1, a.shape[-1]).T,
-        ),
-        "layers.o_bias": _Mapping(pre + "self_attn.o_proj.bias", _identity, _identity),
-        "layers.gate_proj": dataclasses.replace(plain, hf_name=pre + "mlp.gate_proj.weight"),
-        "layers.up_proj": dataclasses.replace(plain, hf_name=pre + "mlp.up_proj.weight"),
-        "layers.down_proj": dataclasses.replace(plain, hf_name=pre + "mlp.down_proj.weight"),
-    }
-    wanted = {"embed_tokens", "norm"} | {f"layers.{n}" for n in layer_param_names(cfg)}
-    if not cfg.tie_word_embeddings:
-        wanted.add("lm_head")
+def _mappings(cfg: ModelConfig) -> dict[str, Mapping]:
+    """Our parameter name ("embed_tokens", "layers.q_proj", ...) -> its HF tensor, for the
+    parameters this config has."""
+    family = family_for(cfg.model_type)
+    table = dict(family.hf_mappings(cfg))
+    table["score"] = transposed("score.weight")
+    wanted = set(family.top_params(cfg)) | set(head_params(cfg))
+    wanted |= {f"layers.{n}" for n in layer_param_names(cfg)}
     return {k: v for k, v in table.items() if k in wanted}
+
+
+class _Names:
+    """Resolves the HF names a mapping asks for to the names this checkpoint uses: the first of
+    hf_name/aliases present, and bare backbone names for checkpoints saved from the base model
+    (e.g. the original `gpt2` files: "h.0.attn.c_attn.weight", no "transformer." prefix)."""
+
+    def __init__(self, reader: SafetensorsReader, cfg: ModelConfig):
+        prefix = family_for(cfg.model_type).base_prefix
+        keys = reader.keys()
+        self.reader = reader
+        self.strip = bool(keys) and not any(k.startswith(prefix) for k in keys)
+        self.prefix = prefix
+
+    def _candidates(self, m: Mapping, i: int | None) -> list[str]:
+        names = [n.format(i=i) for n in (m.hf_name, *m.aliases)]
+        if self.strip:
+            names = [n[len(self.prefix) :] if n.startswith(self.prefix) else n for n in names]
+        return names
+
+    def resolve(self, m: Mapping, i: int | None) -> str:
+        names = self._candidates(m, i)
+        return next((n for n in names if n in self.reader), names[0])
 
 
 # ----------------------------------------------------------------------------- locating
@@ -165,12 +131,24 @@ def load_model(
     config: ModelConfig | None = None,
     **runtime: Any,
 ) -> CausalLM:
-    """Load an HF checkpoint (dir or hub id) straight into its sharding on `mesh`.
+    """Load an HF causal-LM checkpoint (dir or hub id) straight into its sharding on `mesh`.
 
     runtime: param_dtype / dtype / remat, passed to `ModelConfig.from_hf`.
     """
     directory = resolve_checkpoint(source)
     cfg = config or ModelConfig.from_hf(json.loads((directory / "config.json").read_text()), **runtime)
+    if cfg.num_labels is not None:
+        raise UnsupportedModelError(
+            f"{directory} is a sequence-classification checkpoint (num_labels={cfg.num_labels}, "
+            "a `score` head, no LM head); load it with tbajax.models.load_scorer"
+        )
+    return load_weights(directory, cfg, mesh)
+
+
+def load_weights(directory: str | os.PathLike[str], cfg: ModelConfig, mesh: Mesh | None = None) -> CausalLM:
+    """The weights of a local checkpoint directory as a `CausalLM` of `cfg` (whatever its head:
+    LM head, tied, or a `score` head), each parameter built directly in its sharding on `mesh`."""
+    directory = Path(directory)
     reader = SafetensorsReader(directory)
     graphdef, abstract = nnx.split(abstract_model(cfg))
     shardings = (
@@ -183,7 +161,8 @@ def load_model(
         )
     )
     mappings = _mappings(cfg)
-    _check_unused(reader, cfg, mappings)
+    names = _Names(reader, cfg)
+    _check_unused(reader, cfg, mappings, names)
 
     def build(path: tuple[Any, ...], var: nnx.Variable, sharding: Any) -> nnx.Variable:
         name = ".".join(str(getattr(k, "key", k)) for k in path)
@@ -193,7 +172,7 @@ def load_model(
         expected = var.shape[1:] if layered else var.shape
 
         def tensor(i: int | None) -> np.ndarray:
-            hf_name = m.hf_name.format(i=i)
+            hf_name = names.resolve(m, i)
             raw = reader.get(hf_name)
             try:
                 out = m.to_ours(raw, cfg)
@@ -226,24 +205,30 @@ def load_model(
     return nnx.merge(graphdef, state)
 
 
-def _check_unused(reader: SafetensorsReader, cfg: ModelConfig, mappings: dict[str, _Mapping]) -> None:
+def _check_unused(
+    reader: SafetensorsReader, cfg: ModelConfig, mappings: dict[str, Mapping], names: _Names
+) -> None:
     expected = set()
     for name, m in mappings.items():
         if name.startswith("layers."):
-            expected |= {m.hf_name.format(i=i) for i in range(cfg.num_layers)}
+            expected |= {names.resolve(m, i) for i in range(cfg.num_layers)}
         else:
-            expected.add(m.hf_name)
+            expected.add(names.resolve(m, None))
+    ignored = family_for(cfg.model_type).ignored_suffixes
     extra = [
         k
         for k in reader.keys()
         if k not in expected
-        and not k.endswith(_IGNORED_SUFFIXES)
-        and not (k == "lm_head.weight" and cfg.tie_word_embeddings)
+        and not k.endswith(ignored)
+        and not (k in ("lm_head.weight", "embed_out.weight") and cfg.tie_word_embeddings)
     ]
     if extra:
+        hint = ""
+        if cfg.num_labels is None and any(k.startswith("score.") for k in extra):
+            hint = " (a `score` head: is it a *ForSequenceClassification checkpoint? use load_scorer)"
         raise CheckpointError(
             f"checkpoint {reader.directory} has {len(extra)} tensors this config does not use "
-            f"(e.g. {extra[:3]}); config.json and weights disagree about the architecture"
+            f"(e.g. {extra[:3]}); config.json and weights disagree about the architecture{hint}"
         )
 
 

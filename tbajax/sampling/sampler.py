@@ -112,6 +112,12 @@ class Sampler:
         min_prompt_bucket: int = 16,
         reference: CausalLM | None = None,
     ):
+        for m in (model, reference):
+            if m is not None and m.config.num_labels is not None:
+                raise ValueError(
+                    f"cannot sample from a sequence classifier ({m.config.model_type} with a "
+                    f"num_labels={m.config.num_labels} score head); load a causal LM with load_model"
+                )
         self.config: ModelConfig = model.config
         self.mesh = mesh if mesh is not None else make_mesh(MeshConfig(), devices=jax.devices()[:1])
         self.max_cache_length = max_cache_length or self.config.max_position_embeddings

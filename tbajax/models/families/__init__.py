@@ -1,0 +1,112 @@
+"""Decoder families: one module each, behind the shared skeleton in `tbajax.models.decoder`.
+
+A family says everything that differs between architectures, in one place:
+  - `parse_hf(hf)`: config.json -> ModelConfig fields (refusing what it does not implement),
+  - `to_hf(cfg)`: ModelConfig -> config.json,
+  - `top_params(cfg)` / `layer_params(cfg)`: parameter shapes with logical axes and init,
+  - `hf_mappings(cfg)`: our parameter name <-> HF tensor name and layout,
+  - `embed(cfg, params, tokens, positions)`, `position_tables(cfg, positions)`,
+    `block(cfg, p, x, tables, mask, cache)`, `final_norm(cfg, params, x)`: the math.
+The skeleton (embedding, `lax.scan` over stacked layers, remat, KV cache, logits) is shared.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from tbajax.models.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    """One parameter: logical axes (sharding), shape, and init ("normal" | "ones" | "zeros")."""
+
+    axes: tuple[str | None, ...]
+    shape: tuple[int, ...]
+    init: str = "normal"
+
+
+@dataclasses.dataclass(frozen=True)
+class Mapping:
+    """Our parameter <-> one HF tensor. hf_name may contain {i} (layer index); `aliases` are other
+    names the same tensor has in older/newer checkpoints (read only; export writes hf_name)."""
+
+    hf_name: str
+    to_ours: Callable[[np.ndarray, "ModelConfig"], np.ndarray]
+    to_hf: Callable[[np.ndarray, "ModelConfig"], np.ndarray]
+    aliases: tuple[str, ...] = ()
+
+
+def identity(a: np.ndarray, c: Any) -> np.ndarray:
+    return a
+
+
+def transposed(hf_name: str, *aliases: str) -> Mapping:
+    """HF Linear [out, in] <-> ours [in, out]."""
+    return Mapping(hf_name, lambda a, c: a.T, lambda a, c: a.T, aliases)
+
+
+def same(hf_name: str, *aliases: str) -> Mapping:
+    return Mapping(hf_name, identity, identity, aliases)
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    name: str
+    model_types: tuple[str, ...]
+    # model_type -> (causal LM, sequence classifier) HF class names, written to config.json
+    architectures: dict[str, tuple[str, str]]
+    base_prefix: str  # the backbone's module name in HF checkpoints ("model.", "transformer.")
+    parse_hf: Callable[[dict[str, Any]], dict[str, Any]]
+    to_hf: Callable[["ModelConfig"], dict[str, Any]]
+    top_params: Callable[["ModelConfig"], dict[str, ParamSpec]]
+    layer_params: Callable[["ModelConfig"], dict[str, ParamSpec]]
+    hf_mappings: Callable[["ModelConfig"], dict[str, Mapping]]
+    embed: Callable[..., Any]
+    position_tables: Callable[..., Any]
+    block: Callable[..., Any]
+    final_norm: Callable[..., Any]
+    # derived state some checkpoints carry (causal-mask buffers, rotary caches): not weights
+    ignored_suffixes: tuple[str, ...] = ()
+    # ModelConfig field -> the values this family implements (checked on construction, so a
+    # hand-built config cannot silently mix families, e.g. GPT-2 with SiLU)
+    fixed: dict[str, tuple[Any, ...]] = dataclasses.field(default_factory=dict)
+    validate: Callable[["ModelConfig"], None] | None = None  # any further family-specific check
+
+    def check(self, cfg: "ModelConfig") -> None:
+        from tbajax.models.config import UnsupportedModelError
+
+        for field, allowed in self.fixed.items():
+            value = getattr(cfg, field)
+            if value not in allowed:
+                raise UnsupportedModelError(
+                    f"{cfg.model_type} needs {field} in {allowed}, got {value!r}"
+                )
+        if self.validate is not None:
+            self.validate(cfg)
+        if cfg.num_heads != cfg.num_kv_heads and self.name != "llama":
+            raise UnsupportedModelError(
+                f"{cfg.model_type} has no grouped-query attention: num_kv_heads={cfg.num_kv_heads} "
+                f"must equal num_heads={cfg.num_heads}"
+            )
+
+
+def family_for(model_type: str) -> Family:
+    """The family implementing `model_type` (imported lazily: families import the config)."""
+    from tbajax.models.families import gpt2, gpt_neox, llama
+
+    for fam in (llama.FAMILY, gpt_neox.FAMILY, gpt2.FAMILY):
+        if model_type in fam.model_types:
+            return fam
+    raise KeyError(model_type)
+
+
+def supported_model_types() -> tuple[str, ...]:
+    from tbajax.models.families import gpt2, gpt_neox, llama
+
+    return llama.FAMILY.model_types + gpt_neox.FAMILY.model_types + gpt2.FAMILY.model_types

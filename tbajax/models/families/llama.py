@@ -1,0 +1,247 @@
+"""Llama (2, 3.x), Qwen2/2.5 (q/k/v bias) and Qwen3 (q/k RMSNorm): pre-norm RMSNorm blocks,
+full RoPE, grouped-query attention, SwiGLU MLP, optionally tied embeddings."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tbajax.models import layers as L
+from tbajax.models.config import ModelConfig, UnsupportedModelError, _parse_rope, rope_inv_freq
+from tbajax.models.families import Family, Mapping, ParamSpec, same, transposed
+from tbajax.sharding import constrain
+
+Array = jax.Array
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def parse_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    model_type = hf["model_type"]
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedModelError(f"hidden_act={act!r} is not supported for {model_type} (only 'silu')")
+    if hf.get("mlp_bias"):
+        raise UnsupportedModelError("mlp_bias=true is not supported")
+    if hf.get("use_sliding_window"):
+        raise UnsupportedModelError(
+            "use_sliding_window=true changes attention; sliding-window attention is not "
+            "implemented (set use_sliding_window=false only if every sequence fits the window)"
+        )
+    layer_types = hf.get("layer_types")
+    if layer_types and any(t != "full_attention" for t in layer_types):
+        raise UnsupportedModelError(
+            f"layer_types {sorted(set(layer_types))} are not supported (only full_attention)"
+        )
+    theta, scaling = _parse_rope(hf)
+    num_heads = int(hf["num_attention_heads"])
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+    attention_bias = bool(hf.get("attention_bias", False))
+    if model_type == "qwen2":
+        qkv_bias, o_bias = True, False
+    else:
+        qkv_bias = o_bias = attention_bias
+    return dict(
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=int(hf["hidden_size"]),
+        intermediate_size=int(hf["intermediate_size"]),
+        num_layers=int(hf["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+        head_dim=int(head_dim),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=qkv_bias,
+        o_bias=o_bias,
+        qk_norm=model_type == "qwen3",
+        max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+    )
+
+
+def to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": dataclasses.asdict(cfg.rope_scaling) if cfg.rope_scaling else None,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "max_position_embeddings": cfg.max_position_embeddings,
+    }
+    if cfg.model_type in ("llama", "qwen3"):
+        out["attention_bias"] = cfg.qkv_bias
+    if cfg.model_type == "llama":
+        out["mlp_bias"] = False
+    if cfg.model_type in ("qwen2", "qwen3"):
+        out["use_sliding_window"] = False
+        out["sliding_window"] = None
+        out["max_window_layers"] = cfg.num_layers
+    return out
+
+
+# ----------------------------------------------------------------------------- parameters
+
+
+def top_params(cfg: ModelConfig) -> dict[str, ParamSpec]:
+    return {
+        "embed_tokens": ParamSpec(("vocab", "embed"), (cfg.vocab_size, cfg.hidden_size)),
+        "norm": ParamSpec(("norm",), (cfg.hidden_size,), "ones"),
+    }
+
+
+def layer_params(cfg: ModelConfig) -> dict[str, ParamSpec]:
+    d, h, kv, hd, f = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+    out = {
+        "input_norm": ParamSpec(("norm",), (d,), "ones"),
+        "q_proj": ParamSpec(("embed", "q_heads", "head_dim"), (d, h, hd)),
+        "k_proj": ParamSpec(("embed", "kv_heads", "head_dim"), (d, kv, hd)),
+        "v_proj": ParamSpec(("embed", "kv_heads", "head_dim"), (d, kv, hd)),
+        "q_bias": ParamSpec(("q_heads", "head_dim"), (h, hd), "zeros"),
+        "k_bias": ParamSpec(("kv_heads", "head_dim"), (kv, hd), "zeros"),
+        "v_bias": ParamSpec(("kv_heads", "head_dim"), (kv, hd), "zeros"),
+        "q_norm": ParamSpec(("head_dim",), (hd,), "ones"),
+        "k_norm": ParamSpec(("head_dim",), (hd,), "ones"),
+        "o_proj": ParamSpec(("q_heads", "head_dim", "embed"), (h, hd, d)),
+        "o_bias": ParamSpec(("norm",), (d,), "zeros"),
+        "post_attention_norm": ParamSpec(("norm",), (d,), "ones"),
+        "gate_proj": ParamSpec(("embed", "mlp"), (d, f)),
+        "up_proj": ParamSpec(("embed", "mlp"), (d, f)),
+        "down_proj": ParamSpec(("mlp", "embed"), (f, d)),
+    }
+    skip = set()
+    if not cfg.qkv_bias:
+        skip |= {"q_bias", "k_bias", "v_bias"}
+    if not cfg.o_bias:
+        skip.add("o_bias")
+    if not cfg.qk_norm:
+        skip |= {"q_norm", "k_norm"}
+    return {k: v for k, v in out.items() if k not in skip}
+
+
+def _heads_in(hf_name: str, heads_attr: str) -> Mapping:
+    """HF Linear [heads * head_dim, in] <-> ours [in, heads, head_dim]."""
+
+    def to_ours(a: np.ndarray, c: ModelConfig) -> np.ndarray:
+        return a.T.reshape(a.shape[1], getattr(c, heads_attr), c.head_dim)
+
+    return Mapping(hf_name, to_ours, lambda a, c: a.reshape(a.shape[0], -1).T)
+
+
+def _head_bias(hf_name: str, heads_attr: str) -> Mapping:
+    return Mapping(
+        hf_name, lambda a, c: a.reshape(getattr(c, heads_attr), c.head_dim), lambda a, c: a.reshape(-1)
+    )
+
+
+def hf_mappings(cfg: ModelConfig) -> dict[str, Mapping]:
+    pre = "model.layers.{i}."
+    return {
+        "embed_tokens": same("model.embed_tokens.weight"),
+        "norm": same("model.norm.weight"),
+        "lm_head": transposed("lm_head.weight"),
+        "layers.input_norm": same(pre + "input_layernorm.weight"),
+        "layers.post_attention_norm": same(pre + "post_attention_layernorm.weight"),
+        "layers.q_proj": _heads_in(pre + "self_attn.q_proj.weight", "num_heads"),
+        "layers.k_proj": _heads_in(pre + "self_attn.k_proj.weight", "num_kv_heads"),
+        "layers.v_proj": _heads_in(pre + "self_attn.v_proj.weight", "num_kv_heads"),
+        "layers.q_bias": _head_bias(pre + "self_attn.q_proj.bias", "num_heads"),
+        "layers.k_bias": _head_bias(pre + "self_attn.k_proj.bias", "num_kv_heads"),
+        "layers.v_bias": _head_bias(pre + "self_attn.v_proj.bias", "num_kv_heads"),
+        "layers.q_norm": same(pre + "self_attn.q_norm.weight"),
+        "layers.k_norm": same(pre + "self_attn.k_norm.weight"),
+        "layers.o_proj": Mapping(
+            pre + "self_attn.o_proj.weight",
+            lambda a, c: a.T.reshape(c.num_heads, c.head_dim, c.hidden_size),
+            lambda a, c: a.reshape(-1, a.shape[-1]).T,
+        ),
+        "layers.o_bias": same(pre + "self_attn.o_proj.bias"),
+        "layers.gate_proj": transposed(pre + "mlp.gate_proj.weight"),
+        "layers.up_proj": transposed(pre + "mlp.up_proj.weight"),
+        "layers.down_proj": transposed(pre + "mlp.down_proj.weight"),
+    }
+
+
+# ----------------------------------------------------------------------------- math
+
+
+def embed(cfg: ModelConfig, params: dict[str, Array], tokens: Array, positions: Array) -> Array:
+    return params["embed_tokens"].astype(cfg.jnp_dtype)[tokens]
+
+
+def position_tables(cfg: ModelConfig, positions: Array) -> tuple[Array, Array]:
+    return L.rope_tables(rope_inv_freq(cfg), positions)
+
+
+def final_norm(cfg: ModelConfig, params: dict[str, Array], x: Array) -> Array:
+    return L.rms_norm(x, params["norm"], cfg.rms_norm_eps)
+
+
+def block(
+    cfg: ModelConfig,
+    p: dict[str, Array],
+    x: Array,
+    tables: tuple[Array, Array],
+    mask: Array,
+    cache: L.LayerCache | None,
+) -> tuple[Array, tuple[Array, Array] | None]:
+    dt = cfg.jnp_dtype
+    cos, sin = tables
+    w = {k: v.astype(dt) for k, v in p.items()}
+    h = L.rms_norm(x, w["input_norm"], cfg.rms_norm_eps)
+    q = jnp.einsum("btd,dhk->bthk", h, w["q_proj"])
+    k = jnp.einsum("btd,dhk->bthk", h, w["k_proj"])
+    v = jnp.einsum("btd,dhk->bthk", h, w["v_proj"])
+    if cfg.qkv_bias:
+        q, k, v = q + w["q_bias"], k + w["k_bias"], v + w["v_bias"]
+    if cfg.qk_norm:
+        q = L.rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
+        k = L.rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
+    q, k = L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin)
+    q = constrain(q, ("batch", "length", "act_heads", None))
+    k, v, new_cache = L.write_cache(k, v, cache, dt)
+    o = L.attention(q, k, v, mask)
+    o = jnp.einsum("bthk,hkd->btd", o, w["o_proj"])
+    if cfg.o_bias:
+        o = o + w["o_bias"]
+    x = x + o
+    h = L.rms_norm(x, w["post_attention_norm"], cfg.rms_norm_eps)
+    gate = jnp.einsum("btd,df->btf", h, w["gate_proj"])
+    up = jnp.einsum("btd,df->btf", h, w["up_proj"])
+    x = x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w["down_proj"])
+    return constrain(x, ("batch", "length", "act_embed")), new_cache
+
+
+FAMILY = Family(
+    name="llama",
+    model_types=("llama", "qwen2", "qwen3"),
+    architectures={
+        "llama": ("LlamaForCausalLM", "LlamaForSequenceClassification"),
+        "qwen2": ("Qwen2ForCausalLM", "Qwen2ForSequenceClassification"),
+        "qwen3": ("Qwen3ForCausalLM", "Qwen3ForSequenceClassification"),
+    },
+    base_prefix="model.",
+    parse_hf=parse_hf,
+    to_hf=to_hf,
+    top_params=top_params,
+    layer_params=layer_params,
+    hf_mappings=hf_mappings,
+    embed=embed,
+    position_tables=position_tables,
+    block=block,
+    final_norm=final_norm,
+    ignored_suffixes=("rotary_emb.inv_freq",),
+    fixed={"hidden_act": ("silu",), "rotary_pct": (1.0,), "parallel_residual": (False,)},
+)

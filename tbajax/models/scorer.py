@@ -1,0 +1,111 @@
+"""Reward models / classifiers: `*ForSequenceClassification` checkpoints of any decoder family.
+
+The head's value(s) are read at each row's **last real token**, i.e. the last position where
+`attention_mask` is 1, with position ids that skip padding (cumsum(mask) - 1, as everywhere in
+tbajax and as the TBA / TRL reward-model code passes them).
+
+How this relates to transformers v5: its `*ForSequenceClassification.forward` picks the
+rightmost token whose id != `config.pad_token_id`, and (without explicit position_ids) uses
+positions 0..T-1. So the two agree exactly when (a) padding tokens are `pad_token_id` and that
+id does not occur in the content (in particular pad != eos, or the eos is masked out too), and
+(b) on left-padded rows, transformers is given position_ids = cumsum(mask) - 1 (on right-padded
+rows its default positions are already those). When pad_token_id == eos_token_id, transformers
+skips a trailing EOS; we score whatever the mask covers, so mask the EOS out to reproduce it.
+We take the mask rather than guess from token ids because a sampled response may legitimately
+contain the pad id.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from tbajax.models.config import ModelConfig, UnsupportedModelError
+from tbajax.models.decoder import CausalLM, positions_from_mask
+from tbajax.models.hf import load_weights, resolve_checkpoint
+
+Array = jax.Array
+
+
+def last_token_index(mask: Array) -> Array:
+    """[B, T] mask -> [B] index of each row's last 1 (0 for an all-zero row)."""
+    t = mask.shape[-1]
+    return (jnp.arange(t, dtype=jnp.int32) * mask.astype(jnp.int32)).argmax(-1)
+
+
+def sequence_scores(model: CausalLM, tokens: Array, attention_mask: Array) -> Array:
+    """[B, num_labels] fp32 head values at each row's last real token (pure; jit it)."""
+    if model.config.num_labels is None:
+        raise ValueError("sequence_scores needs a model with a score head (config.num_labels set)")
+    mask = attention_mask.astype(bool)
+    hidden, _ = model.hidden_states(tokens, positions_from_mask(mask), mask)
+    last = hidden[jnp.arange(hidden.shape[0]), last_token_index(mask)]
+    return model.logits(last)
+
+
+class SequenceScorer:
+    """A loaded sequence classifier / reward model with a compiled `score`.
+
+    The model's graphdef is static and its params an argument, so a new batch shape compiles
+    once and new weights (`update_params`) never recompile.
+    """
+
+    def __init__(self, model: CausalLM):
+        if model.config.num_labels is None:
+            raise ValueError(
+                "SequenceScorer needs a model with a score head; this one is a causal LM "
+                "(load a *ForSequenceClassification checkpoint with load_scorer)"
+            )
+        self.config: ModelConfig = model.config
+        self._graphdef, self._state = nnx.split(model)
+        self._fn = jax.jit(
+            lambda state, tokens, mask: sequence_scores(nnx.merge(self._graphdef, state), tokens, mask)
+        )
+
+    @property
+    def num_labels(self) -> int:
+        return int(self.config.num_labels)  # type: ignore[arg-type]
+
+    @property
+    def model(self) -> CausalLM:
+        return nnx.merge(self._graphdef, self._state)
+
+    def update_params(self, model_or_state: CausalLM | nnx.State) -> None:
+        self._state = (
+            nnx.split(model_or_state)[1] if isinstance(model_or_state, CausalLM) else model_or_state
+        )
+
+    def score(self, tokens: Any, attention_mask: Any) -> Array:
+        """tokens, attention_mask [B, T] (any padding side) -> [B, num_labels] fp32."""
+        tokens, mask = jnp.asarray(tokens), jnp.asarray(attention_mask)
+        if tokens.ndim != 2 or tokens.shape != mask.shape:
+            raise ValueError(
+                f"tokens {tokens.shape} and attention_mask {mask.shape} must both be [batch, seq]"
+            )
+        if not bool(np.asarray(mask).astype(bool).any(-1).all()):
+            raise ValueError("every row needs at least one real token (attention_mask all zero)")
+        return self._fn(self._state, tokens.astype(jnp.int32), mask.astype(bool))
+
+
+def load_scorer(
+    source: str | os.PathLike[str], *, mesh: Mesh | None = None, **runtime: Any
+) -> SequenceScorer:
+    """Load a `*ForSequenceClassification` checkpoint (dir or hub id) as a `SequenceScorer`.
+
+    runtime: param_dtype / dtype / remat. The reward of a reward model is `score(...)[:, 0]`.
+    """
+    directory = resolve_checkpoint(source)
+    cfg = ModelConfig.from_hf(json.loads((directory / "config.json").read_text()), **runtime)
+    if cfg.num_labels is None:
+        raise UnsupportedModelError(
+            f"{directory} is not a sequence-classification checkpoint (config.json architectures "
+            "has no *ForSequenceClassification); load causal LMs with load_model"
+        )
+    return SequenceScorer(load_weights(directory, cfg, mesh))
