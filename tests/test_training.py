@@ -389,9 +389,6 @@ def test_nan_logits_raise_and_leave_params_unchanged():
 
 
 def test_trainer_with_registered_tb_matches_hand_written(single_device_run):
-    objectives = pytest.importorskip("tbajax.objectives")
-    if not hasattr(objectives, "get_objective"):
-        pytest.skip("tbajax.objectives.get_objective not available yet")
     trainer = Trainer(fresh_model(), ACCUM_CONFIG, "tb", compiler_options=FAST_COMPILE)
     for u, seed in enumerate([0, 1], 1):
         m = trainer.step(make_batch(seed))
