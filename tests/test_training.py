@@ -21,7 +21,8 @@ import optax
 import pytest
 from flax import nnx
 
-from tbajax.batch import Batch, collate
+from tbajax.batch import Batch
+from tbajax.training.collate import collate
 from tbajax.models import CausalLM, ModelConfig, packed_attention_mask
 from tbajax.objectives.base import Max, Min, Ratio
 from tbajax.sharding import MeshConfig, make_mesh
@@ -33,7 +34,7 @@ from tbajax.training import (
     MicroBatchLayoutError,
     NonFiniteLossError,
     OptimizerConfig,
-    Trainer,
+    PolicyUpdater,
     TrainerConfig,
     abstract_train_state,
     beta_at,
@@ -389,7 +390,7 @@ def test_nan_logits_raise_and_leave_params_unchanged():
 
 
 def test_trainer_with_registered_tb_matches_hand_written(single_device_run):
-    trainer = Trainer(fresh_model(), ACCUM_CONFIG, "tb", compiler_options=FAST_COMPILE)
+    trainer = PolicyUpdater(fresh_model(), ACCUM_CONFIG, "tb", compiler_options=FAST_COMPILE)
     for u, seed in enumerate([0, 1], 1):
         m = trainer.step(make_batch(seed))
         assert m["loss"] == pytest.approx(single_device_run[1][u - 1]["loss"], rel=1e-5)
@@ -400,7 +401,7 @@ def test_trainer_with_registered_tb_matches_hand_written(single_device_run):
     assert_trees_close(trainer.state.params, single_device_run[0].params)
     with pytest.raises(ValueError, match="num_microbatches=3"):
         three = dataclasses.replace(ACCUM_CONFIG, num_microbatches=3)
-        Trainer(fresh_model(), three, "tb").step(make_batch(0))
+        PolicyUpdater(fresh_model(), three, "tb").step(make_batch(0))
 
 
 # ----------------------------------------------------------------------------- learned log Z
@@ -428,12 +429,12 @@ def logz_batch() -> Batch:
 
 @pytest.fixture(scope="module")
 def logz_run(tmp_path_factory):
-    """tb_learned_logz through Trainer on one fixed batch; the table after every update, and a
+    """tb_learned_logz through PolicyUpdater on one fixed batch; the table after every update, and a
     checkpoint at update LOGZ_SAVE_AT."""
     from tbajax.objectives import LearnedLogZConfig
 
     objective_config = LearnedLogZConfig(aux_lr_scale=1e7, init_log_z=LOGZ_INIT)
-    trainer = Trainer(fresh_model(), LOGZ_CONFIG, "tb_learned_logz", objective_config,
+    trainer = PolicyUpdater(fresh_model(), LOGZ_CONFIG, "tb_learned_logz", objective_config,
                       compiler_options=FAST_COMPILE)
     # committed to a device like a restored state, so the resume test reuses this compilation
     trainer.state = jax.device_put(trainer.state, jax.devices()[0])
@@ -518,7 +519,7 @@ def test_learned_logz_bad_prompt_ids_and_table_size_error_clearly(logz_run):
             trainer.step(dataclasses.replace(logz_batch(), prompt_id=pid))
     assert trainer.updates_applied == before
     with pytest.raises(ValueError, match="aux_table_size"):
-        Trainer(fresh_model(), dataclasses.replace(LOGZ_CONFIG, aux_table_size=0), "tb_learned_logz")
+        PolicyUpdater(fresh_model(), dataclasses.replace(LOGZ_CONFIG, aux_table_size=0), "tb_learned_logz")
 
 
 def test_aux_adam_matches_optax_adam_row_by_row():
@@ -548,7 +549,7 @@ def test_aux_adam_matches_optax_adam_row_by_row():
 
 
 def test_collate_fills_prompt_id():
-    from tbajax.batch import collate
+    from tbajax.training.collate import collate
     from tbajax.trajectory import Trajectory
 
     def traj(pid):
@@ -714,6 +715,6 @@ def test_packing_refuses_mixed_prompts_and_mismatched_config():
     groups[0][1] = dataclasses.replace(groups[0][1], prompt_tokens=groups[0][1].prompt_tokens + 1)
     with pytest.raises(ValueError, match="share group 0 but not their prompt"):
         collate(groups, beta=0.5, pack_microbatches=1)
-    trainer = Trainer(fresh_model(), dataclasses.replace(ACCUM_CONFIG, pack_groups=True), vargrad_tb)
+    trainer = PolicyUpdater(fresh_model(), dataclasses.replace(ACCUM_CONFIG, pack_groups=True), vargrad_tb)
     with pytest.raises(ValueError, match="pack_microbatches=1"):
         trainer.step(grouped_batch(0, None))

@@ -19,11 +19,10 @@ import jax
 import numpy as np
 from flax import nnx
 
-from tbajax.batch import collate
 from tbajax.buffer import BufferConfig, BufferEmptyError, ReplayBuffer, Tailer
 from tbajax.config import ExperimentConfig
 from tbajax.models import CausalLM, load_model
-from tbajax.objectives import get_objective
+from tbajax.objectives import resolve_objective
 from tbajax.objectives.validate import validate_batch
 from tbajax.sharding import make_mesh
 from tbajax.stores import (
@@ -36,15 +35,11 @@ from tbajax.system import rundir
 from tbajax.system.evaluation import Evaluator
 from tbajax.system.metrics import MetricsWriter, plot_learning_curve, read_metrics
 from tbajax.system.searcher import make_reward_pool
-from tbajax.training import Checkpointer, Trainer
+from tbajax.training import Checkpointer, PolicyUpdater
+from tbajax.training.collate import collate
 from tbajax.trajectory import Trajectory
 
 log = logging.getLogger(__name__)
-
-
-def resolve_objective(name: str) -> Any:
-    """A registered name, 'package.module:fn', or 'path/to/file.py:fn' (a user's own file)."""
-    return get_objective(name)
 
 
 class Learner:
@@ -52,9 +47,10 @@ class Learner:
 
     def __init__(self, config: ExperimentConfig, model: CausalLM, mesh: Any = None):
         self.config = config
-        self.objective = resolve_objective(config.train.objective)
-        objective_config = self.objective.make_config(dict(config.train.objective_options))
-        self.trainer = Trainer(model, config.train.trainer, self.objective, objective_config, mesh=mesh)
+        self.objective, self.objective_config = resolve_objective(
+            config.train.objective, overrides=dict(config.train.objective_options)
+        )
+        self.trainer = PolicyUpdater(model, config.train.trainer, self.objective, self.objective_config, mesh=mesh)
         self.rows = config.train.groups_per_step * config.buffer.samples_per_group
         self.tokens_trained = 0
 
@@ -74,7 +70,8 @@ class Learner:
             pack_microbatches=trainer.num_microbatches if trainer.pack_groups else None,
             pack_row_multiple=self.trainer.batch_shards,
         )
-        validate_batch(batch, self.objective)
+        validate_batch(batch, self.objective, objective_config=self.objective_config,
+                       reference_from_trainer=trainer.compute_reference_logprobs)
         metrics = self.trainer.step(batch)
         rows = [t for g in groups for t in g]
         per_searcher = np.bincount([t.searcher_id for t in rows], minlength=1)
