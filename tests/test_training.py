@@ -47,8 +47,10 @@ from tbajax.training import (
     make_train_step,
     raise_on_bad_step,
     sequence_logprobs,
+    resolve_objective,
     split_policy,
     state_shardings,
+    train_step,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -387,6 +389,41 @@ def test_nan_logits_raise_and_leave_params_unchanged():
     assert err.value.group_ids == [7]
     assert int(state.step) == 0
     assert all(np.array_equal(a, b, equal_nan=True) for a, b in zip(leaves(state), leaves(before)))
+
+
+@pytest.mark.parametrize(
+    "objective,overrides,compute_reference,forwards",
+    [
+        ("tb", {}, True, 2),
+        ("dr_grpo", {}, True, 1),  # never reads the reference: no reference forward
+        ("grpo", {}, True, 1),
+        ("grpo", {"kl_penalty": True}, True, 2),
+        ("tb", {}, False, 1),  # reference log-probs come with the batch
+    ],
+)
+def test_reference_forward_only_when_the_objective_reads_it(
+    monkeypatch, objective, overrides, compute_reference, forwards
+):
+    """Counts model forwards in the traced step (eval_shape: traced, never compiled)."""
+    import tbajax.training.loss as loss_module
+
+    calls = []
+    real = loss_module.sequence_logprobs
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(loss_module, "sequence_logprobs", counted)
+    config = dataclasses.replace(ACCUM_CONFIG, compute_reference_logprobs=compute_reference)
+    graphdef, state = init_train_state(fresh_model(), config)
+    spec, objective_config = resolve_objective(objective, overrides=overrides)
+    step = functools.partial(train_step, graphdef=graphdef, objective=spec,
+                             objective_config=objective_config, config=config)
+    _, out = jax.eval_shape(step, state, make_batch(0))
+    assert len(calls) == forwards
+    assert ("kl" in out.metrics) == (forwards == 2 or not compute_reference)
+    assert loss_module.scores_reference(spec, objective_config, config) == (forwards == 2)
 
 
 def test_trainer_with_registered_tb_matches_hand_written(single_device_run):

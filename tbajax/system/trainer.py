@@ -19,7 +19,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from tbajax.buffer import BufferConfig, BufferEmptyError, ReplayBuffer, Tailer
+from tbajax.buffer import BufferConfig, BufferEmptyError, Tailer, TrajectoryBuffer
+from tbajax.buffer import make_buffer as buffer_for
 from tbajax.config import ExperimentConfig
 from tbajax.models import CausalLM, load_model
 from tbajax.objectives import resolve_objective
@@ -98,12 +99,12 @@ def _beta_placeholder(config: ExperimentConfig) -> float:
     return beta.start if beta is not None else 0.0
 
 
-def make_buffer(config: ExperimentConfig) -> ReplayBuffer:
+def make_buffer(config: ExperimentConfig) -> TrajectoryBuffer:
     if config.system.mode == "sync":  # consume exactly the groups just generated, once
-        return ReplayBuffer(
+        return buffer_for(
             BufferConfig(mode="fifo_once", async_level=0, samples_per_group=config.buffer.samples_per_group)
         )
-    return ReplayBuffer(config.buffer)
+    return buffer_for(config.buffer)
 
 
 def run_trainer(run_dir: Path, *, resume: bool = False, store_url: str | None = None) -> dict[str, Any]:
@@ -247,7 +248,7 @@ class StoreTail:
         self.known: set[int] = set()
         self.last_discovery = -float("inf")
 
-    def fill(self, buffer: ReplayBuffer, version: int) -> None:
+    def fill(self, buffer: TrajectoryBuffer, version: int) -> None:
         if time.time() - self.last_discovery > self.rediscover_every_s or not self.known:
             self.last_discovery = time.time()
             for sid, url in discover_searcher_stores(self.store).items():
@@ -280,7 +281,7 @@ class InlineRollouts:
         self.samples = 0
         self.generate_s = self.last_generate_s = 0.0
 
-    def fill(self, buffer: ReplayBuffer, version: int) -> None:
+    def fill(self, buffer: TrajectoryBuffer, version: int) -> None:
         t0 = time.time()
         rows = self.rollouts.generate(
             self.rollouts.take_fitting(self.stream, self.config.train.groups_per_step),
@@ -301,7 +302,7 @@ class InlineRollouts:
 
 
 
-def _checkpoint(checkpoints: Checkpointer, learner: Learner, buffer: ReplayBuffer,
+def _checkpoint(checkpoints: Checkpointer, learner: Learner, buffer: TrajectoryBuffer,
                 summary_start: dict[str, Any], start_time: float, force: bool = False) -> None:
     checkpoints.save(
         learner.trainer.state,
