@@ -36,8 +36,8 @@ from tbajax.objectives.base import Metrics, Ratio
 from tbajax.objectives.registry import resolve_objective
 from tbajax.sharding import LOGICAL_RULES
 from tbajax.training.config import TrainerConfig
-from tbajax.training.loss import sequence_logprobs
-from tbajax.training.microbatch import (
+from tbajax.training.loss import sequence_logprobs  # noqa: F401  (re-exported: the old import path)
+from tbajax.training.microbatch import (  # noqa: F401  (local_group_ids, split_microbatches: re-exported)
     accumulate_gradients,
     local_group_ids,
     microbatch_layout_ok,
