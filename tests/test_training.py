@@ -426,8 +426,17 @@ def test_reference_forward_only_when_the_objective_reads_it(
     assert loss_module.scores_reference(spec, objective_config, config) == (forwards == 2)
 
 
-def test_trainer_with_registered_tb_matches_hand_written(single_device_run):
-    trainer = PolicyUpdater(fresh_model(), ACCUM_CONFIG, "tb", compiler_options=FAST_COMPILE)
+@pytest.fixture(scope="module")
+def tb_updater():
+    """One PolicyUpdater (one compilation) for the tests below; each starts from a fresh state."""
+    updater = PolicyUpdater(fresh_model(), ACCUM_CONFIG, "tb", compiler_options=FAST_COMPILE)
+    fresh = host(updater.state)
+    return updater, lambda: jax.tree.map(jnp.asarray, fresh)
+
+
+def test_trainer_with_registered_tb_matches_hand_written(single_device_run, tb_updater):
+    trainer, fresh = tb_updater
+    trainer.state = fresh()
     for u, seed in enumerate([0, 1], 1):
         m = trainer.step(make_batch(seed))
         assert m["loss"] == pytest.approx(single_device_run[1][u - 1]["loss"], rel=1e-5)
@@ -439,6 +448,35 @@ def test_trainer_with_registered_tb_matches_hand_written(single_device_run):
     with pytest.raises(ValueError, match="num_microbatches=3"):
         three = dataclasses.replace(ACCUM_CONFIG, num_microbatches=3)
         PolicyUpdater(fresh_model(), three, "tb").step(make_batch(0))
+
+
+def test_pipelined_submit_matches_step_and_reports_a_refused_update_one_late(single_device_run, tb_updater):
+    updater, fresh = tb_updater
+    updater.state = fresh()
+    assert updater.submit(make_batch(0)) is None  # nothing checked yet: update 1 is in flight
+    first = updater.submit(make_batch(1))  # update 1's metrics, while update 2 runs
+    second = updater.flush()
+    want_state, want = single_device_run
+    assert first["loss"] == pytest.approx(want[0]["loss"], rel=1e-5)
+    assert second["grad_norm"] == pytest.approx(want[1]["grad_norm"], rel=1e-5)
+    assert_trees_close(updater.state.params, want_state.params)
+    assert updater.flush() is None
+
+    reward = make_batch(1).reward.copy()
+    reward[2] = np.nan  # group id 1
+    assert updater.submit(dataclasses.replace(make_batch(1), reward=reward)) is None
+    before = host(updater.state.params)  # the refused update changed nothing
+    with pytest.raises(NonFiniteLossError, match="update 3") as err:
+        updater.submit(make_batch(0))
+    assert err.value.group_ids == [1]
+    after = updater.flush()  # the batch after the refused one went in, as update 3
+    assert np.isfinite(after["loss"]) and updater.updates_applied == 3
+    assert any(not np.array_equal(a, b) for a, b in zip(leaves(updater.state.params), leaves(before)))
+    updater.submit(make_batch(0))
+    with pytest.raises(RuntimeError, match="flush"):
+        updater.step(make_batch(1))
+    updater.flush()
+    assert updater.updates_applied == 4
 
 
 # ----------------------------------------------------------------------------- learned log Z

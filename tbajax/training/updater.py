@@ -35,6 +35,11 @@ class PolicyUpdater:
     An objective with aux params (`tb_learned_logz`) gets its table from
     `ObjectiveSpec.initial_aux`, sized by `config.aux_table_size`;
     `updater.state.aux["log_z"][prompt_id]` is the learned log Z.
+
+    Pipelined use: `submit(batch)` dispatches an update and returns the checked metrics of the
+    one before (the host prepares the next batch while the device computes); `flush()` waits
+    for the last. Checking one update late is safe: a refused update leaves the state as it was,
+    so the update dispatched after it started from params no NaN reached.
     """
 
     def __init__(
@@ -69,6 +74,8 @@ class PolicyUpdater:
                 f"TrainerConfig.aux_table_size={config.aux_table_size}"
             )
         self.shardings = state_shardings(self.state, mesh) if mesh is not None else None
+        self._pending: tuple[Any, int] | None = None  # (StepOutput, update number) in flight
+        self._next_update = int(jax.device_get(self.state.step)) + 1
         self._step = make_train_step(
             self.graphdef,
             config,
@@ -90,11 +97,44 @@ class PolicyUpdater:
         return scores_reference(self.objective, self.objective_config, self.config)
 
     def step(self, batch: Batch) -> dict[str, float]:
-        """Apply one update; returns its metrics as floats."""
+        """Apply one update and wait for it; returns its metrics as floats."""
+        if self._pending is not None:
+            raise RuntimeError("an update from submit() is still in flight: call flush() before step()")
         self._check_batch(batch)
         update = self.updates_applied + 1
         self.state, output = self._step(self.state, batch)
-        return raise_on_bad_step(output, update)
+        metrics = raise_on_bad_step(output, update)
+        self._next_update = update + 1
+        return metrics
+
+    def submit(self, batch: Batch) -> dict[str, float] | None:
+        """Dispatch one update without waiting for it; returns the checked metrics of the update
+        submitted before (None for the first). Raises that update's NonFiniteLossError /
+        MicroBatchLayoutError; this batch's update is then still in flight (see `flush`)."""
+        self._check_batch(batch)
+        if self._pending is None:  # nothing in flight: cheap, and the state may have been replaced
+            self._next_update = self.updates_applied + 1
+        self.state, output = self._step(self.state, batch)
+        previous, self._pending = self._pending, (output, self._next_update)
+        self._next_update += 1
+        return None if previous is None else self._check(previous)
+
+    def flush(self) -> dict[str, float] | None:
+        """Wait for the update in flight (if any), check it and return its metrics."""
+        if self._pending is None:
+            return None
+        pending, self._pending = self._pending, None
+        return self._check(pending)
+
+    def _check(self, pending: tuple[Any, int]) -> dict[str, float]:
+        output, update = pending
+        try:
+            return raise_on_bad_step(output, update)
+        except Exception:
+            self._next_update -= 1  # the refused update took no number: the one after it took this one
+            if self._pending is not None:
+                self._pending = (self._pending[0], self._pending[1] - 1)
+            raise
 
     @property
     def batch_shards(self) -> int:
