@@ -28,6 +28,8 @@ from tbajax.objectives import (
 )
 
 PROMPT = 2  # prompt tokens before each response; their (junk) log-probs must be ignored
+# XLA's optimisations cost most of the compile time of these tiny programs and buy nothing here
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
 def enable_x64(on: bool = True):
@@ -137,7 +139,7 @@ def _compiled(name: str, overrides: tuple):
         grad, (loss, metrics) = jax.grad(total, has_aux=True)(lp)
         return loss, metrics, grad
 
-    return jax.jit(f)
+    return jax.jit(f, compiler_options=FAST_COMPILE)
 
 
 def evaluate(name: str, batch: Batch, lp, pids, **overrides):
@@ -622,7 +624,7 @@ def test_every_objective_on_a_collated_float32_batch():
         for spec in specs.values():
             validate_batch(host, spec)
 
-        @jax.jit  # one compile for all objectives
+        @functools.partial(jax.jit, compiler_options=FAST_COMPILE)  # one compile for all objectives
         def f(logits, batch):
             def loss(x, spec):
                 lp = token_logprobs(x, batch.tokens, 0.7)
