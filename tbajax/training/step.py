@@ -11,7 +11,7 @@ log-probs are non-finite.
 
 Objectives with per-prompt aux params (`tb_learned_logz`'s log Z table, `TrainState.aux`):
 the loss is differentiated with respect to params and aux together; each row reads its table
-entry by `batch.prompt_id`. The aux table has its own per-row Adam (`aux_adam_update`) at
+entry by `batch.prompt_id`. The aux table has its own per-row Adam (`scale_by_row_adam`) at
 lr(step) × `objective_config.aux_lr_scale`; gradient clipping (`max_grad_norm`) looks at the
 params' global norm only and never scales the aux gradient (log Z has to travel ~r/β, and its
 gradient is large exactly when it lags). Without aux nothing of this is traced.
@@ -46,11 +46,11 @@ from tbajax.training.microbatch import (  # noqa: F401  (local_group_ids, split_
 from tbajax.training.schedules import beta_at, learning_rate
 from tbajax.training.state import (
     TrainState,
-    aux_adam_update,
     aux_rows_touched,
     aux_table_size,
     make_optimizer,
     reset_reference,
+    scale_by_row_adam,
 )
 
 Array = jax.Array
@@ -159,7 +159,9 @@ def train_step(
         new = dataclasses.replace(old, params=params, opt_state=opt_state, step=update)
         if old.aux is not None:
             aux_lr = lr * objective_config.aux_lr_scale
-            aux_updates, aux_opt = aux_adam_update(aux_g, old.aux_opt_state, touched, config.optimizer)
+            aux_updates, aux_opt = scale_by_row_adam(config.optimizer).update(
+                aux_g, old.aux_opt_state, old.aux, touched=touched
+            )
             aux = optax.apply_updates(old.aux, jax.tree.map(lambda u: -aux_lr * u, aux_updates))
             new = dataclasses.replace(new, aux=aux, aux_opt_state=aux_opt)
         if config.reference_reset_every is not None:
