@@ -74,8 +74,7 @@ class RolloutSpec:
 @dataclasses.dataclass(frozen=True)
 class TrainSpec:
     """steps: trainer updates. groups_per_step: prompts per batch (B / K).
-    objective: a registered objective name (tbajax.objectives) or `path/to/file.py:function`.
-    min_groups_to_start: the trainer waits until the buffer can give this many groups."""
+    objective: a registered objective name (tbajax.objectives) or `path/to/file.py:function`."""
 
     steps: int = 100
     groups_per_step: int = 8
@@ -87,7 +86,6 @@ class TrainSpec:
     checkpoint_every: int = 50
     keep_checkpoints: int = 2
     log_every: int = 1
-    min_groups_to_start: int = 1
 
 
 @dataclasses.dataclass(frozen=True)

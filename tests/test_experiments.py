@@ -14,7 +14,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -149,69 +148,37 @@ def _beta(config: ExperimentConfig, update: int) -> float:
     return float(beta_at(config.train.trainer.beta, update))
 
 
-@pytest.mark.parametrize("name,steps", [("math_qwen", 420), ("countdown_qwen3", 720)])
-def test_tba_prime_settings(name: str, steps: int):
+@pytest.mark.parametrize("name", ["math_qwen", "countdown_qwen3"])
+def test_tba_prime_runs_follow_the_papers_curves_and_fit_together(name: str):
+    """What the configured schedules evaluate to over the run, and the invariants a run needs to
+    work at all (not the literals themselves)."""
     c = load_experiment(name)
     t = c.train.trainer
-    assert (c.train.objective, c.train.steps) == ("tba_prime", steps)
-    assert (c.train.groups_per_step, c.buffer.samples_per_group, c.rollout.sampling.num_samples) == (32, 16, 16)
-    assert (c.buffer.mode, c.buffer.async_level, c.system.sync_every) == ("fifo_once", 10, 1)
-    assert [_beta(c, u) for u in (1, 200, steps)] == pytest.approx([0.005] * 3)
-    assert t.reference_reset_every == 50
-    assert [_lr(c, s) for s in (0, 1, steps)] == pytest.approx([1e-6] * 3)
-    assert t.optimizer.max_grad_norm == 1.0
-    assert c.rollout.sampling.temperature == t.temperature == 1.0
-    assert c.rollout.max_prompt_tokens + c.rollout.sampling.max_new_tokens == 4096
-    assert (t.param_dtype, t.compute_dtype, c.model.remat) == ("float32", "bfloat16", "full")
-    # 8 GPUs: a 4-way FSDP trainer + 4 one-GPU searchers that together make one step's groups
+    assert [_beta(c, u) for u in (1, 200, c.train.steps)] == pytest.approx([0.005] * 3)
+    assert [_lr(c, s) for s in (0, 1, c.train.steps)] == pytest.approx([1e-6] * 3)
+    assert c.rollout.sampling.temperature == t.temperature  # log-probs of the sampled distribution
+    assert c.rollout.max_prompt_tokens + c.rollout.sampling.max_new_tokens <= 4096
+    # the searchers together make exactly one step's groups per generation call
     s = c.system
-    assert (s.devices, s.trainer_devices, s.num_searchers, s.devices_per_searcher) == ("split", 4, 4, 1)
-    assert s.trainer_mesh.shape(4) == (1, 4, 1)
     assert s.num_searchers * c.rollout.prompts_per_call == c.train.groups_per_step
-    # every micro-batch holds whole groups
-    assert (c.train.groups_per_step * 16 // t.num_microbatches) % 16 == 0
+    assert s.trainer_mesh.shape(s.trainer_devices) == (1, s.trainer_devices, 1)
+    # every micro-batch holds whole groups, and each group has the K rows sampled for it
+    k = c.buffer.samples_per_group
+    assert (c.train.groups_per_step * k // t.num_microbatches) % k == 0
+    assert c.rollout.sampling.num_samples >= k
 
 
-def test_math_qwen_specifics():
-    c = load_experiment("math_qwen")
-    assert c.model.checkpoint == "Qwen/Qwen2.5-7B"
-    assert c.task.name == "math" and not c.task.chat_template
-    assert c.rollout.reward_workers > 0  # math-verify can hang: killable workers
-
-
-def test_countdown_qwen3_specifics():
-    c = load_experiment("countdown_qwen3")
-    assert c.model.checkpoint == "Qwen/Qwen3-4B-Instruct-2507"
-    assert c.task.name == "countdown" and c.task.chat_template
-
-
-def test_gsm8k_rhomath_settings():
+def test_gsm8k_rhomath_schedules_follow_the_paper():
     c = load_experiment("gsm8k_rhomath")
-    t = c.train.trainer
-    assert c.model.checkpoint == "realtreetune/rho-1b-sft-GSM8K"
-    assert (c.task.name, c.task.chat_template, c.task.options["grader"]) == ("gsm8k", False, "last_number")
-    assert (c.train.objective, c.train.steps, c.train.groups_per_step) == ("tb", 700, 7)
-    assert (c.buffer.samples_per_group, c.rollout.sampling.num_samples) == (20, 24)
-    assert (c.buffer.mode, c.buffer.recency_prob, c.buffer.reward_inv_temp, c.buffer.capacity_per_prompt) == (
-        "replay", 0.95, 0.0, 100)
-    assert (c.system.sync_every, c.system.num_searchers, c.system.trainer_devices) == (2, 3, 1)
-    assert c.rollout.sampling.temperature == t.temperature == 0.7
-    assert c.rollout.sampling.max_new_tokens == 512
-    assert not c.train.score_stop_token  # pad = eos: the stop token is not scored
     # β(u) = 0.014 + (0.004 − 0.014)(u − 1)/500 for u < 500, then 0.004
     assert [_beta(c, u) for u in (1, 251, 499, 500, 700)] == pytest.approx(
         [0.014, 0.009, 0.014 - 0.01 * 498 / 500, 0.004, 0.004])
     # lr: warmup 50, stable 350, cosine decay planned over 600 and cut at 700 (= half-way down)
     assert [_lr(c, s) for s in (0, 25, 50, 399, 400, 700)] == pytest.approx(
         [0.0, 0.5e-5, 1e-5, 1e-5, 1e-5, 1e-5 * (1 + math.cos(math.pi * 300 / 600)) / 2])
-
-
-def test_smollm2_countdown_is_cpu_sized():
-    c = load_experiment("smollm2_countdown")
-    assert Path(c.model.checkpoint).is_absolute()  # the converted GGUF, outside the repo
-    assert (c.task.name, c.task.chat_template, c.train.objective) == ("countdown", True, "tb")
-    assert c.system.num_searchers == 1 and c.rollout.prompts_per_call <= 8
-    assert c.rollout.sampling.num_samples <= 16 and c.rollout.sampling.max_new_tokens <= 96
+    assert c.rollout.sampling.temperature == c.train.trainer.temperature
+    k = c.buffer.samples_per_group  # shortfall="skip": a prompt must be able to fill a group
+    assert c.rollout.sampling.num_samples >= k and c.buffer.capacity_per_prompt >= k
 
 
 # ------------------------------------------------------------------------------ building the objects
@@ -341,11 +308,6 @@ def test_missing_checkpoint_fails_fast_offline(tmp_path: Path):
     out = _cli(["--experiment=math_qwen", f"--run-dir={tmp_path / 'run'}"], tmp_path)
     assert out.returncode == 2, out.stderr
     assert "Qwen/Qwen2.5-7B" in out.stderr and "HF_HUB_OFFLINE" in out.stderr
+    assert "model.checkpoint" in out.stderr  # says what to pass instead
     assert "Traceback" not in out.stderr
     assert not (tmp_path / "run").exists()  # nothing started, nothing written
-
-
-def test_missing_checkpoint_error_says_what_to_pass(tmp_path: Path):
-    out = _cli(["--experiment=math_qwen", f"--run-dir={tmp_path / 'run'}"], tmp_path)
-    assert out.returncode == 2
-    assert "model.checkpoint" in out.stderr

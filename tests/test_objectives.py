@@ -16,7 +16,9 @@ from tbajax.batch import Batch
 from tbajax.objectives import (
     OBJECTIVES,
     GRPOConfig,
+    ObjectiveInputs,
     ObjectiveSpec,
+    TBAPrimeConfig,
     Ratio,
     combine_metrics,
     gather_aux,
@@ -26,6 +28,8 @@ from tbajax.objectives import (
 )
 
 PROMPT = 2  # prompt tokens before each response; their (junk) log-probs must be ignored
+# XLA's optimisations cost most of the compile time of these tiny programs and buy nothing here
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
 def enable_x64(on: bool = True):
@@ -135,7 +139,7 @@ def _compiled(name: str, overrides: tuple):
         grad, (loss, metrics) = jax.grad(total, has_aux=True)(lp)
         return loss, metrics, grad
 
-    return jax.jit(f)
+    return jax.jit(f, compiler_options=FAST_COMPILE)
 
 
 def evaluate(name: str, batch: Batch, lp, pids, **overrides):
@@ -322,6 +326,113 @@ def test_micro_batch_ratios_accumulate_exactly(name):
             np.testing.assert_allclose(metrics[k], whole_metrics[k], rtol=1e-10, atol=1e-14, err_msg=k)
 
 
+def kl_centring_rows() -> list[Row]:
+    """Two 2-token rows, β = 0.5. KL under the current policy: 0.5, −1 (mean −0.25); under the
+    behaviour policy: −0.5, −1.5 (mean −1); r̄ = 0.5."""
+    return [
+        Row(pol=np.array([-1.0, -1.0]), ref=np.array([-1.5, -1.0]), beh=np.array([-2.0, -1.0]), reward=1.0, gid=0),
+        Row(pol=np.array([-2.0, -1.0]), ref=np.array([-1.0, -1.0]), beh=np.array([-2.0, -1.5]), reward=0.0, gid=0),
+    ]
+
+
+@pytest.mark.parametrize(
+    "name,overrides,advantage",
+    [
+        # A_i = (r_i − r̄) − β (KL_i − mean KL^c): current 0.5 − 0.5(0.5 + 0.25), −0.5 − 0.5(−1 + 0.25)
+        ("tba_prime", (), (0.125, -0.125)),
+        # behaviour: 0.5 − 0.5(0.5 + 1), −0.5 − 0.5(−1 + 1)
+        ("tba_prime", (("kl_mean_source", "behaviour"),), (-0.25, -0.5)),
+        ("tba_prime_paper", (), (-0.25, -0.5)),  # the paper's centring by name
+        ("tba_prime_paper", (("kl_mean_source", "current"),), (0.125, -0.125)),
+    ],
+)
+def test_tba_prime_kl_mean_source_hand_values(name, overrides, advantage):
+    batch, lp, _ = build(kl_centring_rows(), 0.5)
+    a0, a1 = advantage
+    rho0, rho1 = (math.e, 1.0), (1.0, math.exp(0.5))  # π/π_old per token
+    # ℓ_i = −A_i Σ_t ρ_t (norm 1), mean over the 2 rows
+    loss, _, g = value_grad(name, batch, lp, length_norm="constant", norm_constant=1.0, **dict(overrides))
+    np.testing.assert_allclose(float(loss.value), (-a0 * sum(rho0) - a1 * sum(rho1)) / 2, rtol=1e-12)
+    # d ℓ_i / d log π_t = −A_i ρ_t (A is a constant), / 2 rows
+    np.testing.assert_allclose(g[:2, PROMPT : PROMPT + 2], [[-a0 * r / 2 for r in rho0], [-a1 * r / 2 for r in rho1]],
+                               atol=1e-12)
+
+
+def test_tba_prime_kl_centrings_agree_on_policy_and_config_is_checked():
+    rows = kl_centring_rows()
+    for r in rows:
+        r.beh = r.pol.copy()
+    batch, lp, pids = build(rows, 0.5)
+    t1, _, g1 = total_and_grad("tba_prime", batch, lp, pids)
+    t2, _, g2 = total_and_grad("tba_prime_paper", batch, lp, pids)
+    np.testing.assert_allclose(t1, t2, rtol=1e-12)
+    np.testing.assert_allclose(g1, g2, atol=1e-12)
+    with pytest.raises(ValueError, match="kl_mean_source='behavior'.*'current' or 'behaviour'"):
+        TBAPrimeConfig(kl_mean_source="behavior")
+
+
+# --------------------------------------------------------------------------- declared inputs
+
+
+def test_declared_inputs_of_the_built_ins():
+    def reads_ref(name, **over):
+        spec = get_objective(name)
+        return spec.inputs_for(spec.make_config(over)).reference_logprobs
+
+    assert {n for n in NAMES if not reads_ref(n)} == {"dr_grpo", "icepop", "grpo", "rloo"}
+    assert reads_ref("grpo", kl_penalty=True) and reads_ref("rloo", kl_in_reward=True)
+    assert not reads_ref("reinforce", kl_in_reward=False)
+    assert all(get_objective(n).inputs_for(get_objective(n).make_config()).behavior_logprobs for n in NAMES)
+
+    def mine(batch, logprobs, config):  # says nothing: assumed to read everything
+        raise AssertionError("not called")
+
+    assert get_objective(mine).inputs_for(None) == ObjectiveInputs(True, True)
+    lean = ObjectiveSpec(loss=mine, inputs=ObjectiveInputs(reference_logprobs=False), name="lean")
+    assert not lean.inputs_for(None).reference_logprobs
+    with pytest.raises(TypeError, match="inputs must be an ObjectiveInputs"):
+        ObjectiveSpec(loss=mine, inputs=("reference",), name="bad")
+    with pytest.raises(TypeError, match="returned 'yes'"):
+        ObjectiveSpec(loss=mine, inputs=lambda c: "yes", name="bad").inputs_for(None)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_declarations_are_truthful(name):
+    """An objective that declares it does not read the reference log-probs gives the same loss,
+    metrics and gradient whatever they hold (NaN included); one that declares it does, does not."""
+    rng = np.random.default_rng(3)
+    rows = random_group(3, 0, rng) + random_group(3, 1, rng)
+    rows[0].reward, rows[1].reward, rows[3].reward, rows[4].reward = 1.0, 0.0, 0.0, 1.0
+    batch, lp, pids = build(rows, 0.05)
+    spec = get_objective(name)
+    loss, metrics, grad = evaluate(name, batch, lp, pids)
+    other = dataclasses.replace(batch, reference_logprobs=jnp.full_like(batch.reference_logprobs, jnp.nan))
+    loss2, metrics2, grad2 = evaluate(name, other, lp, pids)
+    if spec.inputs_for(spec.make_config()).reference_logprobs:
+        assert not np.isfinite(float(loss2.value)) or float(loss2.value) != float(loss.value)
+    else:
+        assert float(loss2.value) == float(loss.value)
+        np.testing.assert_array_equal(grad2, grad)
+        assert {k: float(v) for k, v in metric_values(metrics2).items()} == {
+            k: float(v) for k, v in metric_values(metrics).items()}
+        assert "kl" not in metrics
+
+
+def test_validate_batch_checks_only_declared_inputs():
+    rng = np.random.default_rng(0)
+    batch, lp, _ = build(random_group(3, 0, rng) + random_group(2, 1, rng), 0.1)
+    nan_ref = dataclasses.replace(batch, reference_logprobs=batch.reference_logprobs.at[1, 3].set(jnp.nan))
+    validate_batch(nan_ref, "dr_grpo")  # never read
+    validate_batch(nan_ref, "tb", reference_from_trainer=True)  # the trainer scores them itself
+    with pytest.raises(ValueError, match="reference_logprobs has 1 non-finite"):
+        validate_batch(nan_ref, "tb")
+    with pytest.raises(ValueError, match="reference_logprobs has 1 non-finite"):
+        validate_batch(nan_ref, "grpo")  # config-dependent and no config given: check everything
+    validate_batch(nan_ref, "grpo", objective_config=GRPOConfig())
+    with pytest.raises(ValueError, match="reference_logprobs has 1 non-finite"):
+        validate_batch(nan_ref, "grpo", objective_config=GRPOConfig(kl_penalty=True))
+
+
 # --------------------------------------------------------------------------- baselines by hand
 
 
@@ -439,7 +550,7 @@ def test_learned_logz_matches_vargrad_at_the_optimum_and_learns_the_table():
 
 
 def test_registry_names_and_overrides():
-    assert set(OBJECTIVES) == {"tb", "tb_learned_logz", "tba_prime", "dr_grpo", "grpo", "rloo",
+    assert set(OBJECTIVES) == {"tb", "tb_learned_logz", "tba_prime", "tba_prime_paper", "dr_grpo", "grpo", "rloo",
                                "reinforce", "online_dpo", "icepop"}
     with pytest.raises(ValueError, match=r"unknown objective 'trpo'.*'dr_grpo'.*'tb'"):
         get_objective("trpo")
@@ -490,7 +601,8 @@ def test_user_objective_from_a_file_as_in_the_package_docstring(tmp_path):
 
 def test_every_objective_on_a_collated_float32_batch():
     """The trainer's path: collate -> validate -> jit(grad) in float32 through token_logprobs."""
-    from tbajax.batch import collate, token_logprobs
+    from tbajax.batch import token_logprobs
+    from tbajax.training.collate import collate
     from tbajax.trajectory import Trajectory
 
     rng = np.random.default_rng(0)
@@ -512,7 +624,7 @@ def test_every_objective_on_a_collated_float32_batch():
         for spec in specs.values():
             validate_batch(host, spec)
 
-        @jax.jit  # one compile for all objectives
+        @functools.partial(jax.jit, compiler_options=FAST_COMPILE)  # one compile for all objectives
         def f(logits, batch):
             def loss(x, spec):
                 lp = token_logprobs(x, batch.tokens, 0.7)

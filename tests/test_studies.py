@@ -1,6 +1,11 @@
 """The claim studies' --quick variants: real runs (trainer and searcher processes) of a few steps
-each, checking only that the pipeline runs end to end and writes its table, plots and JSON.
-The figures of a quick run mean nothing; the committed results come from the full studies."""
+each. The figures of a quick run mean nothing (the committed results come from the full
+studies), so these check the pipeline's behaviour: every arm runs the requested steps, the
+report is computed from the runs it lists, and a second invocation reuses finished arms.
+
+One study runs in the default suite (speed-up: it also covers the sync mode and the reuse of
+finished runs); the other two, which exercise the same pipeline with other arms, are slow.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,8 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 STUDIES = REPO / "experiments" / "studies"
@@ -31,37 +38,42 @@ def check_common(out: Path, payload: dict, expected_runs: int) -> str:
     for run in payload["runs"]:
         assert run["summary"]["trainer_steps"] == payload["provenance"]["steps"]
         assert run["curve"], "every run records held-out accuracy during training"
-        assert 0.0 <= run["summary"]["eval_accuracy_end"] <= 1.0
     for line in md.splitlines():
         if line.startswith("![") and "](" in line:
             assert (out / line.split("](")[1].rstrip(")")).stat().st_size > 1000
     return md
 
 
+def test_speedup_study_quick_reports_its_runs_and_reuses_them(tmp_path: Path):
+    out, payload = run_study("speedup.py", tmp_path, "--target=0.0", "--steps=3")
+    md = check_common(out, payload, expected_runs=2)
+    assert {r["group"] for r in payload["runs"]} == {"sync", "async, 1 searcher"}
+    assert {r["summary"]["mode"] for r in payload["runs"]} == {"sync", "async"}
+    figures = payload["figures"]
+    t_gen, t_train = figures["t_gen_s"], figures["t_train_s"]
+    # the bound is the formula of the sync run's own per-step timings, not a constant
+    assert figures["arms"]["async, 1 searcher"]["ideal"] == pytest.approx(
+        (t_gen + t_train) / max(t_gen, t_train), rel=1e-6)
+    assert "ideal bound" in md
+    # finished arms are reused, not re-run: the second invocation only re-reports
+    before = {r["group"]: r["summary"]["wall_time_s"] for r in payload["runs"]}
+    _, again = run_study("speedup.py", tmp_path, "--target=0.0", "--steps=3")
+    assert {r["group"]: r["summary"]["wall_time_s"] for r in again["runs"]} == before
+
+
+@pytest.mark.slow
 def test_objectives_study_quick(tmp_path: Path):
     out, payload = run_study("objectives.py", tmp_path)
     md = check_common(out, payload, expected_runs=2)
     assert "`tb`" in md and "`dr_grpo`" in md
     assert {r["group"] for r in payload["runs"]} == {"tb", "dr_grpo"}
+    assert {r["summary"]["objective"] for r in payload["runs"]} == {"tb", "dr_grpo"}
 
 
+@pytest.mark.slow
 def test_off_policy_study_quick(tmp_path: Path):
     out, payload = run_study("off_policy.py", tmp_path)
     # quick grid: k = 4 at m = 0.95, for tb and dr_grpo
     md = check_common(out, payload, expected_runs=2)
     assert "k = 4" in md
-    lags = {(r["params"]["objective"], r["params"]["k"]): r["mean_lag"] for r in payload["runs"] if r["params"]["m"] == 0.95}
-    assert all(v >= 0 for v in lags.values())
-
-
-def test_speedup_study_quick_and_reuses_finished_runs(tmp_path: Path):
-    out, payload = run_study("speedup.py", tmp_path, "--target=0.0")
-    md = check_common(out, payload, expected_runs=2)
-    figures = payload["figures"]
-    assert figures["t_gen_s"] > 0 and figures["t_train_s"] > 0
-    assert figures["arms"]["async, 1 searcher"]["ideal"] > 1.0
-    assert "ideal bound" in md
-    # finished arms are reused, not re-run: the second invocation only re-reports
-    before = {r["group"]: r["summary"]["wall_time_s"] for r in payload["runs"]}
-    _, again = run_study("speedup.py", tmp_path, "--target=0.0")
-    assert {r["group"]: r["summary"]["wall_time_s"] for r in again["runs"]} == before
+    assert {(r["params"]["objective"], r["params"]["k"]) for r in payload["runs"]} == {("tb", 4), ("dr_grpo", 4)}

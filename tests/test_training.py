@@ -21,7 +21,8 @@ import optax
 import pytest
 from flax import nnx
 
-from tbajax.batch import Batch, collate
+from tbajax.batch import Batch
+from tbajax.training.collate import collate
 from tbajax.models import CausalLM, ModelConfig, packed_attention_mask
 from tbajax.objectives.base import Max, Min, Ratio
 from tbajax.sharding import MeshConfig, make_mesh
@@ -33,7 +34,7 @@ from tbajax.training import (
     MicroBatchLayoutError,
     NonFiniteLossError,
     OptimizerConfig,
-    Trainer,
+    PolicyUpdater,
     TrainerConfig,
     abstract_train_state,
     beta_at,
@@ -46,8 +47,10 @@ from tbajax.training import (
     make_train_step,
     raise_on_bad_step,
     sequence_logprobs,
+    resolve_objective,
     split_policy,
     state_shardings,
+    train_step,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -388,11 +391,52 @@ def test_nan_logits_raise_and_leave_params_unchanged():
     assert all(np.array_equal(a, b, equal_nan=True) for a, b in zip(leaves(state), leaves(before)))
 
 
-def test_trainer_with_registered_tb_matches_hand_written(single_device_run):
-    objectives = pytest.importorskip("tbajax.objectives")
-    if not hasattr(objectives, "get_objective"):
-        pytest.skip("tbajax.objectives.get_objective not available yet")
-    trainer = Trainer(fresh_model(), ACCUM_CONFIG, "tb", compiler_options=FAST_COMPILE)
+@pytest.mark.parametrize(
+    "objective,overrides,compute_reference,forwards",
+    [
+        ("tb", {}, True, 2),
+        ("dr_grpo", {}, True, 1),  # never reads the reference: no reference forward
+        ("grpo", {}, True, 1),
+        ("grpo", {"kl_penalty": True}, True, 2),
+        ("tb", {}, False, 1),  # reference log-probs come with the batch
+    ],
+)
+def test_reference_forward_only_when_the_objective_reads_it(
+    monkeypatch, objective, overrides, compute_reference, forwards
+):
+    """Counts model forwards in the traced step (eval_shape: traced, never compiled)."""
+    import tbajax.training.loss as loss_module
+
+    calls = []
+    real = loss_module.sequence_logprobs
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(loss_module, "sequence_logprobs", counted)
+    config = dataclasses.replace(ACCUM_CONFIG, compute_reference_logprobs=compute_reference)
+    graphdef, state = init_train_state(fresh_model(), config)
+    spec, objective_config = resolve_objective(objective, overrides=overrides)
+    step = functools.partial(train_step, graphdef=graphdef, objective=spec,
+                             objective_config=objective_config, config=config)
+    _, out = jax.eval_shape(step, state, make_batch(0))
+    assert len(calls) == forwards
+    assert ("kl" in out.metrics) == (forwards == 2 or not compute_reference)
+    assert loss_module.scores_reference(spec, objective_config, config) == (forwards == 2)
+
+
+@pytest.fixture(scope="module")
+def tb_updater():
+    """One PolicyUpdater (one compilation) for the tests below; each starts from a fresh state."""
+    updater = PolicyUpdater(fresh_model(), ACCUM_CONFIG, "tb", compiler_options=FAST_COMPILE)
+    fresh = host(updater.state)
+    return updater, lambda: jax.tree.map(jnp.asarray, fresh)
+
+
+def test_trainer_with_registered_tb_matches_hand_written(single_device_run, tb_updater):
+    trainer, fresh = tb_updater
+    trainer.state = fresh()
     for u, seed in enumerate([0, 1], 1):
         m = trainer.step(make_batch(seed))
         assert m["loss"] == pytest.approx(single_device_run[1][u - 1]["loss"], rel=1e-5)
@@ -403,7 +447,36 @@ def test_trainer_with_registered_tb_matches_hand_written(single_device_run):
     assert_trees_close(trainer.state.params, single_device_run[0].params)
     with pytest.raises(ValueError, match="num_microbatches=3"):
         three = dataclasses.replace(ACCUM_CONFIG, num_microbatches=3)
-        Trainer(fresh_model(), three, "tb").step(make_batch(0))
+        PolicyUpdater(fresh_model(), three, "tb").step(make_batch(0))
+
+
+def test_pipelined_submit_matches_step_and_reports_a_refused_update_one_late(single_device_run, tb_updater):
+    updater, fresh = tb_updater
+    updater.state = fresh()
+    assert updater.submit(make_batch(0)) is None  # nothing checked yet: update 1 is in flight
+    first = updater.submit(make_batch(1))  # update 1's metrics, while update 2 runs
+    second = updater.flush()
+    want_state, want = single_device_run
+    assert first["loss"] == pytest.approx(want[0]["loss"], rel=1e-5)
+    assert second["grad_norm"] == pytest.approx(want[1]["grad_norm"], rel=1e-5)
+    assert_trees_close(updater.state.params, want_state.params)
+    assert updater.flush() is None
+
+    reward = make_batch(1).reward.copy()
+    reward[2] = np.nan  # group id 1
+    assert updater.submit(dataclasses.replace(make_batch(1), reward=reward)) is None
+    before = host(updater.state.params)  # the refused update changed nothing
+    with pytest.raises(NonFiniteLossError, match="update 3") as err:
+        updater.submit(make_batch(0))
+    assert err.value.group_ids == [1]
+    after = updater.flush()  # the batch after the refused one went in, as update 3
+    assert np.isfinite(after["loss"]) and updater.updates_applied == 3
+    assert any(not np.array_equal(a, b) for a, b in zip(leaves(updater.state.params), leaves(before)))
+    updater.submit(make_batch(0))
+    with pytest.raises(RuntimeError, match="flush"):
+        updater.step(make_batch(1))
+    updater.flush()
+    assert updater.updates_applied == 4
 
 
 # ----------------------------------------------------------------------------- learned log Z
@@ -431,12 +504,12 @@ def logz_batch() -> Batch:
 
 @pytest.fixture(scope="module")
 def logz_run(tmp_path_factory):
-    """tb_learned_logz through Trainer on one fixed batch; the table after every update, and a
+    """tb_learned_logz through PolicyUpdater on one fixed batch; the table after every update, and a
     checkpoint at update LOGZ_SAVE_AT."""
     from tbajax.objectives import LearnedLogZConfig
 
     objective_config = LearnedLogZConfig(aux_lr_scale=1e7, init_log_z=LOGZ_INIT)
-    trainer = Trainer(fresh_model(), LOGZ_CONFIG, "tb_learned_logz", objective_config,
+    trainer = PolicyUpdater(fresh_model(), LOGZ_CONFIG, "tb_learned_logz", objective_config,
                       compiler_options=FAST_COMPILE)
     # committed to a device like a restored state, so the resume test reuses this compilation
     trainer.state = jax.device_put(trainer.state, jax.devices()[0])
@@ -521,7 +594,7 @@ def test_learned_logz_bad_prompt_ids_and_table_size_error_clearly(logz_run):
             trainer.step(dataclasses.replace(logz_batch(), prompt_id=pid))
     assert trainer.updates_applied == before
     with pytest.raises(ValueError, match="aux_table_size"):
-        Trainer(fresh_model(), dataclasses.replace(LOGZ_CONFIG, aux_table_size=0), "tb_learned_logz")
+        PolicyUpdater(fresh_model(), dataclasses.replace(LOGZ_CONFIG, aux_table_size=0), "tb_learned_logz")
 
 
 def test_aux_adam_matches_optax_adam_row_by_row():
@@ -551,7 +624,7 @@ def test_aux_adam_matches_optax_adam_row_by_row():
 
 
 def test_collate_fills_prompt_id():
-    from tbajax.batch import collate
+    from tbajax.training.collate import collate
     from tbajax.trajectory import Trajectory
 
     def traj(pid):
@@ -682,10 +755,12 @@ def test_pack_groups_layout_hand_values():
 
 def test_packed_logprobs_equal_the_row_layout():
     graphdef, params = _model_parts()
+    # jitted: eager dispatch of the model's ops (compiled per new shape) took 5x longer
+    score = jax.jit(sequence_logprobs, static_argnums=(0, 3), compiler_options=FAST_COMPILE)
     for seed in range(3):
         rows, packed = grouped_batch(seed, None), grouped_batch(seed, 1)
-        want = np.asarray(sequence_logprobs(graphdef, params, rows, 0.7))
-        got = np.asarray(sequence_logprobs(graphdef, params, packed, 0.7))
+        want = np.asarray(score(graphdef, params, rows, 0.7))
+        got = np.asarray(score(graphdef, params, packed, 0.7))
         assert packed.packed.tokens.size < rows.tokens.size  # really fewer tokens scored
         np.testing.assert_allclose(np.where(rows.loss_mask, got, 0), np.where(rows.loss_mask, want, 0),
                                    atol=1e-5, rtol=1e-5)
@@ -717,6 +792,6 @@ def test_packing_refuses_mixed_prompts_and_mismatched_config():
     groups[0][1] = dataclasses.replace(groups[0][1], prompt_tokens=groups[0][1].prompt_tokens + 1)
     with pytest.raises(ValueError, match="share group 0 but not their prompt"):
         collate(groups, beta=0.5, pack_microbatches=1)
-    trainer = Trainer(fresh_model(), dataclasses.replace(ACCUM_CONFIG, pack_groups=True), vargrad_tb)
+    trainer = PolicyUpdater(fresh_model(), dataclasses.replace(ACCUM_CONFIG, pack_groups=True), vargrad_tb)
     with pytest.raises(ValueError, match="pack_microbatches=1"):
         trainer.step(grouped_batch(0, None))

@@ -9,6 +9,11 @@ side runs in its own process so that its peak RSS is its own; compile (tbajax) a
 (reference forward / policy forward + backward / optimizer) to show where the time goes.
 The first-step loss and gradient norm of both sides are printed too: same weights, same batch,
 so they must agree (a parity check of the whole loss and backward pass).
+
+A second table (tbajax only) times the `dr_grpo` step as declared (it reads no reference
+log-probs, so the step runs no reference forward) against the same objective declared to read
+everything (the reference forward the step ran for it before objectives declared their inputs),
+interleaved round by round.
 """
 
 from __future__ import annotations
@@ -80,7 +85,8 @@ def run_jax(ckpt: str, rows: int, seq: int, repeats: int, precision: str) -> dic
         make_train_step,
         sequence_logprobs,
     )
-    from tbajax.training.step import resolve_objective
+    from tbajax.objectives import resolve_objective
+    from tbajax.objectives.registry import EVERYTHING
 
     model = load_model(ckpt)
     config = TrainerConfig(
@@ -137,6 +143,8 @@ def run_jax(ckpt: str, rows: int, seq: int, repeats: int, precision: str) -> dic
         grad_t.append(t2 - t1)
         times.append(t3 - t2)
     step_s, fwd_s, grad_s = (float(np.median(x)) for x in (times, fwd_t, grad_t))
+    objective_steps = _objective_steps(model_state=state, graphdef=graphdef, config=config, batch=batch,
+                                       repeats=repeats, resolve_objective=resolve_objective, everything=EVERYTHING)
     return {
         "compile_s": compile_s,
         "first_step_s": first_s,
@@ -148,10 +156,45 @@ def run_jax(ckpt: str, rows: int, seq: int, repeats: int, precision: str) -> dic
         "phase_policy_fwd_bwd_s": grad_s - fwd_s,
         "phase_optimizer_s": step_s - grad_s,
         "xla_flops": flops,
+        "objective_steps": objective_steps,
         "peak_rss_mb": peak_rss_mb(),
         "threads": os.cpu_count(),
         "version": jax.__version__,
     }
+
+
+def _objective_steps(*, model_state, graphdef, config, batch, repeats, resolve_objective, everything) -> dict:
+    """Step seconds (median and best) and XLA's flop count of dr_grpo as declared (no reference
+    forward) and declared to read everything (with it), timed in alternating rounds, each arm
+    from its own copy of the state. The flop count does not depend on the machine's load."""
+    import dataclasses
+
+    import jax
+
+    from tbajax.training import make_train_step
+
+    spec, obj_config = resolve_objective("dr_grpo")
+    arms = {"dr_grpo": spec, "dr_grpo (reads everything)": dataclasses.replace(spec, inputs=everything)}
+    steps, states, flops = {}, {}, {}
+    for name, s in arms.items():
+        states[name] = jax.tree.map(lambda x: x.copy(), model_state)
+        step = make_train_step(graphdef, config, s, obj_config)
+        steps[name] = step.lower(states[name], batch).compile()
+        cost = steps[name].cost_analysis() or {}
+        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+        flops[name] = float(cost.get("flops", float("nan")))
+        states[name], out = steps[name](states[name], batch)  # warm-up
+        out.metrics["loss"].block_until_ready()
+    times: dict[str, list[float]] = {name: [] for name in arms}
+    for _ in range(max(repeats, 5)):
+        for name in arms:
+            t0 = time.perf_counter()
+            states[name], out = steps[name](states[name], batch)
+            out.metrics["loss"].block_until_ready()
+            times[name].append(time.perf_counter() - t0)
+    return {name: {"step_s": float(np.median(t)), "best_step_s": float(min(t)), "step_times": t,
+                   "xla_gflop": flops[name] / 1e9, "reference_forward": name != "dr_grpo"}
+            for name, t in times.items()}
 
 
 # ----------------------------------------------------------------------------- torch side
@@ -298,6 +341,18 @@ def main() -> None:
             })
         rows[-1]["_raw"] = {"tbajax": ours, "torch": theirs}
 
+    objective_rows = []
+    for row in rows:
+        arms = row["_raw"]["tbajax"]["objective_steps"]
+        with_ref = arms["dr_grpo (reads everything)"]
+        for name, a in arms.items():
+            objective_rows.append({
+                "size": row["size"], "objective": name, "reference_forward": a["reference_forward"],
+                "xla_gflop": a["xla_gflop"], "flop_saving": 1.0 - a["xla_gflop"] / with_ref["xla_gflop"],
+                "step_s": a["step_s"], "best_step_s": a["best_step_s"],
+                "time_saving": 1.0 - a["best_step_s"] / with_ref["best_step_s"],
+            })
+
     info = {**machine(), "load_avg": os.getloadavg()}
     print(f"trainer step (ref fwd + policy fwd/bwd + AdamW), VarGrad TB, {args.precision}, "
           f"{info['cpu_count']} CPU cores, load avg {info['load_avg'][0]:.1f}")
@@ -307,8 +362,12 @@ def main() -> None:
     print("\nwhere the time goes (median seconds per step; GFLOP/s = XLA's flop count of the step / time)")
     print_table(details, ["size", "side", "step_s", "ref_fwd_s", "policy_fwd_bwd_s", "optimizer_s",
                           "GFLOP_s", "first_loss", "first_grad_norm"])
+    print("\nskipping the reference forward (dr_grpo reads no reference log-probs); step_s: median, "
+          "time_saving: from the best of the alternating rounds")
+    print_table(objective_rows, ["size", "objective", "reference_forward", "xla_gflop", "flop_saving",
+                                 "step_s", "best_step_s", "time_saving"])
     write_json(args.json, {"benchmark": "train_step", "precision": args.precision, "machine": info,
-                           "rows": rows, "phases": details})
+                           "rows": rows, "phases": details, "objective_rows": objective_rows})
 
 
 def _num_params(ckpt: Path) -> int:

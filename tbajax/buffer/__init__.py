@@ -1,7 +1,9 @@
 """Trainer-side trajectory buffer: TBA replay (recency / reward branches) and consume-once queues.
 
-Host-side numpy only (no JAX): pure sampling policies in `policies`, a thin stateful
-`ReplayBuffer`, and a `Tailer` that feeds it from the per-searcher stores.
+Host-side numpy only (no JAX): pure sampling policies in `policies`, two thin stateful buffers
+behind one protocol (`TrajectoryBuffer`: `ReplayBuffer` for TBA replay, `GroupQueue` for
+consume-once groups; `make_buffer(config)` picks by mode), and a `Tailer` that feeds either
+from the per-searcher stores.
 """
 
 from tbajax.buffer.config import BufferConfig, BufferEmptyError
@@ -14,17 +16,20 @@ from tbajax.buffer.policies import (
     stale_log_weights,
     take_newest,
 )
-from tbajax.buffer.replay import ReplayBuffer
+from tbajax.buffer.replay import GroupQueue, ReplayBuffer, TrajectoryBuffer, make_buffer
 from tbajax.buffer.tailer import Tailer, TrajectorySource
 
 __all__ = [
     "BufferConfig",
     "BufferEmptyError",
+    "GroupQueue",
     "ReplayBuffer",
     "Tailer",
+    "TrajectoryBuffer",
     "TrajectorySource",
     "choose_branch",
     "draw_group",
+    "make_buffer",
     "recent_min_version",
     "reward_logits",
     "softmax_probs",

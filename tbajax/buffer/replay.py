@@ -1,4 +1,10 @@
-"""The trainer-side trajectory buffer: a thin stateful shell around the pure policies.
+"""The trainer-side trajectory buffers: thin stateful shells around the pure policies.
+
+Two data structures behind one small protocol (`TrajectoryBuffer`): `ReplayBuffer`, TBA's
+per-prompt replay (dedup, capacity, recency and reward branches), and `GroupQueue`, whole
+generation groups consumed once, oldest first (TBA′, async GRPO, the sync mode).
+`make_buffer(config)` picks by `config.mode`. What they share (ingestion checks, arrival order,
+sync and current versions, counters, the saved state's format) lives in `_BufferBase`.
 
 Determinism on rebuild: every row gets an order key (policy_version, wall_time, searcher_id,
 per-searcher arrival index). Rows of one searcher arrive in store order, so the key does not
@@ -13,7 +19,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -97,8 +103,8 @@ class _Group:
         self.min_version = key[0]
 
 
-class ReplayBuffer:
-    """Per-prompt replay buffer (TBA) or consume-once group queue (TBA', sync), per config.
+class TrajectoryBuffer(Protocol):
+    """What the trainer process needs from a buffer (both `ReplayBuffer` and `GroupQueue`).
 
     Ingestion: `add(rows)` in any interleaving across searchers; `mark_sync(version)` when the
     trainer publishes params. Sampling: `sample(rng, num_groups, k, current_version)` returns
@@ -107,12 +113,44 @@ class ReplayBuffer:
     derived from (seed, step), e.g. `np.random.default_rng((seed, step))`.
     """
 
+    config: BufferConfig
+
+    def add(self, rows: Iterable[Trajectory]) -> None: ...
+
+    def mark_sync(self, version: int) -> None: ...
+
+    def sample(
+        self, rng: np.random.Generator, num_groups: int, k: int | None = None, current_version: int | None = None
+    ) -> list[list[Trajectory]]: ...
+
+    def __len__(self) -> int: ...
+
+    def stats(self, current_version: int | None = None) -> dict[str, Any]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def make_buffer(config: BufferConfig) -> ReplayBuffer | GroupQueue:
+    """The buffer `config.mode` asks for: "replay" -> ReplayBuffer, "fifo_once" -> GroupQueue."""
+    if config.mode == "fifo_once":
+        return GroupQueue(config)
+    return ReplayBuffer(config)
+
+
+class _BufferBase:
+    """Shared by both buffers: row checks, the order key, versions, counters, saved state."""
+
+    mode: str = ""
+
     def __init__(self, config: BufferConfig | None = None) -> None:
-        self.config = config if config is not None else BufferConfig()
-        self._prompts: dict[int, _PromptRows] = {}  # replay
-        self._groups: dict[GroupKey, _Group] = {}  # fifo_once
-        self._consumed: dict[GroupKey, int] = {}  # fifo_once: group -> its policy version
-        self._recent_uses: dict[GroupKey, tuple[int, int]] = {}  # replay: group -> (uses, version)
+        self.config = config if config is not None else BufferConfig(mode=self.mode)  # type: ignore[arg-type]
+        if self.config.mode != self.mode:
+            raise ValueError(
+                f"{type(self).__name__} is the {self.mode!r} buffer but the config has mode="
+                f"{self.config.mode!r}; build buffers with tbajax.buffer.make_buffer(config)"
+            )
         self._arrivals: dict[int, int] = {}  # searcher_id -> rows seen
         self._sync_versions: list[int] = []  # the last two, ascending
         self._current_version: int | None = None
@@ -125,12 +163,11 @@ class ReplayBuffer:
     def add(self, rows: Iterable[Trajectory]) -> None:
         """Ingest rows (any order across searchers; store order within each searcher)."""
         cfg = self.config
-        fifo = cfg.mode == "fifo_once"
         counts = self._counts
         min_version = self._min_fresh_version()
         for t in rows:
             if not isinstance(t, Trajectory):
-                raise TypeError(f"ReplayBuffer.add expects Trajectory rows, got {type(t).__name__}")
+                raise TypeError(f"{type(self).__name__}.add expects Trajectory rows, got {type(t).__name__}")
             sid = int(t.searcher_id)
             arrival = self._arrivals.get(sid, 0)
             self._arrivals[sid] = arrival + 1
@@ -148,13 +185,157 @@ class ReplayBuffer:
             if min_version is not None and version < min_version:
                 counts["stale_drops"] += 1
                 continue
-            key: OrderKey = (version, float(t.wall_time), sid, arrival)
-            if fifo:
-                self._add_fifo(t, key)
-            else:
-                self._add_replay(t, key)
+            self._add_row(t, (version, float(t.wall_time), sid, arrival))
 
-    def _add_replay(self, t: Trajectory, key: OrderKey) -> None:
+    def _add_row(self, t: Trajectory, key: OrderKey) -> None:
+        raise NotImplementedError
+
+    def _forget(self, t: Trajectory) -> None:
+        self._num_rows -= 1
+        self._version_sum -= int(t.policy_version)
+
+    def mark_sync(self, version: int) -> None:
+        """The trainer published params `version`: the recent set becomes rows >= the previous sync."""
+        version = int(version)
+        if self._sync_versions and version < self._sync_versions[-1]:
+            raise ValueError(
+                f"mark_sync({version}) after mark_sync({self._sync_versions[-1]}): sync versions "
+                "must not decrease"
+            )
+        if not self._sync_versions or version > self._sync_versions[-1]:
+            self._sync_versions = (self._sync_versions + [version])[-2:]
+            self._on_sync()
+
+    def _on_sync(self) -> None:
+        pass
+
+    # ------------------------------------------------------------------ versions, staleness
+
+    def _min_fresh_version(self) -> int | None:
+        """Rows older than this are dropped (None: no limit known yet)."""
+        raise NotImplementedError
+
+    def _drop_stale(self) -> None:
+        raise NotImplementedError
+
+    def _needs_current_version(self) -> str | None:
+        """Why sample() needs current_version, or None when it does not."""
+        raise NotImplementedError
+
+    def _advance_version(self, current_version: int | None) -> None:
+        if current_version is None:
+            why = self._needs_current_version()
+            if why is not None:
+                raise ValueError(why)
+            return
+        current_version = int(current_version)
+        if self._current_version is not None and current_version < self._current_version:
+            raise ValueError(
+                f"current_version went backwards ({self._current_version} -> {current_version}); "
+                "stale rows may already have been dropped for the newer version"
+            )
+        changed = current_version != self._current_version
+        self._current_version = current_version
+        if changed:
+            self._drop_stale()
+
+    # ------------------------------------------------------------------ sampling
+
+    def sample(
+        self,
+        rng: np.random.Generator,
+        num_groups: int,
+        k: int | None = None,
+        current_version: int | None = None,
+    ) -> list[list[Trajectory]]:
+        """`num_groups` groups of `k` rows (default K from the config); a group never mixes prompts."""
+        if not isinstance(rng, np.random.Generator):
+            raise TypeError(
+                f"rng must be a numpy Generator (e.g. np.random.default_rng((seed, step))), "
+                f"got {type(rng).__name__}"
+            )
+        k = self.config.samples_per_group if k is None else int(k)
+        if num_groups < 1:
+            raise ValueError(f"num_groups must be >= 1, got {num_groups}")
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        self._advance_version(current_version)
+        return self._sample(rng, num_groups, k)
+
+    def _sample(self, rng: np.random.Generator, num_groups: int, k: int) -> list[list[Trajectory]]:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ introspection, state
+
+    def __len__(self) -> int:
+        return self._num_rows
+
+    def stats(self, current_version: int | None = None) -> dict[str, Any]:
+        """Numbers for logging; NaN where undefined (empty buffer, unknown current version)."""
+        cur = self._current_version if current_version is None else int(current_version)
+        nan = float("nan")
+        out: dict[str, Any] = dict(self._counts)
+        n = self._num_rows
+        mean_v = self._version_sum / n if n else nan
+        versions, max_versions = self._layout_stats(out)
+        out["num_rows"] = n
+        out["mean_policy_version"] = mean_v
+        out["min_policy_version"] = float(min(versions)) if versions else nan
+        out["max_policy_version"] = float(max(max_versions)) if max_versions else nan
+        out["mean_staleness"] = cur - mean_v if (cur is not None and n) else nan
+        out["last_sync_version"] = float(self._sync_versions[-1]) if self._sync_versions else nan
+        floor = recent_min_version(self._sync_versions)
+        out["recent_min_version"] = nan if floor is None else float(floor)
+        out["current_version"] = nan if cur is None else float(cur)
+        return out
+
+    def _layout_stats(self, out: dict[str, Any]) -> tuple[list[int], list[int]]:
+        """Adds num_prompts (and the like) to `out`; returns (oldest versions, newest versions)."""
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        """The non-derivable state, JSON-able; rows themselves are rebuilt from the stores."""
+        return {
+            "format": _STATE_FORMAT,
+            "mode": self.config.mode,
+            "sync_versions": list(self._sync_versions),
+            "current_version": self._current_version,
+            "consumed": [],
+            "recent_uses": [],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()`; works before or after the rows are re-added."""
+        if state.get("format") != _STATE_FORMAT:
+            raise ValueError(f"unknown buffer state format {state.get('format')!r}")
+        if state.get("mode") != self.config.mode:
+            raise ValueError(
+                f"buffer state was saved in mode {state.get('mode')!r}, this buffer is "
+                f"{self.config.mode!r}"
+            )
+        self._sync_versions = [int(v) for v in state["sync_versions"]][-2:]
+        self._load_extra(state)
+        cur = state["current_version"]
+        self._current_version = None if cur is None else int(cur)
+        self._drop_stale()
+
+    def _load_extra(self, state: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+
+class ReplayBuffer(_BufferBase):
+    """TBA's per-prompt replay buffer (`BufferConfig(mode="replay")`): unique responses per
+    prompt up to a capacity; each group slot takes the recency branch (newest generation groups
+    of a prompt with rows since the previous sync) with probability m, else the reward branch."""
+
+    mode = "replay"
+
+    def __init__(self, config: BufferConfig | None = None) -> None:
+        super().__init__(config)
+        self._prompts: dict[int, _PromptRows] = {}
+        self._recent_uses: dict[GroupKey, tuple[int, int]] = {}  # group -> (uses, version)
+
+    def _add_row(self, t: Trajectory, key: OrderKey) -> None:
         pid = int(t.prompt_id)
         pr = self._prompts.get(pid)
         if pr is None:
@@ -179,118 +360,35 @@ class ReplayBuffer:
         self._num_rows += 1
         self._version_sum += key[0]
 
-    def _add_fifo(self, t: Trajectory, key: OrderKey) -> None:
-        gkey: GroupKey = (int(t.prompt_id), key[2], int(t.group_id))
-        if gkey in self._consumed:
-            self._counts["late_rows_dropped"] += 1
-            return
-        group = self._groups.get(gkey)
-        if group is None:
-            group = self._groups[gkey] = _Group(key)
-        group.rows.append(t)
-        group.min_version = min(group.min_version, key[0])
-        self._num_rows += 1
-        self._version_sum += key[0]
-
-    def _forget(self, t: Trajectory) -> None:
-        self._num_rows -= 1
-        self._version_sum -= int(t.policy_version)
-
-    def mark_sync(self, version: int) -> None:
-        """The trainer published params `version`: the recent set becomes rows >= the previous sync."""
-        version = int(version)
-        if self._sync_versions and version < self._sync_versions[-1]:
-            raise ValueError(
-                f"mark_sync({version}) after mark_sync({self._sync_versions[-1]}): sync versions "
-                "must not decrease"
-            )
-        if not self._sync_versions or version > self._sync_versions[-1]:
-            self._sync_versions = (self._sync_versions + [version])[-2:]
-            floor = recent_min_version(self._sync_versions)
-            if floor is not None:  # groups below the recent floor can never be recent again
-                self._recent_uses = {g: uv for g, uv in self._recent_uses.items() if uv[1] >= floor}
-
-    # ------------------------------------------------------------------ versions, staleness
+    def _on_sync(self) -> None:
+        floor = recent_min_version(self._sync_versions)
+        if floor is not None:  # groups below the recent floor can never be recent again
+            self._recent_uses = {g: uv for g, uv in self._recent_uses.items() if uv[1] >= floor}
 
     def _min_fresh_version(self) -> int | None:
-        """Rows older than this are dropped (None: no limit known yet)."""
         cur, cfg = self._current_version, self.config
-        if cur is None:
-            return None
-        if cfg.mode == "fifo_once":
-            return cur - cfg.async_level
-        if cfg.max_staleness is not None and cfg.staleness_mode == "drop":
+        if cur is not None and cfg.max_staleness is not None and cfg.staleness_mode == "drop":
             return cur - cfg.max_staleness
         return None
 
-    def _advance_version(self, current_version: int | None) -> None:
-        cfg = self.config
-        if current_version is None:
-            if cfg.mode == "fifo_once":
-                raise ValueError("fifo_once mode needs current_version to drop stale groups")
-            if cfg.max_staleness is not None:
-                raise ValueError("max_staleness is set: sample() needs current_version")
-            return
-        current_version = int(current_version)
-        if self._current_version is not None and current_version < self._current_version:
-            raise ValueError(
-                f"current_version went backwards ({self._current_version} -> {current_version}); "
-                "stale rows may already have been dropped for the newer version"
-            )
-        changed = current_version != self._current_version
-        self._current_version = current_version
-        if changed:
-            self._drop_stale()
+    def _needs_current_version(self) -> str | None:
+        if self.config.max_staleness is not None:
+            return "max_staleness is set: sample() needs current_version"
+        return None
 
     def _drop_stale(self) -> None:
         floor = self._min_fresh_version()
         if floor is None:
             return
-        counts = self._counts
-        if self.config.mode == "fifo_once":
-            for gkey in [g for g, grp in self._groups.items() if grp.min_version < floor]:
-                group = self._groups.pop(gkey)
-                counts["stale_groups_dropped"] += 1
-                counts["stale_drops"] += len(group.rows)
-                for t in group.rows:
-                    self._forget(t)
-            # Consumed groups that old would be dropped as stale anyway: forget them.
-            self._consumed = {g: v for g, v in self._consumed.items() if v >= floor}
-            return
         for pid in list(self._prompts):
             pr = self._prompts[pid]
             while (oldest := pr.oldest()) is not None and oldest[0][0] < floor:
                 self._forget(pr.pop_oldest())
-                counts["stale_drops"] += 1
+                self._counts["stale_drops"] += 1
             if not pr.rows:
                 del self._prompts[pid]
 
-    # ------------------------------------------------------------------ sampling
-
-    def sample(
-        self,
-        rng: np.random.Generator,
-        num_groups: int,
-        k: int | None = None,
-        current_version: int | None = None,
-    ) -> list[list[Trajectory]]:
-        """`num_groups` groups of `k` rows (default K from the config); a group never mixes prompts."""
-        if not isinstance(rng, np.random.Generator):
-            raise TypeError(
-                f"rng must be a numpy Generator (e.g. np.random.default_rng((seed, step))), "
-                f"got {type(rng).__name__}"
-            )
-        k = self.config.samples_per_group if k is None else int(k)
-        if num_groups < 1:
-            raise ValueError(f"num_groups must be >= 1, got {num_groups}")
-        if k < 1:
-            raise ValueError(f"k must be >= 1, got {k}")
-        self._advance_version(current_version)
-        if self.config.mode == "fifo_once":
-            return self._sample_fifo(rng, num_groups, k)
-        return self._sample_replay(rng, num_groups, k)
-
-    def _sample_replay(
+    def _sample(
         self, rng: np.random.Generator, num_groups: int, k: int
     ) -> list[list[Trajectory]]:
         cfg = self.config
@@ -391,7 +489,74 @@ class ReplayBuffer:
             chosen = sorted(chosen + [chosen[i] for i in extra], key=lambda kv: kv[0])
         return [t for _, t in chosen]
 
-    def _sample_fifo(
+    def _layout_stats(self, out: dict[str, Any]) -> tuple[list[int], list[int]]:
+        versions = [o[0][0] for pr in self._prompts.values() if (o := pr.oldest())]
+        max_versions = [pr.max_version for pr in self._prompts.values()]
+        floor = recent_min_version(self._sync_versions)
+        out["num_prompts"] = len(self._prompts)
+        out["num_recent_prompts"] = (
+            len(self._prompts) if floor is None else sum(v >= floor for v in max_versions)
+        )
+        return versions, max_versions
+
+    def state_dict(self) -> dict[str, Any]:
+        out = super().state_dict()
+        out["recent_uses"] = sorted([*gkey, *uv] for gkey, uv in self._recent_uses.items())
+        return out
+
+    def _load_extra(self, state: dict[str, Any]) -> None:
+        self._recent_uses = {
+            (int(p), int(s), int(g)): (int(u), int(v)) for p, s, g, u, v in state.get("recent_uses", [])
+        }
+
+
+class GroupQueue(_BufferBase):
+    """Whole generation groups, each consumed once, oldest first (`BufferConfig(mode="fifo_once")`):
+    TBA′ / async GRPO, and the sync mode at async_level=0. Groups more than `async_level`
+    versions older than the trainer are dropped."""
+
+    mode = "fifo_once"
+
+    def __init__(self, config: BufferConfig | None = None) -> None:
+        super().__init__(config)
+        self._groups: dict[GroupKey, _Group] = {}
+        self._consumed: dict[GroupKey, int] = {}  # group -> its policy version
+
+    def _add_row(self, t: Trajectory, key: OrderKey) -> None:
+        gkey: GroupKey = (int(t.prompt_id), key[2], int(t.group_id))
+        if gkey in self._consumed:
+            self._counts["late_rows_dropped"] += 1
+            return
+        group = self._groups.get(gkey)
+        if group is None:
+            group = self._groups[gkey] = _Group(key)
+        group.rows.append(t)
+        group.min_version = min(group.min_version, key[0])
+        self._num_rows += 1
+        self._version_sum += key[0]
+
+    def _min_fresh_version(self) -> int | None:
+        cur = self._current_version
+        return None if cur is None else cur - self.config.async_level
+
+    def _needs_current_version(self) -> str | None:
+        return "fifo_once mode needs current_version to drop stale groups"
+
+    def _drop_stale(self) -> None:
+        floor = self._min_fresh_version()
+        if floor is None:
+            return
+        counts = self._counts
+        for gkey in [g for g, grp in self._groups.items() if grp.min_version < floor]:
+            group = self._groups.pop(gkey)
+            counts["stale_groups_dropped"] += 1
+            counts["stale_drops"] += len(group.rows)
+            for t in group.rows:
+                self._forget(t)
+        # Consumed groups that old would be dropped as stale anyway: forget them.
+        self._consumed = {g: v for g, v in self._consumed.items() if v >= floor}
+
+    def _sample(
         self, rng: np.random.Generator, num_groups: int, k: int
     ) -> list[list[Trajectory]]:
         ready = [(g.key, gk) for gk, g in self._groups.items() if len(g.rows) >= k]
@@ -420,73 +585,25 @@ class ReplayBuffer:
 
     # ------------------------------------------------------------------ introspection, state
 
-    def __len__(self) -> int:
-        return self._num_rows
-
-    def stats(self, current_version: int | None = None) -> dict[str, Any]:
-        """Numbers for logging; NaN where undefined (empty buffer, unknown current version)."""
-        cur = self._current_version if current_version is None else int(current_version)
-        nan = float("nan")
-        out: dict[str, Any] = dict(self._counts)
-        n = self._num_rows
-        mean_v = self._version_sum / n if n else nan
-        if self.config.mode == "fifo_once":
-            versions = [g.min_version for g in self._groups.values()]
-            out["num_prompts"] = len({gk[0] for gk in self._groups})
-            out["num_groups"] = len(self._groups)
-            out["ready_groups"] = sum(
-                len(g.rows) >= self.config.samples_per_group for g in self._groups.values()
-            )
-            out["num_recent_prompts"] = out["num_prompts"]
-            max_versions = [max(int(t.policy_version) for t in g.rows) for g in self._groups.values()]
-        else:
-            versions = [o[0][0] for pr in self._prompts.values() if (o := pr.oldest())]
-            max_versions = [pr.max_version for pr in self._prompts.values()]
-            floor = recent_min_version(self._sync_versions)
-            out["num_prompts"] = len(self._prompts)
-            out["num_recent_prompts"] = (
-                len(self._prompts) if floor is None else sum(v >= floor for v in max_versions)
-            )
-        out["num_rows"] = n
-        out["mean_policy_version"] = mean_v
-        out["min_policy_version"] = float(min(versions)) if versions else nan
-        out["max_policy_version"] = float(max(max_versions)) if max_versions else nan
-        out["mean_staleness"] = cur - mean_v if (cur is not None and n) else nan
-        out["last_sync_version"] = float(self._sync_versions[-1]) if self._sync_versions else nan
-        floor = recent_min_version(self._sync_versions)
-        out["recent_min_version"] = nan if floor is None else float(floor)
-        out["current_version"] = nan if cur is None else float(cur)
-        return out
+    def _layout_stats(self, out: dict[str, Any]) -> tuple[list[int], list[int]]:
+        out["num_prompts"] = len({gk[0] for gk in self._groups})
+        out["num_groups"] = len(self._groups)
+        out["ready_groups"] = sum(len(g.rows) >= self.config.samples_per_group for g in self._groups.values())
+        out["num_recent_prompts"] = out["num_prompts"]
+        versions = [g.min_version for g in self._groups.values()]
+        max_versions = [max(int(t.policy_version) for t in g.rows) for g in self._groups.values()]
+        return versions, max_versions
 
     def state_dict(self) -> dict[str, Any]:
-        """The non-derivable state, JSON-able; rows themselves are rebuilt from the stores."""
-        return {
-            "format": _STATE_FORMAT,
-            "mode": self.config.mode,
-            "sync_versions": list(self._sync_versions),
-            "current_version": self._current_version,
-            "consumed": sorted([*gkey, v] for gkey, v in self._consumed.items()),
-            "recent_uses": sorted([*gkey, *uv] for gkey, uv in self._recent_uses.items()),
-        }
+        out = super().state_dict()
+        out["consumed"] = sorted([*gkey, v] for gkey, v in self._consumed.items())
+        return out
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore `state_dict()`; works before or after the rows are re-added."""
-        if state.get("format") != _STATE_FORMAT:
-            raise ValueError(f"unknown buffer state format {state.get('format')!r}")
-        if state.get("mode") != self.config.mode:
-            raise ValueError(
-                f"buffer state was saved in mode {state.get('mode')!r}, this buffer is "
-                f"{self.config.mode!r}"
-            )
-        self._sync_versions = [int(v) for v in state["sync_versions"]][-2:]
+    def _load_extra(self, state: dict[str, Any]) -> None:
         consumed = {(int(p), int(s), int(g)): int(v) for p, s, g, v in state["consumed"]}
         self._consumed = consumed
-        self._recent_uses = {(int(p), int(s), int(g)): (int(u), int(v)) for p, s, g, u, v in state.get("recent_uses", [])}
         for gkey in [g for g in self._groups if g in consumed]:
             group = self._groups.pop(gkey)
             self._counts["late_rows_dropped"] += len(group.rows)
             for t in group.rows:
                 self._forget(t)
-        cur = state["current_version"]
-        self._current_version = None if cur is None else int(cur)
-        self._drop_stale()

@@ -1,7 +1,8 @@
 """Training objectives as pure, jit-able functions: `fn(batch, logprobs, config) -> (loss, metrics)`.
 
 Built-ins (`OBJECTIVES`): tb (default; VarGrad trajectory balance), tb_learned_logz, tba_prime,
-dr_grpo, grpo, rloo, reinforce, online_dpo, icepop. Each has a frozen config dataclass with
+tba_prime_paper (TBA′ with the paper's KL centring), dr_grpo, grpo, rloo, reinforce, online_dpo,
+icepop. Each has a frozen config dataclass with
 defaults; the trainer builds one from a name plus an overrides dict:
 
     spec = get_objective("tba_prime")
@@ -30,8 +31,10 @@ Your own objective is a function with the same signature, in your own file, for 
 and pass its path, "my_project/losses.py:my_loss" (or "my_project.losses:my_loss" when the module
 is importable; both fit in config.json), or the function itself: `get_objective(my_loss)`. The
 config class is taken from the annotation of the third parameter (no annotation: config=None);
-`ObjectiveSpec(loss=..., config_cls=..., init_aux=...)` spells everything out. Objectives with
-trainable extras (a learned log Z) declare `init_aux`; see `ObjectiveSpec`.
+`ObjectiveSpec(loss=..., config_cls=..., init_aux=..., inputs=...)` spells everything out.
+Objectives with trainable extras (a learned log Z) declare `init_aux`; objectives that never read
+the reference log-probs declare `inputs=ObjectiveInputs(reference_logprobs=False)` and the
+trainer skips the reference forward for them (a bare function is assumed to read everything).
 """
 
 from tbajax.objectives.base import Max, Metrics, Min, Objective, Ratio, combine_metrics, metric_values
@@ -54,6 +57,7 @@ from tbajax.objectives.policy_gradient import (
     ReinforceConfig,
     RLOOConfig,
     TBAPrimeConfig,
+    TBAPrimePaperConfig,
     dr_grpo,
     grpo,
     icepop,
@@ -64,9 +68,11 @@ from tbajax.objectives.policy_gradient import (
 from tbajax.objectives.registry import (
     DEFAULT_OBJECTIVE,
     OBJECTIVES,
+    ObjectiveInputs,
     ObjectiveSpec,
     gather_aux,
     get_objective,
+    resolve_objective,
 )
 from tbajax.objectives.tb import LearnedLogZConfig, TBConfig, init_log_z_table, tb, tb_learned_logz
 from tbajax.objectives.validate import validate_batch
@@ -83,6 +89,7 @@ __all__ = [
     "Metrics",
     "Min",
     "Objective",
+    "ObjectiveInputs",
     "ObjectiveSpec",
     "OnlineDPOConfig",
     "RLOOConfig",
@@ -90,6 +97,7 @@ __all__ = [
     "ReinforceConfig",
     "SeqSums",
     "TBAPrimeConfig",
+    "TBAPrimePaperConfig",
     "TBConfig",
     "combine_metrics",
     "diagnostics",
@@ -104,6 +112,7 @@ __all__ = [
     "metric_values",
     "online_dpo",
     "reinforce",
+    "resolve_objective",
     "rloo",
     "row_mean",
     "seq_sum",

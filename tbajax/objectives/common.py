@@ -161,13 +161,16 @@ def windowed_ratio(log_r: Array, low: float, high: float) -> tuple[Array, Array]
 # --------------------------------------------------------------------------- diagnostics
 
 
-def diagnostics(batch: Batch, logprobs: Array, clipped: Array | None = None) -> Metrics:
+def diagnostics(
+    batch: Batch, logprobs: Array, clipped: Array | None = None, *, reference: bool = True
+) -> Metrics:
     """Stop-gradient health metrics shared by all objectives.
 
     ratio_*: π_θ / π_old per scored token (Min/Max combine with min/max across micro-batches);
     logprob_gap: mean per token of log π_θ − log π_old (how off-policy the batch is);
     entropy: −mean token log-prob (a one-sample entropy estimate);
-    kl: mean per sequence of S − R (k1 KL to the reference);
+    kl: mean per sequence of S − R (k1 KL to the reference); only with `reference` (an
+      objective that declares it reads no reference log-probs gets none, and reports no kl);
     clip_frac: fraction of scored tokens where `clipped` is True (objective-specific).
     """
     logprobs = jax.lax.stop_gradient(logprobs)
@@ -176,16 +179,15 @@ def diagnostics(batch: Batch, logprobs: Array, clipped: Array | None = None) -> 
     n_tok = m.sum()
     lr = log_ratio(batch, logprobs, m)
     ratio = jnp.exp(lr)
-    sums = seq_sums(batch, logprobs)
-    g = groups_of(batch, logprobs.dtype)
     out: Metrics = {
         "ratio_mean": Ratio(jnp.where(on, ratio, 0).sum(), n_tok),
         "ratio_min": Min(jnp.where(on, ratio, jnp.inf).min()),
         "ratio_max": Max(jnp.where(on, ratio, -jnp.inf).max()),
         "logprob_gap": Ratio(lr.sum(), n_tok),
         "entropy": Ratio(-jnp.where(on, logprobs, 0).sum(), n_tok),
-        "kl": row_mean(g, sums.log_ratio_ref),
     }
+    if reference:
+        out["kl"] = row_mean(groups_of(batch, logprobs.dtype), seq_sums(batch, logprobs).log_ratio_ref)
     if clipped is not None:
         out["clip_frac"] = Ratio(jnp.where(on & clipped, 1.0, 0.0).astype(m.dtype).sum(), n_tok)
     return out

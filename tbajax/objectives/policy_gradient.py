@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +34,7 @@ from tbajax.objectives.common import (
 
 Array = jax.Array
 sg = jax.lax.stop_gradient
+KLMeanSource = Literal["current", "behaviour"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,9 +50,31 @@ class DrGRPOConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TBAPrimeConfig(DrGRPOConfig):
-    """kl_clip: per-token log π − log π_ref is clipped to ±kl_clip inside KL_i."""
+    """kl_clip: per-token log π − log π_ref is clipped to ±kl_clip inside KL_i.
+    kl_mean_source: what the KL penalty is centred with. "current": the group mean of the
+    current policy's KL_j (a true group baseline: the advantages' KL parts sum to zero).
+    "behaviour": the group mean of the sampling policy's KL, Σ_t clip(log π_old − log π_ref)
+    (what the TBA′ reference code used for the paper's MATH and Countdown runs; registered as
+    `tba_prime_paper`). Each sample's own KL_i uses the current policy either way; the two agree
+    on-policy (π_old = π)."""
 
     kl_clip: float = 10.0
+    kl_mean_source: KLMeanSource = "current"
+
+    def __post_init__(self) -> None:
+        if self.kl_mean_source not in ("current", "behaviour"):
+            raise ValueError(
+                f"kl_mean_source={self.kl_mean_source!r}; choose 'current' or 'behaviour' "
+                "(the paper's TBA′ runs: 'behaviour', i.e. the objective tba_prime_paper)"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class TBAPrimePaperConfig(TBAPrimeConfig):
+    """TBA′ as the paper's MATH / Countdown runs computed it: KL centred with the behaviour
+    policy's group mean."""
+
+    kl_mean_source: KLMeanSource = "behaviour"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,13 +119,26 @@ def centered_reward(g: Groups, batch: Batch, dtype) -> Array:
     return g.centered(batch.reward.astype(dtype))
 
 
-def tba_prime_advantage(g: Groups, batch: Batch, logprobs: Array, kl_clip: float) -> Array:
-    """A_i = (r_i − r̄) − β (KL_i − mean_j KL_j), KL_i = Σ_t clip(log π − log π_ref, ±kl_clip)."""
+def tba_prime_advantage(
+    g: Groups, batch: Batch, logprobs: Array, kl_clip: float, kl_mean_source: KLMeanSource = "current"
+) -> Array:
+    """A_i = (r_i − r̄) − β (KL_i − mean_j KL^c_j), KL_i = Σ_t clip(log π − log π_ref, ±kl_clip);
+    KL^c is KL itself ("current") or the same sum with the behaviour log-probs ("behaviour")."""
     m = token_mask(batch, logprobs.dtype)
-    log_r = logprobs - batch.reference_logprobs.astype(logprobs.dtype)
-    kl = seq_sum(jnp.clip(log_r, -kl_clip, kl_clip), m)
+    ref = batch.reference_logprobs.astype(logprobs.dtype)
+
+    def kl_of(lp: Array) -> Array:
+        return seq_sum(jnp.clip(lp - ref, -kl_clip, kl_clip), m)
+
+    kl = kl_of(logprobs)
+    if kl_mean_source == "current":
+        centre = kl
+    elif kl_mean_source == "behaviour":
+        centre = kl_of(batch.behavior_logprobs.astype(logprobs.dtype))
+    else:
+        raise ValueError(f"kl_mean_source={kl_mean_source!r}; choose 'current' or 'behaviour'")
     beta = batch.beta.astype(logprobs.dtype)
-    return centered_reward(g, batch, logprobs.dtype) - beta * g.centered(kl)
+    return centered_reward(g, batch, logprobs.dtype) - beta * (kl - g.row(g.mean(centre)))
 
 
 def kl_regularised_reward(batch: Batch, logprobs: Array) -> Array:
@@ -114,10 +151,12 @@ def kl_regularised_reward(batch: Batch, logprobs: Array) -> Array:
 
 
 def _finish(
-    batch: Batch, logprobs: Array, g: Groups, per_seq: Array, clipped: Array | None
+    batch: Batch, logprobs: Array, g: Groups, per_seq: Array, clipped: Array | None, reference: bool
 ) -> tuple[Ratio, Metrics]:
+    """The mean over real rows, and the diagnostics (kl only when the objective reads the
+    reference log-probs: otherwise the trainer may not have computed them)."""
     loss = row_mean(g, per_seq)
-    metrics = diagnostics(batch, logprobs, clipped)
+    metrics = diagnostics(batch, logprobs, clipped, reference=reference)
     metrics["loss"] = loss
     return loss, metrics
 
@@ -128,7 +167,7 @@ def _token_loss(batch: Batch, per_token: Array, norm: Array) -> Array:
 
 
 def capped_pg(
-    batch: Batch, logprobs: Array, advantage: Array, config: DrGRPOConfig
+    batch: Batch, logprobs: Array, advantage: Array, config: DrGRPOConfig, reference: bool
 ) -> tuple[Ratio, Metrics]:
     """Per token −ρ_t A_i with ρ_t = min(π_θ/π_old, ratio_clip); shared by Dr. GRPO and TBA′."""
     g = groups_of(batch, logprobs.dtype)
@@ -136,7 +175,7 @@ def capped_pg(
     rho = capped_ratio(lr, config.ratio_clip)
     norm = length_normaliser(batch, config.length_norm, config.norm_constant, logprobs.dtype)
     per_seq = _token_loss(batch, -rho * sg(advantage)[:, None], norm)
-    return _finish(batch, logprobs, g, per_seq, lr > math.log(config.ratio_clip))
+    return _finish(batch, logprobs, g, per_seq, lr > math.log(config.ratio_clip), reference)
 
 
 # --------------------------------------------------------------------------- objectives
@@ -145,9 +184,16 @@ def capped_pg(
 def tba_prime(
     batch: Batch, logprobs: Array, config: TBAPrimeConfig = TBAPrimeConfig()
 ) -> tuple[Ratio, Metrics]:
-    """TBA′: the Dr. GRPO loss with the KL-shaped advantage; β = 0 gives `dr_grpo` exactly."""
-    advantage = tba_prime_advantage(groups_of(batch, logprobs.dtype), batch, logprobs, config.kl_clip)
-    return capped_pg(batch, logprobs, advantage, config)
+    """TBA′: the Dr. GRPO loss with the KL-shaped advantage; β = 0 gives `dr_grpo` exactly.
+
+    `config.kl_mean_source` picks the KL centring. The default ("current") centres with the
+    current policy's group mean and keeps the default unchanged for existing runs; the paper's
+    MATH and Countdown results used "behaviour": run the objective `tba_prime_paper` (this loss
+    with `TBAPrimePaperConfig`) to reproduce them.
+    """
+    g = groups_of(batch, logprobs.dtype)
+    advantage = tba_prime_advantage(g, batch, logprobs, config.kl_clip, config.kl_mean_source)
+    return capped_pg(batch, logprobs, advantage, config, reference=True)
 
 
 def dr_grpo(
@@ -155,7 +201,7 @@ def dr_grpo(
 ) -> tuple[Ratio, Metrics]:
     """Dr. GRPO: advantage r − r̄ (no std normalisation), capped ratio, length normaliser."""
     g = groups_of(batch, logprobs.dtype)
-    return capped_pg(batch, logprobs, centered_reward(g, batch, logprobs.dtype), config)
+    return capped_pg(batch, logprobs, centered_reward(g, batch, logprobs.dtype), config, reference=False)
 
 
 def icepop(
@@ -171,7 +217,7 @@ def icepop(
     adv = sg(centered_reward(g, batch, logprobs.dtype))
     norm = length_normaliser(batch, config.length_norm, config.norm_constant, logprobs.dtype)
     per_seq = _token_loss(batch, -rho * adv[:, None], norm)
-    return _finish(batch, logprobs, g, per_seq, ~keep)
+    return _finish(batch, logprobs, g, per_seq, ~keep, reference=False)
 
 
 def grpo(batch: Batch, logprobs: Array, config: GRPOConfig = GRPOConfig()) -> tuple[Ratio, Metrics]:
@@ -193,7 +239,7 @@ def grpo(batch: Batch, logprobs: Array, config: GRPOConfig = GRPOConfig()) -> tu
         per_token = per_token + batch.beta.astype(dtype) * (jnp.exp(d) - d - 1)
     clipped = ((rho > 1 + eps) & (adv > 0)) | ((rho < 1 - eps) & (adv < 0))
     per_seq = _token_loss(batch, per_token, length_normaliser(batch, "response", 1.0, dtype))
-    return _finish(batch, logprobs, g, per_seq, clipped)
+    return _finish(batch, logprobs, g, per_seq, clipped, reference=config.kl_penalty)
 
 
 def rloo(batch: Batch, logprobs: Array, config: RLOOConfig = RLOOConfig()) -> tuple[Ratio, Metrics]:
@@ -204,7 +250,7 @@ def rloo(batch: Batch, logprobs: Array, config: RLOOConfig = RLOOConfig()) -> tu
     k = g.row(g.count)  # real rows in the group
     baseline = (g.row(g.sum(r)) - r) / jnp.maximum(k - 1, 1)
     per_seq = -sg(r - baseline) * seq_sums(batch, logprobs).policy
-    return _finish(batch, logprobs, g, per_seq, None)
+    return _finish(batch, logprobs, g, per_seq, None, reference=config.kl_in_reward)
 
 
 def reinforce(
@@ -218,4 +264,4 @@ def reinforce(
     g = groups_of(batch, dtype)
     r = kl_regularised_reward(batch, logprobs) if config.kl_in_reward else batch.reward.astype(dtype)
     per_seq = -sg(g.centered(r)) * seq_sums(batch, logprobs).policy
-    return _finish(batch, logprobs, g, per_seq, None)
+    return _finish(batch, logprobs, g, per_seq, None, reference=config.kl_in_reward)

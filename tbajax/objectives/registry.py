@@ -27,6 +27,7 @@ from tbajax.objectives.policy_gradient import (
     ReinforceConfig,
     RLOOConfig,
     TBAPrimeConfig,
+    TBAPrimePaperConfig,
     dr_grpo,
     grpo,
     icepop,
@@ -42,6 +43,24 @@ DEFAULT_OBJECTIVE = "tb"
 
 
 @dataclasses.dataclass(frozen=True)
+class ObjectiveInputs:
+    """Which batch inputs an objective reads, so the trainer computes (and checks) only those.
+
+    reference_logprobs: `batch.reference_logprobs` (S − R terms, KL penalties). False lets the
+        trainer skip the reference forward pass, a full second forward per step.
+    behavior_logprobs: `batch.behavior_logprobs` (importance ratios, off-policy diagnostics).
+    The aux table is declared by `ObjectiveSpec.init_aux`, not here.
+    Default: everything (safe for objectives that say nothing).
+    """
+
+    reference_logprobs: bool = True
+    behavior_logprobs: bool = True
+
+
+EVERYTHING = ObjectiveInputs()
+
+
+@dataclasses.dataclass(frozen=True)
 class ObjectiveSpec:
     """An objective and what the trainer needs to drive it.
 
@@ -53,6 +72,8 @@ class ObjectiveSpec:
         num_prompts. The trainer differentiates the loss with respect to it as well and updates it
         with its own optimizer at lr × `config.aux_lr_scale`.
     positive_beta: validation rejects β <= 0 (the loss divides by β or needs it as a scale).
+    inputs: the `ObjectiveInputs` the loss reads, or `config -> ObjectiveInputs` when that depends
+        on the config (GRPO reads the reference only with its KL penalty on). Default: everything.
     """
 
     loss: Callable[..., tuple[Ratio, Metrics]]
@@ -60,6 +81,7 @@ class ObjectiveSpec:
     init_aux: Callable[[Any, int], PyTree] | None = None
     name: str = ""
     positive_beta: bool = False
+    inputs: ObjectiveInputs | Callable[[Any], ObjectiveInputs] = EVERYTHING
 
     def __post_init__(self) -> None:
         if self.init_aux is not None and (
@@ -70,10 +92,26 @@ class ObjectiveSpec:
                 f"objective {self.name!r} has init_aux, so its config_cls needs an "
                 "`aux_lr_scale` field (the trainer's lr multiplier for the aux params)"
             )
+        if not (isinstance(self.inputs, ObjectiveInputs) or callable(self.inputs)):
+            raise TypeError(
+                f"objective {self.name!r}: inputs must be an ObjectiveInputs or a function "
+                f"config -> ObjectiveInputs, got {self.inputs!r}"
+            )
 
     @property
     def has_aux(self) -> bool:
         return self.init_aux is not None
+
+    def inputs_for(self, config: Any) -> ObjectiveInputs:
+        """The inputs the loss reads under `config`."""
+        if isinstance(self.inputs, ObjectiveInputs):
+            return self.inputs
+        found = self.inputs(config)
+        if not isinstance(found, ObjectiveInputs):
+            raise TypeError(
+                f"objective {self.name!r}: inputs(config) returned {found!r}, not an ObjectiveInputs"
+            )
+        return found
 
     def make_config(self, overrides: Mapping[str, Any] | None = None) -> Any:
         """The default config with `overrides` applied; unknown keys are an error."""
@@ -94,6 +132,26 @@ class ObjectiveSpec:
             )
         return self.config_cls(**overrides)
 
+    def initial_aux(self, config: Any, num_prompts: int) -> PyTree | None:
+        """The initial per-prompt table (`init_aux(config, num_prompts)`, checked), or None for
+        objectives without aux params. `num_prompts` is `TrainerConfig.aux_table_size`."""
+        if not self.has_aux:
+            return None
+        if num_prompts < 1:
+            raise ValueError(
+                f"objective {self.name!r} trains one entry per prompt id (a learned log Z table); set "
+                "TrainerConfig.aux_table_size to the number of distinct prompt ids (largest "
+                "Trajectory.prompt_id + 1, e.g. the dataset's size)"
+            )
+        aux = self.init_aux(config, num_prompts)  # type: ignore[misc]
+        sizes = {getattr(x, "shape", ())[:1] for x in jax.tree.leaves(aux)}
+        if sizes != {(num_prompts,)}:
+            raise ValueError(
+                f"objective {self.name!r}: init_aux made a table with leading sizes "
+                f"{sorted(sizes)} for aux_table_size={num_prompts} (every leaf needs {num_prompts} rows)"
+            )
+        return aux
+
     def __call__(
         self, batch: Batch, logprobs: Array, config: Any, aux: PyTree | None = None
     ) -> tuple[Ratio, Metrics]:
@@ -105,6 +163,34 @@ class ObjectiveSpec:
         return self.loss(batch, logprobs, config, aux)
 
 
+def resolve_objective(
+    objective: Any,
+    config: Any = None,
+    *,
+    overrides: Mapping[str, Any] | None = None,
+    registry: Mapping[str, ObjectiveSpec] | None = None,
+) -> tuple[ObjectiveSpec, Any]:
+    """(spec, config) from a registered name, an import path, an ObjectiveSpec or a function.
+
+    config: the objective's config instance; None builds the default with `overrides` applied
+    (`spec.make_config(overrides)`; a bare function without a config annotation gets None).
+    Passing both is an error: overrides apply to the default only.
+    """
+    spec = get_objective(objective, OBJECTIVES if registry is None else registry)
+    if config is not None and overrides:
+        raise ValueError(
+            f"objective {spec.name!r}: pass either a config instance or overrides of the default, not both"
+        )
+    config = spec.make_config(overrides) if config is None else config
+    if spec.has_aux and not hasattr(config, "aux_lr_scale"):
+        raise ValueError(
+            f"objective {spec.name!r} has aux params but its config {config!r} has no "
+            "aux_lr_scale (the aux learning-rate multiplier)"
+        )
+    spec.inputs_for(config)  # a bad declaration fails here, not inside jit
+    return spec, config
+
+
 def gather_aux(aux: PyTree, prompt_ids: Array) -> PyTree:
     """Each row's slice of a per-prompt aux table; its gradient scatters back to the table."""
     return jax.tree.map(lambda a: a[prompt_ids], aux)
@@ -114,6 +200,15 @@ def _spec(name: str, loss, config_cls, **kw) -> ObjectiveSpec:
     return ObjectiveSpec(loss=loss, config_cls=config_cls, name=name, **kw)
 
 
+NO_REFERENCE = ObjectiveInputs(reference_logprobs=False)
+
+
+def _reference_if(flag: str) -> Callable[[Any], ObjectiveInputs]:
+    """Inputs of an objective that reads the reference only when `config.<flag>` is on."""
+    return lambda config: EVERYTHING if getattr(config, flag) else NO_REFERENCE
+
+
+# behaviour log-probs: every built-in reads them (ratios, or the off-policy diagnostics)
 OBJECTIVES: Mapping[str, ObjectiveSpec] = MappingProxyType(
     {
         "tb": _spec("tb", tb, TBConfig, positive_beta=True),
@@ -125,12 +220,13 @@ OBJECTIVES: Mapping[str, ObjectiveSpec] = MappingProxyType(
             positive_beta=True,
         ),
         "tba_prime": _spec("tba_prime", tba_prime, TBAPrimeConfig),
-        "dr_grpo": _spec("dr_grpo", dr_grpo, DrGRPOConfig),
-        "grpo": _spec("grpo", grpo, GRPOConfig),
-        "rloo": _spec("rloo", rloo, RLOOConfig),
-        "reinforce": _spec("reinforce", reinforce, ReinforceConfig),
+        "tba_prime_paper": _spec("tba_prime_paper", tba_prime, TBAPrimePaperConfig),
+        "dr_grpo": _spec("dr_grpo", dr_grpo, DrGRPOConfig, inputs=NO_REFERENCE),
+        "grpo": _spec("grpo", grpo, GRPOConfig, inputs=_reference_if("kl_penalty")),
+        "rloo": _spec("rloo", rloo, RLOOConfig, inputs=_reference_if("kl_in_reward")),
+        "reinforce": _spec("reinforce", reinforce, ReinforceConfig, inputs=_reference_if("kl_in_reward")),
         "online_dpo": _spec("online_dpo", online_dpo, OnlineDPOConfig, positive_beta=True),
-        "icepop": _spec("icepop", icepop, IcePopConfig),
+        "icepop": _spec("icepop", icepop, IcePopConfig, inputs=NO_REFERENCE),
     }
 )
 

@@ -7,11 +7,20 @@ from typing import Any
 import numpy as np
 
 from tbajax.batch import Batch
-from tbajax.objectives.registry import ObjectiveSpec, get_objective
+from tbajax.objectives.registry import EVERYTHING, ObjectiveInputs, ObjectiveSpec, get_objective
 
 _PER_TOKEN = ("attention_mask", "loss_mask", "behavior_logprobs", "reference_logprobs")
 _PER_ROW = ("reward", "group_id", "sample_mask", "policy_version", "prompt_id")
-_FINITE = ("reward", "behavior_logprobs", "reference_logprobs", "beta")
+
+
+def _inputs(spec: ObjectiveSpec | None, config: Any) -> ObjectiveInputs:
+    """What to check: the objective's declared inputs; everything when they depend on a config
+    that was not given (a check too many is harmless, one too few is not)."""
+    if spec is None:
+        return EVERYTHING
+    if isinstance(spec.inputs, ObjectiveInputs):
+        return spec.inputs
+    return EVERYTHING if config is None else spec.inputs_for(config)
 
 
 def validate_batch(
@@ -19,14 +28,26 @@ def validate_batch(
     objective: str | ObjectiveSpec | Any | None = None,
     logprobs: Any | None = None,
     *,
+    objective_config: Any = None,
+    reference_from_trainer: bool = False,
     min_group_size: int = 2,
 ) -> None:
     """Raise ValueError naming the field if the batch cannot give a meaningful loss.
 
     Checks shapes, finiteness of rewards / β / log-probs (including `logprobs` if given), group
     ids in [0, B), at least `min_group_size` real rows per group (group baselines need >= 2), and
-    β >= 0 (> 0 for objectives whose spec has `positive_beta`, such as TB).
+    β >= 0 (> 0 for objectives whose spec has `positive_beta`, such as TB). Behaviour and
+    reference log-probs are checked for finiteness only when the objective reads them
+    (`ObjectiveSpec.inputs`, under `objective_config` when they depend on it), and reference
+    log-probs not at all when `reference_from_trainer` (the trainer scores them itself).
     """
+    spec = None if objective is None else get_objective(objective)
+    inputs = _inputs(spec, objective_config)
+    finite = ["reward", "beta"]
+    if inputs.behavior_logprobs:
+        finite.append("behavior_logprobs")
+    if inputs.reference_logprobs and not reference_from_trainer:
+        finite.append("reference_logprobs")
     arr = {f: np.asarray(getattr(batch, f)) for f in ("tokens", *_PER_TOKEN, *_PER_ROW, "beta")}
     if logprobs is not None:
         arr["logprobs"] = np.asarray(logprobs)
@@ -42,7 +63,7 @@ def validate_batch(
     if arr["beta"].shape != ():
         raise ValueError(f"beta must be a scalar, got shape {arr['beta'].shape}")
 
-    for f in (*_FINITE, *(("logprobs",) if logprobs is not None else ())):
+    for f in (*finite, *(("logprobs",) if logprobs is not None else ())):
         bad = ~np.isfinite(arr[f])
         if bad.any():
             rows = sorted({int(i) for i in np.argwhere(bad)[:, 0]}) if bad.ndim else []
@@ -69,8 +90,7 @@ def validate_batch(
     beta = float(arr["beta"])
     if beta < 0:
         raise ValueError(f"beta must be >= 0, got {beta}")
-    if objective is not None:
-        spec = get_objective(objective)
+    if spec is not None:
         if spec.positive_beta and beta <= 0:
             raise ValueError(
                 f"objective {spec.name!r} needs beta > 0 (TB divides the reward by beta; DPO "

@@ -12,6 +12,19 @@ from typing import Any
 import numpy as np
 
 
+def _require(module: str, what: str) -> Any:
+    """Import an optional dependency of the `plots` extra, or say how to get it."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise ImportError(
+            f"{what} needs the {module.split('.')[0]} package, which a lean install leaves out: "
+            "pip install 'tbajax[plots]'"
+        ) from e
+
+
 class MetricsWriter:
     """Appends `{"step", "time", "role", **scalars}` to metrics.jsonl and to TensorBoard."""
 
@@ -21,8 +34,7 @@ class MetricsWriter:
         self.role = role
         self._tb = None
         if tensorboard:
-            from tensorboardX import SummaryWriter
-
+            SummaryWriter = _require("tensorboardX", "MetricsWriter(tensorboard=True)").SummaryWriter
             self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard" / role), flush_secs=10)
 
     def write(self, step: int, scalars: Mapping[str, Any]) -> dict[str, Any]:
@@ -65,9 +77,7 @@ def read_metrics(run_dir: str | Path, role: str | None = None) -> list[dict[str,
 
 def plot_learning_curve(run_dir: str | Path, out: str | Path | None = None) -> Path | None:
     """Eval accuracy and training reward against wall time and trainer step, as one PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+    _require("matplotlib", "plot_learning_curve").use("Agg")
     import matplotlib.pyplot as plt
 
     records = read_metrics(run_dir)

@@ -19,11 +19,11 @@ import jax
 import numpy as np
 from flax import nnx
 
-from tbajax.batch import collate
-from tbajax.buffer import BufferConfig, BufferEmptyError, ReplayBuffer, Tailer
+from tbajax.buffer import BufferConfig, BufferEmptyError, Tailer, TrajectoryBuffer
+from tbajax.buffer import make_buffer as buffer_for
 from tbajax.config import ExperimentConfig
 from tbajax.models import CausalLM, load_model
-from tbajax.objectives import get_objective
+from tbajax.objectives import resolve_objective
 from tbajax.objectives.validate import validate_batch
 from tbajax.sharding import make_mesh
 from tbajax.stores import (
@@ -36,15 +36,11 @@ from tbajax.system import rundir
 from tbajax.system.evaluation import Evaluator
 from tbajax.system.metrics import MetricsWriter, plot_learning_curve, read_metrics
 from tbajax.system.searcher import make_reward_pool
-from tbajax.training import Checkpointer, Trainer
+from tbajax.training import Checkpointer, PolicyUpdater
+from tbajax.training.collate import collate
 from tbajax.trajectory import Trajectory
 
 log = logging.getLogger(__name__)
-
-
-def resolve_objective(name: str) -> Any:
-    """A registered name, 'package.module:fn', or 'path/to/file.py:fn' (a user's own file)."""
-    return get_objective(name)
 
 
 class Learner:
@@ -52,9 +48,10 @@ class Learner:
 
     def __init__(self, config: ExperimentConfig, model: CausalLM, mesh: Any = None):
         self.config = config
-        self.objective = resolve_objective(config.train.objective)
-        objective_config = self.objective.make_config(dict(config.train.objective_options))
-        self.trainer = Trainer(model, config.train.trainer, self.objective, objective_config, mesh=mesh)
+        self.objective, self.objective_config = resolve_objective(
+            config.train.objective, overrides=dict(config.train.objective_options)
+        )
+        self.trainer = PolicyUpdater(model, config.train.trainer, self.objective, self.objective_config, mesh=mesh)
         self.rows = config.train.groups_per_step * config.buffer.samples_per_group
         self.tokens_trained = 0
 
@@ -74,7 +71,8 @@ class Learner:
             pack_microbatches=trainer.num_microbatches if trainer.pack_groups else None,
             pack_row_multiple=self.trainer.batch_shards,
         )
-        validate_batch(batch, self.objective)
+        validate_batch(batch, self.objective, objective_config=self.objective_config,
+                       reference_from_trainer=trainer.compute_reference_logprobs)
         metrics = self.trainer.step(batch)
         rows = [t for g in groups for t in g]
         per_searcher = np.bincount([t.searcher_id for t in rows], minlength=1)
@@ -101,12 +99,12 @@ def _beta_placeholder(config: ExperimentConfig) -> float:
     return beta.start if beta is not None else 0.0
 
 
-def make_buffer(config: ExperimentConfig) -> ReplayBuffer:
+def make_buffer(config: ExperimentConfig) -> TrajectoryBuffer:
     if config.system.mode == "sync":  # consume exactly the groups just generated, once
-        return ReplayBuffer(
+        return buffer_for(
             BufferConfig(mode="fifo_once", async_level=0, samples_per_group=config.buffer.samples_per_group)
         )
-    return ReplayBuffer(config.buffer)
+    return buffer_for(config.buffer)
 
 
 def run_trainer(run_dir: Path, *, resume: bool = False, store_url: str | None = None) -> dict[str, Any]:
@@ -250,7 +248,7 @@ class StoreTail:
         self.known: set[int] = set()
         self.last_discovery = -float("inf")
 
-    def fill(self, buffer: ReplayBuffer, version: int) -> None:
+    def fill(self, buffer: TrajectoryBuffer, version: int) -> None:
         if time.time() - self.last_discovery > self.rediscover_every_s or not self.known:
             self.last_discovery = time.time()
             for sid, url in discover_searcher_stores(self.store).items():
@@ -283,7 +281,7 @@ class InlineRollouts:
         self.samples = 0
         self.generate_s = self.last_generate_s = 0.0
 
-    def fill(self, buffer: ReplayBuffer, version: int) -> None:
+    def fill(self, buffer: TrajectoryBuffer, version: int) -> None:
         t0 = time.time()
         rows = self.rollouts.generate(
             self.rollouts.take_fitting(self.stream, self.config.train.groups_per_step),
@@ -304,7 +302,7 @@ class InlineRollouts:
 
 
 
-def _checkpoint(checkpoints: Checkpointer, learner: Learner, buffer: ReplayBuffer,
+def _checkpoint(checkpoints: Checkpointer, learner: Learner, buffer: TrajectoryBuffer,
                 summary_start: dict[str, Any], start_time: float, force: bool = False) -> None:
     checkpoints.save(
         learner.trainer.state,

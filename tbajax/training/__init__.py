@@ -1,4 +1,4 @@
-"""The trainer: a functional train state, one jitted sharded update, schedules, checkpoints.
+"""The policy update: a functional train state, one jitted sharded update, schedules, checkpoints.
 
     graphdef, state = init_train_state(model, TrainerConfig(...), mesh)
     step = make_train_step(graphdef, config, "tb", mesh=mesh, state_sharding=state_shardings(state, mesh))
@@ -6,15 +6,22 @@
     state, out = step(state, batch)
     metrics = raise_on_bad_step(out, update)  # NonFiniteLossError: the update was not applied
 
-`Trainer` wraps exactly that with the host-side checks; `Checkpointer` saves and restores states.
+Modules, by seam: `loss` (one micro-batch's loss: policy and, if the objective reads it,
+reference scoring), `microbatch` (exact gradient accumulation), `step` (accumulated gradients
+-> one update, jitted), `updater` (`PolicyUpdater`, the stateful edge with host-side checks),
+`collate` (host side: trajectories -> Batch), `state`, `config`, `schedules`, `checkpoint`.
+
 An objective with per-prompt trainable params (`tb_learned_logz`) needs
 `TrainerConfig(aux_table_size=number of prompt ids)` and a state built with
-`init_train_state(model, config, mesh, aux=initial_aux("tb_learned_logz", objective_config, config))`
-(`Trainer` does this); the table is `state.aux`, e.g. `state.aux["log_z"][prompt_id]`.
+`init_train_state(model, config, mesh, aux=spec.initial_aux(objective_config, config.aux_table_size))`
+(`PolicyUpdater` does this); the table is `state.aux`, e.g. `state.aux["log_z"][prompt_id]`.
 """
 
+from tbajax.objectives.registry import resolve_objective
 from tbajax.training.checkpoint import Checkpointer
 from tbajax.training.config import BetaSchedule, LRSchedule, OptimizerConfig, TrainerConfig
+from tbajax.training.loss import sequence_logprobs
+from tbajax.training.microbatch import accumulate_gradients
 from tbajax.training.schedules import beta_at, learning_rate
 from tbajax.training.state import (
     AuxAdamState,
@@ -27,6 +34,7 @@ from tbajax.training.state import (
     init_train_state,
     make_optimizer,
     reset_reference,
+    scale_by_row_adam,
     split_policy,
     state_shardings,
     update_key,
@@ -35,15 +43,13 @@ from tbajax.training.step import (
     MicroBatchLayoutError,
     NonFiniteLossError,
     StepOutput,
-    Trainer,
-    accumulate_gradients,
     batch_shardings,
     initial_aux,
     make_train_step,
     raise_on_bad_step,
-    sequence_logprobs,
     train_step,
 )
+from tbajax.training.updater import PolicyUpdater, Trainer
 
 __all__ = [
     "AuxAdamState",
@@ -53,6 +59,7 @@ __all__ = [
     "MicroBatchLayoutError",
     "NonFiniteLossError",
     "OptimizerConfig",
+    "PolicyUpdater",
     "StepOutput",
     "TrainState",
     "Trainer",
@@ -72,6 +79,8 @@ __all__ = [
     "make_train_step",
     "raise_on_bad_step",
     "reset_reference",
+    "resolve_objective",
+    "scale_by_row_adam",
     "sequence_logprobs",
     "split_policy",
     "state_shardings",

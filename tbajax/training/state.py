@@ -135,6 +135,22 @@ def aux_adam_update(
     return jax.tree.map(direction, mu, nu), AuxAdamState(count=count, mu=mu, nu=nu)
 
 
+def scale_by_row_adam(config: OptimizerConfig) -> optax.GradientTransformationExtraArgs:
+    """`aux_adam_update` as an optax transformation (state: `AuxAdamState`):
+    `update(grads, state, params=None, touched=rows)` with `touched` [N] the rows the batch trains.
+
+    optax's own Adam keeps one step count for the whole tree; a learned log Z table needs one per
+    row (see `aux_adam_update`), hence this transformation.
+    """
+
+    def update(grads: PyTree, state: AuxAdamState, params: PyTree | None = None, *, touched: Array,
+               **extra: Any) -> tuple[PyTree, AuxAdamState]:
+        del params, extra
+        return aux_adam_update(grads, state, touched, config)
+
+    return optax.GradientTransformationExtraArgs(init_aux_opt_state, update)
+
+
 def split_policy(model: nnx.Module, config: TrainerConfig) -> tuple[nnx.GraphDef, nnx.State]:
     """(graphdef, params) of a copy of `model` set to the trainer's precision.
 

@@ -1,0 +1,93 @@
+"""The loss of one micro-batch as the step differentiates it: score the batch under the policy
+(and, when the objective reads them, under the reference), hand both to the objective.
+
+Only what the objective declares (`ObjectiveSpec.inputs`) is computed and checked: an objective
+that never reads reference log-probs (`dr_grpo`, `grpo` without its KL term) costs one forward,
+not two.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from tbajax.batch import Batch, packed_token_logprobs, token_logprobs
+from tbajax.models.decoder import packed_attention_mask
+from tbajax.objectives.base import Metrics
+from tbajax.objectives.registry import EVERYTHING, ObjectiveInputs, ObjectiveSpec, gather_aux
+from tbajax.training.config import TrainerConfig
+
+Array = jax.Array
+PyTree = Any
+
+
+def sequence_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, temperature: float) -> Array:
+    """Per-token log-probs [B, T] of `batch.tokens` under (graphdef, params) at `temperature`;
+    through `batch.packed` when present (then on response tokens only)."""
+    model = nnx.merge(graphdef, params)
+    if batch.packed is not None:
+        pk = batch.packed
+        logits, _ = model(pk.tokens, pk.positions, packed_attention_mask(pk.segments))
+        return packed_token_logprobs(logits, batch, temperature)
+    logits, _ = model(batch.tokens, attention_mask=batch.attention_mask)
+    return token_logprobs(logits, batch.tokens, temperature)
+
+
+def objective_inputs(objective: Any, objective_config: Any) -> ObjectiveInputs:
+    """The inputs `objective` reads: its spec's declaration, everything for a bare function."""
+    if isinstance(objective, ObjectiveSpec):
+        return objective.inputs_for(objective_config)
+    return EVERYTHING
+
+
+def scores_reference(objective: Any, objective_config: Any, config: TrainerConfig) -> bool:
+    """Whether the step runs the reference forward: the trainer owns the reference
+    (`compute_reference_logprobs`) and the objective reads its log-probs."""
+    return config.compute_reference_logprobs and objective_inputs(objective, objective_config).reference_logprobs
+
+
+def rows_finite(batch: Batch, logprobs: Array, inputs: ObjectiveInputs = EVERYTHING) -> Array:
+    """[B] False for a real row whose reward, log-probs or stored log-probs the objective reads
+    are NaN/inf."""
+
+    def ok(x: Array, mask: Array) -> Array:
+        return jnp.isfinite(jnp.where(mask, x, 0.0)).all(-1)
+
+    good = jnp.isfinite(batch.reward) & ok(logprobs, batch.attention_mask)
+    if inputs.reference_logprobs:
+        good = good & ok(batch.reference_logprobs, batch.loss_mask)
+    if inputs.behavior_logprobs:
+        good = good & ok(batch.behavior_logprobs, batch.loss_mask)
+    return good | ~batch.sample_mask
+
+
+def microbatch_loss(
+    trainable: tuple[nnx.State, PyTree | None],
+    ref_params: nnx.State | None,
+    batch: Batch,
+    *,
+    graphdef: nnx.GraphDef,
+    objective: Any,
+    objective_config: Any,
+    config: TrainerConfig,
+) -> tuple[Array, tuple[Array, Metrics, Array]]:
+    """(loss sum, (loss count, metrics, row_finite)): the sum is what gets differentiated,
+    with respect to `trainable` = (params, aux table or None)."""
+    params, aux = trainable
+    inputs = objective_inputs(objective, objective_config)
+    logprobs = sequence_logprobs(graphdef, params, batch, config.temperature)
+    if scores_reference(objective, objective_config, config):
+        ref = sequence_logprobs(graphdef, jax.lax.stop_gradient(ref_params), batch, config.temperature)
+        batch = dataclasses.replace(
+            batch, reference_logprobs=jnp.where(batch.loss_mask, jax.lax.stop_gradient(ref), 0.0)
+        )
+    if aux is None:
+        loss, metrics = objective(batch, logprobs, objective_config)
+    else:
+        loss, metrics = objective(batch, logprobs, objective_config, gather_aux(aux, batch.prompt_id))
+    row_ok = rows_finite(batch, jax.lax.stop_gradient(logprobs), inputs)
+    return loss.total, (jax.lax.stop_gradient(loss.count), metrics, row_ok)
