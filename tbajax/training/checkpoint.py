@@ -2,7 +2,8 @@
 
 One checkpoint per saved step under `directory/<step>/` with two items, `state` (params,
 optimizer state, reference params, step, PRNG key, and an objective's aux table with its
-optimizer state when it has one) and `extra` (e.g. the replay-buffer cursor).
+optimizer state when it has one) and `extra` (JSON: the replay buffer's sync/consumption state, counters; the rows themselves are
+re-read from the trajectory stores on resume, not checkpointed).
 Saves are asynchronous: `save` returns once the arrays are copied off the device, and the
 files are committed in the background (a checkpoint is complete when orbax has written its
 `commit_success.txt`; incomplete ones are never listed). Only the newest `max_to_keep` are kept.
