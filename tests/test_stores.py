@@ -428,7 +428,7 @@ def test_async_publish_and_bad_input(tmp_path: Path, meshes) -> None:
     with pytest.raises(ValueError, match="publish dtype must be one of"):
         ParamPublisher(url, "run-e", dtype="int8")
     (tmp_path / "params" / "latest.json").write_text("{not json")
-    with pytest.raises(ValueError, match="not valid JSON"):
+    with pytest.raises(ParamStoreError, match="is corrupt .*not valid JSON.*delete it: the trainer rebuilds it"):
         reader.latest_version()
     pub.close()
 
@@ -466,3 +466,45 @@ def test_model_params_round_trip_through_store(tmp_path: Path, meshes) -> None:
         nnx.to_pure_dict(nnx.state(model, nnx.Param)),
         trained,
     )
+
+
+# ------------------------------------------------------------------ param store recovery (one device)
+
+
+def _tiny(scale: float) -> dict:
+    return {"w": jnp.arange(6, dtype=jnp.float32) * scale}
+
+
+def test_deleted_or_corrupt_pointer_is_rebuilt_from_the_newest_complete_version(tmp_path: Path, caplog) -> None:
+    url = param_store_url(tmp_path)
+    with ParamPublisher(url, "run-a", dtype=None) as pub:
+        for s in (1.0, 2.0, 3.0):
+            pub.publish(_tiny(s))
+    latest = tmp_path / "params" / "latest.json"
+    latest.unlink()  # as a user might after a corrupt-pointer error
+    with ParamPublisher(url, "run-a", dtype=None) as pub:
+        assert pub.latest_version() == 3  # not 0: versions go on above what searchers saw
+        assert pub.publish(_tiny(4.0)) == 4
+    assert ParamReader(url, "s").latest_version() == 4
+    latest.write_text('{"format": "tbajax.par')  # torn
+    with ParamPublisher(url, "run-a", dtype=None) as pub:
+        assert pub.latest_version() == 4 and pub.publish(_tiny(5.0)) == 5
+    assert "is corrupt" in caplog.text and "rebuilt" in caplog.text
+    record = json.loads(latest.read_text())
+    del record["run_id"]
+    latest.write_text(json.dumps(record))
+    with pytest.raises(ParamStoreError, match=r"latest.json lacks a valid run_id field .*delete the file"):
+        ParamReader(url, "s").latest_version()
+
+
+def test_lease_is_renewed_during_a_slow_restore(tmp_path: Path) -> None:
+    url = param_store_url(tmp_path)
+    with ParamPublisher(url, "run-a", dtype=None) as pub:
+        pub.publish(_tiny(1.0))
+    reader = ParamReader(url, "slow")
+    lease = tmp_path / "params" / "readers" / "slow.json"
+    with reader.lease(1, renew_every_s=0.05):
+        first = json.loads(lease.read_text())["time"]
+        time.sleep(0.5)
+        assert json.loads(lease.read_text())["time"] > first + 0.04  # heartbeat rewrote it
+    assert not lease.exists()
