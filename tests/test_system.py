@@ -132,7 +132,28 @@ def test_killed_searcher_is_restarted_and_nothing_committed_is_lost(tmp_path):
     assert all(np.isfinite(r.behavior_logprobs).all() for r in rows)
 
 
-def test_killed_trainer_resumes_from_its_checkpoint(tmp_path):
+def _checkpoint_steps(run: Path) -> list[int]:
+    return sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()
+                  and (p / "commit_success.txt").exists())
+
+
+def _counts(tree, path=()) -> list[tuple[tuple, int]]:
+    """(path, value) of every scalar leaf named like an optimizer step count in a raw orbax tree."""
+    if isinstance(tree, dict):
+        return [c for k, v in tree.items() for c in _counts(v, (*path, k))]
+    if isinstance(tree, (list, tuple)):
+        return [c for i, v in enumerate(tree) for c in _counts(v, (*path, i))]
+    if "count" in str(path[-1:]) and np.ndim(tree) == 0:
+        return [(path, int(tree))]
+    return []
+
+
+def test_killed_trainer_resumes_exactly_from_its_checkpoint(tmp_path):
+    """A resume, not a restart: the first step after it is the checkpoint's + 1, the optimizer and
+    buffer state come back, the restored params are republished at once as a new version, and
+    versions, counters and metrics stay consistent across the two sessions."""
+    import orbax.checkpoint as ocp
+
     run = tmp_path / "run"
     args = ["--set", "train.steps=8", "--set", "train.checkpoint_every=2"]
     proc = _main(run, *args)
@@ -141,16 +162,39 @@ def test_killed_trainer_resumes_from_its_checkpoint(tmp_path):
     out = _finish(proc)
     assert proc.returncode != 0 and "trainer failed" in out, out
     version_before = ParamReader(param_store_url(str(run)), "test").latest_version()
-    rows_before = TrajectoryReader(discover_searcher_stores(str(run))[0]).committed_rows()
+    ckpt = _checkpoint_steps(run)[-1]
+    assert ckpt >= 4
+    extra = json.loads((run / "checkpoints" / str(ckpt) / "extra" / "metadata").read_text())
+    trained_before = [r["step"] for r in read_metrics(run, "trainer") if "loss" in r]
+    assert max(trained_before) > ckpt  # steps after the checkpoint were lost: they must be redone
 
     out = _finish(_main(run, *args, "--resume"))
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["trainer_steps"] == 8, out
+    assert summary["trainer_steps"] == 8 and summary["stopped_early"] is False, out
+    raw = read_metrics(run, "trainer", superseded=True)
+    marker_at = next(i for i, r in enumerate(raw) if r.get("event") == "resume")
+    marker = raw[marker_at]
+    assert marker["from_step"] == ckpt
+    after = [r for r in raw[marker_at + 1:] if "loss" in r]
+    assert [r["step"] for r in after] == list(range(ckpt + 1, 9))  # not 1..8: a resume, not a restart
+    # buffer state: the restored sync versions are the checkpoint's
+    assert marker["restored_sync_versions"] == extra["buffer"]["sync_versions"]
+    # params republished at once under a new version, above anything searchers could have loaded
+    assert marker["version"] > version_before
+    versions = [r["version"] for r in raw if "version" in r]
+    assert versions == sorted(versions)
+    assert after[0]["version"] >= marker["version"]
+    # optimizer state: Adam's step count in the final checkpoint covers all 8 updates
+    state = ocp.StandardCheckpointer().restore(run / "checkpoints" / "8" / "state")
+    counts = _counts(state["opt_state"])
+    assert counts and all(c == 8 for _, c in counts), counts
+    # each step once in the deduplicated metrics; counters carried over
     steps = [r["step"] for r in read_metrics(run, "trainer") if "loss" in r]
-    assert steps[-1] == 8
-    resumed = [r for r in read_metrics(run, "trainer") if "loss" in r][-1]
-    assert resumed["version"] > version_before  # versions stay monotone across the restart
-    assert resumed["buffer_rows"] >= min(rows_before, 32)  # the buffer was rebuilt from the stores
+    assert steps == list(range(1, 9))
+    assert summary["trainer_wait_s"] >= extra["trainer_wait_s"]
+    assert summary["wall_time_s"] >= extra["elapsed_s"]
+    stored = sum(TrajectoryReader(u).committed_rows() for u in discover_searcher_stores(str(run)).values())
+    assert summary["samples_generated"] == stored
 
 
 def test_hanging_and_raising_reward_functions_cost_only_their_samples(tmp_path):
