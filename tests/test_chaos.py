@@ -38,3 +38,102 @@ def test_truncated_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, ca
             f.write_bytes(b"")
     with pytest.raises(RuntimeError, match=r"none of the checkpoints .* step 4: .*step 2: .*Move the checkpoints"):
         Checkpointer(tmp_path / "ckpt").restore(_state(0))
+
+
+# ------------------------------------------------------------------ bad rows and bad grades
+
+
+def _row(i: int, **over) -> "Trajectory":
+    from tbajax.trajectory import RewardStatus, Trajectory
+
+    fields = dict(prompt_id=i, group_id=i, prompt_tokens=np.array([1, 2, 3], np.int32),
+                  response_tokens=np.array([4, 63], np.int32), behavior_logprobs=np.array([-0.5, -1.0], np.float32),
+                  reward=1.0, reward_status=RewardStatus.OK, searcher_id=0)
+    return Trajectory(**{**fields, **over})
+
+
+def test_check_row_names_what_makes_a_row_untrainable():
+    from tbajax.system.trainer import check_row
+
+    assert check_row(_row(0), vocab_size=64) is None
+    assert check_row(_row(0, reward=float("nan")), 64) == "non-finite reward"
+    assert check_row(_row(0, response_tokens=np.array([4, 64], np.int32)), 64) == "response_tokens outside [0, vocab_size)"
+    assert check_row(_row(0, prompt_tokens=np.array([-1], np.int32)), 64) == "prompt_tokens outside [0, vocab_size)"
+    assert check_row(_row(0, behavior_logprobs=np.array([-0.5, np.inf], np.float32)), 64) == "non-finite behavior log-probs"
+    assert check_row(_row(0, reference_logprobs=np.array([np.nan, 0.0], np.float32)), 64) == "non-finite reference log-probs"
+
+
+def test_store_tail_skips_and_counts_durable_bad_rows(tmp_path):
+    """A NaN reward and a corrupted token id are durable in the store: the trainer's tail skips
+    them (every resume re-reads them) and counts them, instead of stopping on them forever."""
+    from tbajax.stores import TrajectoryWriter, trajectory_store_url
+    from tbajax.system.trainer import StoreTail
+
+    writer = TrajectoryWriter(trajectory_store_url(tmp_path, 0), 0)
+    writer.append([_row(0), _row(1, reward=float("nan")), _row(2), _row(3, prompt_tokens=np.array([9999], np.int32))])
+
+    class Collect:
+        def __init__(self):
+            self.rows = []
+
+        def add(self, rows):
+            self.rows.extend(rows)
+
+    for _ in range(2):  # a resumed trainer re-reads the same rows: same verdict
+        tail, got = StoreTail(str(tmp_path), vocab_size=64), Collect()
+        tail.fill(got, 0)
+        assert [t.prompt_id for t in got.rows] == [0, 2]
+        assert tail.invalid_rows == {"non-finite reward": 1, "prompt_tokens outside [0, vocab_size)": 1}
+        assert tail.invalid_total() == 2
+
+
+def test_in_process_grading_gives_the_pool_statuses():
+    """NaN, inf, a raise and a malformed return all become ERROR with reward 0, exactly as in the
+    reward pool (`call_reward`), so no non-finite reward reaches a store."""
+    import dataclasses
+
+    from tbajax.system.searcher import GradeWatch, score_in_process
+    from tbajax.tasks.arithmetic import arithmetic_task
+    from tbajax.tasks.reward_pool import call_reward
+    from tbajax.trajectory import RewardStatus
+
+    def grader(completion, answer):
+        return {"nan": (float("nan"), 0), "inf": (float("inf"), 0), "bad": "oops", "ok": (1.0, 0),
+                "wrong": (0.0, 1)}.get(completion) or (_ for _ in ()).throw(ValueError("grader bug"))
+
+    task = dataclasses.replace(arithmetic_task(), reward_fn=grader)
+    texts = ["nan", "inf", "bad", "raise", "ok", "wrong"]
+    got = score_in_process(task, texts, [None] * len(texts))
+    assert [(r.reward, r.status) for r in got] == [(0.0, RewardStatus.ERROR)] * 4 + [(1.0, RewardStatus.OK), (0.0, RewardStatus.WRONG)]
+    assert got == [call_reward(grader, t, None) for t in texts[:3]] + got[3:]
+    assert got[3].error.startswith("ValueError: grader bug")
+
+    watch = GradeWatch(window=4)
+    watch.add(got[:4])  # four failures in a row: the grader is broken
+    assert watch.all_failed() and watch.first_error.startswith("reward function returned a non-finite reward nan")
+    watch.add(got[4:5])
+    assert not watch.all_failed()
+    watch.add(got[:3])
+    assert not watch.all_failed()  # one success among the last four
+    watch.add(got[3:4])
+    assert watch.all_failed() and watch.first_error.startswith("reward function returned a non-finite")
+
+
+def test_resume_markers_drop_superseded_trainer_records(tmp_path):
+    from tbajax.system.metrics import read_metrics
+
+    lines = [
+        {"role": "trainer", "step": 0, "eval_accuracy": 0.1},
+        *({"role": "trainer", "step": s, "loss": float(s)} for s in (1, 2, 3, 4, 5)),
+        {"role": "searcher-0", "step": 40, "samples": 40},
+        {"role": "trainer", "event": "resume", "from_step": 2, "step": 2},
+        *({"role": "trainer", "step": s, "loss": 10.0 + s} for s in (3, 4)),
+        {"role": "trainer", "event": "resume", "from_step": 4, "step": 4},
+        *({"role": "trainer", "step": s, "loss": 20.0 + s} for s in (5, 6)),
+    ]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in lines) + "\n")
+    losses = {r["step"]: r["loss"] for r in read_metrics(tmp_path, "trainer") if "loss" in r}
+    assert [r["step"] for r in read_metrics(tmp_path, "trainer") if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    assert losses == {1: 1.0, 2: 2.0, 3: 13.0, 4: 14.0, 5: 25.0, 6: 26.0}
+    assert len(read_metrics(tmp_path, "searcher-0")) == 1
+    assert len(read_metrics(tmp_path, superseded=True)) == len(lines)
