@@ -221,6 +221,61 @@ def test_hanging_and_raising_reward_functions_cost_only_their_samples(tmp_path):
     assert RewardStatus.TIMEOUT in statuses and RewardStatus.ERROR in statuses
 
 
+def test_a_grader_that_always_raises_stops_the_searcher_with_the_reason(tmp_path):
+    task = tmp_path / "broken_task.py"
+    task.write_text(
+        "import dataclasses\n"
+        "from tbajax.tasks.arithmetic import arithmetic_task\n\n"
+        "def broken_reward(completion, answer):\n"
+        "    raise KeyError('no such answer field')\n\n"
+        "def make(**kwargs):\n"
+        "    return dataclasses.replace(arithmetic_task(**kwargs), name='broken', reward_fn=broken_reward,\n"
+        "                               cheap_reward=True)\n"
+    )
+    run = tmp_path / "run"
+    proc = _main(run, "--set", f"task.name={task}:make", "--set", "train.steps=50",
+                 "--set", "rollout.fail_fast_grades=8", "--set", "system.max_searcher_restarts=0")
+    out = _finish(proc, 240)
+    assert proc.returncode != 0, out
+    log = (run / "logs" / "searcher-0.log").read_text()
+    for text in (out, log):  # the launcher's tail shows the reason
+        assert "the last 8 grades of task 'broken' all failed" in text, text[-3000:]
+        assert "KeyError: 'no such answer field'" in text, text[-3000:]
+    assert "searcher-0 failed 1 times (exit 3)" in out
+
+
+def test_stop_request_checkpoints_before_the_final_evaluation(tmp_path):
+    """Ctrl-C: the trainer checkpoints first, then evaluates (slowly here), and the summary says
+    where it stopped and how to continue."""
+    run = tmp_path / "run"
+    task = tmp_path / "slow_eval_task.py"
+    task.write_text(  # grading is slow once a stop was requested, i.e. in the final evaluation
+        "import dataclasses, os, time\n"
+        "from tbajax.tasks.arithmetic import arithmetic_reward, arithmetic_task\n\n"
+        "def slow_reward(completion, answer):\n"
+        f"    if os.path.exists({str(run / 'control' / 'stop')!r}):\n"
+        "        time.sleep(0.5)\n"
+        "    return arithmetic_reward(completion, answer)\n\n"
+        "def make(**kwargs):\n"
+        "    return dataclasses.replace(arithmetic_task(**kwargs), reward_fn=slow_reward, cheap_reward=True)\n"
+    )
+    proc = _main(run, "--mode=sync", "--set", f"task.name={task}:make", "--set", "train.steps=50",
+                 "--set", "train.checkpoint_every=100", "--set", "rollout.prompts_per_call=2",
+                 "--set", "train.groups_per_step=2")
+    _wait_for(lambda: _status(run, "trainer").get("step", 0) >= 2 or proc.poll() is not None, 240, "step 2")
+    assert proc.poll() is None, proc.communicate()[0][-3000:]
+    proc.send_signal(signal.SIGINT)
+    out = _finish(proc, 240)
+    summary = json.loads((run / "summary.json").read_text())
+    at = summary["stopped_at_step"]
+    assert summary["stopped_early"] is True and 2 <= at < 50, out
+    assert summary["resume_with"].endswith("--resume") and summary["trainer_steps"] == at
+    assert _checkpoint_steps(run) == [at]  # no periodic checkpoint: this one was taken on the stop
+    final_eval = [r for r in read_metrics(run, "trainer") if "eval_accuracy" in r][-1]
+    saved = (run / "checkpoints" / str(at) / "commit_success.txt").stat().st_mtime
+    assert final_eval["time"] - saved > 16 * 0.5 * 0.8  # the checkpoint was committed before the eval ran
+
+
 @pytest.mark.parametrize("bad, message", [
     (["--set", "train.stpes=3"], "Did you mean 'train.steps'"),
     (["--set", "model.checkpoint=/nonexistent/ckpt"], "neither a local directory nor a hub id"),

@@ -260,8 +260,8 @@ def _fault_pause(url: str, commit: Mapping[str, Any], grow: Mapping[str, int]) -
     pause = os.environ.get(FAULT_PAUSE_ENV)
     if not pause:
         return
-    log.warning("fault hook: data for %s written past %s of %s; pausing %s s before the commit",
-                dict(grow), {e: commit[e] for e in grow}, url, pause)
+    log.warning("fault hook: pid %d wrote data past committed rows %d (+%d) of %s; pausing %s s before the commit",
+                os.getpid(), commit.get("rows", -1), grow.get("rows", 0), url, pause)
     for h in logging.getLogger().handlers:
         h.flush()
     time.sleep(float(pause))

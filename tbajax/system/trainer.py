@@ -390,6 +390,7 @@ class InlineRollouts:
         self.stream = PromptStream(self.rollouts.task.load("train"), 0, 1, config.seed,
                                    start=self.writer.committed_rows() // config.rollout.sampling.num_samples)
         self.key = jax.random.PRNGKey(config.seed + 1000)
+        self.invalid_rows: collections.Counter[str] = collections.Counter()  # rows come straight from the sampler
         self.samples = 0
         self.generate_s = self.last_generate_s = 0.0
 
@@ -411,6 +412,12 @@ class InlineRollouts:
 
     def set_params(self, learner: Learner) -> None:
         self.rollouts.set_params(learner.trainer.state.params)
+
+    def invalid_total(self) -> int:
+        return 0
+
+    def invalid_status(self) -> dict[str, int]:
+        return {}
 
 
 
