@@ -130,8 +130,13 @@ def _hook_lines(run_dir: Path) -> list[tuple[int, int, int]]:
 
 
 def run_scenario(run_dir: Path, *, seed: int = 0, searcher_kills: int = 3, steps: int = 10,
-                 pause_s: float = 0.3, timeout_s: float = 300.0, say=print) -> dict[str, Any]:
-    """Drive one chaos run in `run_dir` (must not exist) and return its audited figures."""
+                 pause_s: float = 0.3, early_kills: bool = False, timeout_s: float = 300.0,
+                 say=print) -> dict[str, Any]:
+    """Drive one chaos run in `run_dir` (must not exist) and return its audited figures.
+
+    Kill 1 lands mid-append. The others land at a random moment after the previous kill: with
+    `early_kills`, 0-3 s after the replacement process appears (start-up, store open, or the first
+    appends on a fast machine: cheap, for the default test run); else 0-1.5 s after it committed."""
     rng = random.Random(seed)
     run_dir = Path(run_dir).absolute()
     run_dir.mkdir(parents=True)
@@ -144,8 +149,9 @@ def run_scenario(run_dir: Path, *, seed: int = 0, searcher_kills: int = 3, steps
     kills: list[dict[str, Any]] = []
     try:
         for k in range(searcher_kills):
-            base = monitor.rows()
-            _wait(lambda: monitor.rows() > base, timeout_s, f"searcher to commit (kill {k + 1})", proc)
+            if k == 0 or not early_kills:
+                base = monitor.rows()
+                _wait(lambda: monitor.rows() > base, timeout_s, f"searcher to commit (kill {k + 1})", proc)
             if k == 0:  # deterministic: right after the data write of an append, before its commit
                 seen = len(_hook_lines(run_dir))
                 _wait(lambda: len(_hook_lines(run_dir)) > seen, timeout_s, "an append's data write", proc)
@@ -155,12 +161,15 @@ def run_scenario(run_dir: Path, *, seed: int = 0, searcher_kills: int = 3, steps
                 kills.append({"role": "searcher", "pid": pid, "where": "mid-append", "committed_before": committed,
                               "rows_in_flight": adding, "committed_after_kill": monitor.rows()})
             else:
-                time.sleep(rng.uniform(0.0, 1.5))
+                last = kills[-1]["pid"]
+                _wait(lambda: any(p != last for p in _role_pids(run_dir, "searcher")), 120, "a new searcher", proc)
+                time.sleep(rng.uniform(0.0, 3.0 if early_kills else 1.5))
                 pids = _role_pids(run_dir, "searcher")
                 if not pids:
                     raise ChaosError("no searcher process to kill")
                 os.kill(pids[0], signal.SIGKILL)
-                kills.append({"role": "searcher", "pid": pids[0], "where": "random"})
+                kills.append({"role": "searcher", "pid": pids[0], "where": "random (early)" if early_kills else "random",
+                              "committed_before": monitor.rows()})
             say(f"chaos: killed searcher ({kills[-1]['where']}), {monitor.rows()} rows committed")
             _wait(lambda: not _role_pids(run_dir, "searcher") or _role_pids(run_dir, "searcher") != [kills[-1]["pid"]],
                   60, "the killed searcher to go", proc)
@@ -304,13 +313,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--searcher-kills", type=int, default=3)
+    ap.add_argument("--early-kills", action="store_true", help="kill replacements 0-3 s after they start")
     ap.add_argument("--work-dir", type=Path, default=None, help="where the run dirs go (default: a temp dir)")
     ap.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = ap.parse_args(argv)
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="tbajax-chaos-"))
     runs = []
     for i in range(args.repeats):
-        f = run_scenario(work / f"run-{i}", seed=args.seed + i, searcher_kills=args.searcher_kills, steps=args.steps)
+        f = run_scenario(work / f"run-{i}", seed=args.seed + i, searcher_kills=args.searcher_kills, steps=args.steps,
+                         early_kills=args.early_kills)
         f["problems"] = check(f)
         runs.append(f)
         print(json.dumps({k: v for k, v in f.items() if k != "kills"}), flush=True)
