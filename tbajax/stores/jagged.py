@@ -127,7 +127,9 @@ def _grown_extents(layout: Layout, data: Mapping[str, np.ndarray]) -> dict[str, 
             raise KeyError(f"no column {name!r} in store format {layout.format} (have {sorted(layout.columns)})")
         extent = layout.columns[name].extent
         if grow.setdefault(extent, len(values)) != len(values):
-            raise ValueError(f"columns on extent {extent!r} have different lengths ({grow[extent]} vs {len(values)} for {name!r})")
+            raise ValueError(
+                f"columns on extent {extent!r} have different lengths ({grow[extent]} vs {len(values)} for {name!r})"
+            )
     return grow
 
 

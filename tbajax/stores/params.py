@@ -164,7 +164,8 @@ class _VersionDirs:
             raise ParamStoreError(
                 f"{self.url}/{LATEST_KEY} is not a {FORMAT} pointer ({record!r}); delete it or use another run dir"
             )
-        missing = [k for k, t in (("version", int), ("run_id", str), ("time", (int, float))) if not isinstance(record.get(k), t)]
+        fields = (("version", int), ("run_id", str), ("time", (int, float)))
+        missing = [k for k, t in fields if not isinstance(record.get(k), t)]
         if missing:
             raise ParamStoreError(
                 f"{self.url}/{LATEST_KEY} lacks a valid {', '.join(missing)} field ({record!r}); delete the file: "

@@ -93,7 +93,8 @@ class Checkpointer:
                 out = self._restore(s, abstract)
             except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types on bad files
                 reason = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-                log.warning("checkpoint %s/%d cannot be read (%s); falling back to the previous one", self.directory, s, reason)
+                log.warning("checkpoint %s/%d cannot be read (%s); falling back to the previous one",
+                            self.directory, s, reason)
                 self.skipped.append((s, reason))
                 continue
             if self.skipped:
