@@ -318,14 +318,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = ap.parse_args(argv)
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="tbajax-chaos-"))
-    runs = []
+    runs: list[dict[str, Any]] = []
     for i in range(args.repeats):
-        f = run_scenario(work / f"run-{i}", seed=args.seed + i, searcher_kills=args.searcher_kills, steps=args.steps,
-                         early_kills=args.early_kills)
-        f["problems"] = check(f)
+        try:
+            f = run_scenario(work / f"run-{i}", seed=args.seed + i, searcher_kills=args.searcher_kills,
+                             steps=args.steps, early_kills=args.early_kills)
+            f["problems"] = check(f)
+        except ChaosError as e:  # could not drive the scenario: a failed scenario, reported, not a crash
+            f = {**dict.fromkeys(("kills_survived", "rows_committed", "rows_read_back", "torn_rows",
+                                  "duplicated_rows", "wall_time_s"), 0),
+                 "row_count_went_down": False, "trainer_versions_monotone": False,
+                 "store_policy_versions_monotone": False, "problems": [f"ChaosError: {e}"]}
         runs.append(f)
         print(json.dumps({k: v for k, v in f.items() if k != "kills"}), flush=True)
-    total = {
+        total = _total(runs)
+        if args.json:  # after every scenario, so a long series that is cut short still reports
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            command = "python experiments/chaos.py " + " ".join(argv if argv is not None else sys.argv[1:])
+            args.json.write_text(json.dumps({"command": command, "total": total, "runs": runs}, indent=2) + "\n")
+    print(json.dumps(total, indent=2))
+    return 0 if total["scenarios_sane"] == total["scenarios"] else 1
+
+
+def _total(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
         "scenarios": len(runs),
         "scenarios_sane": sum(not f["problems"] for f in runs),
         "kills_survived": sum(f["kills_survived"] for f in runs),
@@ -337,13 +353,6 @@ def main(argv: list[str] | None = None) -> int:
         "versions_monotone": all(f["trainer_versions_monotone"] and f["store_policy_versions_monotone"] for f in runs),
         "wall_time_s": round(sum(f["wall_time_s"] for f in runs), 1),
     }
-    print(json.dumps(total, indent=2))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"command": "python experiments/chaos.py " + " ".join(argv or sys.argv[1:]),
-                                         "total": total, "runs": runs}, indent=2) + "\n")
-    return 0 if total["scenarios_sane"] == total["scenarios"] else 1
-
 
 if __name__ == "__main__":
     sys.exit(main())
