@@ -72,10 +72,6 @@ class GradeWatch:
         return len(self.recent) == self.recent.maxlen and all(self.recent)
 
 
-class GraderFailingError(RuntimeError):
-    """Every one of the last N grades failed: the reward function (or its input) is broken."""
-
-
 class Rollouts:
     """Prompts in, scored trajectories out, with one Sampler and one tokenizer."""
 
@@ -323,7 +319,7 @@ def run_searcher(run_dir: Path, searcher_id: int, store_url: str | None = None) 
         )
         writer.append(rows)
         if rollouts.grades.all_failed():
-            _stop_failing_grader(rollouts, searcher_id)
+            stop_failing_grader(rollouts, searcher_id)
         calls += 1
         samples += len(rows)
         new_tokens = int(sum(len(r.response_tokens) for r in rows))
@@ -351,7 +347,7 @@ def run_searcher(run_dir: Path, searcher_id: int, store_url: str | None = None) 
 EXIT_GRADER_FAILING = 3
 
 
-def _stop_failing_grader(rollouts: Rollouts, searcher_id: int) -> None:
+def stop_failing_grader(rollouts: Rollouts, searcher_id: int) -> None:
     """Exit non-zero with the grader's error as the last log line (the launcher shows the tail)."""
     n = rollouts.grades.recent.maxlen
     first = (rollouts.grades.first_error or "").strip().splitlines()

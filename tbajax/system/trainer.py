@@ -404,9 +404,9 @@ class InlineRollouts:
         )
         self.writer.append(rows)
         if self.rollouts.grades.all_failed():
-            from tbajax.system.searcher import _stop_failing_grader
+            from tbajax.system.searcher import stop_failing_grader
 
-            _stop_failing_grader(self.rollouts, 0)
+            stop_failing_grader(self.rollouts, 0)
         buffer.add(rows)
         self.samples += len(rows)
         self.last_generate_s = time.time() - t0
