@@ -60,6 +60,8 @@ class RolloutSpec:
     max_calls_per_version: a searcher that has made this many generation calls with one param
       version pauses until the trainer publishes the next (None: never pause). For searchers that
       share devices with the trainer (a CPU, one GPU), where generating far ahead only steals time.
+    fail_fast_grades: a searcher exits with the grader's first error when this many consecutive
+      grades all failed (ERROR/TIMEOUT): a broken reward function, not a hard problem.
     """
 
     prompts_per_call: int = 8
@@ -69,6 +71,7 @@ class RolloutSpec:
     reward_timeout_s: float = 10.0
     max_calls_per_version: int | None = None
     reference_logprobs: bool = False
+    fail_fast_grades: int = 64
 
 
 @dataclasses.dataclass(frozen=True)

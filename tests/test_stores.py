@@ -159,16 +159,45 @@ def test_trajectory_bad_input(tmp_path: Path) -> None:
     bad = Trajectory(0, 0, np.array([1.5, 2.0]), np.array([1], np.int32), np.zeros(1, np.float32), 0.0, searcher_id=1)
     with pytest.raises(ValueError, match="prompt_tokens must be a 1-D integer array"):
         writer.append([bad])
-    with pytest.raises(TrajectoryStoreError, match="belongs to searcher 1, not 2"):
+    with pytest.raises(TrajectoryStoreError, match="belongs to searcher_id 1, not 2"):
         TrajectoryWriter(url, 2)
     assert writer.committed_rows() == 0 and TrajectoryReader(url).committed_rows() == 0
-    # Two live writers on one store: the second commit is refused, nothing is lost.
-    other = TrajectoryWriter(url, 1)
-    writer.append([make_row(0, 1)])
-    with pytest.raises(TrajectoryStoreError, match="another writer is appending"):
-        other.append([make_row(5, 1)])
+    commit = json.loads((tmp_path / "trajectories" / "searcher-1" / "commit.json").read_text())
+    assert commit["writer_epoch"] == writer.epoch == 1  # the refused open took no epoch
+
+
+def test_writer_fencing_a_zombie_fails_before_writing(tmp_path: Path) -> None:
+    """Two writers on one store: opening the second fences the first, whose next append fails
+    before it writes a single byte, while the new writer's rows stay intact."""
+    url = trajectory_store_url(tmp_path, 1)
+    zombie = TrajectoryWriter(url, 1)
+    zombie.append([make_row(i, 1) for i in range(3)])
+    replacement = TrajectoryWriter(url, 1)  # e.g. the restarted searcher while the old one hangs
+    assert (zombie.epoch, replacement.epoch) == (1, 2)
+    assert replacement.committed_rows() == 3
+    raw = ts.open({"driver": "zarr3", "kvstore": url + "/rows_i64/"}).result()
+    with pytest.raises(TrajectoryStoreError, match=r"epoch 1, store now at epoch 2.*wrote nothing"):
+        zombie.append([make_row(i, 1) for i in range(100, 104)])
+    assert raw[3:7].read().result().sum() == 0  # nothing of the zombie's rows reached the store
+    # A zombie paused between its (fenced-in-time) data write and its commit cannot commit either.
+    late = TrajectoryWriter(url, 1)
+    grow = late._write_data([make_row(i, 1) for i in range(3, 5)])
+    newest = TrajectoryWriter(url, 1)
+    with pytest.raises(TrajectoryStoreError, match="fenced"):
+        late._store.commit(grow)
+    assert newest.append([make_row(i, 1) for i in range(3, 6)]) == 6
     got = TrajectoryReader(url).read_new()
-    assert len(got) == 1 and got[0].prompt_id == make_row(0).prompt_id
+    assert [t.prompt_id for t in got] == [make_row(i).prompt_id for i in range(6)]
+    assert json.loads((tmp_path / "trajectories" / "searcher-1" / "commit.json").read_text())["writer_epoch"] == 4
+
+
+def test_decoded_rows_do_not_pin_the_read_block(tmp_path: Path) -> None:
+    url = trajectory_store_url(tmp_path, 0)
+    TrajectoryWriter(url, 0).append([make_row(i) for i in range(1, 9)])
+    rows = TrajectoryReader(url).read_new()
+    for t in rows:
+        for a in (t.prompt_tokens, t.response_tokens, t.behavior_logprobs, t.reference_logprobs):
+            assert a is None or (a.base is None and a.flags.owndata)  # a copy, not a view of the block
 
 
 def test_discover_searcher_stores(tmp_path: Path) -> None:
@@ -399,7 +428,7 @@ def test_async_publish_and_bad_input(tmp_path: Path, meshes) -> None:
     with pytest.raises(ValueError, match="publish dtype must be one of"):
         ParamPublisher(url, "run-e", dtype="int8")
     (tmp_path / "params" / "latest.json").write_text("{not json")
-    with pytest.raises(ValueError, match="not valid JSON"):
+    with pytest.raises(ParamStoreError, match="is corrupt .*not valid JSON.*delete it: the trainer rebuilds it"):
         reader.latest_version()
     pub.close()
 
@@ -437,3 +466,45 @@ def test_model_params_round_trip_through_store(tmp_path: Path, meshes) -> None:
         nnx.to_pure_dict(nnx.state(model, nnx.Param)),
         trained,
     )
+
+
+# ------------------------------------------------------------------ param store recovery (one device)
+
+
+def _tiny(scale: float) -> dict:
+    return {"w": jnp.arange(6, dtype=jnp.float32) * scale}
+
+
+def test_deleted_or_corrupt_pointer_is_rebuilt_from_the_newest_complete_version(tmp_path: Path, caplog) -> None:
+    url = param_store_url(tmp_path)
+    with ParamPublisher(url, "run-a", dtype=None) as pub:
+        for s in (1.0, 2.0, 3.0):
+            pub.publish(_tiny(s))
+    latest = tmp_path / "params" / "latest.json"
+    latest.unlink()  # as a user might after a corrupt-pointer error
+    with ParamPublisher(url, "run-a", dtype=None) as pub:
+        assert pub.latest_version() == 3  # not 0: versions go on above what searchers saw
+        assert pub.publish(_tiny(4.0)) == 4
+    assert ParamReader(url, "s").latest_version() == 4
+    latest.write_text('{"format": "tbajax.par')  # torn
+    with ParamPublisher(url, "run-a", dtype=None) as pub:
+        assert pub.latest_version() == 4 and pub.publish(_tiny(5.0)) == 5
+    assert "is corrupt" in caplog.text and "rebuilt" in caplog.text
+    record = json.loads(latest.read_text())
+    del record["run_id"]
+    latest.write_text(json.dumps(record))
+    with pytest.raises(ParamStoreError, match=r"latest.json lacks a valid run_id field .*delete the file"):
+        ParamReader(url, "s").latest_version()
+
+
+def test_lease_is_renewed_during_a_slow_restore(tmp_path: Path) -> None:
+    url = param_store_url(tmp_path)
+    with ParamPublisher(url, "run-a", dtype=None) as pub:
+        pub.publish(_tiny(1.0))
+    reader = ParamReader(url, "slow")
+    lease = tmp_path / "params" / "readers" / "slow.json"
+    with reader.lease(1, renew_every_s=0.05):
+        first = json.loads(lease.read_text())["time"]
+        time.sleep(0.5)
+        assert json.loads(lease.read_text())["time"] > first + 0.04  # heartbeat rewrote it
+    assert not lease.exists()

@@ -132,7 +132,28 @@ def test_killed_searcher_is_restarted_and_nothing_committed_is_lost(tmp_path):
     assert all(np.isfinite(r.behavior_logprobs).all() for r in rows)
 
 
-def test_killed_trainer_resumes_from_its_checkpoint(tmp_path):
+def _checkpoint_steps(run: Path) -> list[int]:
+    return sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()
+                  and (p / "commit_success.txt").exists())
+
+
+def _counts(tree, path=()) -> list[tuple[tuple, int]]:
+    """(path, value) of every scalar leaf named like an optimizer step count in a raw orbax tree."""
+    if isinstance(tree, dict):
+        return [c for k, v in tree.items() for c in _counts(v, (*path, k))]
+    if isinstance(tree, (list, tuple)):
+        return [c for i, v in enumerate(tree) for c in _counts(v, (*path, i))]
+    if "count" in str(path[-1:]) and np.ndim(tree) == 0:
+        return [(path, int(tree))]
+    return []
+
+
+def test_killed_trainer_resumes_exactly_from_its_checkpoint(tmp_path):
+    """A resume, not a restart: the first step after it is the checkpoint's + 1, the optimizer and
+    buffer state come back, the restored params are republished at once as a new version, and
+    versions, counters and metrics stay consistent across the two sessions."""
+    import orbax.checkpoint as ocp
+
     run = tmp_path / "run"
     args = ["--set", "train.steps=8", "--set", "train.checkpoint_every=2"]
     proc = _main(run, *args)
@@ -141,16 +162,39 @@ def test_killed_trainer_resumes_from_its_checkpoint(tmp_path):
     out = _finish(proc)
     assert proc.returncode != 0 and "trainer failed" in out, out
     version_before = ParamReader(param_store_url(str(run)), "test").latest_version()
-    rows_before = TrajectoryReader(discover_searcher_stores(str(run))[0]).committed_rows()
+    ckpt = _checkpoint_steps(run)[-1]
+    assert ckpt >= 4
+    extra = json.loads((run / "checkpoints" / str(ckpt) / "extra" / "metadata").read_text())
+    trained_before = [r["step"] for r in read_metrics(run, "trainer") if "loss" in r]
+    assert max(trained_before) > ckpt  # steps after the checkpoint were lost: they must be redone
 
     out = _finish(_main(run, *args, "--resume"))
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["trainer_steps"] == 8, out
+    assert summary["trainer_steps"] == 8 and summary["stopped_early"] is False, out
+    raw = read_metrics(run, "trainer", superseded=True)
+    marker_at = next(i for i, r in enumerate(raw) if r.get("event") == "resume")
+    marker = raw[marker_at]
+    assert marker["from_step"] == ckpt
+    after = [r for r in raw[marker_at + 1:] if "loss" in r]
+    assert [r["step"] for r in after] == list(range(ckpt + 1, 9))  # not 1..8: a resume, not a restart
+    # buffer state: the restored sync versions are the checkpoint's
+    assert marker["restored_sync_versions"] == extra["buffer"]["sync_versions"]
+    # params republished at once under a new version, above anything searchers could have loaded
+    assert marker["version"] > version_before
+    versions = [r["version"] for r in raw if "version" in r]
+    assert versions == sorted(versions)
+    assert after[0]["version"] >= marker["version"]
+    # optimizer state: Adam's step count in the final checkpoint covers all 8 updates
+    state = ocp.StandardCheckpointer().restore(run / "checkpoints" / "8" / "state")
+    counts = _counts(state["opt_state"])
+    assert counts and all(c == 8 for _, c in counts), counts
+    # each step once in the deduplicated metrics; counters carried over
     steps = [r["step"] for r in read_metrics(run, "trainer") if "loss" in r]
-    assert steps[-1] == 8
-    resumed = [r for r in read_metrics(run, "trainer") if "loss" in r][-1]
-    assert resumed["version"] > version_before  # versions stay monotone across the restart
-    assert resumed["buffer_rows"] >= min(rows_before, 32)  # the buffer was rebuilt from the stores
+    assert steps == list(range(1, 9))
+    assert summary["trainer_wait_s"] >= extra["trainer_wait_s"]
+    assert summary["wall_time_s"] >= extra["elapsed_s"]
+    stored = sum(TrajectoryReader(u).committed_rows() for u in discover_searcher_stores(str(run)).values())
+    assert summary["samples_generated"] == stored
 
 
 def test_hanging_and_raising_reward_functions_cost_only_their_samples(tmp_path):
@@ -175,6 +219,61 @@ def test_hanging_and_raising_reward_functions_cost_only_their_samples(tmp_path):
     reader = TrajectoryReader(discover_searcher_stores(str(run))[0])
     statuses = {r.reward_status for r in reader.read(0, reader.committed_rows())}
     assert RewardStatus.TIMEOUT in statuses and RewardStatus.ERROR in statuses
+
+
+def test_a_grader_that_always_raises_stops_the_searcher_with_the_reason(tmp_path):
+    task = tmp_path / "broken_task.py"
+    task.write_text(
+        "import dataclasses\n"
+        "from tbajax.tasks.arithmetic import arithmetic_task\n\n"
+        "def broken_reward(completion, answer):\n"
+        "    raise KeyError('no such answer field')\n\n"
+        "def make(**kwargs):\n"
+        "    return dataclasses.replace(arithmetic_task(**kwargs), name='broken', reward_fn=broken_reward,\n"
+        "                               cheap_reward=True)\n"
+    )
+    run = tmp_path / "run"
+    proc = _main(run, "--set", f"task.name={task}:make", "--set", "train.steps=50",
+                 "--set", "rollout.fail_fast_grades=8", "--set", "system.max_searcher_restarts=0")
+    out = _finish(proc, 240)
+    assert proc.returncode != 0, out
+    log = (run / "logs" / "searcher-0.log").read_text()
+    for text in (out, log):  # the launcher's tail shows the reason
+        assert "the last 8 grades of task 'broken' all failed" in text, text[-3000:]
+        assert "KeyError: 'no such answer field'" in text, text[-3000:]
+    assert "searcher-0 failed 1 times (exit 3)" in out
+
+
+def test_stop_request_checkpoints_before_the_final_evaluation(tmp_path):
+    """Ctrl-C: the trainer checkpoints first, then evaluates (slowly here), and the summary says
+    where it stopped and how to continue."""
+    run = tmp_path / "run"
+    task = tmp_path / "slow_eval_task.py"
+    task.write_text(  # grading is slow once a stop was requested, i.e. in the final evaluation
+        "import dataclasses, os, time\n"
+        "from tbajax.tasks.arithmetic import arithmetic_reward, arithmetic_task\n\n"
+        "def slow_reward(completion, answer):\n"
+        f"    if os.path.exists({str(run / 'control' / 'stop')!r}):\n"
+        "        time.sleep(0.5)\n"
+        "    return arithmetic_reward(completion, answer)\n\n"
+        "def make(**kwargs):\n"
+        "    return dataclasses.replace(arithmetic_task(**kwargs), reward_fn=slow_reward, cheap_reward=True)\n"
+    )
+    proc = _main(run, "--mode=sync", "--set", f"task.name={task}:make", "--set", "train.steps=50",
+                 "--set", "train.checkpoint_every=100", "--set", "rollout.prompts_per_call=2",
+                 "--set", "train.groups_per_step=2")
+    _wait_for(lambda: _status(run, "trainer").get("step", 0) >= 2 or proc.poll() is not None, 240, "step 2")
+    assert proc.poll() is None, proc.communicate()[0][-3000:]
+    proc.send_signal(signal.SIGINT)
+    out = _finish(proc, 240)
+    summary = json.loads((run / "summary.json").read_text())
+    at = summary["stopped_at_step"]
+    assert summary["stopped_early"] is True and 2 <= at < 50, out
+    assert summary["resume_with"].endswith("--resume") and summary["trainer_steps"] == at
+    assert _checkpoint_steps(run) == [at]  # no periodic checkpoint: this one was taken on the stop
+    final_eval = [r for r in read_metrics(run, "trainer") if "eval_accuracy" in r][-1]
+    saved = (run / "checkpoints" / str(at) / "commit_success.txt").stat().st_mtime
+    assert final_eval["time"] - saved > 16 * 0.5 * 0.8  # the checkpoint was committed before the eval ran
 
 
 @pytest.mark.parametrize("bad, message", [

@@ -24,9 +24,11 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import logging
 import os
 import re
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -44,12 +46,18 @@ READERS_DIR = "readers"
 COMMIT_MARKER = "commit_success.txt"
 PUBLISH_DTYPES = ("float32", "bfloat16", "float16")
 
+log = logging.getLogger(__name__)
+
 _VERSION_DIR = re.compile(r"^(\d+)(\.orbax-checkpoint-tmp.*)?$")
 _READER_ID = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 
 class ParamStoreError(RuntimeError):
     """The param store is in a state this process must not silently work around."""
+
+
+class ParamPointerCorrupt(ParamStoreError):
+    """latest.json exists but is not JSON (a trainer can rebuild it from the version dirs)."""
 
 
 class ParamVersionError(LookupError):
@@ -143,12 +151,25 @@ class _VersionDirs:
         return sorted({v for v, p in self.entries() if p.name == str(v) and v <= up_to and self.is_complete(v)})
 
     def pointer(self) -> tuple[PublishedVersion | None, bytes]:
-        record, generation = read_json(self.kv, LATEST_KEY)
+        try:
+            record, generation = read_json(self.kv, LATEST_KEY)
+        except ValueError as e:  # not JSON: a torn or hand-edited file
+            raise ParamPointerCorrupt(
+                f"{self.url}/{LATEST_KEY} is corrupt ({e}); delete it: the trainer rebuilds it from the "
+                "newest complete version directory (e.g. on --resume)"
+            ) from e
         if record is None:
             return None, generation
-        if record.get("format") != FORMAT or not isinstance(record.get("version"), int):
+        if record.get("format") != FORMAT:
             raise ParamStoreError(
                 f"{self.url}/{LATEST_KEY} is not a {FORMAT} pointer ({record!r}); delete it or use another run dir"
+            )
+        fields = (("version", int), ("run_id", str), ("time", (int, float)))
+        missing = [k for k, t in fields if not isinstance(record.get(k), t)]
+        if missing:
+            raise ParamStoreError(
+                f"{self.url}/{LATEST_KEY} lacks a valid {', '.join(missing)} field ({record!r}); delete the file: "
+                "the trainer rebuilds it from the newest complete version directory (e.g. on --resume)"
             )
         return (
             PublishedVersion(
@@ -160,6 +181,9 @@ class _VersionDirs:
             ),
             generation,
         )
+
+    def raw_generation(self) -> bytes:
+        return self.kv.read(LATEST_KEY).result().stamp.generation
 
 
 class ParamPublisher:
@@ -193,7 +217,13 @@ class ParamPublisher:
         self.keep = keep
         self.lease_timeout_s = lease_timeout_s
         self._dirs = _VersionDirs(self.url)
-        pointer, self._pointer_generation = self._dirs.pointer()
+        try:
+            pointer, self._pointer_generation = self._dirs.pointer()
+        except ParamPointerCorrupt as e:
+            log.warning("%s", e)
+            pointer, self._pointer_generation = None, self._dirs.raw_generation()
+        if pointer is None:
+            pointer = self._rebuild_pointer(run_id)
         if pointer is not None and pointer.run_id != run_id:
             raise ParamStoreError(
                 f"{self.url} holds params of run {pointer.run_id!r}, not {run_id!r}: resume with the same "
@@ -206,6 +236,24 @@ class ParamPublisher:
         self._checkpointer = ocp.StandardCheckpointer()
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="param-publish")
         self._pending: concurrent.futures.Future[None] | None = None
+
+    def _rebuild_pointer(self, run_id: str) -> PublishedVersion | None:
+        """A missing (deleted) or corrupt pointer with complete version dirs on disk: point at the
+        newest complete one again, so versions continue above it instead of restarting at 1."""
+        complete = self._dirs.complete_versions(up_to=2**62)
+        if not complete:
+            return None
+        if jax.process_index() != 0:
+            raise ParamStoreError(f"{self.url}/{LATEST_KEY} is missing; process 0 rebuilds it, retry after it has")
+        record = {"format": FORMAT, "run_id": run_id, "version": complete[-1], "step": None, "dtype": self.dtype,
+                  "time": time.time(), "rebuilt": True}
+        generation = write_json(self._dirs.kv, LATEST_KEY, record, if_equal=self._pointer_generation)
+        if generation is None:
+            raise ParamStoreError(f"{self.url}/{LATEST_KEY} changed while this publisher rebuilt it: another trainer?")
+        log.warning("rebuilt %s/%s: it now points at version %d, the newest complete version directory",
+                    self.url, LATEST_KEY, complete[-1])
+        self._pointer_generation = generation
+        return PublishedVersion(complete[-1], run_id, None, self.dtype, record["time"])
 
     def latest_version(self) -> int | None:
         """The newest version this publisher (or its predecessor) has made visible."""
@@ -351,14 +399,34 @@ class ParamReader:
             )
 
     @contextlib.contextmanager
-    def lease(self, version: int) -> Iterator[None]:
-        """Hold a lease on `version` so the publisher's GC keeps it while inside the block."""
+    def lease(self, version: int, renew_every_s: float = 30.0) -> Iterator[None]:
+        """Hold a lease on `version` so the publisher's GC keeps it while inside the block.
+
+        A heartbeat thread rewrites the lease every `renew_every_s`, so a restore slower than the
+        publisher's lease timeout (a large model on a slow bucket) does not lose its version."""
         key = f"{READERS_DIR}/{self.reader_id}.json"
-        record = {"version": int(version), "time": time.time(), "pid": os.getpid(), "host": socket.gethostname()}
-        write_json(self._dirs.kv, key, record)
+
+        def write() -> None:
+            record = {"version": int(version), "time": time.time(), "pid": os.getpid(), "host": socket.gethostname()}
+            write_json(self._dirs.kv, key, record)
+
+        write()
+        done = threading.Event()
+
+        def heartbeat() -> None:
+            while not done.wait(renew_every_s):
+                try:
+                    write()
+                except Exception as e:  # noqa: BLE001 - a failed renewal must not kill the restore
+                    log.warning("could not renew the lease %s/%s: %s", self.url, key, e)
+
+        thread = threading.Thread(target=heartbeat, name=f"lease-{self.reader_id}", daemon=True)
+        thread.start()
         try:
             yield
         finally:
+            done.set()
+            thread.join()
             delete_key(self._dirs.kv, key)
 
     def restore(self, version: int, target: Any, shardings: Any = None) -> Any:

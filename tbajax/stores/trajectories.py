@@ -1,50 +1,33 @@
-"""Append-only trajectory stores: one writer (a searcher) per store, any number of tailing readers.
+"""The `Trajectory` codec over the jagged column store: one store per searcher (its only writer),
+any number of tailing readers.
 
-Layout of one store (``<run>/trajectories/searcher-<i>/``), zarr3 arrays through tensorstore:
+Layout of one store (``<run>/trajectories/searcher-<i>/``), see `tbajax.stores.jagged` for the
+commit protocol and writer fencing:
 
-    commit.json          {"format", "store_id", "searcher_id", "rows", "prompt_tokens", "response_tokens"}
+    commit.json          {"format", "store_id", "searcher_id", "writer_epoch", "rows", "prompt_tokens",
+                          "response_tokens"}
     rows_i64/            int64 [rows, 10]: ids, offsets into the flat arrays, lengths, status, flags
     rows_f64/            float64 [rows, 2]: reward, wall time
     prompt_tokens/       int32 [sum of prompt lengths]        (jagged: concatenated, no padding)
     response_tokens/     int32 [sum of response lengths]
     behavior_logprobs/   float32, aligned with response_tokens
     reference_logprobs/  float32, aligned with response_tokens (read only for rows flagged has-ref)
-
-The arrays have a fixed, huge shape (only written chunks exist), so nothing is ever resized and
-a reader never needs new metadata. Commit protocol (levanter's jagged store does the same): an
-append writes its data past the committed extents, waits until it is durable, then replaces
-``commit.json`` in one atomic single-key write. Readers read ``commit.json`` first and read
-nothing beyond its extents, so they never see a partial or zero-filled row. A crash between the
-two steps leaves unreferenced data that the next append overwrites. A tail chunk shared by
-committed and new rows is replaced as a whole (rename on file systems, object put on buckets)
-and holds the same committed bytes, so committed rows never change under a reader.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
-import tensorstore as ts
 
-from tbajax.stores.urls import (
-    TRAJECTORIES_DIR,
-    join_url,
-    list_keys,
-    open_kvstore,
-    read_json,
-    to_url,
-    write_json,
-)
+from tbajax.stores.jagged import COMMIT_KEY, Column, JaggedReader, JaggedWriter, Layout, StoreError
+from tbajax.stores.urls import TRAJECTORIES_DIR, join_url, list_keys, open_kvstore, to_url
 from tbajax.trajectory import RewardStatus, Trajectory
 
 FORMAT = "tbajax.trajectories.v1"
-COMMIT_KEY = "commit.json"
-CAPACITY = 2**40  # rows or flat elements; chunks that were never written take no space
 ROW_CHUNK = 4096
 FLAT_CHUNK = 65536
 
@@ -66,66 +49,21 @@ _F = {name: i for i, name in enumerate(F64_COLUMNS)}
 FLAG_FINISHED = 1
 FLAG_HAS_REFERENCE = 2
 
-# name -> (dtype, trailing shape, chunk, fill value)
-_ARRAYS: dict[str, tuple[str, tuple[int, ...], tuple[int, ...], Any]] = {
-    "rows_i64": ("int64", (len(I64_COLUMNS),), (ROW_CHUNK, len(I64_COLUMNS)), 0),
-    "rows_f64": ("float64", (len(F64_COLUMNS),), (ROW_CHUNK, len(F64_COLUMNS)), 0.0),
-    "prompt_tokens": ("int32", (), (FLAT_CHUNK,), 0),
-    "response_tokens": ("int32", (), (FLAT_CHUNK,), 0),
-    "behavior_logprobs": ("float32", (), (FLAT_CHUNK,), 0.0),
-    "reference_logprobs": ("float32", (), (FLAT_CHUNK,), "NaN"),
-}
+LAYOUT = Layout(
+    FORMAT,
+    {
+        "rows_i64": Column("int64", (len(I64_COLUMNS),), (ROW_CHUNK, len(I64_COLUMNS)), 0, "rows"),
+        "rows_f64": Column("float64", (len(F64_COLUMNS),), (ROW_CHUNK, len(F64_COLUMNS)), 0.0, "rows"),
+        "prompt_tokens": Column("int32", (), (FLAT_CHUNK,), 0, "prompt_tokens"),
+        "response_tokens": Column("int32", (), (FLAT_CHUNK,), 0, "response_tokens"),
+        "behavior_logprobs": Column("float32", (), (FLAT_CHUNK,), 0.0, "response_tokens"),
+        "reference_logprobs": Column("float32", (), (FLAT_CHUNK,), "NaN", "response_tokens"),
+    },
+)
 
 _SEARCHER_DIR = re.compile(r"^searcher-(\d+)/" + re.escape(COMMIT_KEY) + "$")
 
-
-class TrajectoryStoreError(RuntimeError):
-    """The store on disk is not what this reader/writer expects (corrupt, replaced, shared)."""
-
-
-def _open_arrays(url: str, create: bool) -> dict[str, ts.TensorStore]:
-    # No chunk cache: every read goes to storage, so a long-lived handle sees new commits.
-    context = ts.Context({"cache_pool": {"total_bytes_limit": 0}})
-    futures = {}
-    for name, (dtype, trailing, chunk, fill) in _ARRAYS.items():
-        spec: dict[str, Any] = {
-            "driver": "zarr3",
-            "kvstore": to_url(join_url(url, name)) + "/",
-            "recheck_cached_data": True,
-            "recheck_cached_metadata": "open",
-        }
-        if create:
-            spec["metadata"] = {
-                "shape": [CAPACITY, *trailing],
-                "data_type": dtype,
-                "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunk)}},
-                "fill_value": fill,
-            }
-        futures[name] = ts.open(spec, create=create, open=True, context=context)
-    arrays = {}
-    for name, fut in futures.items():
-        try:
-            arrays[name] = fut.result()
-        except ValueError as e:
-            raise TrajectoryStoreError(f"cannot open array {name!r} of trajectory store {url}: {e}") from e
-        dtype, trailing, _, _ = _ARRAYS[name]
-        if arrays[name].dtype.name != dtype or tuple(arrays[name].shape[1:]) != trailing:
-            raise TrajectoryStoreError(
-                f"array {name!r} of {url} has dtype {arrays[name].dtype.name} shape {arrays[name].shape}; "
-                f"expected {dtype} [*, {trailing}]: written by another format version?"
-            )
-    return arrays
-
-
-def _check_commit(commit: dict[str, Any], url: str) -> dict[str, Any]:
-    if commit.get("format") != FORMAT:
-        raise TrajectoryStoreError(
-            f"{url}/{COMMIT_KEY} has format {commit.get('format')!r}, this code reads {FORMAT!r}"
-        )
-    for key in ("rows", "prompt_tokens", "response_tokens", "searcher_id"):
-        if not isinstance(commit.get(key), int) or commit[key] < 0:
-            raise TrajectoryStoreError(f"{url}/{COMMIT_KEY} has a bad {key!r}: {commit.get(key)!r}")
-    return commit
+TrajectoryStoreError = StoreError  # the store on disk is not what this reader/writer expects
 
 
 def _as_int32(x: Any, what: str, index: int) -> np.ndarray:
@@ -144,7 +82,7 @@ def _as_float32(x: Any, what: str, index: int) -> np.ndarray:
     return a
 
 
-def _encode(trajs: Sequence[Trajectory], commit: dict[str, Any], searcher_id: int) -> dict[str, np.ndarray]:
+def _encode(trajs: Sequence[Trajectory], commit: Mapping[str, int], searcher_id: int) -> dict[str, np.ndarray]:
     """Row tables and flat arrays for one append, offsets continuing after the committed extents."""
     n = len(trajs)
     prompts, responses, behavior, reference = [], [], [], []
@@ -202,6 +140,8 @@ def _decode(
     p0: int,
     r0: int,
 ) -> list[Trajectory]:
+    """Rows from one read; each row's arrays are copies, so a row kept in a buffer does not pin
+    the whole read block (up to thousands of rows) in memory."""
     out = []
     for row, frow in zip(i64, f64):
         ps, pl = int(row[_I["prompt_start"]]) - p0, int(row[_I["prompt_len"]])
@@ -211,9 +151,9 @@ def _decode(
             Trajectory(
                 prompt_id=int(row[_I["prompt_id"]]),
                 group_id=int(row[_I["group_id"]]),
-                prompt_tokens=flat["prompt_tokens"][ps : ps + pl],
-                response_tokens=flat["response_tokens"][rs : rs + rl],
-                behavior_logprobs=flat["behavior_logprobs"][rs : rs + rl],
+                prompt_tokens=flat["prompt_tokens"][ps : ps + pl].copy(),
+                response_tokens=flat["response_tokens"][rs : rs + rl].copy(),
+                behavior_logprobs=flat["behavior_logprobs"][rs : rs + rl].copy(),
                 reward=float(frow[_F["reward"]]),
                 reward_status=RewardStatus(int(row[_I["reward_status"]])),
                 finished=bool(flags & FLAG_FINISHED),
@@ -221,7 +161,7 @@ def _decode(
                 searcher_id=int(row[_I["searcher_id"]]),
                 wall_time=float(frow[_F["wall_time"]]),
                 reference_logprobs=(
-                    flat["reference_logprobs"][rs : rs + rl] if flags & FLAG_HAS_REFERENCE else None
+                    flat["reference_logprobs"][rs : rs + rl].copy() if flags & FLAG_HAS_REFERENCE else None
                 ),
             )
         )
@@ -232,134 +172,55 @@ class TrajectoryWriter:
     """The single writer of one searcher's store; each `append` is one atomic commit.
 
     Re-opening after a crash continues after the last committed row (uncommitted data is simply
-    overwritten). A second live writer on the same store is a misconfiguration that is detected,
-    not supported: an append first checks that the commit record is unchanged since this writer
-    last wrote it (so it does not overwrite rows another writer committed), and the commit
-    itself is conditional on that too. Only a race inside that check-then-write window could
-    still clobber data, which is why each searcher must own its store.
+    overwritten) and takes a new writer epoch, so a stale writer of the same store (a zombie
+    searcher) fails on its next append before writing anything (see `tbajax.stores.jagged`).
     """
 
     def __init__(self, url: str | os.PathLike[str], searcher_id: int):
         self.url = to_url(url)
         self.searcher_id = int(searcher_id)
-        self._kv = open_kvstore(self.url)
-        commit, generation = read_json(self._kv, COMMIT_KEY)
-        if commit is None:
-            self._arrays = _open_arrays(self.url, create=True)
-            commit = {
-                "format": FORMAT,
-                "store_id": uuid.uuid4().hex,
-                "searcher_id": self.searcher_id,
-                "rows": 0,
-                "prompt_tokens": 0,
-                "response_tokens": 0,
-            }
-            new_generation = write_json(self._kv, COMMIT_KEY, commit, if_equal=generation)
-            if new_generation is None:
-                raise TrajectoryStoreError(f"another writer created {self.url} at the same time")
-            generation = new_generation
-        else:
-            _check_commit(commit, self.url)
-            if commit["searcher_id"] != self.searcher_id:
-                raise TrajectoryStoreError(
-                    f"{self.url} belongs to searcher {commit['searcher_id']}, not {self.searcher_id}"
-                )
-            self._arrays = _open_arrays(self.url, create=False)
-        self._commit = commit
-        self._generation = generation
+        self._store = JaggedWriter(self.url, LAYOUT, {"searcher_id": self.searcher_id})
+
+    @property
+    def epoch(self) -> int:
+        return self._store.epoch
 
     def committed_rows(self) -> int:
-        return int(self._commit["rows"])
+        return self._store.extents["rows"]
 
     def append(self, trajectories: Sequence[Trajectory]) -> int:
         """Write and commit `trajectories`; returns the committed row count after this call."""
         if not trajectories:
             return self.committed_rows()
-        data = self._write_data(trajectories)
-        return self._commit_rows(data)
+        grow = self._write_data(trajectories)
+        return self._store.commit(grow)["rows"]
 
-    def _write_data(self, trajectories: Sequence[Trajectory]) -> dict[str, np.ndarray]:
-        """Step 1 of an append: write everything past the committed extents, durably."""
-        c = self._commit
-        data = _encode(trajectories, c, self.searcher_id)
-        _, generation = read_json(self._kv, COMMIT_KEY)
-        if generation != self._generation:
-            raise self._shared_store_error()
-        starts = {
-            "rows_i64": c["rows"],
-            "rows_f64": c["rows"],
-            "prompt_tokens": c["prompt_tokens"],
-            "response_tokens": c["response_tokens"],
-            "behavior_logprobs": c["response_tokens"],
-            "reference_logprobs": c["response_tokens"],
-        }
-        futures = []
-        for name, values in data.items():
-            if len(values):
-                start = starts[name]
-                futures.append(self._arrays[name][start : start + len(values)].write(values))
-        for f in futures:
-            f.result()
-        return data
-
-    def _commit_rows(self, data: dict[str, np.ndarray]) -> int:
-        """Step 2: publish the new extents in one atomic write of the commit record."""
-        c = self._commit
-        commit = dict(
-            c,
-            rows=c["rows"] + len(data["rows_i64"]),
-            prompt_tokens=c["prompt_tokens"] + len(data["prompt_tokens"]),
-            response_tokens=c["response_tokens"] + len(data["response_tokens"]),
-        )
-        generation = write_json(self._kv, COMMIT_KEY, commit, if_equal=self._generation)
-        if generation is None:
-            raise self._shared_store_error()
-        self._commit, self._generation = commit, generation
-        return int(commit["rows"])
-
-    def _shared_store_error(self) -> TrajectoryStoreError:
-        return TrajectoryStoreError(
-            f"the commit record of {self.url} changed under this writer: another writer is appending "
-            "to the same store (one writer per store; give each searcher its own searcher id)"
-        )
+    def _write_data(self, trajectories: Sequence[Trajectory]) -> dict[str, int]:
+        """Step 1 of an append (tests call it alone to leave uncommitted data behind)."""
+        return self._store.write_data(_encode(trajectories, self._store.extents, self.searcher_id))
 
 
 class TrajectoryReader:
     """Tails one store: `read_new` returns the rows committed since the previous call.
 
-    `cursor` (the next row to read) is what a trainer checkpoints; resume with
-    ``TrajectoryReader(url, start_row=cursor)``.
+    `cursor` is the next row `read_new` returns; start another reader there with
+    ``TrajectoryReader(url, start_row=cursor)``. (The trainer does not checkpoint it: on resume
+    it re-reads every store from row 0 and the buffer state drops the groups already consumed.)
     """
 
     def __init__(self, url: str | os.PathLike[str], start_row: int = 0):
         if start_row < 0:
             raise ValueError(f"start_row must be >= 0, got {start_row}")
         self.url = to_url(url)
-        self._kv = open_kvstore(self.url)
+        self._store = JaggedReader(self.url, LAYOUT)
         self._cursor = int(start_row)
-        self._arrays: dict[str, ts.TensorStore] | None = None
-        self._store_id: str | None = None
 
     @property
     def cursor(self) -> int:
         return self._cursor
 
-    def _read_commit(self) -> dict[str, Any] | None:
-        commit, _ = read_json(self._kv, COMMIT_KEY)
-        if commit is None:
-            return None
-        _check_commit(commit, self.url)
-        if self._store_id is None:
-            self._store_id = commit["store_id"]
-        elif commit["store_id"] != self._store_id:
-            raise TrajectoryStoreError(
-                f"{self.url} was deleted and re-created while this reader was tailing it; "
-                "its row numbers no longer match this reader's cursor"
-            )
-        return commit
-
     def committed_rows(self) -> int:
-        commit = self._read_commit()
+        commit = self._store.read_commit()
         return 0 if commit is None else int(commit["rows"])
 
     def read_new(self, max_rows: int | None = None) -> list[Trajectory]:
@@ -385,11 +246,8 @@ class TrajectoryReader:
         return self._read_range(start, stop) if stop > start else []
 
     def _read_range(self, start: int, stop: int) -> list[Trajectory]:
-        if self._arrays is None:
-            self._arrays = _open_arrays(self.url, create=False)
-        a = self._arrays
-        i64_f, f64_f = a["rows_i64"][start:stop].read(), a["rows_f64"][start:stop].read()
-        i64, f64 = i64_f.result(), f64_f.result()
+        tables = self._store.read({"rows_i64": (start, stop), "rows_f64": (start, stop)})
+        i64, f64 = tables["rows_i64"], tables["rows_f64"]
         plen, rlen = i64[:, _I["prompt_len"]], i64[:, _I["response_len"]]
         pstart, rstart = i64[:, _I["prompt_start"]], i64[:, _I["response_start"]]
         # Rows of a store are contiguous in the flat arrays; anything else means corruption.
@@ -397,13 +255,10 @@ class TrajectoryReader:
             raise TrajectoryStoreError(f"rows [{start}, {stop}) of {self.url} have inconsistent offsets")
         p0, p1 = int(pstart[0]), int(pstart[-1] + plen[-1])
         r0, r1 = int(rstart[0]), int(rstart[-1] + rlen[-1])
-        names = ["prompt_tokens", "response_tokens", "behavior_logprobs"]
+        spans = {"prompt_tokens": (p0, p1), "response_tokens": (r0, r1), "behavior_logprobs": (r0, r1)}
         if np.any(i64[:, _I["flags"]] & FLAG_HAS_REFERENCE):
-            names.append("reference_logprobs")
-        spans = {"prompt_tokens": (p0, p1)}
-        futures = {n: a[n][slice(*spans.get(n, (r0, r1)))].read() for n in names}
-        flat = {n: np.asarray(f.result()) for n, f in futures.items()}
-        return _decode(i64, f64, flat, p0, r0)
+            spans["reference_logprobs"] = (r0, r1)
+        return _decode(i64, f64, self._store.read(spans), p0, r0)
 
 
 def discover_searcher_stores(run_url: str | os.PathLike[str]) -> dict[int, str]:

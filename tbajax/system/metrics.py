@@ -60,19 +60,37 @@ def _scalar(v: Any) -> Any:
     return v
 
 
-def read_metrics(run_dir: str | Path, role: str | None = None) -> list[dict[str, Any]]:
+def read_metrics(run_dir: str | Path, role: str | None = None, *, superseded: bool = False) -> list[dict[str, Any]]:
+    """The records of metrics.jsonl in file order (those of `role` only, if given).
+
+    After a trainer resume the steps between its checkpoint and the crash were trained twice and
+    logged twice; the resumed trainer writes ``{"event": "resume", "from_step": N}`` first.
+    Unless `superseded=True`, trainer records of steps > N written before that marker are
+    dropped, so curves and averages count each step once (the copy the run continued from)."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         return []
-    out = []
+    records = []
     for line in path.read_text().splitlines():
         try:
-            rec = json.loads(line)
+            records.append(json.loads(line))
         except json.JSONDecodeError:  # a line cut by a crash mid-write: skip it
             continue
-        if role is None or rec.get("role") == role:
-            out.append(rec)
-    return out
+    if not superseded:
+        records = drop_superseded(records)
+    return [r for r in records if role is None or r.get("role") == role]
+
+
+def drop_superseded(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Drop trainer records that a later resume marker says were rolled back (see read_metrics)."""
+    keep = [True] * len(records)
+    for i, rec in enumerate(records):
+        if rec.get("role") == "trainer" and rec.get("event") == "resume":
+            from_step = int(rec["from_step"])
+            for j in range(i):
+                if records[j].get("role") == "trainer" and int(records[j].get("step", -1)) > from_step:
+                    keep[j] = False
+    return [r for r, k in zip(records, keep) if k]
 
 
 def plot_learning_curve(run_dir: str | Path, out: str | Path | None = None) -> Path | None:

@@ -8,6 +8,7 @@ asynchronous searcher process and the synchronous mode.
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from collections.abc import Sequence
@@ -26,6 +27,7 @@ from tbajax.stores import ParamReader, ParamVersionError, TrajectoryWriter, para
 from tbajax.system import rundir
 from tbajax.system.metrics import MetricsWriter
 from tbajax.tasks.base import Problem, Task
+from tbajax.tasks.reward_pool import RewardResult, call_reward
 from tbajax.trajectory import RewardStatus, Trajectory
 
 log = logging.getLogger(__name__)
@@ -35,18 +37,39 @@ class PromptTooLongError(ValueError):
     """A prompt does not fit rollout.max_prompt_tokens (the problem is skipped, not fatal)."""
 
 
-def score_in_process(task: Task, completions: Sequence[str], answers: Sequence[Any]) -> list[tuple[float, RewardStatus]]:
-    """Score with the task's reward function in this process; an exception costs that sample an
-    ERROR status (reward 0), never the searcher."""
-    out = []
-    for text, answer in zip(completions, answers):
-        try:
-            reward, status = task.reward(text, answer)
-            out.append((float(reward), RewardStatus(status)))
-        except Exception as e:  # noqa: BLE001 - a user grader may raise anything
-            log.warning("reward function raised %s: %s", type(e).__name__, e)
-            out.append((0.0, RewardStatus.ERROR))
-    return out
+def score_in_process(task: Task, completions: Sequence[str], answers: Sequence[Any]) -> list[RewardResult]:
+    """Score with the task's reward function in this process, with exactly the pool's statuses
+    (`call_reward`): a raise, a NaN/inf reward or a malformed return costs that sample an ERROR
+    status (reward 0), never the searcher, and never puts a non-finite reward into a store."""
+    results = [call_reward(task.reward, text, answer) for text, answer in zip(completions, answers)]
+    for i, r in enumerate(results):
+        if r.status == RewardStatus.ERROR:
+            log.warning("task %s: reward of sample %d failed: %s", task.name, i, r.error)
+    return results
+
+
+class GradeWatch:
+    """Remembers whether the last `window` grades failed (TIMEOUT/ERROR) and the first error text,
+    so a searcher whose grader always fails stops with the reason instead of filling the store
+    with rows nobody can train on (and leaving the trainer waiting forever)."""
+
+    def __init__(self, window: int):
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self.recent: collections.deque[bool] = collections.deque(maxlen=window)
+        self.first_error: str | None = None
+
+    def add(self, results: Sequence[RewardResult]) -> None:
+        for r in results:
+            failed = r.status >= RewardStatus.TIMEOUT
+            self.recent.append(failed)
+            if failed and self.first_error is None:
+                self.first_error = r.error or r.status.name
+            if not failed:
+                self.first_error = None  # only a streak of failures matters
+
+    def all_failed(self) -> bool:
+        return len(self.recent) == self.recent.maxlen and all(self.recent)
 
 
 class Rollouts:
@@ -82,6 +105,7 @@ class Rollouts:
         )
         self._prompt_cache: dict[tuple[str, int], np.ndarray] = {}
         self.skipped_prompts = 0
+        self.grades = GradeWatch(config.rollout.fail_fast_grades)
         self.stop_ids = set(
             sampling.stop_token_ids if sampling.stop_token_ids is not None else model.config.eos_token_ids
         )
@@ -129,8 +153,11 @@ class Rollouts:
 
     def score(self, completions: Sequence[str], answers: Sequence[Any]) -> list[tuple[float, RewardStatus]]:
         if self.reward_pool is not None:
-            return [(float(r), RewardStatus(s)) for r, s in self.reward_pool.score(self.task, list(zip(completions, answers)))]
-        return score_in_process(self.task, completions, answers)
+            results = self.reward_pool.score_detailed(self.task, list(zip(completions, answers)))
+        else:
+            results = score_in_process(self.task, completions, answers)
+        self.grades.add(results)
+        return [(float(r.reward), RewardStatus(r.status)) for r in results]
 
     def sample_and_score(
         self,
@@ -262,6 +289,7 @@ def run_searcher(run_dir: Path, searcher_id: int, store_url: str | None = None) 
     log.info("searcher %d: %d train problems in its shard, resuming after %d rows", searcher_id, len(stream.indices), committed)
     calls_this_version = 0
     lead_limit = config.rollout.max_calls_per_version
+    retry_s = 0.0  # backoff of ParamVersionError retries
     while not stop():
         latest = params_reader.latest_version()
         if latest is not None and latest > version:
@@ -269,8 +297,11 @@ def run_searcher(run_dir: Path, searcher_id: int, store_url: str | None = None) 
             try:
                 restored = params_reader.restore(latest, params_template.values, params_template.shardings)
             except ParamVersionError as e:  # collected between pointer read and lease: take the next
-                log.warning("searcher %d: %s; retrying with the newest version", searcher_id, e)
+                retry_s = min(5.0, 2 * retry_s or 0.1)
+                log.warning("searcher %d: %s; retrying with the newest version in %.1f s", searcher_id, e, retry_s)
+                time.sleep(retry_s)
                 continue
+            retry_s = 0.0
             rollouts.set_params(params_template.to_state(restored))
             log.info("searcher %d: loaded params version %d in %.2fs", searcher_id, latest, time.time() - t0)
             version, calls_this_version = latest, 0
@@ -287,6 +318,8 @@ def run_searcher(run_dir: Path, searcher_id: int, store_url: str | None = None) 
             first_group_id=(searcher_id << 40) + writer.committed_rows(),
         )
         writer.append(rows)
+        if rollouts.grades.all_failed():
+            stop_failing_grader(rollouts, searcher_id)
         calls += 1
         samples += len(rows)
         new_tokens = int(sum(len(r.response_tokens) for r in rows))
@@ -309,6 +342,22 @@ def run_searcher(run_dir: Path, searcher_id: int, store_url: str | None = None) 
     if rollouts.reward_pool is not None:
         rollouts.reward_pool.close()
     log.info("searcher %d: stopping after %d calls, %d samples", searcher_id, calls, samples)
+
+
+EXIT_GRADER_FAILING = 3
+
+
+def stop_failing_grader(rollouts: Rollouts, searcher_id: int) -> None:
+    """Exit non-zero with the grader's error as the last log line (the launcher shows the tail)."""
+    n = rollouts.grades.recent.maxlen
+    first = (rollouts.grades.first_error or "").strip().splitlines()
+    log.error(
+        "searcher %d: the last %d grades of task %r all failed (ERROR/TIMEOUT), so the reward function is "
+        "broken, not the samples; first error: %s. Fix the task's reward function (or raise "
+        "rollout.fail_fast_grades if failures this long are expected)",
+        searcher_id, n, rollouts.task.name, first[0] if first else "(none)",
+    )
+    raise SystemExit(EXIT_GRADER_FAILING)
 
 
 class _ParamsTemplate:

@@ -8,6 +8,8 @@ resume, the final summary.
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import logging
 import time
 import uuid
@@ -124,17 +126,24 @@ def run_trainer(run_dir: Path, *, resume: bool = False, store_url: str | None = 
     run_id = _run_id(run_dir, resume)
     publisher = ParamPublisher(param_store_url(store), run_id, dtype=config.system.publish_dtype,
                                keep=config.system.keep_param_versions)
-    start_time = time.time()
+    counters = RunCounters(start_time=time.time())
     summary_start: dict[str, Any] = {}
-    if resume and checkpoints.latest_step() is not None:
-        learner.trainer.state, extra = checkpoints.restore(learner.trainer.state)
-        buffer.load_state_dict(extra["buffer"])
-        summary_start = extra.get("summary_start", {})
-        start_time -= extra.get("elapsed_s", 0.0)
-        log.info("resumed at step %d (version %s)", learner.step, publisher.latest_version())
     version = publisher.latest_version() or 0
+    if resume:
+        summary_start = _restore(run_dir, store, checkpoints, learner, buffer, counters)
+        restored_syncs = list(buffer.state_dict()["sync_versions"])
+        if publisher.latest_version() is not None and config.system.mode == "async":
+            # Searchers may hold params newer than the restored step (published after the last
+            # checkpoint): give them the restored params at once, under a new (higher) version.
+            version = publisher.publish(nnx.to_pure_dict(learner.trainer.state.params), step=learner.step)
+            buffer.mark_sync(version)
+            log.info("resumed at step %d; republished its params as version %d", learner.step, version)
+        metrics.write(learner.step, {"event": "resume", "from_step": learner.step, "version": version,
+                                     "restored_sync_versions": restored_syncs,
+                                     "skipped_checkpoints": [k for k, _ in checkpoints.skipped]})
     source = (
-        InlineRollouts(config, run_dir, store, learner, mesh, reward_pool) if config.system.mode == "sync" else StoreTail(store)
+        InlineRollouts(config, run_dir, store, learner, mesh, reward_pool) if config.system.mode == "sync"
+        else StoreTail(store, model.config.vocab_size)
     )
     log.info("trainer: %s, %s objective, %d steps of %d groups x K=%d, mesh %s", config.name,
              config.train.objective, config.train.steps, config.train.groups_per_step,
@@ -143,10 +152,9 @@ def run_trainer(run_dir: Path, *, resume: bool = False, store_url: str | None = 
         acc = evaluator.run(learner.trainer.policy())
         log.info("eval before training: accuracy %.3f", acc["eval_accuracy"])
         summary_start = {"eval_accuracy_start": acc["eval_accuracy"]}
-        metrics.write(learner.step, {**acc, "version": version, "elapsed_s": 0.0})
+        metrics.write(learner.step, {**acc, "version": version, "elapsed_s": counters.elapsed()})
         rundir.write_status(run_dir, "trainer", {"step": learner.step, "phase": "waiting for data", **acc})
     last = {"eval_accuracy": summary_start["eval_accuracy_start"]}
-    waited = 0.0
     stalled_since, next_stall_warning = 0.0, 60.0
     while learner.step < config.train.steps and not stop():
         source.fill(buffer, version)
@@ -156,14 +164,14 @@ def run_trainer(run_dir: Path, *, resume: bool = False, store_url: str | None = 
         except BufferEmptyError as e:
             t0 = time.time()
             time.sleep(0.05)
-            waited += time.time() - t0
+            counters.wait_s += time.time() - t0
             stalled_since = stalled_since or t0
             if t0 - stalled_since > next_stall_warning:
                 log.warning("no trainable batch for %.0f s (%s); are the searchers running? see logs/searcher-*.log",
                             t0 - stalled_since, e)
                 next_stall_warning *= 2
             rundir.write_status(run_dir, "trainer", {**last, "step": learner.step, "phase": "waiting for data",
-                                                     "buffer_rows": len(buffer)})
+                                                     "buffer_rows": len(buffer), **source.invalid_status()})
             continue
         stalled_since, next_stall_warning = 0.0, 60.0
         step_metrics = learner.train_on(groups, version)
@@ -179,8 +187,8 @@ def run_trainer(run_dir: Path, *, resume: bool = False, store_url: str | None = 
         stats = buffer.stats(current_version=version)
         record = {**step_metrics, "version": version, "buffer_rows": stats["num_rows"],
                   "buffer_prompts": stats["num_prompts"], "buffer_recent_prompts": stats["num_recent_prompts"],
-                  "buffer_mean_staleness": stats["mean_staleness"], "trainer_wait_s": waited,
-                  "elapsed_s": time.time() - start_time}
+                  "buffer_mean_staleness": stats["mean_staleness"], "trainer_wait_s": counters.wait_s,
+                  "invalid_rows_skipped": source.invalid_total(), "elapsed_s": counters.elapsed()}
         if config.eval.every and step % config.eval.every == 0 and step < config.train.steps:
             record.update(evaluator.run(learner.trainer.policy()))
             log.info("step %d: eval accuracy %.3f", step, record["eval_accuracy"])
@@ -193,23 +201,29 @@ def run_trainer(run_dir: Path, *, resume: bool = False, store_url: str | None = 
             "eval_accuracy": record.get("eval_accuracy", last.get("eval_accuracy"))}
         rundir.write_status(run_dir, "trainer", {**last, "step": step, "phase": "training",
                                                  "buffer_rows": record["buffer_rows"],
-                                                 "policy_lag": step_metrics["policy_lag_mean"]})
+                                                 "policy_lag": step_metrics["policy_lag_mean"],
+                                                 **source.invalid_status()})
         if step % config.train.checkpoint_every == 0:
-            _checkpoint(checkpoints, learner, buffer, summary_start, start_time)
-    publisher.wait()
-    final = evaluator.run(learner.trainer.policy())
-    log.info("final eval accuracy %.3f after %d steps", final["eval_accuracy"], learner.step)
+            _checkpoint(checkpoints, learner, buffer, summary_start, counters)
+    stopped_early = learner.step < config.train.steps
+    # Checkpoint before the final evaluation: a stop request gives us a grace period, and a slow
+    # evaluation must not cost the steps since the last checkpoint.
+    if stopped_early:
+        log.warning("stop requested at step %d of %d: checkpointing first", learner.step, config.train.steps)
+        rundir.write_status(run_dir, "trainer", {**last, "step": learner.step, "phase": "checkpointing (stopping)"})
     checkpoints.wait()
     if checkpoints.latest_step() != learner.step:
-        _checkpoint(checkpoints, learner, buffer, summary_start, start_time, force=True)
+        _checkpoint(checkpoints, learner, buffer, summary_start, counters, force=True)
         checkpoints.wait()
+    publisher.wait()
     if learner.step % config.system.sync_every:
         version = publisher.publish(nnx.to_pure_dict(learner.trainer.state.params), step=learner.step)
     publisher.close()
-    wall = time.time() - start_time
+    rundir.write_status(run_dir, "trainer", {**last, "step": learner.step, "phase": "final evaluation"})
+    final = evaluator.run(learner.trainer.policy())
+    log.info("final eval accuracy %.3f after %d steps", final["eval_accuracy"], learner.step)
+    wall = counters.elapsed()
     metrics.write(learner.step, {**final, "version": version, "elapsed_s": wall})
-    searchers = rundir.read_status(run_dir)
-    samples = sum(s.get("samples", 0) for k, s in searchers.items() if k.startswith("searcher"))
     lags = [(r["policy_lag_mean"], r["policy_lag_max"]) for r in read_metrics(run_dir, "trainer") if "policy_lag_mean" in r]
     summary = {
         "experiment": config.name,
@@ -218,16 +232,23 @@ def run_trainer(run_dir: Path, *, resume: bool = False, store_url: str | None = 
         **summary_start,
         "eval_accuracy_end": final["eval_accuracy"],
         "trainer_steps": learner.step,
-        "samples_generated": int(samples),
+        "samples_generated": committed_rows(store),  # durable: survives searcher restarts and resumes
         "tokens_trained": learner.tokens_trained,
         "wall_time_s": wall,
-        "trainer_wait_s": waited,
+        "trainer_wait_s": counters.wait_s,
         "final_version": version,
         # over trained rows: trainer's param version minus the version that sampled the row
         "policy_lag_mean": float(np.mean([a for a, _ in lags])) if lags else 0.0,
         "policy_lag_max": int(max((b for _, b in lags), default=0)),
-        "stopped_early": learner.step < config.train.steps,
+        "invalid_rows_skipped": source.invalid_total(),
+        "invalid_rows_by_reason": dict(source.invalid_rows),
+        "stopped_early": stopped_early,
+        "stopped_at_step": learner.step if stopped_early else None,
     }
+    if stopped_early:
+        summary["resume_with"] = f"python -m tbajax.main --run-dir={run_dir} --resume"
+        log.warning("stopped at step %d of %d (checkpointed); continue with: %s", learner.step,
+                    config.train.steps, summary["resume_with"])
     rundir.write_json_atomic(run_dir / "summary.json", summary)
     metrics.close()
     if reward_pool is not None:
@@ -237,16 +258,78 @@ def run_trainer(run_dir: Path, *, resume: bool = False, store_url: str | None = 
     return summary
 
 
+@dataclasses.dataclass
+class RunCounters:
+    """Run totals that must survive a trainer restart (kept in the checkpoint's extra state)."""
+
+    start_time: float  # wall-clock start, shifted back by the elapsed time of earlier sessions
+    wait_s: float = 0.0  # time the trainer waited for a trainable batch
+
+    def elapsed(self) -> float:
+        return time.time() - self.start_time
+
+
+def _restore(run_dir: Path, store: str, checkpoints: Checkpointer, learner: Learner, buffer: TrajectoryBuffer,
+             counters: RunCounters) -> dict[str, Any]:
+    """Restore the newest readable checkpoint; returns its summary_start ({} when there is none)."""
+    if checkpoints.latest_step() is None:
+        rows = committed_rows(store)
+        log.warning("--resume: no complete checkpoint under %s; STARTING AGAIN FROM STEP 0 with the initial "
+                    "params, rebuilding the replay buffer from the %d rows already in the trajectory stores",
+                    checkpoints.directory, rows)
+        rundir.write_status(run_dir, "trainer", {"step": 0, "phase": "no checkpoint to resume: restarting at step 0"})
+        return {}
+    learner.trainer.state, extra = checkpoints.restore(learner.trainer.state)
+    buffer.load_state_dict(extra["buffer"])
+    counters.start_time -= float(extra.get("elapsed_s", 0.0))
+    counters.wait_s = float(extra.get("trainer_wait_s", 0.0))
+    learner.tokens_trained = int(extra.get("tokens_trained", 0))
+    if checkpoints.skipped:
+        log.warning("resumed from checkpoint %d; skipped unreadable newer checkpoint(s) %s",
+                    learner.step, [s for s, _ in checkpoints.skipped])
+    return dict(extra.get("summary_start", {}))
+
+
+def committed_rows(store: str) -> int:
+    """Rows committed to all trajectory stores of a run (durable, unlike per-process counters)."""
+    return sum(TrajectoryReader(url).committed_rows() for url in discover_searcher_stores(store).values())
+
+
+def check_row(traj: Trajectory, vocab_size: int) -> str | None:
+    """Why a row read from a store cannot be trained on, or None when it can.
+
+    A store is durable, so one bad row (a grader bug that slipped a NaN through, a corrupted
+    token id) would stop every resume of the run forever if the trainer died on it."""
+    if not np.isfinite(traj.reward):
+        return "non-finite reward"
+    for name in ("prompt_tokens", "response_tokens"):
+        ids = getattr(traj, name)
+        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+            return f"{name} outside [0, vocab_size)"
+    if len(traj.behavior_logprobs) != len(traj.response_tokens):
+        return "behavior_logprobs length differs from the response's"
+    if not np.isfinite(traj.behavior_logprobs).all():
+        return "non-finite behavior log-probs"
+    if traj.reference_logprobs is not None and not np.isfinite(traj.reference_logprobs).all():
+        return "non-finite reference log-probs"
+    return None
+
+
 class StoreTail:
-    """Async data source: new rows from every searcher's store (searchers may appear late)."""
+    """Async data source: new rows from every searcher's store (searchers may appear late).
+
+    Rows that cannot be trained on (`check_row`) are skipped and counted here, before they reach
+    the buffer: the count says how many, and by which reason."""
 
     rediscover_every_s = 5.0  # listing the store directory is cheap, but not free on a bucket
 
-    def __init__(self, store: str):
+    def __init__(self, store: str, vocab_size: int):
         self.store = store
+        self.vocab_size = vocab_size
         self.tailer = Tailer([])
         self.known: set[int] = set()
         self.last_discovery = -float("inf")
+        self.invalid_rows: collections.Counter[str] = collections.Counter()
 
     def fill(self, buffer: TrajectoryBuffer, version: int) -> None:
         if time.time() - self.last_discovery > self.rediscover_every_s or not self.known:
@@ -256,8 +339,35 @@ class StoreTail:
                     self.known.add(sid)
                     self.tailer.add_source(TrajectoryReader(url))
                     log.info("tailing searcher %d's trajectories (%s)", sid, url)
-        self.tailer.poll(buffer)
+        self.tailer.poll(_CheckedRows(buffer, self))
 
+    def invalid_total(self) -> int:
+        return sum(self.invalid_rows.values())
+
+    def invalid_status(self) -> dict[str, int]:
+        return {"invalid_rows_skipped": self.invalid_total()} if self.invalid_rows else {}
+
+
+class _CheckedRows:
+    """What the tailer adds rows to: the buffer, minus the rows `check_row` rejects."""
+
+    def __init__(self, buffer: TrajectoryBuffer, tail: StoreTail):
+        self.buffer = buffer
+        self.tail = tail
+
+    def add(self, rows: Sequence[Trajectory]) -> None:
+        good = []
+        for t in rows:
+            reason = check_row(t, self.tail.vocab_size)
+            if reason is None:
+                good.append(t)
+                continue
+            self.tail.invalid_rows[reason] += 1
+            n = self.tail.invalid_total()
+            if n in (1, 10, 100, 1000) or n % 10000 == 0:
+                log.warning("skipped %d invalid store rows so far (%s); latest: searcher %d group %d (%s)",
+                            n, dict(self.tail.invalid_rows), t.searcher_id, t.group_id, reason)
+        self.buffer.add(good)
 
 
 class InlineRollouts:
@@ -278,6 +388,7 @@ class InlineRollouts:
         self.stream = PromptStream(self.rollouts.task.load("train"), 0, 1, config.seed,
                                    start=self.writer.committed_rows() // config.rollout.sampling.num_samples)
         self.key = jax.random.PRNGKey(config.seed + 1000)
+        self.invalid_rows: collections.Counter[str] = collections.Counter()  # rows come straight from the sampler
         self.samples = 0
         self.generate_s = self.last_generate_s = 0.0
 
@@ -290,6 +401,10 @@ class InlineRollouts:
             first_group_id=self.writer.committed_rows(),
         )
         self.writer.append(rows)
+        if self.rollouts.grades.all_failed():
+            from tbajax.system.searcher import stop_failing_grader
+
+            stop_failing_grader(self.rollouts, 0)
         buffer.add(rows)
         self.samples += len(rows)
         self.last_generate_s = time.time() - t0
@@ -300,13 +415,20 @@ class InlineRollouts:
     def set_params(self, learner: Learner) -> None:
         self.rollouts.set_params(learner.trainer.state.params)
 
+    def invalid_total(self) -> int:
+        return 0
+
+    def invalid_status(self) -> dict[str, int]:
+        return {}
+
 
 
 def _checkpoint(checkpoints: Checkpointer, learner: Learner, buffer: TrajectoryBuffer,
-                summary_start: dict[str, Any], start_time: float, force: bool = False) -> None:
+                summary_start: dict[str, Any], counters: RunCounters, force: bool = False) -> None:
     checkpoints.save(
         learner.trainer.state,
-        {"buffer": buffer.state_dict(), "summary_start": summary_start, "elapsed_s": time.time() - start_time},
+        {"buffer": buffer.state_dict(), "summary_start": summary_start, "elapsed_s": counters.elapsed(),
+         "trainer_wait_s": counters.wait_s, "tokens_trained": learner.tokens_trained},
         force=force,
     )
 

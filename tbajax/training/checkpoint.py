@@ -2,7 +2,8 @@
 
 One checkpoint per saved step under `directory/<step>/` with two items, `state` (params,
 optimizer state, reference params, step, PRNG key, and an objective's aux table with its
-optimizer state when it has one) and `extra` (e.g. the replay-buffer cursor).
+optimizer state when it has one) and `extra` (JSON: the replay buffer's sync/consumption state
+and the run's counters; the rows themselves are re-read from the trajectory stores on resume).
 Saves are asynchronous: `save` returns once the arrays are copied off the device, and the
 files are committed in the background (a checkpoint is complete when orbax has written its
 `commit_success.txt`; incomplete ones are never listed). Only the newest `max_to_keep` are kept.
@@ -12,6 +13,7 @@ on one mesh restores onto another.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,8 @@ import jax
 import orbax.checkpoint as ocp
 
 from tbajax.training.state import TrainState, abstract_state
+
+log = logging.getLogger(__name__)
 
 
 class Checkpointer:
@@ -35,6 +39,7 @@ class Checkpointer:
         if max_to_keep is not None and max_to_keep < 1:
             raise ValueError(f"max_to_keep must be >= 1 or None (keep all), got {max_to_keep}")
         self.directory = directory if "://" in str(directory) else Path(directory).absolute()
+        self.skipped: list[tuple[int, str]] = []  # (step, reason) the last restore skipped
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
@@ -62,22 +67,47 @@ class Checkpointer:
         )
 
     def restore(self, target: TrainState, step: int | None = None) -> tuple[TrainState, dict[str, Any]]:
-        """(state, extra) of checkpoint `step` (default: the newest complete one).
+        """(state, extra) of checkpoint `step` (default: the newest complete one that reads back).
 
         `target` is a state of the same structure, concrete or abstract (ShapeDtypeStructs with
-        shardings, see `abstract_state`); arrays come back in its shardings and dtypes.
+        shardings, see `abstract_state`); arrays come back in its shardings and dtypes. Without
+        `step`, a newest checkpoint that cannot be read (truncated or corrupted files) is skipped
+        with a warning naming it, and the previous one is restored: losing a few steps beats
+        losing the run. `skipped` lists what was skipped, for the caller to report.
         """
         self._manager.wait_until_finished()
-        if step is None:
-            step = self._manager.latest_step()
-            if step is None:
-                raise FileNotFoundError(f"no complete checkpoint under {self.directory}")
-        elif step not in self._manager.all_steps():
-            raise FileNotFoundError(
-                f"no checkpoint for step {step} under {self.directory}; have {sorted(self.all_steps())}"
-            )
         _check_raw_keys(target)
         abstract = abstract_state(target)
+        self.skipped: list[tuple[int, str]] = []
+        if step is not None:
+            if step not in self._manager.all_steps():
+                raise FileNotFoundError(
+                    f"no checkpoint for step {step} under {self.directory}; have {sorted(self.all_steps())}"
+                )
+            return self._restore(step, abstract)
+        steps = sorted(self._manager.all_steps(), reverse=True)
+        if not steps:
+            raise FileNotFoundError(f"no complete checkpoint under {self.directory}")
+        for s in steps:
+            try:
+                out = self._restore(s, abstract)
+            except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types on bad files
+                reason = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+                log.warning("checkpoint %s/%d cannot be read (%s); falling back to the previous one",
+                            self.directory, s, reason)
+                self.skipped.append((s, reason))
+                continue
+            if self.skipped:
+                log.warning("restored checkpoint %d, skipping unreadable newer checkpoint(s) %s; delete them "
+                            "once you no longer need them for inspection", s, [k for k, _ in self.skipped])
+            return out
+        raise RuntimeError(
+            f"none of the checkpoints under {self.directory} can be read: "
+            + "; ".join(f"step {k}: {r}" for k, r in self.skipped)
+            + ". Move the checkpoints directory aside to start again from step 0"
+        )
+
+    def _restore(self, step: int, abstract: Any) -> tuple[TrainState, dict[str, Any]]:
         restored = self._manager.restore(
             step,
             args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), extra=ocp.args.JsonRestore()),
