@@ -210,7 +210,9 @@ def _write_or_check_config(run_dir: Path, config) -> None:  # noqa: ANN001
 
 def print_summary(summary: dict, run_dir: Path) -> None:
     rows = [
-        ("eval accuracy (start -> end)", f"{summary['eval_accuracy_start']:.3f} -> {summary['eval_accuracy_end']:.3f}"),
+        (f"eval {summary.get('eval_metric', 'accuracy')} (start -> end)",
+         f"{summary.get('eval_score_start', summary.get('eval_accuracy_start', float('nan'))):.3f} -> "
+         f"{summary.get('eval_score_end', summary.get('eval_accuracy_end', float('nan'))):.3f}"),
         ("trainer steps", summary["trainer_steps"]),
         ("samples generated", summary["samples_generated"]),
         ("wall time", f"{summary['wall_time_s']:.1f} s"),

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -36,6 +38,9 @@ class Trajectory:
     searcher_id: int = 0
     wall_time: float = 0.0  # unix time the sample was generated
     reference_logprobs: np.ndarray | None = None  # float32 [R] when the searcher computed them
+    # per-sample extras from the task's scorer (JSON-serialisable): e.g. a victim's answers and
+    # their toxicity (red-teaming), a reward model's raw score; for evaluation and logging
+    extras: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         r = len(self.response_tokens)

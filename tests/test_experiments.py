@@ -20,6 +20,8 @@ import pytest
 
 from tbajax.config import ExperimentConfig, apply_overrides
 from tbajax.main import load_experiment
+from tbajax.tasks.scoring import Samples
+from tbajax.trajectory import RewardStatus
 from tbajax.training.schedules import beta_at, learning_rate
 
 REPO = Path(__file__).resolve().parent.parent
@@ -224,9 +226,11 @@ def test_builds_tokenizer_task_and_model_through_the_searcher_path(
         assert text == f"[MATH TASK] Problem:\n{problem.question}\n\nSolution:\n"
 
     good, bad = _correct_and_wrong(config.task.name, problem)
-    (r_good, s_good), (r_bad, s_bad) = rollouts.score([good, bad], [problem.answer, problem.answer])
-    assert r_good == 1.0 and s_good.name == "OK"
-    assert r_bad < 1.0 and s_bad.name == "WRONG"
+    samples = Samples(problems=[problem, problem], prompt_tokens=[ids, ids], response_tokens=[ids[:1], ids[:1]],
+                      texts=[good, bad], finished=np.ones(2, bool))
+    scores = rollouts.score(samples)
+    assert scores.reward[0] == 1.0 and RewardStatus(int(scores.status[0])).name == "OK"
+    assert scores.reward[1] < 1.0 and RewardStatus(int(scores.status[1])).name == "WRONG"
 
     if STAND_INS[name][1] is None:  # char tokenizer ids fit the tiny vocab: run the real prompt through
         logits, _ = model(np.asarray(ids)[None])

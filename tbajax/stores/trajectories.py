@@ -12,12 +12,15 @@ commit protocol and writer fencing:
     response_tokens/     int32 [sum of response lengths]
     behavior_logprobs/   float32, aligned with response_tokens
     reference_logprobs/  float32, aligned with response_tokens (read only for rows flagged has-ref)
+    rows_extras/         int64 [rows, 2]: start, length of the row's extras in `extras`
+    extras/              uint8 [sum of extras lengths]: each row's scorer extras as UTF-8 JSON
 """
 
 from __future__ import annotations
 
 import os
 import re
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -27,7 +30,7 @@ from tbajax.stores.jagged import COMMIT_KEY, Column, JaggedReader, JaggedWriter,
 from tbajax.stores.urls import TRAJECTORIES_DIR, join_url, list_keys, open_kvstore, to_url
 from tbajax.trajectory import RewardStatus, Trajectory
 
-FORMAT = "tbajax.trajectories.v1"
+FORMAT = "tbajax.trajectories.v2"  # v2: scorer extras per row
 ROW_CHUNK = 4096
 FLAT_CHUNK = 65536
 
@@ -58,6 +61,8 @@ LAYOUT = Layout(
         "response_tokens": Column("int32", (), (FLAT_CHUNK,), 0, "response_tokens"),
         "behavior_logprobs": Column("float32", (), (FLAT_CHUNK,), 0.0, "response_tokens"),
         "reference_logprobs": Column("float32", (), (FLAT_CHUNK,), "NaN", "response_tokens"),
+        "rows_extras": Column("int64", (2,), (ROW_CHUNK, 2), 0, "rows"),
+        "extras": Column("uint8", (), (FLAT_CHUNK,), 0, "extras_bytes"),
     },
 )
 
@@ -85,8 +90,9 @@ def _as_float32(x: Any, what: str, index: int) -> np.ndarray:
 def _encode(trajs: Sequence[Trajectory], commit: Mapping[str, int], searcher_id: int) -> dict[str, np.ndarray]:
     """Row tables and flat arrays for one append, offsets continuing after the committed extents."""
     n = len(trajs)
-    prompts, responses, behavior, reference = [], [], [], []
+    prompts, responses, behavior, reference, extras = [], [], [], [], []
     i64 = np.zeros((n, len(I64_COLUMNS)), np.int64)
+    extras_index = np.zeros((n, 2), np.int64)
     f64 = np.zeros((n, len(F64_COLUMNS)), np.float64)
     any_ref = any(t.reference_logprobs is not None for t in trajs)
     for i, t in enumerate(trajs):
@@ -118,6 +124,10 @@ def _encode(trajs: Sequence[Trajectory], commit: Mapping[str, int], searcher_id:
         i64[i, _I["flags"]] = flags
         f64[i, _F["reward"]] = float(t.reward)
         f64[i, _F["wall_time"]] = float(t.wall_time)
+        blob = _encode_extras(t.extras, i)
+        extras.append(blob)
+        extras_index[i, 1] = len(blob)
+    extras_index[:, 0] = commit["extras_bytes"] + np.concatenate([[0], np.cumsum(extras_index[:, 1])[:-1]])
     plen, rlen = i64[:, _I["prompt_len"]], i64[:, _I["response_len"]]
     i64[:, _I["prompt_start"]] = commit["prompt_tokens"] + np.concatenate([[0], np.cumsum(plen)[:-1]])
     i64[:, _I["response_start"]] = commit["response_tokens"] + np.concatenate([[0], np.cumsum(rlen)[:-1]])
@@ -127,10 +137,22 @@ def _encode(trajs: Sequence[Trajectory], commit: Mapping[str, int], searcher_id:
         "prompt_tokens": np.concatenate(prompts),
         "response_tokens": np.concatenate(responses),
         "behavior_logprobs": np.concatenate(behavior),
+        "rows_extras": extras_index,
     }
     if any_ref:
         out["reference_logprobs"] = np.concatenate(reference)
+    if extras_index[:, 1].any():
+        out["extras"] = np.frombuffer(b"".join(extras), np.uint8)
     return out
+
+
+def _encode_extras(extras: Mapping[str, Any] | None, index: int) -> bytes:
+    if not extras:
+        return b""
+    try:
+        return json.dumps(extras, sort_keys=True, separators=(",", ":"), allow_nan=True).encode()
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"trajectory {index}: extras must be JSON-serialisable ({e})") from None
 
 
 def _decode(
@@ -139,11 +161,13 @@ def _decode(
     flat: dict[str, np.ndarray],
     p0: int,
     r0: int,
+    extras_index: np.ndarray,
 ) -> list[Trajectory]:
     """Rows from one read; each row's arrays are copies, so a row kept in a buffer does not pin
     the whole read block (up to thousands of rows) in memory."""
     out = []
-    for row, frow in zip(i64, f64):
+    e0 = int(extras_index[0, 0]) if len(extras_index) else 0
+    for row, frow, (es, el) in zip(i64, f64, extras_index):
         ps, pl = int(row[_I["prompt_start"]]) - p0, int(row[_I["prompt_len"]])
         rs, rl = int(row[_I["response_start"]]) - r0, int(row[_I["response_len"]])
         flags = int(row[_I["flags"]])
@@ -163,6 +187,7 @@ def _decode(
                 reference_logprobs=(
                     flat["reference_logprobs"][rs : rs + rl].copy() if flags & FLAG_HAS_REFERENCE else None
                 ),
+                extras=json.loads(flat["extras"][es - e0 : es - e0 + el].tobytes()) if el else None,
             )
         )
     return out
@@ -246,8 +271,9 @@ class TrajectoryReader:
         return self._read_range(start, stop) if stop > start else []
 
     def _read_range(self, start: int, stop: int) -> list[Trajectory]:
-        tables = self._store.read({"rows_i64": (start, stop), "rows_f64": (start, stop)})
-        i64, f64 = tables["rows_i64"], tables["rows_f64"]
+        tables = self._store.read({"rows_i64": (start, stop), "rows_f64": (start, stop),
+                                   "rows_extras": (start, stop)})
+        i64, f64, ext = tables["rows_i64"], tables["rows_f64"], tables["rows_extras"]
         plen, rlen = i64[:, _I["prompt_len"]], i64[:, _I["response_len"]]
         pstart, rstart = i64[:, _I["prompt_start"]], i64[:, _I["response_start"]]
         # Rows of a store are contiguous in the flat arrays; anything else means corruption.
@@ -258,7 +284,11 @@ class TrajectoryReader:
         spans = {"prompt_tokens": (p0, p1), "response_tokens": (r0, r1), "behavior_logprobs": (r0, r1)}
         if np.any(i64[:, _I["flags"]] & FLAG_HAS_REFERENCE):
             spans["reference_logprobs"] = (r0, r1)
-        return _decode(i64, f64, self._store.read(spans), p0, r0)
+        if ext[:, 1].any():
+            if not np.array_equal(ext[1:, 0], (ext[:, 0] + ext[:, 1])[:-1]):
+                raise TrajectoryStoreError(f"rows [{start}, {stop}) of {self.url} have inconsistent extras offsets")
+            spans["extras"] = (int(ext[0, 0]), int(ext[-1, 0] + ext[-1, 1]))
+        return _decode(i64, f64, self._store.read(spans), p0, r0, ext)
 
 
 def discover_searcher_stores(run_url: str | os.PathLike[str]) -> dict[int, str]:

@@ -14,6 +14,7 @@ from tbajax.config import ExperimentConfig
 from tbajax.models import CausalLM
 from tbajax.system.assets import load_task, load_tokenizer_for
 from tbajax.system.searcher import Rollouts
+from tbajax.tasks.scoring import concat_samples, concat_scores
 
 log = logging.getLogger(__name__)
 
@@ -39,13 +40,31 @@ class Evaluator:
         )
         self.task = task
 
+    @property
+    def metric(self) -> str:
+        """The task's headline eval metric (what `eval_score` holds)."""
+        return self.task.headline_metric
+
     def run(self, model: CausalLM) -> dict[str, float]:
+        """{"eval_score": the headline metric, "eval_<name>": every metric of the task}.
+
+        Tasks with an `eval_fn` see every eval sample with its scores and extras (attack success,
+        diversity, win rate); others get accuracy / mean reward / pass@k of their rewards."""
         self.rollouts.set_params(nnx.state(model, nnx.Param))
-        rewards: list[list[float]] = []
         key = jax.random.PRNGKey(0)  # greedy: the key is unused but required
+        samples, scores = [], []
         for start in range(0, len(self.problems), self.batch_size):
             chunk = self.problems[start : start + self.batch_size]
-            _, _, scored = self.rollouts.sample_and_score(chunk, self.sampling, key, split="eval")
-            rewards.extend([[r] for r, _ in scored])
-        metrics = self.task.evaluate(rewards)
-        return {"eval_accuracy": metrics["accuracy"], "eval_mean_reward": metrics["mean_reward"]}
+            _, batch, scored = self.rollouts.sample_and_score(chunk, self.sampling, key, split="eval")
+            samples.append(batch)
+            scores.append(scored)
+        if self.task.eval_fn is not None:
+            metrics = self.task.eval_fn(concat_samples(samples), concat_scores(scores))
+        else:
+            metrics = self.task.evaluate([[float(r)] for s in scores for r in s.reward])
+        if self.metric not in metrics:
+            raise ValueError(f"task {self.task.name!r}: its eval metrics {sorted(metrics)} lack its "
+                             f"headline_metric {self.metric!r}")
+        out = {f"eval_{k}": float(v) for k, v in metrics.items()}
+        out["eval_score"] = float(metrics[self.metric])
+        return out

@@ -403,7 +403,7 @@ class _Progress:
         self.bar.n = int(t.get("step", 0))
         self.bar.set_postfix_str(
             f"{t.get('phase', 'starting')} reward={t.get('reward_mean', float('nan')):.3f} "
-            f"eval={t.get('eval_accuracy', float('nan')):.3f} buffer={t.get('buffer_rows', 0)} "
+            f"eval={t.get('eval_score', float('nan')):.3f} buffer={t.get('buffer_rows', 0)} "
             f"lag={t.get('policy_lag', float('nan')):.1f} samples={samples} gen={gen:,.0f}tok/s",
             refresh=False,
         )

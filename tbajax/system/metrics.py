@@ -93,21 +93,23 @@ def drop_superseded(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r, k in zip(records, keep) if k]
 
 
-def plot_learning_curve(run_dir: str | Path, out: str | Path | None = None) -> Path | None:
-    """Eval accuracy and training reward against wall time and trainer step, as one PNG."""
+def plot_learning_curve(run_dir: str | Path, out: str | Path | None = None, metric: str = "accuracy") -> Path | None:
+    """The eval headline metric (`eval_score`, named `metric`) and the training reward against
+    trainer step and wall time, as one PNG."""
     _require("matplotlib", "plot_learning_curve").use("Agg")
     import matplotlib.pyplot as plt
 
     records = read_metrics(run_dir)
     train = [r for r in records if r.get("role") == "trainer" and "reward_mean" in r]
-    evals = [r for r in records if "eval_accuracy" in r]
+    key = "eval_score" if any("eval_score" in r for r in records) else "eval_accuracy"  # older runs
+    evals = [r for r in records if key in r]
     if not train and not evals:
         return None
     t0 = min(r["time"] for r in records)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     if evals:
-        axes[0].plot([r["step"] for r in evals], [r["eval_accuracy"] for r in evals], "o-", label="eval accuracy (greedy)")
-        axes[1].plot([(r["time"] - t0) / 60 for r in evals], [r["eval_accuracy"] for r in evals], "o-", label="eval accuracy")
+        axes[0].plot([r["step"] for r in evals], [r[key] for r in evals], "o-", label=f"eval {metric}")
+        axes[1].plot([(r["time"] - t0) / 60 for r in evals], [r[key] for r in evals], "o-", label=f"eval {metric}")
     if train:
         steps = np.array([r["step"] for r in train])
         reward = np.array([r["reward_mean"] for r in train], dtype=float)
@@ -117,8 +119,11 @@ def plot_learning_curve(run_dir: str | Path, out: str | Path | None = None) -> P
         axes[1].plot((np.array([r["time"] for r in train])[window - 1 :] - t0) / 60, smooth, label="train reward")
     axes[0].set_xlabel("trainer step")
     axes[1].set_xlabel("wall time (min)")
+    values = [r[key] for r in evals] + [r["reward_mean"] for r in train]
+    in_unit = all(0.0 <= float(v) <= 1.0 for v in values if v == v)
     for ax in axes:
-        ax.set_ylim(0, 1.05)
+        if in_unit:  # accuracies and 0/1 rewards: a fixed scale makes runs comparable
+            ax.set_ylim(0, 1.05)
         ax.grid(alpha=0.3)
         ax.legend(loc="lower right")
     fig.suptitle(Path(run_dir).name)

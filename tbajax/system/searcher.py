@@ -27,10 +27,14 @@ from tbajax.stores import ParamReader, ParamVersionError, TrajectoryWriter, para
 from tbajax.system import rundir
 from tbajax.system.metrics import MetricsWriter
 from tbajax.tasks.base import Problem, Task
-from tbajax.tasks.reward_pool import RewardResult, call_reward
+from tbajax.tasks.reward_pool import RewardResult
+from tbajax.tasks.scoring import Samples, Scorer, ScorerContext, Scores, build_scorer, grade_in_process
 from tbajax.trajectory import RewardStatus, Trajectory
 
 log = logging.getLogger(__name__)
+
+
+_SCORER_STREAM = 0x5C0BE  # the scorer's randomness (e.g. a victim LM's samples) is its own stream
 
 
 class PromptTooLongError(ValueError):
@@ -40,12 +44,9 @@ class PromptTooLongError(ValueError):
 def score_in_process(task: Task, completions: Sequence[str], answers: Sequence[Any]) -> list[RewardResult]:
     """Score with the task's reward function in this process, with exactly the pool's statuses
     (`call_reward`): a raise, a NaN/inf reward or a malformed return costs that sample an ERROR
-    status (reward 0), never the searcher, and never puts a non-finite reward into a store."""
-    results = [call_reward(task.reward, text, answer) for text, answer in zip(completions, answers)]
-    for i, r in enumerate(results):
-        if r.status == RewardStatus.ERROR:
-            log.warning("task %s: reward of sample %d failed: %s", task.name, i, r.error)
-    return results
+    status (reward 0), never the searcher, and never puts a non-finite reward into a store.
+    (What `tbajax.tasks.scoring.RewardFnScorer` does without a pool.)"""
+    return grade_in_process(task, completions, answers)
 
 
 class GradeWatch:
@@ -59,12 +60,15 @@ class GradeWatch:
         self.recent: collections.deque[bool] = collections.deque(maxlen=window)
         self.first_error: str | None = None
 
-    def add(self, results: Sequence[RewardResult]) -> None:
-        for r in results:
-            failed = r.status >= RewardStatus.TIMEOUT
+    def add(self, scores: Scores | Sequence[RewardResult]) -> None:
+        if not isinstance(scores, Scores):
+            scores = Scores.from_results(scores)
+        errors = scores.errors if scores.errors is not None else [None] * len(scores)
+        for status, error in zip(scores.status, errors):
+            failed = int(status) >= RewardStatus.TIMEOUT
             self.recent.append(failed)
             if failed and self.first_error is None:
-                self.first_error = r.error or r.status.name
+                self.first_error = error or RewardStatus(int(status)).name
             if not failed:
                 self.first_error = None  # only a streak of failures matters
 
@@ -106,6 +110,9 @@ class Rollouts:
         self._prompt_cache: dict[tuple[str, int], np.ndarray] = {}
         self.skipped_prompts = 0
         self.grades = GradeWatch(config.rollout.fail_fast_grades)
+        self.scorer = build_scorer(task, ScorerContext(config=config, tokenizer=tokenizer, mesh=mesh,
+                                                       reward_pool=reward_pool,
+                                                       policy_checkpoint=config.model.checkpoint))
         self.stop_ids = set(
             sampling.stop_token_ids if sampling.stop_token_ids is not None else model.config.eos_token_ids
         )
@@ -151,13 +158,15 @@ class Rollouts:
             tokens = tokens[:-1]
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
-    def score(self, completions: Sequence[str], answers: Sequence[Any]) -> list[tuple[float, RewardStatus]]:
-        if self.reward_pool is not None:
-            results = self.reward_pool.score_detailed(self.task, list(zip(completions, answers)))
-        else:
-            results = score_in_process(self.task, completions, answers)
-        self.grades.add(results)
-        return [(float(r.reward), RewardStatus(r.status)) for r in results]
+    def score(self, samples: Samples, key: jax.Array | None = None) -> Scores:
+        """The task's scorer on one call's samples (a per-sample grader by default); feeds the
+        fail-fast watch."""
+        scores = self.scorer.score(samples, key)
+        if len(scores) != len(samples):
+            raise ValueError(f"task {self.task.name!r}: its scorer returned {len(scores)} scores for "
+                             f"{len(samples)} samples")
+        self.grades.add(scores)
+        return scores
 
     def sample_and_score(
         self,
@@ -166,35 +175,44 @@ class Rollouts:
         key: jax.Array,
         split: str = "train",
         reference: bool = False,
-    ) -> tuple[SampleOutput, list[np.ndarray], list[tuple[float, RewardStatus]]]:
-        """Sample `sampling.num_samples` completions per problem and grade each one."""
+    ) -> tuple[SampleOutput, Samples, Scores]:
+        """Sample `sampling.num_samples` completions per problem and score them all."""
         prompts = [self.encode(p, split) for p in problems]
         out = self.sampler.sample(prompts, sampling, key, reference_logprobs=reference)
-        answers = [problems[int(i)].answer for i in out.prompt_index]
-        texts = [self.decode(out.response(i)) for i in range(len(out))]
-        return out, prompts, self.score(texts, answers)
+        index = [int(i) for i in out.prompt_index]
+        responses = [np.asarray(out.response(i), np.int32) for i in range(len(out))]
+        samples = Samples(
+            problems=[problems[i] for i in index],
+            prompt_tokens=[prompts[i] for i in index],
+            response_tokens=responses,
+            texts=[self.decode(r) for r in responses],
+            finished=np.asarray(out.finished, bool),
+            split=split,
+        )
+        return out, samples, self.score(samples, jax.random.fold_in(key, _SCORER_STREAM))
 
     def generate(
         self, problems: Sequence[Problem], key: jax.Array, *, version: int, first_group_id: int
     ) -> list[Trajectory]:
         """K' scored samples for each problem; rows of one problem share one group id."""
-        out, prompts, rewards = self.sample_and_score(
+        out, samples, scores = self.sample_and_score(
             problems, self.config.rollout.sampling, key, reference=self.reference_logprobs
         )
         now = time.time()
         rows = []
-        for i, (reward, status) in enumerate(rewards):
+        for i in range(len(samples)):
             pi = int(out.prompt_index[i])
-            resp = out.response(i)
+            resp = samples.response_tokens[i]
             rows.append(
                 Trajectory(
                     prompt_id=problems[pi].id,
                     group_id=first_group_id + pi,
-                    prompt_tokens=prompts[pi],
-                    response_tokens=np.asarray(resp, np.int32),
+                    prompt_tokens=samples.prompt_tokens[i],
+                    response_tokens=resp,
                     behavior_logprobs=np.asarray(out.logprobs[i, : len(resp)], np.float32),
-                    reward=reward,
-                    reward_status=status,
+                    reward=float(scores.reward[i]),
+                    reward_status=RewardStatus(int(scores.status[i])),
+                    extras=scores.extras_of(i) or None,
                     finished=bool(out.finished[i]),
                     policy_version=version,
                     searcher_id=self.searcher_id,

@@ -150,11 +150,14 @@ def run_trainer(run_dir: Path, *, resume: bool = False, store_url: str | None = 
              config.buffer.samples_per_group, dict(mesh.shape))
     if not summary_start:
         acc = evaluator.run(learner.trainer.policy())
-        log.info("eval before training: accuracy %.3f", acc["eval_accuracy"])
-        summary_start = {"eval_accuracy_start": acc["eval_accuracy"]}
+        log.info("eval before training: %s %.3f", evaluator.metric, acc["eval_score"])
+        summary_start = {"eval_score_start": acc["eval_score"], "eval_start": acc}
+        if "eval_accuracy" in acc:
+            summary_start["eval_accuracy_start"] = acc["eval_accuracy"]
         metrics.write(learner.step, {**acc, "version": version, "elapsed_s": counters.elapsed()})
         rundir.write_status(run_dir, "trainer", {"step": learner.step, "phase": "waiting for data", **acc})
-    last = {"eval_accuracy": summary_start["eval_accuracy_start"]}
+    # checkpoints written before eval_score existed hold only eval_accuracy_start
+    last = {"eval_score": summary_start.get("eval_score_start", summary_start.get("eval_accuracy_start"))}
     stalled_since, next_stall_warning = 0.0, 60.0
     while learner.step < config.train.steps and not stop():
         source.fill(buffer, version)
@@ -191,14 +194,14 @@ def run_trainer(run_dir: Path, *, resume: bool = False, store_url: str | None = 
                   "invalid_rows_skipped": source.invalid_total(), "elapsed_s": counters.elapsed()}
         if config.eval.every and step % config.eval.every == 0 and step < config.train.steps:
             record.update(evaluator.run(learner.trainer.policy()))
-            log.info("step %d: eval accuracy %.3f", step, record["eval_accuracy"])
+            log.info("step %d: eval %s %.3f", step, evaluator.metric, record["eval_score"])
         if step % 10 == 0:
             log.info("step %d: loss %.4g reward %.3f lag %.1f buffer %d rows (%.2fs/step)", step, record.get("loss", float("nan")),
                      record["reward_mean"], record["policy_lag_mean"], record["buffer_rows"], record["step_time_s"])
-        if step % config.train.log_every == 0 or "eval_accuracy" in record:
+        if step % config.train.log_every == 0 or "eval_score" in record:
             metrics.write(step, record)
-        last = {k: record[k] for k in ("reward_mean", "eval_accuracy") if k in record} | {
-            "eval_accuracy": record.get("eval_accuracy", last.get("eval_accuracy"))}
+        last = {k: record[k] for k in ("reward_mean", "eval_score") if k in record} | {
+            "eval_score": record.get("eval_score", last.get("eval_score"))}
         rundir.write_status(run_dir, "trainer", {**last, "step": step, "phase": "training",
                                                  "buffer_rows": record["buffer_rows"],
                                                  "policy_lag": step_metrics["policy_lag_mean"],
@@ -221,7 +224,7 @@ def run_trainer(run_dir: Path, *, resume: bool = False, store_url: str | None = 
     publisher.close()
     rundir.write_status(run_dir, "trainer", {**last, "step": learner.step, "phase": "final evaluation"})
     final = evaluator.run(learner.trainer.policy())
-    log.info("final eval accuracy %.3f after %d steps", final["eval_accuracy"], learner.step)
+    log.info("final eval %s %.3f after %d steps", evaluator.metric, final["eval_score"], learner.step)
     wall = counters.elapsed()
     metrics.write(learner.step, {**final, "version": version, "elapsed_s": wall})
     lags = [(r["policy_lag_mean"], r["policy_lag_max"]) for r in read_metrics(run_dir, "trainer") if "policy_lag_mean" in r]
@@ -229,8 +232,11 @@ def run_trainer(run_dir: Path, *, resume: bool = False, store_url: str | None = 
         "experiment": config.name,
         "objective": config.train.objective,
         "mode": config.system.mode,
+        "eval_metric": evaluator.metric,  # the task's headline metric: eval_score_* is this
         **summary_start,
-        "eval_accuracy_end": final["eval_accuracy"],
+        "eval_score_end": final["eval_score"],
+        "eval_end": final,
+        **({"eval_accuracy_end": final["eval_accuracy"]} if "eval_accuracy" in final else {}),
         "trainer_steps": learner.step,
         "samples_generated": committed_rows(store),  # durable: survives searcher restarts and resumes
         "tokens_trained": learner.tokens_trained,
@@ -253,7 +259,7 @@ def run_trainer(run_dir: Path, *, resume: bool = False, store_url: str | None = 
     metrics.close()
     if reward_pool is not None:
         reward_pool.close()
-    plot_learning_curve(run_dir)
+    plot_learning_curve(run_dir, metric=evaluator.metric)
     rundir.write_status(run_dir, "trainer", {**last, **final, "step": learner.step, "phase": "done"})
     return summary
 

@@ -86,6 +86,14 @@ class Task:
     success_threshold: float = 1.0
     evaluator: Evaluator = default_evaluator
     few_shot: tuple[tuple[Problem, str], ...] = ()
+    # Model-backed scoring (reward models, a victim LM + classifier): built once per process from a
+    # `tbajax.tasks.scoring.ScorerContext`; None grades each sample with `reward_fn`.
+    scorer: Any = None  # ScorerFactory: (task, ScorerContext) -> Scorer
+    # eval metrics from every eval sample and its scores/extras (attack success, diversity, win
+    # rate); None: `evaluator` over the rewards. `headline_metric` names the one that
+    # `eval_score`, the progress bar and the learning curve show.
+    eval_fn: Callable[[Any, Any], dict[str, float]] | None = None
+    headline_metric: str = "accuracy"
 
     def load(self, split: str) -> Sequence[Problem]:
         """Problems of `split` ("train" or "eval"); deterministic for a given task config."""

@@ -148,19 +148,26 @@ class RewardFnScorer:
         self.reward_pool = reward_pool
 
     def score(self, samples: Samples, key: Any = None) -> Scores:
-        from tbajax.tasks.reward_pool import call_reward
-
         answers = [p.answer for p in samples.problems]
         if self.reward_pool is not None:
             return Scores.from_results(self.reward_pool.score_detailed(self.task, list(zip(samples.texts, answers))))
-        results = [call_reward(self.task.reward, text, answer) for text, answer in zip(samples.texts, answers)]
-        for i, r in enumerate(results):
-            if r.error:
-                log.warning("task %s: reward of sample %d failed: %s", self.task.name, i, r.error)
-        return Scores.from_results(results)
+        return Scores.from_results(grade_in_process(self.task, samples.texts, answers))
 
     def close(self) -> None:
         """The pool belongs to whoever made it (it may be shared with the evaluator)."""
+
+
+def grade_in_process(task: Any, completions: Sequence[str], answers: Sequence[Any]) -> list[Any]:
+    """`RewardResult`s of the task's reward function run here, with exactly the worker pool's
+    statuses (`call_reward`): a raise, a NaN/inf reward or a malformed return costs that sample an
+    ERROR status (reward 0), never the caller."""
+    from tbajax.tasks.reward_pool import call_reward
+
+    results = [call_reward(task.reward, text, answer) for text, answer in zip(completions, answers)]
+    for i, r in enumerate(results):
+        if r.status == RewardStatus.ERROR:
+            log.warning("task %s: reward of sample %d failed: %s", task.name, i, r.error)
+    return results
 
 
 def build_scorer(task: Any, context: ScorerContext) -> Scorer:
@@ -182,3 +189,33 @@ def _plain(x: Any) -> Any:
     if isinstance(x, (list, tuple)):
         return [_plain(v) for v in x]
     return x
+
+
+def concat_samples(parts: Sequence[Samples]) -> Samples:
+    """Several calls' samples as one batch (e.g. every eval chunk)."""
+    if not parts:
+        raise ValueError("concat_samples needs at least one Samples")
+    return Samples(
+        problems=[p for s in parts for p in s.problems],
+        prompt_tokens=[t for s in parts for t in s.prompt_tokens],
+        response_tokens=[t for s in parts for t in s.response_tokens],
+        texts=[t for s in parts for t in s.texts],
+        finished=np.concatenate([np.asarray(s.finished, bool) for s in parts]),
+        split=parts[0].split,
+    )
+
+
+def concat_scores(parts: Sequence[Scores]) -> Scores:
+    """Several calls' scores as one (extras keep only the names every part has)."""
+    if not parts:
+        raise ValueError("concat_scores needs at least one Scores")
+    names = set(parts[0].extras).intersection(*(s.extras for s in parts[1:]))
+    errors = None
+    if any(s.errors is not None for s in parts):
+        errors = [e for s in parts for e in (s.errors if s.errors is not None else [None] * len(s))]
+    return Scores(
+        reward=np.concatenate([np.asarray(s.reward, np.float64) for s in parts]),
+        status=np.concatenate([np.asarray(s.status, np.int64) for s in parts]),
+        extras={n: [v for s in parts for v in s.extras[n]] for n in sorted(names)},
+        errors=errors,
+    )
