@@ -25,13 +25,19 @@ REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "experiments" / "results"
 README = REPO / "README.md"
 
-# Columns shown per benchmark (all scalar columns when a benchmark is not listed here).
-COLUMNS: dict[str, list[str]] = {
-    "forward": ["model", "size", "batch", "seq", "tbajax_tok_s", "torch_tok_s", "ratio"],
-    "train_step": ["size", "objective", "batch", "seq", "tbajax_tok_s", "torch_tok_s", "ratio"],
-    "packed_groups": ["layout", "tokens_in_step", "step_s", "speedup", "token_ratio", "loss_rel_diff"],
-    "chaos": ["scenario", "kills_survived", "rows_committed", "rows_read_back", "torn_rows",
-              "duplicated_rows", "versions_monotone", "wall_s"],
+# Tables shown per result file: {list key in the JSON: columns}; a file not listed here shows its
+# "rows" (or "results") with the first scalar columns. "total" is a single summary line.
+TABLES: dict[str, dict[str, list[str]]] = {
+    "forward": {"rows": ["model", "size", "batch", "seq", "tbajax_tok_s", "torch_tok_s", "ratio"]},
+    "train_step": {
+        "rows": ["size", "batch", "tbajax_tok_s", "torch_tok_s", "ratio"],
+        "objective_rows": ["size", "objective", "reference_forward", "xla_gflop", "flop_saving", "best_step_s",
+                           "time_saving"],
+    },
+    "packed_groups": {"results": ["layout", "tokens_in_step", "step_s", "speedup", "token_ratio", "loss_rel_diff"]},
+    "chaos": {"total": ["scenarios", "scenarios_sane", "kills_survived", "rows_committed", "rows_read_back",
+                        "torn_rows", "duplicated_rows", "row_count_ever_went_down", "versions_monotone",
+                        "wall_time_s"]},
 }
 
 
@@ -67,13 +73,27 @@ def _machine(info: dict[str, Any] | None) -> str:
         parts.append(f"{info['matmul_gflops']:.0f} GFLOP/s fp32 matmul measured in the same run")
     else:
         parts.append("matmul rate not recorded")
+    if info.get("load_average_1m") is not None:
+        parts.append(f"load average {info['load_average_1m']:.1f} while measuring")
     parts.append(f"jax {info.get('jax', '?')}, Python {info.get('python', '?')}, {info.get('date', 'date not recorded')}")
     return "; ".join(parts)
 
 
-def _rows(payload: dict[str, Any]) -> list[dict[str, Any]]:
-    rows = payload.get("rows", payload.get("results", []))
-    return [r for r in rows if isinstance(r, dict)]
+def _tables(name: str, payload: dict[str, Any]) -> list[tuple[list[dict[str, Any]], list[str]]]:
+    spec = TABLES.get(name)
+    if spec is None:
+        key = "rows" if "rows" in payload else "results"
+        rows = [r for r in payload.get(key, []) if isinstance(r, dict)]
+        if not rows:
+            return []
+        return [(rows, [k for k, v in rows[0].items() if isinstance(v, (int, float, str, bool))][:9])]
+    out = []
+    for key, columns in spec.items():
+        value = payload.get(key)
+        rows = [value] if isinstance(value, dict) else [r for r in (value or []) if isinstance(r, dict)]
+        if rows:
+            out.append((rows, columns))
+    return out
 
 
 def benchmarks_block() -> str:
@@ -81,17 +101,16 @@ def benchmarks_block() -> str:
     files = sorted((RESULTS / "benchmarks").glob("*.json")) + sorted((RESULTS / "chaos").glob("*.json"))
     for path in files:
         payload = json.loads(path.read_text())
-        name = payload.get("benchmark", path.stem)
-        rows = _rows(payload)
-        if not rows:
+        name = payload.get("benchmark") or (path.parent.name if path.parent.name != "benchmarks" else path.stem)
+        tables = _tables(name, payload)
+        if not tables:
             continue
-        scalar = [k for k in rows[0] if isinstance(rows[0][k], (int, float, str, bool))]
         rel = path.relative_to(REPO)
         out.append(f"**`{name}`** ([{path.name}]({rel}); {_machine(payload.get('machine'))})\n")
-        out.append(_table(rows, COLUMNS.get(name, scalar[:9])))
+        for rows, columns in tables:
+            out.append(_table(rows, columns) + "\n")
         if payload.get("command"):
-            out.append(f"\n`{payload['command']}`")
-        out.append("")
+            out.append(f"`{payload['command']}`\n")
     return "\n".join(out).rstrip()
 
 

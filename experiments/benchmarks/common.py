@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import resource
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -80,21 +78,11 @@ def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
 
 
 def machine() -> dict[str, Any]:
-    """Where a figure was measured, with the machine's fp32 matmul rate measured now: machines of the
-    same kind differ ~3x in speed, so absolute times only mean something next to it."""
-    import platform
+    """Where a figure was measured, with the machine's fp32 matmul rate measured now (the same
+    record a run's summary.json carries)."""
+    from tbajax.system.metrics import machine_info
 
-    import jax
-
-    return {
-        "cpu_count": os.cpu_count(),
-        "cpu": platform.processor() or platform.machine(),
-        "jax": jax.__version__,
-        "backend": jax.default_backend(),
-        "python": sys.version.split()[0],
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-        "matmul_gflops": matmul_flops_per_s() / 1e9,
-    }
+    return machine_info()
 
 
 def write_json(path: str | None, payload: dict[str, Any]) -> None:

@@ -53,6 +53,40 @@ class MetricsWriter:
             self._tb.close()
 
 
+def machine_info(matmul_size: int = 1024, repeats: int = 5) -> dict[str, Any]:
+    """Where a run or a benchmark ran, with this machine's fp32 matmul rate measured now.
+
+    Machines of one kind differ ~3x in speed from day to day, so an absolute time means something
+    only next to the rate measured in the same run (a 1024^3 jitted matmul, best of `repeats`)."""
+    import os
+    import platform
+    import sys
+
+    import jax
+    import jax.numpy as jnp
+
+    a = jnp.ones((matmul_size, matmul_size), jnp.float32)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        f(a).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    return {
+        "cpu_count": os.cpu_count(),
+        "cpu": platform.processor() or platform.machine(),
+        "backend": jax.default_backend(),
+        "devices": jax.device_count(),
+        "jax": jax.__version__,
+        "python": sys.version.split()[0],
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "matmul_gflops": 2 * matmul_size**3 / best / 1e9,
+        "load_average_1m": load,  # other work on the machine while it was measured
+    }
+
+
 def _scalar(v: Any) -> Any:
     if isinstance(v, (np.generic, np.ndarray)) or hasattr(v, "item"):
         v = np.asarray(v)

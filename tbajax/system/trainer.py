@@ -36,7 +36,7 @@ from tbajax.stores import (
 )
 from tbajax.system import rundir
 from tbajax.system.evaluation import Evaluator
-from tbajax.system.metrics import MetricsWriter, plot_learning_curve, read_metrics
+from tbajax.system.metrics import MetricsWriter, machine_info, plot_learning_curve, read_metrics
 from tbajax.system.searcher import make_reward_pool
 from tbajax.training import Checkpointer, PolicyUpdater
 from tbajax.training.collate import collate
@@ -250,6 +250,7 @@ def run_trainer(run_dir: Path, *, resume: bool = False, store_url: str | None = 
         "invalid_rows_by_reason": dict(source.invalid_rows),
         "stopped_early": stopped_early,
         "stopped_at_step": learner.step if stopped_early else None,
+        "machine": machine_info(),  # absolute times mean something only next to its matmul rate
     }
     if stopped_early:
         summary["resume_with"] = f"python -m tbajax.main --run-dir={run_dir} --resume"
