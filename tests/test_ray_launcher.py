@@ -1,0 +1,152 @@
+"""`--launcher=ray` on a local Ray cluster started here (2 CPUs, no dashboard): the tiny default
+experiment with 1 trainer + 1 searcher as Ray actors, a searcher SIGKILLed and restarted by Ray.
+
+The launcher runs in this process (it joins the cluster the test started); its roles are real
+processes under Ray's actors. Skipped only when Ray is not installed (`pip install 'tbajax[ray]'`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'tbajax[ray]' (the dev extra has it)")
+
+from tbajax.config import ConfigError, RaySpec, apply_overrides, check_resume_changes  # noqa: E402
+from tbajax.main import load_experiment, main  # noqa: E402
+from tbajax.stores import ParamReader, TrajectoryReader, discover_searcher_stores, param_store_url  # noqa: E402
+from tbajax.system.metrics import read_metrics  # noqa: E402
+from tbajax.system.ray_launcher import actor_options, check_cluster  # noqa: E402
+
+SMALL = [
+    "--set", "eval.num_problems=16",
+    "--set", "eval.batch_size=16",
+    "--set", "rollout.prompts_per_call=4",
+    "--set", "train.groups_per_step=4",
+    "--set", "train.log_every=1",
+]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local 2-CPU Ray instance for this file. Its workers (and so the roles) inherit this
+    environment: one CPU device per role, as in a user's run, not the tests' 8 fake devices."""
+    saved = os.environ.pop("XLA_FLAGS", None)
+    try:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=100 * 2**20)
+    finally:
+        if saved is not None:
+            os.environ["XLA_FLAGS"] = saved
+    yield
+    ray.shutdown()
+
+
+def _status(run_dir: Path, role: str) -> dict:
+    try:
+        return json.loads((run_dir / "status" / f"{role}.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def test_actor_options_declare_resources_labels_and_restarts():
+    spec = RaySpec(trainer_gpus=1.0, searcher_cpus=2.0, searcher_gpus=0.5,
+                   trainer_resources={"trainer_host": 1.0}, searcher_labels={"ray.io/accelerator-type": "H100"})
+    trainer = actor_options(spec, "trainer", max_restarts=0)
+    assert trainer == {"num_cpus": 1.0, "num_gpus": 1.0, "max_restarts": 0, "max_task_retries": 0,
+                       "max_concurrency": 2, "resources": {"trainer_host": 1.0}}
+    searcher = actor_options(spec, "searcher", max_restarts=3)
+    assert searcher == {"num_cpus": 2.0, "num_gpus": 0.5, "max_restarts": 3, "max_task_retries": 3,
+                        "max_concurrency": 2, "label_selector": {"ray.io/accelerator-type": "H100"}}
+
+
+def test_ray_placement_is_configurable_and_may_change_on_resume():
+    base = load_experiment("tiny_arithmetic")
+    moved = apply_overrides(base, ['system.ray.searcher_gpus=0.5', 'system.ray.trainer_resources={"big": 1}'])
+    assert moved.system.ray.trainer_resources == {"big": 1}
+    assert check_resume_changes(base.to_dict(), moved.to_dict()) == [
+        "system.ray.searcher_gpus", "system.ray.trainer_resources.big"]
+    with pytest.raises(ConfigError, match=r"system.ray.trainer_cpus=-1.0 must be >= 0"):
+        apply_overrides(base, ["system.ray.trainer_cpus=-1"])
+    with pytest.raises(ConfigError, match=r"differs from the stored one in system.rayon \(1 -> 2\)"):
+        check_resume_changes({"system": {"rayon": 1}}, {"system": {"rayon": 2}})  # a prefix, not a section
+
+
+def test_ray_address_needs_the_ray_launcher(tmp_path, capsys):
+    assert main([f"--run-dir={tmp_path / 'run'}", "--ray-address=auto", "--quiet"]) == 2
+    assert "--ray-address needs --launcher=ray" in capsys.readouterr().err
+    assert not (tmp_path / "run" / "config.json").exists()
+
+
+def test_a_placement_the_cluster_cannot_hold_is_refused(ray_cluster):
+    config = apply_overrides(load_experiment("tiny_arithmetic"), ["system.ray.searcher_cpus=2"])
+    with pytest.raises(ConfigError, match=r"the roles need 5 CPUs .* but the Ray cluster has 2"):
+        check_cluster(config, num_searchers=2)
+    with pytest.raises(ConfigError, match=r"need 1 GPUs"):
+        check_cluster(apply_overrides(config, ["system.ray.trainer_gpus=1"]), num_searchers=0)
+
+
+def test_ray_run_survives_a_killed_searcher(ray_cluster, tmp_path, capsys):
+    """1 trainer + 1 searcher as Ray actors; the searcher's role process is SIGKILLed once it has
+    appended twice; Ray restarts its actor, and the run finishes with everything in order."""
+    run = tmp_path / "run"
+    steps = 12
+    killed: dict[str, int] = {}
+
+    def kill_searcher() -> None:
+        deadline = time.time() + 240
+        while time.time() < deadline and _status(run, "searcher-0").get("calls", 0) < 2:
+            time.sleep(0.2)
+        urls = discover_searcher_stores(str(run))
+        killed["rows"] = TrajectoryReader(urls[0]).committed_rows() if urls else 0
+        killed["pid"] = _status(run, "searcher-0").get("pid", 0)
+        if killed["pid"]:
+            os.kill(killed["pid"], signal.SIGKILL)  # possibly in the middle of an append
+
+    killer = threading.Thread(target=kill_searcher, daemon=True)
+    killer.start()
+    code = main([f"--run-dir={run}", "--launcher=ray", "--quiet", *SMALL, "--set", f"train.steps={steps}",
+                 "--set", "system.num_searchers=1"])
+    killer.join(timeout=5)
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert code == 0, text[-4000:]
+    assert killed.get("pid"), "the searcher never appended twice"
+
+    # Ray restarted the killed searcher; its lines reached the console, prefixed by role
+    assert "searcher-0 killed by signal 9 (SIGKILL); ending its Ray actor" in text, text[-4000:]
+    assert "[searcher-0] restarted by Ray (restart 1)" in text, text[-4000:]
+    assert "[trainer] " in text and "[searcher-0] " in text
+    assert _status(run, "searcher-0")["pid"] != killed["pid"]
+
+    # the same final summary as the process launcher's
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["trainer_steps"] == steps and not summary["stopped_early"]
+    assert "trainer steps                 12" in out.out
+
+    # versions: one published after every step (sync_every=1)
+    trainer = [r for r in read_metrics(run, "trainer") if "loss" in r]
+    assert [r["version"] for r in trainer] == list(range(1, steps + 1))
+    assert summary["final_version"] == steps == ParamReader(param_store_url(str(run)), "test").latest_version()
+
+    # trajectories: intact, the restarted searcher appended after the committed rows, versions monotone
+    url = discover_searcher_stores(str(run))[0]
+    reader = TrajectoryReader(url)
+    rows = reader.read(0, reader.committed_rows())
+    assert len(rows) > killed["rows"] > 0
+    assert _status(run, "searcher-0")["calls"] >= 1  # the new searcher process appended too
+    assert all(len(r.behavior_logprobs) == len(r.response_tokens) for r in rows)
+    versions = [r.policy_version for r in rows]
+    assert versions == sorted(versions) and versions[-1] <= steps
+
+    # the run directory is released and no actor is left holding the cluster's CPUs
+    assert not (run / "launcher.lock").exists()
+    deadline = time.time() + 30
+    while ray.available_resources().get("CPU", 0) < 2 and time.time() < deadline:
+        time.sleep(0.2)
+    assert ray.available_resources().get("CPU", 0) == 2
