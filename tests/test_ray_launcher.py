@@ -150,3 +150,51 @@ def test_ray_run_survives_a_killed_searcher(ray_cluster, tmp_path, capsys):
     while ray.available_resources().get("CPU", 0) < 2 and time.time() < deadline:
         time.sleep(0.2)
     assert ray.available_resources().get("CPU", 0) == 2
+
+
+def _after(predicate, action, timeout: float = 240) -> threading.Thread:
+    """Run `action` in a thread once `predicate` holds (the launcher needs the main thread)."""
+
+    def wait() -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline and not predicate():
+            time.sleep(0.2)
+        action()
+
+    thread = threading.Thread(target=wait, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.slow
+def test_ray_searcher_out_of_restarts_ends_the_run(ray_cluster, tmp_path, capsys):
+    run = tmp_path / "run"
+    _after(lambda: _status(run, "searcher-0").get("calls", 0) >= 1,
+           lambda: os.kill(_status(run, "searcher-0")["pid"], signal.SIGKILL))
+    code = main([f"--run-dir={run}", "--launcher=ray", "--quiet", *SMALL, "--set", "train.steps=200",
+                 "--set", "system.max_searcher_restarts=0", "--set", "train.checkpoint_every=2"])
+    out = capsys.readouterr()
+    assert code == 1, out.out + out.err
+    assert "searcher-0 failed (" in out.err and "Ray restarted it 0 times and has given up" in out.err, out.err
+    assert "system.max_searcher_restarts=0" in out.err
+    assert not (run / "launcher.lock").exists()
+
+
+@pytest.mark.slow
+def test_ray_ctrl_c_stops_every_role_cleanly(ray_cluster, tmp_path, capsys):
+    run = tmp_path / "run"
+    _after(lambda: _status(run, "trainer").get("step", 0) >= 3, lambda: os.kill(os.getpid(), signal.SIGINT))
+    code = main([f"--run-dir={run}", "--launcher=ray", "--quiet", *SMALL, "--set", "train.steps=500",
+                 "--set", "train.checkpoint_every=100"])
+    out = capsys.readouterr()
+    assert code == 130, out.out + out.err
+    assert "stopping: asking every role to shut down cleanly" in out.out
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["stopped_early"] and 3 <= summary["trainer_steps"] < 500
+    assert summary["trainer_steps"] in [int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()]
+    assert f"python -m tbajax.main --run-dir={run} --resume --launcher=ray" in out.out
+    assert "did not exit within" not in out.err  # nobody needed ray.kill to stop
+    deadline = time.time() + 30
+    while ray.available_resources().get("CPU", 0) < 2 and time.time() < deadline:
+        time.sleep(0.2)
+    assert ray.available_resources().get("CPU", 0) == 2
