@@ -39,6 +39,7 @@ from tbajax.system.launcher import (
 )
 
 _STOP_TIMEOUT_S = 10.0  # for an actor to kill its role's process group before `ray.kill`
+_EXIT_NOTE = "; ending its Ray actor so that Ray restarts it (if its budget allows)"
 
 
 def import_ray():  # -> the ray module
@@ -103,8 +104,7 @@ class RoleActor:
         self.child.kill_group()  # its reward workers and a hung grader too
         if code != 0 and not self.stopping:
             with open(self.child.log_path, "a") as log:
-                log.write(f"=== {self.child.role} {describe_exit(code)}; ending its Ray actor so that Ray "
-                          "restarts it (if its budget allows) ===\n")
+                log.write(f"=== {self.child.role} {describe_exit(code)}{_EXIT_NOTE} ===\n")
             os._exit(1)
         return code
 
@@ -194,6 +194,7 @@ class RaySupervisor(Supervisor):
         self.offsets = {c.role: _size(c.log_path) for c in self.children}  # this session's lines only
         self.partial = {c.role: "" for c in self.children}
         self.starts = {c.role: 0 for c in self.children}
+        self.exits: dict[str, str] = {}  # role -> how its process last ended, as its actor logged it
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         for c in self.children:
@@ -222,13 +223,15 @@ class RaySupervisor(Supervisor):
                         c.started_at = time.time()  # the hung-searcher clock restarts with it
                         tqdm.write(f"[{c.role}] restarted by Ray (restart {self.starts[c.role] - 1})")
                         continue
+                if line.startswith(f"=== {c.role} ") and line.endswith(f"{_EXIT_NOTE} ==="):
+                    self.exits[c.role] = line[len(f"=== {c.role} "):-len(f"{_EXIT_NOTE} ===")]
                 if line.strip():
                     tqdm.write(f"[{c.role}] {line}")
 
     def _searcher_exited(self, s: _Child, r: int, now: float) -> int | None:
         self._each_tick()  # its last lines first
         budget = self.config.system.max_searcher_restarts
-        why = (s.died or describe_exit(r)) if isinstance(s, _RayChild) else describe_exit(r)
+        why = self._why(s, r)
         print(f"\n{s.role} failed ({why}); Ray restarted it {max(self.starts[s.role] - 1, 0)} times and has "
               f"given up (system.max_searcher_restarts={budget}).\n{s.tail()}", file=sys.stderr, flush=True)
         return 1
@@ -238,13 +241,18 @@ class RaySupervisor(Supervisor):
         steps = rundir.checkpoint_steps(self.run_dir)
         ckpt = f"its last checkpoint (step {steps[-1]})" if steps else "step 0 (there is no checkpoint yet)"
         t = self.trainer
-        why = (t.died or describe_exit(code)) if isinstance(t, _RayChild) else describe_exit(code)
+        why = self._why(t, code)
         restarts = max(self.starts["trainer"] - 1, 0)
         print(f"\ntrainer failed ({why}); Ray restarted it {restarts} times "
               f"(system.max_trainer_restarts={self.config.system.max_trainer_restarts}).\n{t.tail()}\n"
               f"to continue from {ckpt}: {resume_command(self.run_dir)} --launcher=ray",
               file=sys.stderr, flush=True)
         return code if code > 0 else 1
+
+    def _why(self, c: _Child, code: int) -> str:
+        """How the role's process ended ('killed by signal 9 (SIGKILL)'), else what Ray said."""
+        died = c.died if isinstance(c, _RayChild) else None
+        return self.exits.get(c.role) or died or describe_exit(code)
 
     def _shutdown(self) -> None:
         for c in self.children:
