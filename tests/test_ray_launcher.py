@@ -22,7 +22,7 @@ from tbajax.config import ConfigError, RaySpec, apply_overrides, check_resume_ch
 from tbajax.main import load_experiment, main  # noqa: E402
 from tbajax.stores import ParamReader, TrajectoryReader, discover_searcher_stores, param_store_url  # noqa: E402
 from tbajax.system.metrics import read_metrics  # noqa: E402
-from tbajax.system.ray_launcher import actor_options, check_cluster  # noqa: E402
+from tbajax.system.ray_launcher import actor_options, check_cluster, gpu_env, placement_problems  # noqa: E402
 
 SMALL = [
     "--set", "eval.num_problems=16",
@@ -83,11 +83,50 @@ def test_ray_address_needs_the_ray_launcher(tmp_path, capsys):
     assert not (tmp_path / "run" / "config.json").exists()
 
 
+def _node(cpus: float, gpus: float = 0.0, alive: bool = True, **extra: float) -> dict:
+    labels = {"ray.io/accelerator-type": "H100"} if gpus else {}
+    return {"Alive": alive, "Resources": {"CPU": cpus, "GPU": gpus, "memory": 1e9, **extra}, "Labels": labels}
+
+
+def test_placement_problems_name_the_role_that_no_node_can_hold():
+    cluster = [_node(16, 4, trainer_host=1.0), _node(8), _node(64, 8, alive=False)]
+    assert placement_problems(RaySpec(trainer_gpus=4, searcher_gpus=0), 2, cluster) == []
+    # 8 GPUs exist only on a dead node; 17 GPUs in total are more than the 4 alive ones
+    (one_node, total) = placement_problems(RaySpec(trainer_gpus=1, searcher_gpus=8), 2, cluster)
+    assert one_node == ("no node of the Ray cluster can hold a searcher (1 CPU, 8 GPU; see system.ray.searcher_*)"
+                        ": the nodes offer 16 CPU, 4 GPU, 1 trainer_host; 8 CPU, 0 GPU")
+    assert total == ("the roles need 17 GPUs (system.ray.trainer_gpus + 2 x system.ray.searcher_gpus) "
+                     "but the Ray cluster has 4")
+    assert placement_problems(RaySpec(trainer_gpus=1, searcher_gpus=2), 1, cluster) == []  # 3 of 4 on one node
+    # custom resources and node labels count per node
+    assert placement_problems(RaySpec(trainer_resources={"trainer_host": 1.0}), 1, cluster) == []
+    (missing,) = placement_problems(RaySpec(searcher_resources={"trainer_host": 2.0}), 1, cluster)
+    assert missing.startswith("no node of the Ray cluster can hold a searcher (1 CPU, 2 trainer_host;")
+    assert placement_problems(RaySpec(trainer_labels={"ray.io/accelerator-type": "H100"}), 1, cluster) == []
+    (label,) = placement_problems(RaySpec(searcher_labels={"ray.io/accelerator-type": "A100"}), 1, cluster)
+    assert "labels {'ray.io/accelerator-type': 'A100'}" in label
+    # sync mode: no searcher to place
+    assert placement_problems(RaySpec(searcher_cpus=99), 0, cluster) == []
+
+
+def test_gpu_env_follows_rays_devices_and_shares_memory_by_fraction():
+    env = {"CUDA_VISIBLE_DEVICES": "0,1", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.450", "A": "1"}
+    ray_env = {"CUDA_VISIBLE_DEVICES": "3"}
+    assert gpu_env(env, 0.0, None, ray_env) == env  # a CPU role keeps the launcher's environment
+    half = gpu_env(env, 0.5, None, ray_env)
+    assert half == {"CUDA_VISIBLE_DEVICES": "3", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.450", "A": "1"}
+    assert gpu_env(env, 0.25, None, ray_env)["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.225"
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in gpu_env(env, 2.0, None, ray_env)  # GPUs of its own
+    assert gpu_env(env, 2.0, 0.3, ray_env)["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.450"  # the config's share
+    user = {**ray_env, "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.450"}
+    assert gpu_env(env, 0.25, None, user)["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.450"  # the user's own
+
+
 def test_a_placement_the_cluster_cannot_hold_is_refused(ray_cluster):
     config = apply_overrides(load_experiment("tiny_arithmetic"), ["system.ray.searcher_cpus=2"])
     with pytest.raises(ConfigError, match=r"the roles need 5 CPUs .* but the Ray cluster has 2"):
         check_cluster(config, num_searchers=2)
-    with pytest.raises(ConfigError, match=r"need 1 GPUs"):
+    with pytest.raises(ConfigError, match=r"no node of the Ray cluster can hold a trainer \(1 CPU, 1 GPU;"):
         check_cluster(apply_overrides(config, ["system.ray.trainer_gpus=1"]), num_searchers=0)
 
 

@@ -39,6 +39,7 @@ from tbajax.system.launcher import (
 )
 
 _STOP_TIMEOUT_S = 10.0  # for an actor to kill its role's process group before `ray.kill`
+_PENDING_NOTICE_S = 120.0  # say so when Ray has not placed a role's actor after this long
 _EXIT_NOTE = "; ending its Ray actor so that Ray restarts it (if its budget allows)"
 
 
@@ -71,12 +72,29 @@ def actor_options(spec: RaySpec, kind: str, *, max_restarts: int) -> dict[str, A
     return options
 
 
+def gpu_env(env: dict[str, str], gpus: float, memory_fraction: float | None,
+            environ: Mapping[str, str]) -> dict[str, str]:
+    """A role's environment once Ray has given its actor `gpus` GPUs: Ray's CUDA_VISIBLE_DEVICES
+    (in `environ`) replaces system.devices="split", and unless the user fixed the memory share
+    (system.memory_fraction, or XLA_PYTHON_CLIENT_MEM_FRACTION), a role on a fraction of a GPU
+    preallocates only that fraction, and one with whole GPUs of its own the JAX default."""
+    if gpus <= 0:
+        return env
+    env = {**env, "CUDA_VISIBLE_DEVICES": environ.get("CUDA_VISIBLE_DEVICES", "")}
+    if memory_fraction is None and "XLA_PYTHON_CLIENT_MEM_FRACTION" not in environ:
+        if gpus < 1:
+            env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{0.9 * gpus:.3f}"
+        else:
+            env.pop("XLA_PYTHON_CLIENT_MEM_FRACTION", None)
+    return env
+
+
 class RoleActor:
     """One role inside a Ray actor (a plain class: `ray.remote` wraps it at launch, so importing
     this module does not need Ray)."""
 
     def __init__(self, config: ExperimentConfig, role: str, index: int, args: Sequence[str], log_path: str,
-                 cwd: str, uses_gpus: bool):
+                 cwd: str, gpus: float):
         import ray
 
         restarted = ray.get_runtime_context().was_current_actor_reconstructed
@@ -86,9 +104,8 @@ class RoleActor:
             args.append("--resume")  # Ray restarted a failed trainer: from its last checkpoint
         if os.path.isdir(cwd):
             os.chdir(cwd)  # relative paths in the config (a user's task file) mean the driver's
-        env = child_env(config, kind, index)  # this node's environment; the role's parent is this actor
-        if uses_gpus:  # Ray chose this actor's GPUs: they replace system.devices="split"
-            env["CUDA_VISIBLE_DEVICES"] = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+        # this node's environment (the role's parent, for its orphan check, is this actor)
+        env = gpu_env(child_env(config, kind, index), gpus, config.system.memory_fraction, os.environ)
         self.child = _Child(role, args, env, Path(log_path))
         self.backoff_s = config.system.restart_backoff_s if restarted else 0.0
         self.stopping = False
@@ -118,11 +135,6 @@ class RoleActor:
         self.stopping = True
         self.child.kill_group()
 
-    def node(self) -> str:
-        import socket
-
-        return socket.gethostname()
-
 
 @dataclass
 class _RayChild(_Child):
@@ -144,7 +156,7 @@ class _RayChild(_Child):
         if self.actor is None:
             cls = ray.remote(RoleActor).options(**self.options)
             self.actor = cls.remote(self.config, self.role, self.index, self.args, str(self.log_path),
-                                    os.getcwd(), bool(self.options.get("num_gpus")))
+                                    os.getcwd(), float(self.options.get("num_gpus") or 0.0))
         self.ref = self.actor.run.remote()
         self.code = self.died = None
         self.restart_at = None
@@ -195,6 +207,8 @@ class RaySupervisor(Supervisor):
         self.partial = {c.role: "" for c in self.children}
         self.starts = {c.role: 0 for c in self.children}
         self.exits: dict[str, str] = {}  # role -> how its process last ended, as its actor logged it
+        self.began = time.monotonic()
+        self.pending_noted: set[str] = set()
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         for c in self.children:
@@ -227,6 +241,14 @@ class RaySupervisor(Supervisor):
                     self.exits[c.role] = line[len(f"=== {c.role} "):-len(f"{_EXIT_NOTE} ===")]
                 if line.strip():
                     tqdm.write(f"[{c.role}] {line}")
+            if (not self.starts[c.role] and c.role not in self.pending_noted
+                    and time.monotonic() - self.began > _PENDING_NOTICE_S and isinstance(c, _RayChild)):
+                self.pending_noted.add(c.role)
+                wanted = {k: v for k, v in c.options.items() if k in ("num_cpus", "num_gpus", "resources",
+                                                                      "label_selector")}
+                print(f"note: {c.role} has not started after {_PENDING_NOTICE_S:g} s: Ray has not placed its actor "
+                      f"yet (it asks for {wanted}); `ray status` shows what the cluster offers", file=sys.stderr,
+                      flush=True)
 
     def _searcher_exited(self, s: _Child, r: int, now: float) -> int | None:
         self._each_tick()  # its last lines first
@@ -288,23 +310,55 @@ def connect(address: str | None) -> bool:
     return True
 
 
+def placement_problems(spec: RaySpec, num_searchers: int, nodes: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Why Ray could never place the roles on these nodes (`ray.nodes()` entries), so that the
+    launcher refuses at once instead of Ray waiting forever: a role no single alive node can
+    hold (resources or labels), or more CPUs/GPUs in total than the cluster has."""
+    alive = [n for n in nodes if n.get("Alive", True)]
+    problems = []
+    for kind in ("trainer", "searcher") if num_searchers else ("trainer",):
+        need = {"CPU": getattr(spec, f"{kind}_cpus"), "GPU": getattr(spec, f"{kind}_gpus"),
+                **getattr(spec, f"{kind}_resources")}
+        labels = {k: v for k, v in getattr(spec, f"{kind}_labels").items()
+                  if not str(v).startswith("!") and "(" not in str(v)}  # plain equality only
+        fits = [n for n in alive
+                if all(n.get("Resources", {}).get(r, 0.0) >= amount for r, amount in need.items() if amount > 0)
+                and all(n.get("Labels", {}).get(k) == v for k, v in labels.items())]
+        if not fits:
+            wanted = ", ".join(f"{amount:g} {r}" for r, amount in need.items() if amount > 0) or "nothing"
+            problems.append(
+                f"no node of the Ray cluster can hold a {kind} ({wanted}"
+                f"{f', labels {labels}' if labels else ''}; see system.ray.{kind}_*): the nodes offer "
+                + "; ".join(sorted({_offer(n) for n in alive}) or ["no node is alive"])
+            )
+    for name in ("CPU", "GPU"):
+        low = name.lower()
+        need_total = getattr(spec, f"trainer_{low}s") + num_searchers * getattr(spec, f"searcher_{low}s")
+        have = sum(n.get("Resources", {}).get(name, 0.0) for n in alive)
+        if need_total > have:
+            problems.append(f"the roles need {need_total:g} {name}s (system.ray.trainer_{low}s + {num_searchers} x "
+                            f"system.ray.searcher_{low}s) but the Ray cluster has {have:g}")
+    return problems
+
+
+def _offer(node: Mapping[str, Any]) -> str:
+    res = node.get("Resources", {})
+    custom = {k: v for k, v in res.items() if k not in ("CPU", "GPU", "memory", "object_store_memory")
+              and not k.startswith("node:") and not k.startswith("accelerator_type:")}
+    return (f"{res.get('CPU', 0):g} CPU, {res.get('GPU', 0):g} GPU" + "".join(f", {v:g} {k}" for k, v in custom.items()))
+
+
 def check_cluster(config: ExperimentConfig, num_searchers: int) -> None:
-    """Refuse a placement the cluster can never satisfy (Ray would wait forever), and say when
-    GPUs go unused."""
+    """Refuse a placement the cluster can never satisfy, and say when its GPUs go unused."""
     import ray
 
-    total = ray.cluster_resources()
+    problems = placement_problems(config.system.ray, num_searchers, ray.nodes())
+    if problems:
+        raise ConfigError("; ".join(problems) + ". Lower the requests (--set system.ray.KEY=VALUE) or add nodes")
     spec = config.system.ray
-    need_cpu = spec.trainer_cpus + num_searchers * spec.searcher_cpus
-    need_gpu = spec.trainer_gpus + num_searchers * spec.searcher_gpus
-    for name, need, have in (("CPU", need_cpu, total.get("CPU", 0.0)), ("GPU", need_gpu, total.get("GPU", 0.0))):
-        if need > have:
-            raise ConfigError(
-                f"the roles need {need:g} {name}s (system.ray.trainer_{name.lower()}s + {num_searchers} x "
-                f"system.ray.searcher_{name.lower()}s) but the Ray cluster has {have:g}; lower them or add nodes"
-            )
-    if total.get("GPU", 0.0) > 0 and need_gpu == 0:
-        print(f"note: the Ray cluster has {total['GPU']:g} GPUs but no role asks for one "
+    gpus = sum(n.get("Resources", {}).get("GPU", 0.0) for n in ray.nodes() if n.get("Alive", True))
+    if gpus > 0 and spec.trainer_gpus == 0 and spec.searcher_gpus == 0:
+        print(f"note: the Ray cluster has {gpus:g} GPUs but no role asks for one "
               "(system.ray.trainer_gpus / searcher_gpus are 0): every role runs on CPU", file=sys.stderr, flush=True)
 
 
