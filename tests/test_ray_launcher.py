@@ -238,3 +238,30 @@ def test_ray_ctrl_c_stops_every_role_cleanly(ray_cluster, tmp_path, capsys):
     while ray.available_resources().get("CPU", 0) < 2 and time.time() < deadline:
         time.sleep(0.2)
     assert ray.available_resources().get("CPU", 0) == 2
+
+
+@pytest.mark.slow
+def test_ray_restarts_a_killed_trainer_from_its_checkpoint(ray_cluster, tmp_path, capsys):
+    run = tmp_path / "run"
+    killed: dict[str, int] = {}
+
+    def kill_trainer() -> None:
+        killed["step"] = _status(run, "trainer")["step"]
+        os.kill(_status(run, "trainer")["pid"], signal.SIGKILL)
+
+    _after(lambda: _status(run, "trainer").get("step", 0) >= 3, kill_trainer)
+    code = main([f"--run-dir={run}", "--launcher=ray", "--quiet", *SMALL, "--set", "train.steps=8",
+                 "--set", "train.checkpoint_every=2", "--set", "system.max_trainer_restarts=1"])
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert code == 0, text[-4000:]
+    assert "[trainer] === trainer killed by signal 9 (SIGKILL); ending its Ray actor" in text
+    assert "[trainer] restarted by Ray (restart 1)" in text
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["trainer_steps"] == 8 and not summary["stopped_early"]
+    steps = [r["step"] for r in read_metrics(run, "trainer") if "loss" in r]
+    restart = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])  # where the resume began
+    resumed_from = steps[restart] - 1  # a checkpoint (every 2 steps) taken before the kill, not step 0
+    assert resumed_from % 2 == 0 and 2 <= resumed_from <= steps[restart - 1], steps
+    assert killed["step"] >= 3
+    assert steps[-1] == 8
