@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -134,7 +135,7 @@ def test_ray_run_survives_a_killed_searcher(ray_cluster, tmp_path, capsys):
     """1 trainer + 1 searcher as Ray actors; the searcher's role process is SIGKILLed once it has
     appended twice; Ray restarts its actor, and the run finishes with everything in order."""
     run = tmp_path / "run"
-    steps = 12
+    steps = 8
     killed: dict[str, int] = {}
 
     def kill_searcher() -> None:
@@ -150,7 +151,7 @@ def test_ray_run_survives_a_killed_searcher(ray_cluster, tmp_path, capsys):
     killer = threading.Thread(target=kill_searcher, daemon=True)
     killer.start()
     code = main([f"--run-dir={run}", "--launcher=ray", "--quiet", *SMALL, "--set", f"train.steps={steps}",
-                 "--set", "system.num_searchers=1"])
+                 "--set", "system.num_searchers=1", "--set", "system.restart_backoff_s=0"])
     killer.join(timeout=5)
     out = capsys.readouterr()
     text = out.out + out.err
@@ -166,7 +167,7 @@ def test_ray_run_survives_a_killed_searcher(ray_cluster, tmp_path, capsys):
     # the same final summary as the process launcher's
     summary = json.loads((run / "summary.json").read_text())
     assert summary["trainer_steps"] == steps and not summary["stopped_early"]
-    assert "trainer steps                 12" in out.out
+    assert re.search(rf"^trainer steps +{steps}$", out.out, re.M), out.out[-2000:]
 
     # versions: one published after every step (sync_every=1)
     trainer = [r for r in read_metrics(run, "trainer") if "loss" in r]
@@ -214,8 +215,8 @@ def test_ray_searcher_out_of_restarts_ends_the_run(ray_cluster, tmp_path, capsys
                  "--set", "system.max_searcher_restarts=0", "--set", "train.checkpoint_every=2"])
     out = capsys.readouterr()
     assert code == 1, out.out + out.err
-    assert "searcher-0 failed (killed by signal 9 (SIGKILL)); Ray restarted it 0 times and has given up" in out.err, \
-        out.err
+    assert "searcher-0 failed (killed by signal 9 (SIGKILL)); Ray restarted it 0 times and has given up" \
+        in out.err, out.err
     assert "system.max_searcher_restarts=0" in out.err
     assert not (run / "launcher.lock").exists()
 

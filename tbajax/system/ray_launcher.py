@@ -173,7 +173,8 @@ class _RayChild(_Child):
         try:
             self.code = int(ray.get(self.ref))
         except ray.exceptions.RayError as e:  # Ray gave up on the actor (its restarts are used up)
-            self.died = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()] or [type(e).__name__]
+            self.died = lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"  # what, and the cause
             self.code = 1
         return self.code
 
@@ -252,6 +253,11 @@ class RaySupervisor(Supervisor):
 
     def _searcher_exited(self, s: _Child, r: int, now: float) -> int | None:
         self._each_tick()  # its last lines first
+        if r == 0:  # not a failure Ray would see: it ended by itself (e.g. it judged itself orphaned)
+            print(f"\n{s.role} exited by itself (code 0) although no stop was requested; starting it again",
+                  file=sys.stderr, flush=True)
+            s.start()
+            return None
         budget = self.config.system.max_searcher_restarts
         why = self._why(s, r)
         print(f"\n{s.role} failed ({why}); Ray restarted it {max(self.starts[s.role] - 1, 0)} times and has "
