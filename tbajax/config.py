@@ -99,8 +99,8 @@ class RaySpec:
       gets its CUDA_VISIBLE_DEVICES from Ray, which then replaces system.devices="split".
     trainer_resources / searcher_resources: custom Ray resources the actor needs, e.g.
       {"trainer_host": 1} with `ray start --resources='{"trainer_host": 1}'` on that node.
-    trainer_labels / searcher_labels: node labels the actor needs (Ray's label_selector), e.g.
-      {"ray.io/accelerator-type": "H100"}.
+    trainer_labels / searcher_labels: node labels the actor needs (Ray's label_selector, in
+      recent Ray versions; tested with 2.60), e.g. {"ray.io/accelerator-type": "H100"}.
     """
 
     trainer_cpus: float = 1.0
@@ -111,6 +111,15 @@ class RaySpec:
     searcher_resources: Mapping[str, float] = dataclasses.field(default_factory=dict)
     trainer_labels: Mapping[str, str] = dataclasses.field(default_factory=dict)
     searcher_labels: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:  # Ray would reject these only when the roles start
+        for kind in ("trainer", "searcher"):
+            for name, amount in getattr(self, f"{kind}_resources").items():
+                if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not amount >= 0:
+                    raise ConfigError(f"system.ray.{kind}_resources: {name!r}: {amount!r} must be a number >= 0")
+            for name, value in getattr(self, f"{kind}_labels").items():
+                if not isinstance(value, str):
+                    raise ConfigError(f"system.ray.{kind}_labels: {name!r}: {value!r} must be a string")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -74,6 +74,10 @@ def test_ray_placement_is_configurable_and_may_change_on_resume():
         "system.ray.searcher_gpus", "system.ray.trainer_resources.big"]
     with pytest.raises(ConfigError, match=r"system.ray.trainer_cpus=-1.0 must be >= 0"):
         apply_overrides(base, ["system.ray.trainer_cpus=-1"])
+    with pytest.raises(ConfigError, match=r"system.ray.searcher_resources: 'big': 'one' must be a number >= 0"):
+        apply_overrides(base, ['system.ray.searcher_resources={"big": "one"}'])
+    with pytest.raises(ConfigError, match=r"system.ray.trainer_labels: 'zone': 3 must be a string"):
+        apply_overrides(base, ['system.ray.trainer_labels={"zone": 3}'])
     with pytest.raises(ConfigError, match=r"differs from the stored one in system.rayon \(1 -> 2\)"):
         check_resume_changes({"system": {"rayon": 1}}, {"system": {"rayon": 2}})  # a prefix, not a section
 
