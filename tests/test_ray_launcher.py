@@ -270,3 +270,29 @@ def test_ray_restarts_a_killed_trainer_from_its_checkpoint(ray_cluster, tmp_path
     assert resumed_from % 2 == 0 and 2 <= resumed_from <= steps[restart - 1], steps
     assert killed["step"] >= 3
     assert steps[-1] == 8
+
+
+@pytest.mark.slow
+def test_ray_second_ctrl_c_kills_every_role_at_once(ray_cluster, tmp_path, capsys):
+    run = tmp_path / "run"
+
+    def interrupt_twice() -> None:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(1.0)  # the launcher is now in its grace period, waiting for the roles
+        second["at"] = time.time()
+        os.kill(os.getpid(), signal.SIGINT)
+
+    second: dict[str, float] = {}
+    _after(lambda: _status(run, "trainer").get("step", 0) >= 2, interrupt_twice)
+    code = main([f"--run-dir={run}", "--launcher=ray", "--quiet", *SMALL, "--set", "train.steps=500",
+                 "--set", "system.stop_grace_s=120"])
+    ended = time.time() - second["at"]
+    out = capsys.readouterr()
+    assert code == 130, out.out + out.err
+    assert "second interrupt: killing every role now (SIGKILL)" in out.err
+    assert ended < 60, ended  # at once, not after the 120 s grace period (generous for a loaded box)
+    deadline = time.time() + 30
+    while ray.available_resources().get("CPU", 0) < 2 and time.time() < deadline:
+        time.sleep(0.2)
+    assert ray.available_resources().get("CPU", 0) == 2
+    assert not (run / "launcher.lock").exists()
