@@ -31,6 +31,7 @@ SMALL = [
     "--set", "rollout.prompts_per_call=4",
     "--set", "train.groups_per_step=4",
     "--set", "train.log_every=1",
+    "--set", "system.stall_timeout_s=600",  # a hang ends the run (and the test) instead of waiting forever
 ]
 
 
@@ -143,7 +144,7 @@ def test_ray_run_survives_a_killed_searcher(ray_cluster, tmp_path, capsys):
     killed: dict[str, int] = {}
 
     def kill_searcher() -> None:
-        deadline = time.time() + 240
+        deadline = time.time() + 400  # generous: a 2-core box shared by other jobs
         while time.time() < deadline and _status(run, "searcher-0").get("calls", 0) < 2:
             time.sleep(0.2)
         urls = discover_searcher_stores(str(run))
@@ -196,7 +197,7 @@ def test_ray_run_survives_a_killed_searcher(ray_cluster, tmp_path, capsys):
     assert ray.available_resources().get("CPU", 0) == 2
 
 
-def _after(predicate, action, timeout: float = 240) -> threading.Thread:
+def _after(predicate, action, timeout: float = 400) -> threading.Thread:
     """Run `action` in a thread once `predicate` holds (the launcher needs the main thread)."""
 
     def wait() -> None:
