@@ -279,7 +279,7 @@ def test_ray_second_ctrl_c_kills_every_role_at_once(ray_cluster, tmp_path, capsy
 
     def interrupt_twice() -> None:
         os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(1.0)  # the launcher is now in its grace period, waiting for the roles
+        time.sleep(0.3)  # the launcher is now in its grace period, waiting for the roles
         second["at"] = time.time()
         os.kill(os.getpid(), signal.SIGINT)
 
