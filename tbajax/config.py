@@ -92,6 +92,38 @@ class TrainSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class RaySpec:
+    """Where `--launcher=ray` places the roles (the process launcher ignores this section).
+
+    trainer_cpus / trainer_gpus, searcher_cpus / searcher_gpus: the Ray resources each role's
+      actor reserves (fractions allowed: two roles with 0.5 GPU share one). An actor with GPUs
+      gets its CUDA_VISIBLE_DEVICES from Ray, which then replaces system.devices="split".
+    trainer_resources / searcher_resources: custom Ray resources the actor needs, e.g.
+      {"trainer_host": 1} with `ray start --resources='{"trainer_host": 1}'` on that node.
+    trainer_labels / searcher_labels: node labels the actor needs (Ray's label_selector, in
+      recent Ray versions; tested with 2.60), e.g. {"ray.io/accelerator-type": "H100"}.
+    """
+
+    trainer_cpus: float = 1.0
+    trainer_gpus: float = 0.0
+    searcher_cpus: float = 1.0
+    searcher_gpus: float = 0.0
+    trainer_resources: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    searcher_resources: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    trainer_labels: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    searcher_labels: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:  # Ray would reject these only when the roles start
+        for kind in ("trainer", "searcher"):
+            for name, amount in getattr(self, f"{kind}_resources").items():
+                if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not amount >= 0:
+                    raise ConfigError(f"system.ray.{kind}_resources: {name!r}: {amount!r} must be a number >= 0")
+            for name, value in getattr(self, f"{kind}_labels").items():
+                if not isinstance(value, str):
+                    raise ConfigError(f"system.ray.{kind}_labels: {name!r}: {value!r} must be a string")
+
+
+@dataclasses.dataclass(frozen=True)
 class SystemSpec:
     """How the roles run.
 
@@ -117,6 +149,7 @@ class SystemSpec:
       the start too, so it must cover model loading, compilation and the first evaluation.
     stop_grace_s: after a stop request, how long each role gets to checkpoint and exit before it
       is killed (a second Ctrl-C kills at once).
+    ray: where `--launcher=ray` places the roles (resources, node labels); see RaySpec.
     """
 
     mode: Literal["async", "sync"] = "async"
@@ -136,6 +169,7 @@ class SystemSpec:
     restart_backoff_s: float = 2.0
     stall_timeout_s: float | None = 3600.0
     stop_grace_s: float = 60.0
+    ray: RaySpec = RaySpec()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,6 +296,10 @@ _RANGES: tuple[tuple[str, tuple[float, bool], bool], ...] = (
     ("system.restart_backoff_s", (0, False), False),
     ("system.stall_timeout_s", (0, True), True),
     ("system.stop_grace_s", (0, False), False),
+    ("system.ray.trainer_cpus", (0, False), False),
+    ("system.ray.trainer_gpus", (0, False), False),
+    ("system.ray.searcher_cpus", (0, False), False),
+    ("system.ray.searcher_gpus", (0, False), False),
     ("eval.every", (0, False), False),
     ("eval.num_problems", (1, False), False),
     ("eval.max_new_tokens", (1, False), True),
@@ -292,6 +330,7 @@ RESUME_SAFE_KEYS: tuple[str, ...] = (
     "system.restart_backoff_s",
     "system.stall_timeout_s",
     "system.stop_grace_s",
+    "system.ray",  # a section: every key under it (placement only, e.g. on another cluster)
 )
 
 
@@ -312,7 +351,7 @@ def config_differences(old: Mapping[str, Any], new: Mapping[str, Any], prefix: s
 def check_resume_changes(stored: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
     """The keys `--resume` changes, all of them safe; ConfigError listing the unsafe ones."""
     changed = config_differences(stored, new)
-    unsafe = [k for k in changed if k not in RESUME_SAFE_KEYS]
+    unsafe = [k for k in changed if not any(k == s or k.startswith(s + ".") for s in RESUME_SAFE_KEYS)]
     if unsafe:
         shown = ", ".join(f"{k} ({_get(stored, k)!r} -> {_get(new, k)!r})" for k in unsafe[:8])
         more = f" and {len(unsafe) - 8} more" if len(unsafe) > 8 else ""

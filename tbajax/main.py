@@ -73,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
         "  python -m tbajax.main --experiment=math_qwen --set model.checkpoint=/ckpt/Qwen2.5-7B\n"
         "  python -m tbajax.main --objective=dr_grpo --mode=sync --set train.steps=50\n"
         "  python -m tbajax.main --run-dir=runs/x --role=searcher --searcher-id=3   # one role alone\n"
+        "  python -m tbajax.main --launcher=ray --ray-address=auto --set system.ray.trainer_gpus=1\n"
     )
     ap = argparse.ArgumentParser(
         prog="python -m tbajax.main",
@@ -93,6 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--searcher-id", type=int, default=0)
     ap.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    ap.add_argument("--launcher", choices=["process", "ray"], default="process",
+                    help="how the launcher runs the roles: local processes (default) or Ray actors placed by "
+                         "system.ray.* resources (pip install 'tbajax[ray]'; the run dir must be on a shared filesystem)")
+    ap.add_argument("--ray-address", help="--launcher=ray: the cluster to join (auto, host:port, ray://host:port); "
+                                          "default: start a local Ray instance")
     ap.add_argument("--coordinator-address", help="multi-host trainer: jax.distributed coordinator host:port")
     ap.add_argument("--num-processes", type=int, help="multi-host trainer: number of JAX processes")
     ap.add_argument("--process-id", type=int, help="multi-host trainer: this process's index")
@@ -177,13 +183,23 @@ def _run(args: argparse.Namespace) -> int:
         run_searcher(run_dir, args.searcher_id, store_url=args.store)
         return 0
 
+    from tbajax.config import ConfigError
     from tbajax.system.launcher import launch, read_summary, resume_command
 
+    if args.launcher != "ray" and args.ray_address:
+        raise ConfigError("--ray-address needs --launcher=ray")
     print(f"tbajax: experiment {config.name!r} ({config.system.mode}, objective {config.train.objective}, "
-          f"{config.system.num_searchers if config.system.mode == 'async' else 0} searcher processes) -> {run_dir}",
+          f"{config.system.num_searchers if config.system.mode == 'async' else 0} searcher "
+          f"{'Ray actors' if args.launcher == 'ray' else 'processes'}) -> {run_dir}",
           flush=True)
     session_start = time.time() - 1.0  # file times can be coarser than time.time()
-    code = launch(config, run_dir, resume=args.resume, quiet=args.quiet)
+    if args.launcher == "ray":
+        from tbajax.system import ray_launcher
+
+        code = ray_launcher.launch(config, run_dir, resume=args.resume, quiet=args.quiet,
+                                   address=args.ray_address, store=args.store)
+    else:
+        code = launch(config, run_dir, resume=args.resume, quiet=args.quiet)
     summary = read_summary(run_dir, since=session_start)  # never a previous session's table
     if summary is not None:
         print_summary(summary, run_dir)
@@ -191,7 +207,7 @@ def _run(args: argparse.Namespace) -> int:
             steps = rundir.checkpoint_steps(run_dir)
             print(f"stopped early at trainer step {summary['trainer_steps']} of {config.train.steps}"
                   f"{f' (last checkpoint: step {steps[-1]})' if steps else ''}; continue with: "
-                  f"{resume_command(run_dir)}")
+                  f"{resume_command(run_dir)}{' --launcher=ray' if args.launcher == 'ray' else ''}")
     return code
 
 

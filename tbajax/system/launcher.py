@@ -14,6 +14,7 @@ searcher silent that long while the trainer keeps stepping is killed and restart
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -22,7 +23,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -172,10 +173,21 @@ def resume_command(run_dir: Path) -> str:
 
 
 def launch(config: ExperimentConfig, run_dir: Path, *, resume: bool = False, quiet: bool = False) -> int:
-    """Run the experiment to completion; returns the process exit code.
+    """Run the experiment to completion; returns the process exit code."""
+    with session(config, run_dir, resume=resume):
+        logs = run_dir / "logs"
+        trainer, *searchers = [
+            _Child(role, args, child_env(config, role.split("-")[0], index), logs / f"{role}.log")
+            for role, index, args in role_commands(config, run_dir, resume=resume)
+        ]
+        return Supervisor(config, run_dir, trainer, searchers, quiet=quiet).run()
 
-    Everything that can be checked before a role starts is (preflight); the run directory is
-    locked for the life of the run; config.json is written only after those checks pass."""
+
+@contextlib.contextmanager
+def session(config: ExperimentConfig, run_dir: Path, *, resume: bool) -> Iterator[None]:
+    """What every launcher does around a run: everything that can be checked before a role
+    starts is (preflight); the run directory is locked for the life of the run; config.json is
+    written only after those checks pass."""
     preflight(config)
     rundir.make_run_dir(run_dir)
     with rundir.RunLock(run_dir):
@@ -185,19 +197,18 @@ def launch(config: ExperimentConfig, run_dir: Path, *, resume: bool = False, qui
         if resume and not rundir.checkpoint_steps(run_dir):
             print(f"resume: no checkpoint in {run_dir / 'checkpoints'}; the trainer starts again from step 0 "
                   "(the trajectories already generated are kept)", file=sys.stderr, flush=True)
-        common = [f"--run-dir={run_dir}"] + (["--resume"] if resume else [])
-        logs = run_dir / "logs"
-        trainer = _Child("trainer", ["--role=trainer", *common], child_env(config, "trainer", 0), logs / "trainer.log")
-        searchers = [
-            _Child(
-                f"searcher-{i}",
-                ["--role=searcher", f"--searcher-id={i}", *common],
-                child_env(config, "searcher", i),
-                logs / f"searcher-{i}.log",
-            )
-            for i in range(config.system.num_searchers if config.system.mode == "async" else 0)
-        ]  # sync mode: the trainer process generates its own batches
-        return Supervisor(config, run_dir, trainer, searchers, quiet=quiet).run()
+        yield
+
+
+def role_commands(config: ExperimentConfig, run_dir: Path, *, resume: bool,
+                  extra: Sequence[str] = ()) -> list[tuple[str, int, list[str]]]:
+    """(role name, index, `tbajax.main` arguments) of the trainer, then of each searcher (none in
+    sync mode: the trainer process generates its own batches)."""
+    common = [f"--run-dir={run_dir}", *extra] + (["--resume"] if resume else [])
+    n = config.system.num_searchers if config.system.mode == "async" else 0
+    return [("trainer", 0, ["--role=trainer", *common])] + [
+        (f"searcher-{i}", i, ["--role=searcher", f"--searcher-id={i}", *common]) for i in range(n)
+    ]
 
 
 class Supervisor:
@@ -246,11 +257,11 @@ class Supervisor:
     # -- the loop --------------------------------------------------------------------------
 
     def _supervise(self, progress: _Progress) -> int:
-        sysc = self.config.system
         while True:
             time.sleep(self.tick_s)
             status = rundir.read_status(self.run_dir)
             progress.update(status)
+            self._each_tick()
             if self.interrupts:
                 print("\nstopping: asking every role to shut down cleanly (checkpointing); "
                       "press Ctrl-C again to kill them at once", flush=True)
@@ -270,19 +281,9 @@ class Supervisor:
                     continue
                 s.kill_group()  # its reward workers and graders too, before a new one starts
                 s.history.append(r)
-                delay = restart_delay(s.restart_times, now, budget=sysc.max_searcher_restarts,
-                                      window_s=sysc.restart_window_s, backoff_s=sysc.restart_backoff_s)
-                recent = len([x for x in s.restart_times if now - x < sysc.restart_window_s])
-                if delay is None:
-                    print(f"\n{s.role} {describe_exit(r)}; giving up after {recent} restarts within "
-                          f"{sysc.restart_window_s:g} s (system.max_searcher_restarts="
-                          f"{sysc.max_searcher_restarts}).\n{s.tail()}", file=sys.stderr, flush=True)
-                    return 1
-                s.restarts += 1
-                s.restart_times.append(now)
-                s.restart_at = now + delay
-                print(f"\n{s.role} exited with {r}; restarting in {delay:g} s ({describe_exit(r)}; restart "
-                      f"{recent + 1} of {sysc.max_searcher_restarts} within {sysc.restart_window_s:g} s)", flush=True)
+                code = self._searcher_exited(s, r, now)
+                if code is not None:
+                    return code
             for c in self.children:
                 if c.restart_at is not None and now >= c.restart_at:
                     c.start()
@@ -291,6 +292,28 @@ class Supervisor:
             if stalled:
                 print(f"\nstalled: {stalled}\nstopping the run.", file=sys.stderr, flush=True)
                 return 3
+
+    def _each_tick(self) -> None:
+        """Per-tick work of a subclass (the Ray launcher streams the roles' log lines here)."""
+
+    def _searcher_exited(self, s: _Child, r: int, now: float) -> int | None:
+        """Schedule the restart of a searcher that exited with `r`; the run's exit code when its
+        restart budget is used up."""
+        sysc = self.config.system
+        delay = restart_delay(s.restart_times, now, budget=sysc.max_searcher_restarts,
+                              window_s=sysc.restart_window_s, backoff_s=sysc.restart_backoff_s)
+        recent = len([x for x in s.restart_times if now - x < sysc.restart_window_s])
+        if delay is None:
+            print(f"\n{s.role} {describe_exit(r)}; giving up after {recent} restarts within "
+                  f"{sysc.restart_window_s:g} s (system.max_searcher_restarts="
+                  f"{sysc.max_searcher_restarts}).\n{s.tail()}", file=sys.stderr, flush=True)
+            return 1
+        s.restarts += 1
+        s.restart_times.append(now)
+        s.restart_at = now + delay
+        print(f"\n{s.role} exited with {r}; restarting in {delay:g} s ({describe_exit(r)}; restart "
+              f"{recent + 1} of {sysc.max_searcher_restarts} within {sysc.restart_window_s:g} s)", flush=True)
+        return None
 
     def _trainer_failed(self, code: int, now: float) -> int | None:
         sysc = self.config.system
@@ -376,8 +399,7 @@ class Supervisor:
                 if self.interrupts < 2:
                     print(f"{c.role} did not exit within {grace:g} s of the stop request; killing it (SIGKILL)",
                           file=sys.stderr, flush=True)
-            if c.proc is not None:
-                c.kill_group()
+            c.kill_group()
 
 
 class _Progress:
