@@ -270,7 +270,7 @@ def test_a_grader_that_always_raises_stops_the_searcher_with_the_reason(tmp_path
     for text in (out, log):  # the launcher's tail shows the reason
         assert "the last 8 grades of task 'broken' all failed" in text, text[-3000:]
         assert "KeyError: 'no such answer field'" in text, text[-3000:]
-    assert "searcher-0 failed 1 times (exit 3)" in out
+    assert "searcher-0 exited with code 3; giving up after 0 restarts" in out
 
 
 def test_stop_request_checkpoints_before_the_final_evaluation(tmp_path):
