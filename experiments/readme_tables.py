@@ -114,13 +114,23 @@ def benchmarks_block() -> str:
     return "\n".join(out).rstrip()
 
 
+def _eval_change(s: dict[str, Any]) -> str:
+    metric = s.get("eval_metric", "accuracy")
+    start = s.get("eval_score_start", s.get("eval_accuracy_start"))
+    end = s.get("eval_score_end", s.get("eval_accuracy_end"))
+    if start is None or end is None:
+        return ""
+    if metric == "accuracy":
+        return f"accuracy {start:.1%} → {end:.1%}"
+    return f"{metric} {start:.3g} → {end:.3g}"
+
+
 def _run_row(path: Path) -> dict[str, Any]:
     s = json.loads(path.read_text())
     row: dict[str, Any] = {
         "run": f"[{path.parent.relative_to(RESULTS)}]({path.relative_to(REPO)})",
         "objective": s.get("objective", ""),
-        "accuracy start → end": f"{s['eval_accuracy_start']:.1%} → {s['eval_accuracy_end']:.1%}"
-        if "eval_accuracy_start" in s else "",
+        "eval: start → end": _eval_change(s),
         "steps": s.get("trainer_steps", ""),
         "wall time": f"{s['wall_time_s']:.0f} s" if "wall_time_s" in s else "",
         "samples": s.get("samples_generated", ""),
