@@ -319,6 +319,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="tbajax-chaos-"))
     runs: list[dict[str, Any]] = []
+    from tbajax.system.metrics import machine_info
+
+    machine = machine_info()  # wall times mean something only next to the machine's matmul rate
     for i in range(args.repeats):
         try:
             f = run_scenario(work / f"run-{i}", seed=args.seed + i, searcher_kills=args.searcher_kills,
@@ -335,7 +338,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:  # after every scenario, so a long series that is cut short still reports
             args.json.parent.mkdir(parents=True, exist_ok=True)
             command = "python experiments/chaos.py " + " ".join(argv if argv is not None else sys.argv[1:])
-            args.json.write_text(json.dumps({"command": command, "total": total, "runs": runs}, indent=2) + "\n")
+            payload = {"command": command, "machine": machine, "total": total, "runs": runs}
+            args.json.write_text(json.dumps(payload, indent=2) + "\n")
     print(json.dumps(total, indent=2))
     return 0 if total["scenarios_sane"] == total["scenarios"] else 1
 

@@ -36,8 +36,7 @@ TABLES: dict[str, dict[str, list[str]]] = {
     },
     "packed_groups": {"results": ["layout", "tokens_in_step", "step_s", "speedup", "token_ratio", "loss_rel_diff"]},
     "chaos": {"total": ["scenarios", "scenarios_sane", "kills_survived", "rows_committed", "rows_read_back",
-                        "torn_rows", "duplicated_rows", "row_count_ever_went_down", "versions_monotone",
-                        "wall_time_s"]},
+                        "torn_rows", "duplicated_rows", "row_count_ever_went_down", "versions_monotone"]},
 }
 
 

@@ -278,6 +278,7 @@ _RANGES: tuple[tuple[str, tuple[float, bool], bool], ...] = (
     ("rollout.reward_workers", (0, False), False),
     ("rollout.reward_timeout_s", (0, True), False),
     ("rollout.max_calls_per_version", (1, False), True),
+    ("rollout.fail_fast_grades", (1, False), False),
     ("train.steps", (1, False), False),
     ("train.groups_per_step", (1, False), False),
     ("train.length_bucket", (1, False), False),
