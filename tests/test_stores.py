@@ -395,6 +395,8 @@ def test_gc_keeps_last_n_and_leased_versions(tmp_path: Path, meshes) -> None:
         for _ in range(4):
             pub.publish(_params(trainer))
         assert pub.leased_versions() == {1}
+        assert 5 in reader.versions()  # visible when publish returns; collection runs behind it
+        pub.wait()  # joins the collection
         assert reader.versions() == [1, 4, 5]  # 1 survives while leased; 2 and 3 are gone
     assert pub.gc() == [1]
     assert reader.versions() == [4, 5]
@@ -402,6 +404,7 @@ def test_gc_keeps_last_n_and_leased_versions(tmp_path: Path, meshes) -> None:
     (tmp_path / "params" / "readers" / "dead.json").write_text(json.dumps({"version": 4, "time": time.time() - 3600}))
     pub.publish(_params(trainer))
     pub.publish(_params(trainer))
+    pub.wait()
     assert reader.versions() == [6, 7]
     pub.close()
 
