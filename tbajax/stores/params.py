@@ -206,6 +206,15 @@ def parse_trailer(tail: bytes, size: int, where: str) -> tuple[dict[str, Any], i
     return manifest, n
 
 
+def _replace_file(path: Any, data: bytes) -> None:
+    """Atomically replace a small local file (write a temp file, rename it over), without fsync:
+    for leases, which only matter while their reader lives (a crash ends the lease anyway)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
 def _write_local(directory: Any, arrays: list[np.ndarray], manifest: dict[str, Any]) -> None:
     """params.bin (data + manifest) with one fsync, then the commit marker; the directories are
     fsynced so that the marker (and the version directory) survive a crash before the pointer."""
@@ -554,7 +563,10 @@ class ParamReader:
 
         def write() -> None:
             record = {"version": int(version), "time": time.time(), "pid": os.getpid(), "host": socket.gethostname()}
-            write_json(self._dirs.kv, key, record)
+            if self._local is None:
+                write_json(self._dirs.kv, key, record)
+            else:
+                _replace_file(self._local / key, json.dumps(record, sort_keys=True).encode())
 
         write()
         done = threading.Event()
@@ -573,7 +585,10 @@ class ParamReader:
         finally:
             done.set()
             thread.join()
-            delete_key(self._dirs.kv, key)
+            if self._local is None:
+                delete_key(self._dirs.kv, key)
+            else:
+                (self._local / key).unlink(missing_ok=True)
 
     def restore(self, version: int, target: Any, shardings: Any = None) -> Any:
         """Load `version` into arrays shaped/typed like `target`, placed with `shardings`.
