@@ -397,6 +397,8 @@ def test_gc_keeps_last_n_and_leased_versions(tmp_path: Path, meshes) -> None:
         for _ in range(4):
             pub.publish(_params(trainer))
         assert pub.leased_versions() == {1}
+        assert 5 in reader.versions()  # visible when publish returns; collection runs behind it
+        pub.wait()  # joins the collection
         assert reader.versions() == [1, 4, 5]  # 1 survives while leased; 2 and 3 are gone
     assert pub.gc() == [1]
     assert reader.versions() == [4, 5]
@@ -404,6 +406,7 @@ def test_gc_keeps_last_n_and_leased_versions(tmp_path: Path, meshes) -> None:
     (tmp_path / "params" / "readers" / "dead.json").write_text(json.dumps({"version": 4, "time": time.time() - 3600}))
     pub.publish(_params(trainer))
     pub.publish(_params(trainer))
+    pub.wait()
     assert reader.versions() == [6, 7]
     pub.close()
 
@@ -510,3 +513,43 @@ def test_lease_is_renewed_during_a_slow_restore(tmp_path: Path) -> None:
         time.sleep(0.5)
         assert json.loads(lease.read_text())["time"] > first + 0.04  # heartbeat rewrote it
     assert not lease.exists()
+
+
+def test_version_is_one_flat_file_and_damaged_versions_say_so(tmp_path: Path) -> None:
+    """params.bin holds each leaf's raw bytes at 64-byte aligned offsets then the manifest; a
+    truncated file, a target of another model and an orbax-era version are refused by name."""
+    import struct
+
+    url = param_store_url(tmp_path)
+    params = {"b": jnp.arange(3, dtype=jnp.int32), "a": {"w": jnp.arange(20, dtype=jnp.float32) / 4}}
+    with ParamPublisher(url, "run-a", dtype="bfloat16") as pub:
+        pub.publish(params)
+    version_dir = tmp_path / "params" / "1"
+    assert sorted(p.name for p in version_dir.iterdir()) == ["commit_success.txt", "params.bin"]
+    raw = (version_dir / "params.bin").read_bytes()
+    # Leaves in tree order ("a" before "b"): 20 bf16 (40 bytes) at 0, 3 int32 at 64; data ends at 128.
+    np.testing.assert_array_equal(np.frombuffer(raw[:40], jnp.bfloat16).astype(np.float32), np.arange(20) / 4)
+    assert raw[40:64] == bytes(24)
+    np.testing.assert_array_equal(np.frombuffer(raw[64:76], np.int32), [0, 1, 2])
+    magic, n = struct.unpack("<8sQ", raw[-16:])
+    manifest = json.loads(raw[-16 - n : -16])
+    assert magic == b"TBAJAXP1" and manifest["bytes"] == 128 == len(raw) - n - 16
+    assert [(x["path"], x["shape"], x["dtype"], x["offset"]) for x in manifest["leaves"]] == [
+        ("['a']['w']", [20], "bfloat16", 0), ("['b']", [3], "int32", 64)]
+
+    reader = ParamReader(url, "s")
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    got = reader.restore(1, jax.eval_shape(lambda: params), one)  # bf16 on disk, f32 target: cast
+    assert got["a"]["w"].dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(got["a"]["w"]), np.arange(20) / 4)  # exact in bf16
+    with pytest.raises(ParamStoreError, match=r"target leaves not stored \[\"\['c'\]\"\]"):
+        reader.restore(1, {**jax.eval_shape(lambda: params), "c": jax.ShapeDtypeStruct((1,), jnp.float32)}, one)
+    with pytest.raises(ParamStoreError, match=r"leaf \['b'\] of version 1 .* has shape \(3,\), the target \(4,\)"):
+        reader.restore(1, {**jax.eval_shape(lambda: params), "b": jax.ShapeDtypeStruct((4,), jnp.int32)}, one)
+    (version_dir / "params.bin").write_bytes(raw[:100])  # a disk that filled up, say
+    with pytest.raises(ParamStoreError, match="params.bin has no tbajax.params.flat.v1 footer .*delete the version"):
+        reader.restore(1, jax.eval_shape(lambda: params), one)
+    (version_dir / "params.bin").unlink()  # what an orbax-era version looks like: a marker, no params.bin
+    with pytest.raises(ParamStoreError, match="no params.bin: it was written in the orbax format"):
+        reader.restore(1, jax.eval_shape(lambda: params), one)
+    assert not (tmp_path / "params" / "readers" / "s.json").exists()  # leases released on errors too

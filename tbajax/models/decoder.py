@@ -61,7 +61,7 @@ class KVCache:
     `dynamic_update_slice` per layer writes the whole batch in place.
     """
 
-    k: Array  # [layers, batch, slots, kv_heads, head_dim]
+    k: Array  # [layers, batch, kv_heads, slots, head_dim]: heads-major, read in place by attention
     v: Array
     valid: Array  # [batch, slots] bool
     index: Array  # int32 scalar: next slot to write
@@ -69,7 +69,7 @@ class KVCache:
     @classmethod
     def init(cls, cfg: ModelConfig, batch: int, slots: int, dtype: Any = None) -> "KVCache":
         dtype = dtype or cfg.jnp_dtype
-        shape = (cfg.num_layers, batch, slots, cfg.num_kv_heads, cfg.head_dim)
+        shape = (cfg.num_layers, batch, cfg.num_kv_heads, slots, cfg.head_dim)
         return cls(
             k=jnp.zeros(shape, dtype),
             v=jnp.zeros(shape, dtype),
@@ -79,7 +79,7 @@ class KVCache:
 
     @property
     def slots(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes + self.valid.nbytes

@@ -69,28 +69,34 @@ def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
 
 def attention(q: Array, k: Array, v: Array, mask: Array) -> Array:
     """Grouped-query attention scaled by 1/sqrt(head_dim).
-    q [b,t,h,d]; k,v [b,s,kv,d]; mask [b,t,s] -> [b,t,h,d]."""
+    q [b,t,h,d]; k,v heads-major [b,kv,s,d] (as `write_cache` returns them); mask [b,t,s] -> [b,t,h,d].
+
+    Keys/values heads-major make both matmuls batched over (b, kv) with the query group folded
+    into the rows, so XLA reads the cache in place instead of transposing it at every decode step.
+    """
     b, t, h, d = q.shape
-    kv = k.shape[2]
-    q = q.reshape(b, t, kv, h // kv, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
-    scores = scores * (d**-0.5)
+    kv = k.shape[1]
+    q = q.reshape(b, t, kv, h // kv, d).transpose(0, 2, 3, 1, 4).reshape(b, kv, (h // kv) * t, d)
+    scores = jax.lax.dot_general(q, k, (((3,), (3,)), ((0, 1), (0, 1))), preferred_element_type=jnp.float32)
+    scores = scores.reshape(b, kv, h // kv, t, -1) * (d**-0.5)
     scores = jnp.where(mask[:, None, None], scores, _MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
-    return out.reshape(b, t, h, d)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b, kv, (h // kv) * t, -1)
+    out = jax.lax.dot_general(probs, v, (((3,), (2,)), ((0, 1), (0, 1))))  # [b, kv, g*t, d]
+    return out.reshape(b, kv, h // kv, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
 
 
 def write_cache(
     k: Array, v: Array, cache: LayerCache | None, dtype: Any
 ) -> tuple[Array, Array, tuple[Array, Array] | None]:
-    """Write this step's keys/values into the layer's cache slots and return the keys/values to
-    attend over (the whole cache) plus the updated cache buffers; without a cache, a no-op."""
+    """Write this step's keys/values ([b,t,kv,d]) into the layer's cache slots and return the
+    keys/values to attend over, heads-major [b,kv,s,d] (the whole cache), plus the updated cache
+    buffers; without a cache, just the heads-major keys/values."""
+    k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # only the new tokens move
     if cache is None:
         return k, v, None
     ck, cv, li, index = cache
-    ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype)[None], (li, 0, index, 0, 0))
-    cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype)[None], (li, 0, index, 0, 0))
+    ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype)[None], (li, 0, 0, index, 0))
+    cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype)[None], (li, 0, 0, index, 0))
     k = jax.lax.dynamic_index_in_dim(ck, li, keepdims=False).astype(dtype)
     v = jax.lax.dynamic_index_in_dim(cv, li, keepdims=False).astype(dtype)
     return k, v, (ck, cv)

@@ -23,7 +23,7 @@ from tbajax.sharding import constrain
 
 Array = jax.Array
 
-_CACHE_AXES = ("layers", "batch", "length", "kv_heads", "head_dim")
+_CACHE_AXES = ("layers", "batch", "kv_heads", "length", "head_dim")
 
 
 @dataclasses.dataclass(frozen=True)

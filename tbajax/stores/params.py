@@ -2,11 +2,18 @@
 
 Layout of ``<run>/params/``:
 
-    <v>/                 orbax checkpoint of version v (``StandardCheckpointer``); complete when it has
-                         its final name (orbax writes ``<v>.orbax-checkpoint-tmp*`` first) and
-                         ``commit_success.txt``
-    latest.json          {"format", "run_id", "version", "step", "dtype", "time"}: newest complete version
-    readers/<id>.json    {"version", "time", "pid", "host"}: a searcher's lease while it loads a version
+    <v>/params.bin          every leaf's bytes (C order) at 64-byte aligned offsets, then the
+                            manifest {"format", "bytes", "leaves": [{"path", "shape", "dtype",
+                            "offset"}]} as JSON, then a 16-byte footer (magic, JSON length)
+    <v>/commit_success.txt  created after params.bin is on disk (one fsync): a version is complete
+                            exactly when it has this marker
+    latest.json             {"format", "run_id", "version", "step", "dtype", "time"}: newest complete version
+    readers/<id>.json       {"version", "time", "pid", "host"}: a searcher's lease while it loads a version
+
+One flat file per version, not a general checkpoint format: a publish is one sequential write and
+one fsync, a load one sequential read, so both run at the disk's (or page cache's) speed; orbax
+spent most of a publish on metadata, per-array files and their fsyncs. Trainer checkpoints
+(`tbajax.training.checkpoint`) still use orbax: they are rare and need its generality.
 
 The pointer is replaced only after a version is complete, in one atomic single-key write, so a
 searcher never sees an incomplete version as latest. Versions only grow: a restarted trainer
@@ -17,6 +24,11 @@ The lease closes the race "searcher reads the pointer, trainer deletes that vers
 when `keep` newer versions get published between a searcher's pointer read and its lease write
 (microseconds against a publish period of seconds); `restore` re-checks the version after
 taking the lease and then says plainly that it is gone, so the caller can load the newest one.
+
+Multi-host: a leaf sharded over several processes is gathered (`process_allgather`, a collective:
+every process calls `publish`) and process 0 alone writes the version, the pointer and collects.
+Each loading process reads the whole leaves it needs any shard of and places its own shards.
+Bucket URLs (gs://, s3://) write each file as one object through tensorstore, marker last.
 """
 
 from __future__ import annotations
@@ -24,10 +36,13 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import io
+import json
 import logging
 import os
 import re
 import socket
+import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -36,19 +51,33 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
-from tbajax.stores.urls import delete_key, list_keys, open_kvstore, path_for_orbax, read_json, to_url, write_json
+from tbajax.stores.urls import (
+    delete_key,
+    list_keys,
+    local_path,
+    open_kvstore,
+    path_for_orbax,
+    read_json,
+    to_url,
+    write_json,
+)
 
 FORMAT = "tbajax.params.v1"
 LATEST_KEY = "latest.json"
 READERS_DIR = "readers"
 COMMIT_MARKER = "commit_success.txt"
+DATA_FILE = "params.bin"
+VERSION_FORMAT = "tbajax.params.flat.v1"
+_MAGIC = b"TBAJAXP1"  # footer: magic + little-endian u64 length of the manifest JSON before it
+_FOOTER = struct.Struct("<8sQ")
+_ALIGN = 64  # leaf offsets in params.bin: aligned views for any dtype
 PUBLISH_DTYPES = ("float32", "bfloat16", "float16")
 
 log = logging.getLogger(__name__)
 
-_VERSION_DIR = re.compile(r"^(\d+)(\.orbax-checkpoint-tmp.*)?$")
+_VERSION_DIR = re.compile(r"^(\d+)(\.orbax-checkpoint-tmp.*)?$")  # temp dirs of orbax-era versions too
 _READER_ID = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 
@@ -97,8 +126,8 @@ def abstract_target(target: Any, shardings: Any = None) -> Any:
     """ShapeDtypeStructs with a sharding on every leaf, from a target pytree (+ optional shardings).
 
     `shardings` is a pytree matching `target`, one Sharding for all leaves, or None to use each
-    target leaf's own `.sharding`. A missing sharding is an error: orbax would otherwise fall back
-    to the sharding saved by the trainer, whose devices are not this process's.
+    target leaf's own `.sharding`. A missing sharding is an error rather than a guess: the trainer's
+    devices are not this process's, so its placement cannot be reused.
     """
     leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(target)
     if shardings is None:
@@ -119,6 +148,139 @@ def abstract_target(target: Any, shardings: Any = None) -> Any:
             )
         out.append(jax.ShapeDtypeStruct(tuple(x.shape), x.dtype, sharding=s))
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def layout(names: list[str], arrays: list[Any]) -> dict[str, Any]:
+    """The manifest of a version: each leaf's path, shape, dtype and aligned offset in params.bin."""
+    leaves, offset = [], 0
+    for name, a in zip(names, arrays):
+        nbytes = int(np.prod(a.shape, dtype=np.int64)) * a.dtype.itemsize
+        leaves.append({"path": name, "shape": list(a.shape), "dtype": str(a.dtype), "offset": offset})
+        offset += -(-nbytes // _ALIGN) * _ALIGN
+    return {"format": VERSION_FORMAT, "bytes": offset, "leaves": leaves}
+
+
+def _host_leaves(tree: Any, originals: list[Any], copy: bool) -> tuple[list[str], list[Any]]:
+    """(path names, leaves the writer can turn into host arrays) of a (cast) param tree.
+
+    `copy` copies leaves that are still the caller's arrays (`originals`) to the host now, so a
+    background write never reads a buffer the caller has donated or deleted. Cast leaves are ours:
+    they stay device arrays whose (asynchronous) casts the writer waits for one by one, so casting
+    leaf k+1 overlaps writing leaf k.
+    """
+    names, leaves = [], []
+    for (path, x), orig in zip(jax.tree_util.tree_flatten_with_path(tree)[0], originals):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            x = multihost_utils.process_allgather(x, tiled=True)  # collective: every process publishes
+        elif copy and x is orig:
+            x = np.array(x, copy=True)
+        names.append(jax.tree_util.keystr(path))
+        leaves.append(x)
+    return names, leaves
+
+
+def _host(x: Any) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(x))
+
+
+def _byte_view(a: np.ndarray) -> np.ndarray:
+    return a.reshape(-1).view(np.uint8)
+
+
+def _fsync_dir(path: os.PathLike[str]) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _trailer(manifest: dict[str, Any]) -> bytes:
+    text = json.dumps(manifest).encode()
+    return text + _FOOTER.pack(_MAGIC, len(text))
+
+
+def parse_trailer(tail: bytes, size: int, where: str) -> tuple[dict[str, Any], int]:
+    """(manifest, its JSON length) from the last bytes of a params.bin of `size` bytes."""
+    magic, n = _FOOTER.unpack(tail[-_FOOTER.size :])
+    if magic != _MAGIC or n + _FOOTER.size > len(tail):
+        raise ParamStoreError(f"{where} has no {VERSION_FORMAT} footer (truncated or not a tbajax file): delete the version")
+    try:
+        manifest = json.loads(tail[-_FOOTER.size - n : -_FOOTER.size])
+    except json.JSONDecodeError as e:
+        raise ParamStoreError(f"{where} has a corrupt manifest ({e}): delete the version") from e
+    if manifest.get("format") != VERSION_FORMAT or manifest.get("bytes", -1) + n + _FOOTER.size != size:
+        raise ParamStoreError(f"{where} is {size} bytes, its manifest says otherwise: delete the version")
+    return manifest, n
+
+
+def _replace_file(path: Any, data: bytes) -> None:
+    """Atomically replace a small local file (write a temp file, rename it over), without fsync:
+    for leases, which only matter while their reader lives (a crash ends the lease anyway)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _write_local(directory: Any, arrays: list[Any], manifest: dict[str, Any]) -> None:
+    """params.bin (data + manifest) with one fsync, then the commit marker; the directories are
+    fsynced so that the marker (and the version directory) survive a crash before the pointer."""
+    directory = os.fspath(directory)
+    os.makedirs(directory)  # a fresh version number: an existing directory is another writer's
+    with open(os.path.join(directory, DATA_FILE), "wb") as f:
+        pos = 0
+        for a, leaf in zip(arrays, manifest["leaves"]):
+            if leaf["offset"] > pos:
+                f.write(bytes(leaf["offset"] - pos))
+            a = _host(a)
+            f.write(_byte_view(a))
+            pos = leaf["offset"] + a.nbytes
+        if manifest["bytes"] > pos:
+            f.write(bytes(manifest["bytes"] - pos))
+        f.write(_trailer(manifest))
+        f.flush()
+        os.fsync(f.fileno())
+    with open(os.path.join(directory, COMMIT_MARKER), "wb"):
+        pass  # empty: its directory entry is the commit, made durable by the fsync below
+    _fsync_dir(directory)
+    _fsync_dir(os.path.dirname(directory))
+
+
+def _write_objects(kv: Any, version: int, arrays: list[Any], manifest: dict[str, Any]) -> None:
+    """Bucket stores: params.bin as one object, then the marker."""
+    blob = bytearray(manifest["bytes"])
+    for a, leaf in zip(arrays, manifest["leaves"]):
+        blob[leaf["offset"] : leaf["offset"] + a.nbytes] = _byte_view(_host(a))
+    kv.write(f"{version}/{DATA_FILE}", bytes(blob) + _trailer(manifest)).result()
+    kv.write(f"{version}/{COMMIT_MARKER}", b"").result()
+
+
+def _read_exact(f: Any, out: np.ndarray, offset: int) -> None:
+    view = memoryview(_byte_view(out))
+    f.seek(offset)
+    got = 0
+    while got < len(view):
+        n = f.readinto(view[got:])
+        if not n:
+            raise ParamStoreError(f"params file ends at byte {offset + got}, expected {offset + len(view)}")
+        got += n
+
+
+def _aligned_empty(shape: list[int], dtype: np.dtype) -> np.ndarray:
+    """An uninitialised C-order array at a 64-byte aligned address: on the CPU backend jax then
+    uses the host buffer as the device buffer (no copy), which halves a load's memory traffic."""
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + _ALIGN, np.uint8)
+    start = -raw.ctypes.data % _ALIGN
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
+
+
+def _place(host: np.ndarray, spec: jax.ShapeDtypeStruct) -> jax.Array:
+    """A global array of `spec` (shape, dtype, sharding) whose local shards are cut from `host`."""
+    if host.dtype == spec.dtype:
+        return jax.make_array_from_callback(spec.shape, spec.sharding, lambda idx: host[idx])
+    return jax.make_array_from_callback(spec.shape, spec.sharding, lambda idx: host[idx].astype(spec.dtype))
 
 
 class _VersionDirs:
@@ -189,11 +351,11 @@ class _VersionDirs:
 class ParamPublisher:
     """Trainer side: publish params as increasing versions and garbage-collect old ones.
 
-    `publish(..., wait=False)` returns once the params are on the host (orbax copies device
-    arrays before returning, so the caller may donate them); the write, the pointer update and
-    garbage collection then finish in the background, and the next `publish`/`wait`/`close`
-    joins them and re-raises their errors. In a multi-host trainer every process calls
-    `publish` (orbax saves collectively) and process 0 alone writes the pointer and collects.
+    `publish(..., wait=False)` returns once the params are copied to the host (the caller may
+    donate them); the write, the pointer update and garbage collection then finish in the
+    background, and the next `publish`/`wait`/`close` joins them and re-raises their errors.
+    In a multi-host trainer every process calls `publish` (sharded leaves are gathered
+    collectively) and process 0 alone writes the version and the pointer, and collects.
     """
 
     def __init__(
@@ -233,9 +395,10 @@ class ParamPublisher:
         on_disk = max((v for v, _ in self._dirs.entries()), default=0)
         self._next_version = max(self._latest, on_disk) + 1
         self._primary = jax.process_index() == 0
-        self._checkpointer = ocp.StandardCheckpointer()
+        self._local = local_path(self.url)
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="param-publish")
         self._pending: concurrent.futures.Future[None] | None = None
+        self._pending_gc: concurrent.futures.Future[list[int]] | None = None
 
     def _rebuild_pointer(self, run_id: str) -> PublishedVersion | None:
         """A missing (deleted) or corrupt pointer with complete version dirs on disk: point at the
@@ -268,30 +431,41 @@ class ParamPublisher:
         """Save `params` as the next version; returns that version number."""
         self.wait()
         tree = cast_floating(params, self.dtype)
+        names, arrays = _host_leaves(tree, jax.tree_util.tree_leaves(params), copy=not wait)
+        del tree  # the host copies are all the write needs
         version = self._next_version
         self._next_version += 1
-        self._checkpointer.save(self._dirs.path(version), tree)
-        self._pending = self._executor.submit(self._finish, version, step)
+        self._pending = self._executor.submit(self._finish, version, step, names, arrays)
         if wait:
-            self.wait()
+            self._join(visible_only=True)
         return version
 
     def wait(self) -> None:
-        """Block until the last publish is visible (and collected); re-raise its error if any."""
+        """Block until the last publish is visible and collected; re-raise its error if any."""
+        self._join(visible_only=False)
+
+    def _join(self, visible_only: bool) -> None:
+        """Join the pending write; then, unless `visible_only`, the garbage collection queued after it.
+
+        `publish(wait=True)` returns once searchers can load the version: deleting old versions
+        (unlinking files of hundreds of MB) runs behind it and is joined by the next call."""
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.result()
+        if not visible_only:
+            gc, self._pending_gc = self._pending_gc, None
+            if gc is not None:
+                gc.result()
 
-    def _finish(self, version: int, step: int | None) -> None:
-        self._checkpointer.wait_until_finished()
+    def _finish(self, version: int, step: int | None, names: list[str], arrays: list[Any]) -> None:
         if not self._primary:
             self._latest = version
             return
-        if not self._dirs.is_complete(version):
-            raise ParamStoreError(
-                f"orbax finished saving version {version} but {self._dirs.path(version)} has no {COMMIT_MARKER}; "
-                "the version was not published"
-            )
+        manifest = layout(names, arrays)
+        if self._local is not None:
+            _write_local(self._local / str(version), arrays, manifest)
+        else:
+            _write_objects(self._dirs.kv, version, arrays, manifest)
         record = {
             "format": FORMAT,
             "run_id": self.run_id,
@@ -308,7 +482,7 @@ class ParamPublisher:
             )
         self._pointer_generation = generation
         self._latest = version
-        self._collect()
+        self._pending_gc = self._executor.submit(self._collect)  # after this, on the same worker
 
     def gc(self) -> list[int]:
         """Delete old versions now; returns the deleted version numbers."""
@@ -351,7 +525,6 @@ class ParamPublisher:
             self.wait()
         finally:
             self._executor.shutdown(wait=True)
-            self._checkpointer.close()
 
     def __enter__(self) -> ParamPublisher:
         return self
@@ -370,7 +543,7 @@ class ParamReader:
         self.reader_id = reader_id
         self.run_id = run_id
         self._dirs = _VersionDirs(self.url)
-        self._checkpointer = ocp.StandardCheckpointer()
+        self._local = local_path(self.url)
 
     def latest(self) -> PublishedVersion | None:
         """The pointer record (one small read, never waits for the trainer); None before any publish."""
@@ -408,7 +581,10 @@ class ParamReader:
 
         def write() -> None:
             record = {"version": int(version), "time": time.time(), "pid": os.getpid(), "host": socket.gethostname()}
-            write_json(self._dirs.kv, key, record)
+            if self._local is None:
+                write_json(self._dirs.kv, key, record)
+            else:
+                _replace_file(self._local / key, json.dumps(record, sort_keys=True).encode())
 
         write()
         done = threading.Event()
@@ -427,22 +603,82 @@ class ParamReader:
         finally:
             done.set()
             thread.join()
-            delete_key(self._dirs.kv, key)
+            if self._local is None:
+                delete_key(self._dirs.kv, key)
+            else:
+                (self._local / key).unlink(missing_ok=True)
 
     def restore(self, version: int, target: Any, shardings: Any = None) -> Any:
         """Load `version` into arrays shaped/typed like `target`, placed with `shardings`.
 
-        The searcher's mesh may differ from the trainer's: orbax reads each shard this
-        process needs for the requested sharding. Stored dtypes are cast to the target's.
+        The searcher's mesh may differ from the trainer's: each leaf is read once and this
+        process's shards of the requested sharding are cut from it. Stored dtypes are cast to
+        the target's (a bf16 publish loads into bf16 without a cast).
         """
         abstract = abstract_target(target, shardings)
         self._require_available(version)
         with self.lease(version):
             self._require_available(version)  # GC may have deleted it before our lease landed
-            return self._checkpointer.restore(self._dirs.path(int(version)), abstract)
+            return self._load(int(version), abstract)
+
+    def _load(self, version: int, abstract: Any) -> Any:
+        if self._local is not None:
+            with open(self._data_path(version), "rb", buffering=0) as f:
+                return self._load_from(version, abstract, f, os.fstat(f.fileno()).st_size)
+        data = self._dirs.kv.read(f"{version}/{DATA_FILE}").result()
+        if data.state != "value":
+            raise self._legacy(version)
+        return self._load_from(version, abstract, io.BytesIO(data.value), len(data.value))
+
+    def _data_path(self, version: int) -> Any:
+        path = self._local / str(version) / DATA_FILE
+        if not path.exists():
+            raise self._legacy(version)
+        return path
+
+    def _legacy(self, version: int) -> ParamStoreError:
+        return ParamStoreError(
+            f"{self.url}/{version} has no {DATA_FILE}: it was written in the orbax format of an older tbajax; "
+            "publish a new version (restart the trainer with --resume) and load that"
+        )
+
+    def _load_from(self, version: int, abstract: Any, f: Any, size: int) -> Any:
+        where = f"{self.url}/{version}/{DATA_FILE}"
+        tail_n = min(size, 1 << 16)
+        f.seek(size - tail_n)
+        tail = f.read(tail_n)
+        if len(tail) < _FOOTER.size:
+            raise ParamStoreError(f"{where} is {size} bytes, too short for a {VERSION_FORMAT} file: delete the version")
+        manifest, n = parse_trailer(tail, size, where)
+        if n + _FOOTER.size > tail_n:  # a manifest of more than 64 KiB: read all of it
+            f.seek(size - n - _FOOTER.size)
+            manifest, _ = parse_trailer(f.read(n + _FOOTER.size), size, where)
+        stored = {leaf["path"]: leaf for leaf in manifest["leaves"]}
+        specs, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+        names = [jax.tree_util.keystr(path) for path, _ in specs]
+        missing, unexpected = sorted(set(names) - set(stored)), sorted(set(stored) - set(names))
+        if missing or unexpected:
+            raise ParamStoreError(
+                f"version {version} in {self.url} does not match the target: target leaves not stored "
+                f"{missing[:5]}, stored leaves not in the target {unexpected[:5]}; load it with the model it "
+                "was published from"
+            )
+        for name, (_, spec) in zip(names, specs):
+            if tuple(stored[name]["shape"]) != tuple(spec.shape):
+                raise ParamStoreError(
+                    f"leaf {name} of version {version} in {self.url} has shape {tuple(stored[name]['shape'])}, "
+                    f"the target {tuple(spec.shape)}"
+                )
+        hosts = []
+        for name in names:
+            leaf = stored[name]
+            a = _aligned_empty(leaf["shape"], jnp.dtype(leaf["dtype"]))
+            _read_exact(f, a, leaf["offset"])
+            hosts.append(a)
+        return jax.tree_util.tree_unflatten(treedef, [_place(h, spec) for h, (_, spec) in zip(hosts, specs)])
 
     def close(self) -> None:
-        self._checkpointer.close()
+        """Nothing to release (kept so readers work as context managers)."""
 
     def __enter__(self) -> ParamReader:
         return self
