@@ -182,14 +182,17 @@ def _run(run_dir: Path, standin: dict, *args: str, timeout: float = 400) -> str:
     return proc.stdout
 
 
-def _check_summary(run_dir: Path, steps: int) -> dict:
+def _check_summary(run_dir: Path, standin: dict, steps: int) -> dict:
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["trainer_steps"] == steps
     assert summary["eval_metric"] == "win_rate"
     end = summary["eval_end"]
-    assert end["eval_win_rate_n"] == 8
+    held = get_task("preference", source="tldr", data_path=str(standin["data"]), eval_fraction=0.25).load("eval")
+    n = min(8, len(held))  # eval.num_problems=8 of the rows that hash into eval
+    assert end["eval_win_rate_n"] == n and summary["eval_start"]["eval_win_rate_n"] == n
     assert 0.0 <= end["eval_win_rate_low"] <= end["eval_win_rate"] <= end["eval_win_rate_high"] <= 1.0
-    assert end["eval_wins"] + end["eval_ties"] + end["eval_losses"] == 8
+    assert end["eval_wins"] + end["eval_ties"] + end["eval_losses"] == n
+    assert summary["eval_score_end"] == end["eval_win_rate"]
     assert end["eval_kl_greedy"] > 0 and end["eval_ppl_response"] > 1.0
     assert end["eval_ppl_prompt_inclusive"] < end["eval_ppl_response"]
     return summary
@@ -210,7 +213,7 @@ def _stored_rows(run_dir: Path):
 def test_tldr_standin_sync_run(standin, tmp_path):
     run = tmp_path / "run"
     _run(run, standin, "--mode=sync", "--set", "train.steps=2")
-    summary = _check_summary(run, 2)
+    summary = _check_summary(run, standin, 2)
     assert summary["mode"] == "sync"
     _stored_rows(run)
 
@@ -219,6 +222,6 @@ def test_tldr_standin_async_run_with_searcher_reference_logprobs(standin, tmp_pa
     run = tmp_path / "run"
     _run(run, standin, "--set", "train.steps=4", "--set", "rollout.reference_logprobs=true",
          "--set", "train.trainer.compute_reference_logprobs=false")
-    _check_summary(run, 4)
+    _check_summary(run, standin, 4)
     kl = sampled_kl_of_rows(_stored_rows(run))
     assert kl["tokens"] > 0 and kl["k3"] >= 0.0 and math.isfinite(kl["k1"])
