@@ -3,8 +3,8 @@
 Built only from what PyPI wheels ship (TBA spec §8's asset table): prompts are garak's 1,419 book
 passages (hash-split, 10 % held out for eval, so eval prompts are never trained on); the reward is
 a *model*: the cosine similarity, in all-MiniLM-L6-v2's embedding space computed in JAX on the
-searcher's mesh, of the continuation to a target description (TARGET below); a continuation
-without EOS gets −1 (the lowest cosine). The win rate is judged by an independent scorer that
+searcher's mesh, of the continuation to a target description (TARGET below); unlike TL;DR, a
+continuation cut at the token limit is scored as it is (see the no_eos_reward comment). The win rate is judged by an independent scorer that
 training never sees: AFINN's valence lexicon, policy's greedy continuation vs the SFT model's own
 greedy continuation of the same passage (generated once at the first eval; so step 0 is ~0.5 by
 construction, ties counted half).
@@ -57,7 +57,10 @@ def config() -> ExperimentConfig:
                 "reward": "embedding",
                 "encoder": str(_cache() / "all-minilm-l6-v2"),
                 "target": TARGET,
-                "no_eos_reward": -1.0,
+                # Measured at step 0 (32 eval passages): only 12.5 % of SmolLM2's greedy continuations
+                # end within 48 tokens, and the first run with −1 for those had a mean reward of −0.85:
+                # TL;DR's no-EOS penalty would make this a length reward. Score the cut text instead.
+                "no_eos_reward": None,
                 "gold": "afinn",
                 "reference": "sft_greedy",
                 "score_batch_rows": 32,
