@@ -4,10 +4,10 @@ Built only from what PyPI wheels ship (TBA spec §8's asset table): prompts are 
 passages (hash-split, 10 % held out for eval, so eval prompts are never trained on); the reward is
 a *model*: the cosine similarity, in all-MiniLM-L6-v2's embedding space computed in JAX on the
 searcher's mesh, of the continuation to a target description (TARGET below); unlike TL;DR, a
-continuation cut at the token limit is scored as it is (see the no_eos_reward comment). The win rate is judged by an independent scorer that
-training never sees: AFINN's valence lexicon, policy's greedy continuation vs the SFT model's own
-greedy continuation of the same passage (generated once at the first eval; so step 0 is ~0.5 by
-construction, ties counted half).
+continuation cut at the token limit is scored as it is (see the no_eos_reward comment). The win
+rate is judged by an independent scorer that training never sees: AFINN's valence lexicon, the
+policy's greedy continuation vs the SFT model's own greedy continuation of the same passage
+(generated once at the first eval; step 0 is exactly 0.5 by construction: every prompt ties).
 
 Why this reward: an embedding similarity is smooth in the text (every token moves it a little, so
 the K samples of one prompt get distinct rewards and TB's group baseline has a signal on every
