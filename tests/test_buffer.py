@@ -433,6 +433,24 @@ def test_reward_branch_matches_softmax_with_inv_temp_one():
     assert chi2 < 16.27, (counts / n, p)
 
 
+def test_reward_branch_at_inv_temp_one_follows_softmax_of_skewed_real_rewards():
+    """TL;DR's setting: reward-model scores (real-valued, long right tail, -1 for every response
+    without EOS) drawn with softmax(reward * 1). Each row's frequency must match exp(r) / sum exp(r)
+    computed here by hand, within 5 binomial sigmas, over many draws."""
+    rewards = [-1.0, -1.0, -1.0, -2.6, -0.37, 0.12, 0.8, 1.9, 3.4, 5.1]
+    buf = ReplayBuffer(cfg(samples_per_group=1, capacity_per_prompt=16, reward_inv_temp=1.0))
+    buf.add([traj(0, i, reward=r) for i, r in enumerate(rewards)])
+    n = 20000
+    counts = np.zeros(len(rewards))
+    for g in buf.sample(np.random.default_rng(17), n):
+        counts[tokens(g[0])[0]] += 1
+    e = np.exp(np.array(rewards) - max(rewards))
+    p = e / e.sum()  # the 5.1 row: ~0.79; each -1 row: ~0.0018
+    sigma = np.sqrt(p * (1 - p) / n)
+    assert np.all(np.abs(counts / n - p) < 5 * sigma + 1e-9), (counts / n, p)
+    assert counts[9] > counts[8] > counts[7] > counts[6]  # the order of the head follows the rewards
+
+
 def test_groups_never_mix_prompts_and_have_k_rows():
     rng = np.random.default_rng(4)
     buf = ReplayBuffer(cfg(samples_per_group=3, recency_prob=0.5, reward_inv_temp=1.0))
