@@ -157,6 +157,7 @@ BUILTIN_TASKS: Mapping[str, str] = {
     "gsm_symbolic": "tbajax.tasks.gsm8k:gsm_symbolic_task",
     "math": "tbajax.tasks.hendrycks_math:math_task",
     "countdown": "tbajax.tasks.countdown:countdown_task",
+    "redteam": "tbajax.tasks.redteam:redteam_task",
 }
 
 
