@@ -151,7 +151,7 @@ def test_tb_without_reference_reads_no_reference() -> None:
 
 
 def _run_args(bilstm_dir: Path, *extra: str) -> list[str]:
-    options = dict(victim=str(TINY), classifier=f"bilstm:{bilstm_dir}", instruction=INSTRUCTION, num_eval=8,
+    options = dict(victim=str(TINY), classifier=f"bilstm:{bilstm_dir}", instruction=INSTRUCTION, num_eval=32,
                    victim_answers=2, victim_max_new_tokens=4, victim_max_prompt_tokens=16, beta=0.5)
     return [
         "--set", "task.name=redteam", "--set", f"task.options={json.dumps(options)}",
@@ -159,7 +159,9 @@ def _run_args(bilstm_dir: Path, *extra: str) -> list[str]:
         "--set", 'train.trainer.beta={"kind": "constant", "start": 1.0}',
         "--set", "rollout.sampling.temperature=1.0", "--set", "train.trainer.temperature=1.0",
         "--set", "rollout.sampling.min_new_tokens=2", "--set", "rollout.sampling.max_new_tokens=5",
-        "--set", "eval.num_problems=8", "--set", "eval.batch_size=8",
+        # 32 eval attacks, as many as one rollout call's (4 prompts x 8): one victim program for both
+        "--set", "eval.num_problems=32", "--set", "eval.batch_size=32",
+        "--set", "rollout.reference_logprobs=false", "--set", "train.trainer.compute_reference_logprobs=true",
         *extra,
     ]
 

@@ -490,6 +490,8 @@ def redteam_task(
         load_fn=load,
         prompt_fn=lambda p: p.question,
         reward_fn=_not_per_sample,
+        # no per-sample grader runs in a worker pool: the scorer's jitted models run in-process
+        cheap_reward=True,
         chat=chat,
         system_prompt=system_prompt,
         scorer=scorer,
