@@ -199,3 +199,14 @@ def test_async_red_team_run(tmp_path: Path, bilstm_dir: Path) -> None:
     out = _finish(_main(run, *_run_args(bilstm_dir), "--set", "train.steps=3", "--set", "system.num_searchers=1"))
     _check_run(run, out, 3)
     assert math.isfinite(json.loads((run / "summary.json").read_text())["eval_score_end"])
+
+
+def test_exploration_temperature_is_an_explicit_opt_out() -> None:
+    from tbajax.config import ConfigError, ExperimentConfig, RolloutSpec, TrainSpec
+    from tbajax.sampling import SamplingConfig
+
+    rollout = RolloutSpec(sampling=SamplingConfig(temperature=1.5, num_samples=20))
+    with pytest.raises(ConfigError, match="exploration_temperature"):
+        ExperimentConfig(name="x", rollout=rollout)
+    cfg = ExperimentConfig(name="x", rollout=rollout, train=TrainSpec(exploration_temperature=True))
+    assert cfg.train.trainer.temperature == 1.0 and cfg.rollout.sampling.temperature == 1.5
