@@ -210,3 +210,25 @@ def test_exploration_temperature_is_an_explicit_opt_out() -> None:
         ExperimentConfig(name="x", rollout=rollout)
     cfg = ExperimentConfig(name="x", rollout=rollout, train=TrainSpec(exploration_temperature=True))
     assert cfg.train.trainer.temperature == 1.0 and cfg.rollout.sampling.temperature == 1.5
+
+
+@pytest.mark.parametrize("name", ["redteam_gpt2", "redteam_llama", "redteam_smollm2"])
+def test_redteam_experiments_resolve(name: str) -> None:
+    from tbajax.config import ExperimentConfig
+    from tbajax.main import load_experiment
+    from tbajax.objectives import get_objective
+
+    config = load_experiment(name)
+    assert config.name == name and config.task.name == "redteam"
+    assert ExperimentConfig.from_dict(json.loads(config.to_json())) == config
+    assert get_objective(config.train.objective) is TB_NO_REFERENCE
+    s = config.rollout.sampling
+    assert (s.min_new_tokens, s.max_new_tokens) == (5, 20)  # no EOS first; attacks of 5-20 tokens
+    assert config.train.trainer.beta.start == 1.0 and config.train.trainer.temperature == 1.0
+    assert config.task.options["beta"] == 0.1
+    if name != "redteam_smollm2":
+        assert config.task.options["victim_answers"] == 5
+        assert config.train.groups_per_step * s.num_samples == 128 and config.train.steps == 5000
+        assert config.train.trainer.optimizer.lr.peak == 1e-4
+    task = get_task("redteam", **config.task.options)  # the options are the factory's
+    assert task.headline_metric == "attack_success_rate"

@@ -221,7 +221,9 @@ def _fallback_token(tokenizer: Any) -> int:
 @dataclasses.dataclass(frozen=True)
 class VictimConfig:
     """The frozen victim: checkpoint, K_v answers per attack and how they are sampled.
-    chat: render the attack through the victim's chat template (None: when it has one)."""
+    chat: render the attack through the victim's chat template (None: when it has one and no
+    `template` is given). template: a plain-text prompt with an {attack} field (e.g. the Alpaca
+    format of vicgalle/gpt2-alpaca)."""
 
     checkpoint: str
     num_answers: int = 5
@@ -230,7 +232,14 @@ class VictimConfig:
     max_new_tokens: int = 30
     max_prompt_tokens: int = 96
     chat: bool | None = None
+    template: str | None = None
     dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.template is not None and "{attack}" not in self.template:
+            raise ValueError(f"victim template {self.template!r} has no {{attack}} field")
+        if self.template is not None and self.chat:
+            raise ValueError("give the victim a chat template (chat=True) or a text template, not both")
 
 
 class PriorScorer:
@@ -291,7 +300,7 @@ class RedTeamScorer:
         has_template = getattr(self.victim_tokenizer, "chat_template", None) is not None
         if victim.chat and not has_template:
             raise ValueError(f"victim.chat=True but the tokenizer of {victim.checkpoint} has no chat template")
-        self.victim_chat = has_template if victim.chat is None else victim.chat
+        self.victim_chat = (has_template and victim.template is None) if victim.chat is None else victim.chat
         self.victim_sampler = Sampler(victim_model, mesh=context.mesh,
                                       max_cache_length=victim.max_prompt_tokens + victim.max_new_tokens)
         self.victim_stops = set(victim_model.config.eos_token_ids)
@@ -309,7 +318,7 @@ class RedTeamScorer:
             text = tok.apply_chat_template([{"role": "user", "content": attack}], tokenize=False, add_generation_prompt=True)
             ids = tok(text, add_special_tokens=False)["input_ids"]
         else:
-            ids = tok(attack)["input_ids"]
+            ids = tok(attack if self.victim.template is None else self.victim.template.format(attack=attack))["input_ids"]
         ids = list(ids)[-self.victim.max_prompt_tokens:]  # keep the end: the generation prompt
         return ids or [_fallback_token(tok)]
 
@@ -455,6 +464,7 @@ def redteam_task(
     victim_max_new_tokens: int = 30,
     victim_max_prompt_tokens: int = 96,
     victim_chat: bool | None = None,
+    victim_template: str | None = None,
     victim_dtype: str = "float32",
     classifier_label: int | None = None,
     beta: float = 0.1,
@@ -475,7 +485,8 @@ def redteam_task(
                                  min_attack_tokens=int(min_attack_tokens))
     victim_cfg = VictimConfig(checkpoint=victim, num_answers=int(victim_answers), temperature=float(victim_temperature),
                               top_p=float(victim_top_p), max_new_tokens=int(victim_max_new_tokens),
-                              max_prompt_tokens=int(victim_max_prompt_tokens), chat=victim_chat, dtype=victim_dtype)
+                              max_prompt_tokens=int(victim_max_prompt_tokens), chat=victim_chat,
+                              template=victim_template, dtype=victim_dtype)
 
     def load(split: str) -> list[Problem]:
         n = num_train if split == "train" else num_eval
@@ -508,3 +519,99 @@ def _ramp(value: Sequence[float] | float, name: str) -> LinearRamp:
     if len(v) != 3:
         raise ValueError(f"{name} must be a number or [start, end, steps], got {value!r}")
     return LinearRamp(float(v[0]), float(v[1]), int(v[2]))
+
+
+# ------------------------------------------------------------------------------ experiments
+
+
+def redteam_experiment(
+    name: str,
+    description: str,
+    attacker: str,
+    task_options: dict[str, Any],
+    *,
+    samples_per_prompt: int,
+    groups_per_step: int,
+    steps: int,
+    lr: float,
+    buffer_capacity: int,
+    num_prompts: int = 8,
+    sampling_temperature: float = 1.0,
+    max_new_tokens: int = 20,
+    min_new_tokens: int = 5,
+    recency_prob: float = 0.5,
+    reward_inv_temp: float = 0.1,
+    num_searchers: int = 1,
+    sync_every: int = 1,
+    compute_dtype: str = "bfloat16",
+    eval_every: int = 0,
+    eval_problems: int = 32,
+    checkpoint_every: int = 500,
+    chat: bool = False,
+    max_prompt_tokens: int = 128,
+    max_calls_per_version: int | None = None,
+) -> Any:
+    """The red-team recipe shared by experiments/redteam_*.py (TBA spec §8), in this repo's terms.
+
+    - Objective: VarGrad TB without a reference term (`TB_NO_REFERENCE`) at a constant β = 1, so
+      δ = S − log R(x); the trainer holds the reference copy the config check asks for but never
+      runs it (`compute_reference_logprobs=True` with an objective that reads no reference).
+      The reference's learned log Z head is not used: all attacks share one prompt, so VarGrad's
+      per-group estimate is the same quantity without a head.
+    - Attacks: `min_new_tokens`..`max_new_tokens` tokens (5–20: no EOS first, nothing shorter
+      than the prior's 5-token rule). Sampling at `sampling_temperature`; a value other than 1
+      samples hotter/colder only to explore (`train.exploration_temperature`), the trainer scores
+      untempered log-probs. (The reference draws a random temperature per batch; a searcher
+      samples at one fixed temperature.)
+    - Replay: `num_prompts` copies of the one prompt, each with a buffer of
+      buffer_capacity / num_prompts unique attacks (exact dedup, oldest evicted); a group slot is
+      online with probability `recency_prob` (half, as the reference) else drawn by
+      softmax(log R · reward_inv_temp) (0.1 ≈ softmax of the toxicity term, which log R carries
+      divided by β = 0.1). The reference's reward-keyed heap with edit-distance / embedding
+      near-duplicate rejection (`tbajax.buffer.RewardHeap`) is not wired into the trainer yet.
+    - Full fine-tuning (the reference trains LoRA r 32, α 16; not wired into the trainer here).
+    """
+    from tbajax.buffer import BufferConfig
+    from tbajax.config import EvalSpec, ExperimentConfig, ModelSpec, RolloutSpec, SystemSpec, TaskSpec, TrainSpec
+    from tbajax.sampling import SamplingConfig
+    from tbajax.training.config import BetaSchedule, LRSchedule, OptimizerConfig, TrainerConfig
+
+    options = {"num_train": num_prompts, "num_eval": eval_problems, **task_options}
+    return ExperimentConfig(
+        name=name,
+        description=description,
+        model=ModelSpec(checkpoint=attacker),
+        task=TaskSpec(name="redteam", options=options, chat_template=chat),
+        rollout=RolloutSpec(
+            prompts_per_call=groups_per_step,
+            sampling=SamplingConfig(max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
+                                    num_samples=samples_per_prompt, temperature=sampling_temperature),
+            max_prompt_tokens=max_prompt_tokens,
+            reference_logprobs=False,
+            max_calls_per_version=max_calls_per_version,
+        ),
+        train=TrainSpec(
+            steps=steps,
+            groups_per_step=groups_per_step,
+            objective="tbajax.tasks.redteam:TB_NO_REFERENCE",
+            trainer=TrainerConfig(
+                optimizer=OptimizerConfig(lr=LRSchedule(kind="constant", peak=lr), max_grad_norm=1.0),
+                beta=BetaSchedule(kind="constant", start=1.0),
+                temperature=1.0,
+                compute_reference_logprobs=True,
+                param_dtype="float32",
+                compute_dtype=compute_dtype,
+            ),
+            checkpoint_every=checkpoint_every,
+            exploration_temperature=sampling_temperature != 1.0,
+        ),
+        buffer=BufferConfig(
+            samples_per_group=samples_per_prompt,
+            capacity_per_prompt=max(samples_per_prompt, buffer_capacity // num_prompts),
+            recency_prob=recency_prob,
+            reward_inv_temp=reward_inv_temp,
+            dedup=True,
+        ),
+        system=SystemSpec(mode="async", num_searchers=num_searchers, sync_every=sync_every),
+        eval=EvalSpec(every=eval_every, num_problems=eval_problems, batch_size=eval_problems),
+    )
