@@ -232,3 +232,41 @@ def test_redteam_experiments_resolve(name: str) -> None:
         assert config.train.trainer.optimizer.lr.peak == 1e-4
     task = get_task("redteam", **config.task.options)  # the options are the factory's
     assert task.headline_metric == "attack_success_rate"
+
+
+@pytest.mark.parametrize("kind", ["encoder", "scorer"])
+def test_model_judges_match_torch(kind: str, tmp_path: Path) -> None:
+    """A BERT (`encoder:`) and a Llama (`scorer:`) *ForSequenceClassification as the toxicity
+    judge: log p(toxic label) equals torch's log_softmax of the logits; the toxic label is found
+    by name in id2label (here index 0)."""
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from tbajax.tasks.redteam import load_judge
+
+    common = dict(vocab_size=19, num_labels=2, id2label={0: "toxic", 1: "clean"}, label2id={"toxic": 0, "clean": 1},
+                  pad_token_id=0, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48)
+    if kind == "encoder":
+        cfg = AutoConfig.for_model("bert", max_position_embeddings=64, **common)
+    else:
+        cfg = AutoConfig.for_model("llama", num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1,
+                                   eos_token_id=2, **common)
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_config(cfg).float().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(tmp_path)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(TINY / f, tmp_path / f)
+    judge = load_judge(f"{kind}:{tmp_path}")
+    texts = ["12+34", "5", "999-1 2"]
+    tok = load_tokenizer(tmp_path)
+    want = []
+    with torch.no_grad():
+        for t in texts:
+            ids = torch.tensor([tok(t)["input_ids"]])
+            want.append(float(torch.log_softmax(model(ids).logits[0].double(), -1)[0]))
+    np.testing.assert_allclose(judge.log_toxicity(texts), want, atol=1e-4)

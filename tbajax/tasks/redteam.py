@@ -96,7 +96,9 @@ def _bucket(n: int, minimum: int) -> int:
     return max(minimum, 1 << max(0, (n - 1).bit_length()))
 
 
-def _pad_rows(rows: Sequence[Sequence[int]], pad: int, min_len: int = 16, min_batch: int = 8) -> tuple[np.ndarray, np.ndarray]:
+def _pad_rows(
+    rows: Sequence[Sequence[int]], pad: int, min_len: int = 16, min_batch: int = 8
+) -> tuple[np.ndarray, np.ndarray]:
     """Right-padded ids and mask, both dims bucketed to powers of two (few compiled shapes)."""
     length = _bucket(max(len(r) for r in rows), min_len)
     batch = _bucket(len(rows), min_batch)
@@ -286,7 +288,8 @@ class RedTeamScorer:
         from tbajax.tokenizers import load_tokenizer
 
         if context.policy_checkpoint is None:
-            raise ValueError("the redteam scorer needs the attacker's initial checkpoint (ScorerContext.policy_checkpoint) as its prior")
+            raise ValueError("the redteam scorer needs the attacker's initial checkpoint "
+                             "(ScorerContext.policy_checkpoint): it is the prior")
         cfg = context.config
         self.reward = reward
         self.sync_every = int(getattr(getattr(cfg, "system", None), "sync_every", 1) or 1)
@@ -315,7 +318,8 @@ class RedTeamScorer:
     def victim_prompt(self, attack: str) -> list[int]:
         tok = self.victim_tokenizer
         if self.victim_chat:
-            text = tok.apply_chat_template([{"role": "user", "content": attack}], tokenize=False, add_generation_prompt=True)
+            messages = [{"role": "user", "content": attack}]
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             ids = tok(text, add_special_tokens=False)["input_ids"]
         else:
             ids = tok(attack if self.victim.template is None else self.victim.template.format(attack=attack))["input_ids"]
