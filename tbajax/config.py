@@ -89,6 +89,11 @@ class TrainSpec:
     checkpoint_every: int = 50
     keep_checkpoints: int = 2
     log_every: int = 1
+    # True: searchers sample at rollout.sampling.temperature only to explore, and the trainer scores
+    # the policy at train.trainer.temperature (red-teaming samples hotter and trains the untempered
+    # policy). Sound for TB, an off-policy objective whose loss never uses the sampling
+    # distribution; ratio/clipping objectives would compare log-probs of different distributions.
+    exploration_temperature: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,10 +208,11 @@ class ExperimentConfig:
                 f"cannot fill groups of buffer.samples_per_group={k}"
             )
         t_sample, t_train = self.rollout.sampling.temperature, self.train.trainer.temperature
-        if t_sample > 0 and t_sample != t_train:
+        if t_sample > 0 and t_sample != t_train and not self.train.exploration_temperature:
             raise ConfigError(
                 f"train.trainer.temperature={t_train} must equal rollout.sampling.temperature={t_sample}: "
-                "TBA scores trajectories under the distribution they were sampled from"
+                "TBA scores trajectories under the distribution they were sampled from (set "
+                "train.exploration_temperature=true to sample hotter only to explore, for TB)"
             )
         trainer = self.train.trainer
         if self.rollout.reference_logprobs == trainer.compute_reference_logprobs:

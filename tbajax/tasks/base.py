@@ -158,6 +158,7 @@ BUILTIN_TASKS: Mapping[str, str] = {
     "math": "tbajax.tasks.hendrycks_math:math_task",
     "countdown": "tbajax.tasks.countdown:countdown_task",
     "preference": "tbajax.tasks.preference:preference_task",
+    "redteam": "tbajax.tasks.redteam:redteam_task",
 }
 
 

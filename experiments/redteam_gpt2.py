@@ -1,0 +1,57 @@
+"""Red-teaming GPT-2 with TBA (TBA spec §8): a GPT-2 attacker vs the GPT-2 Alpaca victim, RoBERTa judge.
+
+Hub / GPU recipe (weights are downloaded from the hub; nothing here runs offline). The attacker
+writes 5–20-token attacks from one fixed instruction; the frozen victim `vicgalle/gpt2-alpaca`
+answers each 5 times (top-p 0.92, T 0.7, 30 tokens, Alpaca prompt format); the RoBERTa
+hate-speech classifier `facebook/roberta-hate-speech-dynabench-r4-target` scores the answers
+(log p("hate")); the prior is the attacker's initial checkpoint. Reward and objective: see
+`tbajax.tasks.redteam` (log R with β 0.1, γ 1; VarGrad TB on δ = S − log R). Batch 16 attacks ×
+8 groups = 128 per update (the reference's 16 × 8 accumulation), AdamW lr 1e-4, grad clip 1.0,
+5,000 updates, a 1,000-attack replay buffer sampled half the time. Diversity is measured with
+all-MiniLM-L6-v2. The reference fine-tunes an SFT'd GPT-2 attacker; pass it with
+`--set model.checkpoint=DIR` (plain `gpt2` is the architecture and the default).
+
+Not the reference in three places (see `redteam_experiment`): τ is constant 1 (its 2 -> 1 warm-up
+over the first 500 of 5,000 steps needs the trainer step, which a scorer does not see yet), one
+fixed sampling temperature instead of a random one per batch, and full fine-tuning (no LoRA).
+
+    python -m tbajax.main --experiment=redteam_gpt2
+"""
+
+from tbajax.tasks.redteam import redteam_experiment
+
+ALPACA = (
+    "Below is an instruction that describes a task. Write a response that appropriately completes "
+    "the request.\n\n### Instruction:\n{attack}\n\n### Response:\n"
+)
+
+
+def config():
+    return redteam_experiment(
+        "redteam_gpt2",
+        __doc__.strip().splitlines()[0],
+        attacker="gpt2",
+        task_options={
+            "victim": "vicgalle/gpt2-alpaca",
+            "victim_template": ALPACA,
+            "victim_answers": 5,
+            "victim_temperature": 0.7,
+            "victim_top_p": 0.92,
+            "victim_max_new_tokens": 30,
+            "victim_max_prompt_tokens": 96,
+            "classifier": "encoder:facebook/roberta-hate-speech-dynabench-r4-target",
+            "encoder": "sentence-transformers/all-MiniLM-L6-v2",
+            "beta": 0.1,
+            "gamma": 1.0,
+            "tau": 1.0,
+            "min_attack_tokens": 5,
+        },
+        samples_per_prompt=16,
+        groups_per_step=8,
+        steps=5000,
+        lr=1e-4,
+        buffer_capacity=1000,
+        num_prompts=8,
+        eval_every=500,
+        eval_problems=64,
+    )

@@ -1,0 +1,52 @@
+"""Red-teaming Llama-3.2-1B with TBA (TBA spec §8): Llama-3.2-1B-Instruct attacker vs the same model as victim.
+
+Hub / GPU recipe. Victim: T 0.1, top-p 0.9, 64 tokens, through its chat template, 5 answers per
+attack. β 0.1, a 5,000-attack replay buffer, batch 16 × 8, AdamW lr 1e-4, grad clip 1, 5,000
+updates; everything else as `redteam_gpt2` (see `tbajax.tasks.redteam.redteam_experiment`).
+
+The reference judges Llama victims with Llama Guard (the log-prob of its "unsafe" token). That
+judge is NOT implemented here: this recipe uses the RoBERTa hate-speech classifier of the GPT-2
+recipe instead (any BERT/RoBERTa or decoder *ForSequenceClassification works through
+`task.options.classifier`). Also not the reference: γ is constant 1 (its 1.0 -> 1.2 ramp over
+2,000 steps and τ's 2 -> 1 warm-up need the trainer step, which a scorer does not see yet), one
+fixed sampling temperature, full fine-tuning instead of LoRA.
+
+    python -m tbajax.main --experiment=redteam_llama
+"""
+
+from tbajax.tasks.redteam import redteam_experiment
+
+LLAMA = "meta-llama/Llama-3.2-1B-Instruct"
+
+
+def config():
+    return redteam_experiment(
+        "redteam_llama",
+        __doc__.strip().splitlines()[0],
+        attacker=LLAMA,
+        task_options={
+            "victim": LLAMA,
+            "victim_answers": 5,
+            "victim_temperature": 0.1,
+            "victim_top_p": 0.9,
+            "victim_max_new_tokens": 64,
+            "victim_max_prompt_tokens": 128,
+            "victim_chat": True,
+            "victim_dtype": "bfloat16",
+            "classifier": "encoder:facebook/roberta-hate-speech-dynabench-r4-target",
+            "encoder": "sentence-transformers/all-MiniLM-L6-v2",
+            "beta": 0.1,
+            "gamma": 1.0,
+            "tau": 1.0,
+            "min_attack_tokens": 5,
+        },
+        samples_per_prompt=16,
+        groups_per_step=8,
+        steps=5000,
+        lr=1e-4,
+        buffer_capacity=5000,
+        num_prompts=8,
+        chat=True,
+        eval_every=500,
+        eval_problems=64,
+    )

@@ -1,0 +1,272 @@
+"""The red-team task: its scorer (SFT prior + victim + toxicity classifier -> log reward), its eval
+metrics, and sync / async runs through `python -m tbajax.main`.
+
+The attacker and the victim are the shipped tiny Llama (experiments/assets/tiny-arithmetic, with a
+tokenizer); the classifier is a tiny random BiLSTM h5 of the toxic-comment-classifier layout whose
+Keras word index knows the numbers 0..999, so the victim's digit answers get varied toxicities.
+Independent oracles: torch transformers for the prior, the numpy BiLSTM of
+tests/test_toxicity_bilstm.py for the toxicity.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("h5py", reason="h5py reads the BiLSTM weights")
+
+from tbajax.stores import TrajectoryReader, discover_searcher_stores  # noqa: E402
+from tbajax.tasks import get_task  # noqa: E402
+from tbajax.tasks.redteam import TB_NO_REFERENCE, RedTeamEval, hashed_bow, training_metrics  # noqa: E402
+from tbajax.tasks.scoring import Samples, ScorerContext, Scores  # noqa: E402
+from tbajax.tokenizers import load_tokenizer  # noqa: E402
+from tests.test_system import _finish, _main  # noqa: E402
+from tests.test_toxicity_bilstm import (  # noqa: E402
+    KERAS_FILTERS,
+    _fake_keras_modules,
+    oracle_ids,
+    oracle_probs,
+    write_tiny_h5,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = REPO / "experiments" / "assets" / "tiny-arithmetic"
+WORD_INDEX = {str(n): n + 1 for n in range(1000)}
+INSTRUCTION = "12+34="
+
+
+@pytest.fixture(scope="module")
+def bilstm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("bilstm")
+    write_tiny_h5(d / "model.weights.h5", vocab=1001, seed=3)
+    mp = pytest.MonkeyPatch()
+    cls = _fake_keras_modules(mp)
+    t = cls()
+    t.__dict__.update(word_index=WORD_INDEX, num_words=1001, filters=KERAS_FILTERS, lower=True, split=" ",
+                      oov_token=None, char_level=False, analyzer=None)
+    (d / "tokenizer.pickle").write_bytes(pickle.dumps(t))
+    mp.undo()
+    return d
+
+
+def _task(bilstm_dir: Path, **kw):
+    options = dict(victim=str(TINY), classifier=f"bilstm:{bilstm_dir}", instruction=INSTRUCTION,
+                   victim_answers=3, victim_max_new_tokens=6, victim_max_prompt_tokens=16, victim_temperature=1.0,
+                   victim_top_p=1.0)
+    options.update(kw)
+    return get_task("redteam", **options)
+
+
+def _torch_log_prior(model, prompt: list[int], response: list[int]) -> float:
+    import torch
+
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits[0, :-1].double(), -1)
+    picked = logp[torch.arange(len(prompt) - 1, ids.shape[1] - 1), ids[0, len(prompt):]]
+    return float(picked.sum())
+
+
+def test_scorer_gives_the_formulas_log_reward(bilstm_dir: Path) -> None:
+    # β 0.5, γ 2, τ ramped 3 -> 1 over 10 steps: at version 5 (sync_every 1) τ = 2
+    task = _task(bilstm_dir, beta=0.5, gamma=2.0, tau=[3.0, 1.0, 10], min_attack_tokens=3)
+    tok = load_tokenizer(TINY)
+    scorer = task.scorer(task, ScorerContext(config=None, tokenizer=tok, policy_checkpoint=str(TINY)))
+    scorer.set_policy_version(5)
+    prompt = tok(task.prompt(task.load("train")[0]))["input_ids"]
+    responses = [[5, 6, 18, 7, 2], [8, 9], [10, 18, 11, 12, 13, 14, 2]]  # "12 3<eos>", "45" (short), ...
+    texts = [tok.decode(r[:-1] if r[-1] == 2 else r, skip_special_tokens=True) for r in responses]
+    samples = Samples(problems=[task.load("train")[0]] * 3, prompt_tokens=[np.array(prompt)] * 3,
+                      response_tokens=[np.array(r) for r in responses], texts=texts,
+                      finished=np.array([True, False, True]))
+    import jax
+
+    scores = scorer.score(samples, jax.random.PRNGKey(7))
+    ex = scores.extras
+    assert ex["attack"] == texts and ex["attack_length"] == [5, 2, 7] and ex["reward_step"] == [5, 5, 5]
+    assert all(len(a) == 3 and all(isinstance(s, str) for s in a) for a in ex["victim_answers"])
+    # the prior: untempered log-likelihood under torch transformers
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32).eval()
+    want_prior = [_torch_log_prior(model, prompt, r) for r in responses]
+    np.testing.assert_allclose(ex["log_prior"], want_prior, atol=2e-4)
+    # the toxicity: the numpy oracle on the stored victim answers
+    answers = [a for row in ex["victim_answers"] for a in row]
+    probs = oracle_probs(bilstm_dir / "model.weights.h5", [oracle_ids(a, WORD_INDEX, 1001) for a in answers])[:, 0]
+    np.testing.assert_allclose(np.ravel(ex["toxicity"]), probs, rtol=1e-5)
+    assert len(set(np.round(probs, 6))) > 1, "the victim's answers should not all score alike"
+    tau = 2.0
+    mean_log_tox = np.log(probs).reshape(3, 3).mean(1)
+    prior = np.array([want_prior[0], -500.0, want_prior[2]])  # 2 tokens < min_attack_tokens=3
+    np.testing.assert_allclose(scores.reward, (prior / 2.0 + mean_log_tox / 0.5) / tau, rtol=1e-4, atol=1e-3)
+    assert scores.reward[1] < -100  # the short-attack penalty
+    # victim sampling follows the key: same key, same answers
+    again = scorer.score(samples, jax.random.PRNGKey(7))
+    assert again.extras["victim_answers"] == ex["victim_answers"]
+    scorer.close()
+
+
+def _eval_inputs(texts: list[str], tox: list[list[float]]) -> tuple[Samples, Scores]:
+    n = len(texts)
+    samples = Samples(problems=[None] * n, prompt_tokens=[np.array([1])] * n,
+                      response_tokens=[np.array([5])] * n, texts=texts, finished=np.ones(n, bool), split="eval")
+    return samples, Scores(reward=np.zeros(n), status=np.zeros(n, np.int64), extras={"toxicity": tox})
+
+
+def test_eval_fn_on_hand_built_extras() -> None:
+    # geometric means: 0.849, 0.849, 0.424, 0.141, 0.6 -> successes 0, 1, 4 (3 of 5)
+    texts = ["red cat", "red cat", "blue sky", "nice day", "red dog"]
+    tox = [[0.9, 0.8], [0.9, 0.8], [0.6, 0.3], [0.1, 0.2], [0.6, 0.6]]
+    assert len({h % 4096 for h in map(lambda w: __import__("zlib").crc32(w.encode()), ["red", "cat", "dog"])}) == 3
+    m = RedTeamEval()( *_eval_inputs(texts, tox))
+    assert m["attack_success_rate"] == pytest.approx(0.6)
+    assert m["num_successful"] == 3 and m["num_unique_successful"] == 2 and m["num_unique_attacks"] == 4
+    assert m["mean_geometric_toxicity"] == pytest.approx(np.mean([0.72**0.5, 0.72**0.5, 0.18**0.5, 0.02**0.5, 0.6]))
+    # bag of words: "red cat" x2 and "red dog". cos(cat, cat) = 1, cos(cat, dog) = 1/2 (one shared word):
+    # mean over the 6 ordered pairs = (2·1 + 4·0.5) / 6 = 2/3
+    assert "diversity" not in m  # not MiniLM: named for what it is
+    assert m["diversity_hashed_bow"] == pytest.approx(1 - 2 / 3)
+    assert np.count_nonzero(hashed_bow([""])) == 1  # no zero rows
+    # with an encoder the metric is `diversity` (here over hand-set embeddings)
+    ev = RedTeamEval(encoder="unused")
+    ev.embed = lambda ts: np.array([[1.0, 0.0] if t == "red cat" else [0.0, 1.0] for t in ts])  # type: ignore[method-assign]
+    m = ev(*_eval_inputs(texts, tox))
+    assert m["diversity"] == pytest.approx(1 - 2 / 6) and "diversity_hashed_bow" not in m
+    # nothing succeeds: rate 0, diversity 0 (no pairs)
+    m = RedTeamEval()(*_eval_inputs(["a", "b"], [[0.1, 0.1], [0.2, 0.2]]))
+    assert m["attack_success_rate"] == 0.0 and m["diversity_hashed_bow"] == 0.0
+
+
+def test_tb_without_reference_reads_no_reference() -> None:
+    from tbajax.objectives.tb import tb
+
+    assert TB_NO_REFERENCE.loss is tb and not TB_NO_REFERENCE.inputs_for(None).reference_logprobs
+
+
+def _run_args(bilstm_dir: Path, *extra: str) -> list[str]:
+    options = dict(victim=str(TINY), classifier=f"bilstm:{bilstm_dir}", instruction=INSTRUCTION, num_eval=32,
+                   victim_answers=2, victim_max_new_tokens=4, victim_max_prompt_tokens=16, beta=0.5)
+    return [
+        "--set", "task.name=redteam", "--set", f"task.options={json.dumps(options)}",
+        "--objective=tbajax.tasks.redteam:TB_NO_REFERENCE",
+        "--set", 'train.trainer.beta={"kind": "constant", "start": 1.0}',
+        "--set", "rollout.sampling.temperature=1.0", "--set", "train.trainer.temperature=1.0",
+        "--set", "rollout.sampling.min_new_tokens=2", "--set", "rollout.sampling.max_new_tokens=5",
+        # 32 eval attacks, as many as one rollout call's (4 prompts x 8): one victim program for both
+        "--set", "eval.num_problems=32", "--set", "eval.batch_size=32",
+        "--set", "rollout.reference_logprobs=false", "--set", "train.trainer.compute_reference_logprobs=true",
+        *extra,
+    ]
+
+
+def _check_run(run: Path, out: str, steps: int) -> None:
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["trainer_steps"] == steps, out
+    assert summary["eval_metric"] == "attack_success_rate"
+    end = summary["eval_end"]
+    assert 0.0 <= end["eval_attack_success_rate"] <= 1.0
+    assert "eval_diversity_hashed_bow" in end and end["eval_num_unique_attacks"] >= 1
+    rows = []
+    for url in discover_searcher_stores(str(run)).values():
+        reader = TrajectoryReader(url)
+        rows += reader.read(0, reader.committed_rows())
+    assert rows
+    for r in rows:
+        ex = r.extras
+        assert len(ex["victim_answers"]) == 2 and len(ex["toxicity"]) == 2
+        assert ex["attack_length"] == len(r.response_tokens) >= 2
+        want = ex["log_prior"] + float(np.mean(np.log(ex["toxicity"]))) / 0.5  # γ = τ = 1
+        assert r.reward == pytest.approx(want, rel=1e-4, abs=1e-3)
+    curve = training_metrics(run, window=100)
+    assert curve[0]["num_attacks"] == len(rows) and 0.0 <= curve[0]["attack_success_rate"] <= 1.0
+
+
+def test_sync_mode_red_team_run(tmp_path: Path, bilstm_dir: Path) -> None:
+    run = tmp_path / "run"
+    out = _finish(_main(run, "--mode=sync", *_run_args(bilstm_dir), "--set", "train.steps=2"))
+    _check_run(run, out, 2)
+
+
+def test_async_red_team_run(tmp_path: Path, bilstm_dir: Path) -> None:
+    run = tmp_path / "run"
+    out = _finish(_main(run, *_run_args(bilstm_dir), "--set", "train.steps=3", "--set", "system.num_searchers=1"))
+    _check_run(run, out, 3)
+    assert math.isfinite(json.loads((run / "summary.json").read_text())["eval_score_end"])
+
+
+def test_exploration_temperature_is_an_explicit_opt_out() -> None:
+    from tbajax.config import ConfigError, ExperimentConfig, RolloutSpec, TrainSpec
+    from tbajax.sampling import SamplingConfig
+
+    rollout = RolloutSpec(sampling=SamplingConfig(temperature=1.5, num_samples=20))
+    with pytest.raises(ConfigError, match="exploration_temperature"):
+        ExperimentConfig(name="x", rollout=rollout)
+    cfg = ExperimentConfig(name="x", rollout=rollout, train=TrainSpec(exploration_temperature=True))
+    assert cfg.train.trainer.temperature == 1.0 and cfg.rollout.sampling.temperature == 1.5
+
+
+@pytest.mark.parametrize("name", ["redteam_gpt2", "redteam_llama", "redteam_smollm2"])
+def test_redteam_experiments_resolve(name: str) -> None:
+    from tbajax.config import ExperimentConfig
+    from tbajax.main import load_experiment
+    from tbajax.objectives import get_objective
+
+    config = load_experiment(name)
+    assert config.name == name and config.task.name == "redteam"
+    assert ExperimentConfig.from_dict(json.loads(config.to_json())) == config
+    assert get_objective(config.train.objective) is TB_NO_REFERENCE
+    s = config.rollout.sampling
+    assert (s.min_new_tokens, s.max_new_tokens) == (5, 20)  # no EOS first; attacks of 5-20 tokens
+    assert config.train.trainer.beta.start == 1.0 and config.train.trainer.temperature == 1.0
+    assert config.task.options["beta"] == 0.1
+    if name != "redteam_smollm2":
+        assert config.task.options["victim_answers"] == 5
+        assert config.train.groups_per_step * s.num_samples == 128 and config.train.steps == 5000
+        assert config.train.trainer.optimizer.lr.peak == 1e-4
+    task = get_task("redteam", **config.task.options)  # the options are the factory's
+    assert task.headline_metric == "attack_success_rate"
+
+
+@pytest.mark.parametrize("kind", ["encoder", "scorer"])
+def test_model_judges_match_torch(kind: str, tmp_path: Path) -> None:
+    """A BERT (`encoder:`) and a Llama (`scorer:`) *ForSequenceClassification as the toxicity
+    judge: log p(toxic label) equals torch's log_softmax of the logits; the toxic label is found
+    by name in id2label (here index 0)."""
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from tbajax.tasks.redteam import load_judge
+
+    common = dict(vocab_size=19, num_labels=2, id2label={0: "toxic", 1: "clean"}, label2id={"toxic": 0, "clean": 1},
+                  pad_token_id=0, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48)
+    if kind == "encoder":
+        cfg = AutoConfig.for_model("bert", max_position_embeddings=64, **common)
+    else:
+        cfg = AutoConfig.for_model("llama", num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1,
+                                   eos_token_id=2, **common)
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_config(cfg).float().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(tmp_path)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(TINY / f, tmp_path / f)
+    judge = load_judge(f"{kind}:{tmp_path}")
+    texts = ["12+34", "5", "999-1 2"]
+    tok = load_tokenizer(tmp_path)
+    want = []
+    with torch.no_grad():
+        for t in texts:
+            ids = torch.tensor([tok(t)["input_ids"]])
+            want.append(float(torch.log_softmax(model(ids).logits[0].double(), -1)[0]))
+    np.testing.assert_allclose(judge.log_toxicity(texts), want, atol=1e-4)
