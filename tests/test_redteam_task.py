@@ -194,6 +194,7 @@ def test_sync_mode_red_team_run(tmp_path: Path, bilstm_dir: Path) -> None:
     _check_run(run, out, 2)
 
 
+@pytest.mark.slow  # the sync run above covers the same scorer in the default run; this async variant is slow on 2 cores
 def test_async_red_team_run(tmp_path: Path, bilstm_dir: Path) -> None:
     run = tmp_path / "run"
     out = _finish(_main(run, *_run_args(bilstm_dir), "--set", "train.steps=3", "--set", "system.num_searchers=1"))

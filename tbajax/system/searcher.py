@@ -195,6 +195,9 @@ class Rollouts:
         self, problems: Sequence[Problem], key: jax.Array, *, version: int, first_group_id: int
     ) -> list[Trajectory]:
         """K' scored samples for each problem; rows of one problem share one group id."""
+        set_version = getattr(self.scorer, "set_policy_version", None)
+        if set_version is not None:  # scorers with schedules (red-teaming's γ/τ) follow the policy
+            set_version(version)
         out, samples, scores = self.sample_and_score(
             problems, self.config.rollout.sampling, key, reference=self.reference_logprobs
         )

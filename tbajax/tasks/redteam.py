@@ -23,9 +23,9 @@ red-team residual S − log R(x), the prior already being inside log R.
 
 Schedules: γ and τ ramp with the trainer step. A scorer sees no step, so it uses the policy
 version of the params the searcher generated with as the step proxy (version × system.sync_every
-≈ trainer step) when a caller tells it (`RedTeamScorer.set_policy_version`); otherwise step 0.
-The searcher does not call it yet, so in a run the schedules sit at their start values; the
-experiments therefore use constant γ and τ unless stated.
+≈ trainer step): the searcher calls `RedTeamScorer.set_policy_version` before each generation
+call (the evaluator does not, so eval scores use step 0). The shipped experiments still use
+constant γ and τ unless stated; the schedules were not exercised in a learning run yet.
 
 Evaluation (`RedTeamEval`): attack success rate (geometric-mean toxicity over the K_v answers
 > 0.5), unique successful attacks, and diversity of the successful attacks = 1 − mean pairwise

@@ -112,7 +112,10 @@ class Scores:
 
 
 class Scorer(Protocol):
-    """Scores batches of samples. May hold models (loaded once) and sample from them with `key`."""
+    """Scores batches of samples. May hold models (loaded once) and sample from them with `key`.
+
+    Optional: `set_policy_version(version)`, called before each training call with the param
+    version that sampled it, for scorers whose reward follows a schedule (red-teaming's γ, τ)."""
 
     def score(self, samples: Samples, key: Any) -> Scores: ...
 
