@@ -52,18 +52,6 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def matmul_flops_per_s(n: int = 1024, repeats: int = 5) -> float:
-    """Measured fp32 matmul throughput of this CPU under XLA: the roofline reference."""
-    import jax
-    import jax.numpy as jnp
-
-    a = jnp.ones((n, n), jnp.float32)
-    f = jax.jit(lambda x: x @ x)
-    f(a).block_until_ready()
-    _, best = timed(lambda: f(a).block_until_ready(), repeats)
-    return 2 * n**3 / best
-
-
 def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
     def fmt(v: Any) -> str:
         if isinstance(v, float):

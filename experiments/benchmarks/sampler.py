@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from tbajax.models import ModelConfig, load_model
+from tbajax.system.metrics import matmul_flops_per_s
 from tbajax.sampling import Sampler, SamplingConfig
 
 log = logging.getLogger("bench.sampler")
@@ -113,19 +114,6 @@ def build_smollm2(directory: Path, package_dir: Path) -> Path:
 
 
 # ----------------------------------------------------------------------------- measurements
-
-
-def matmul_flops(n: int = 1024, reps: int = 5) -> float:
-    """Measured fp32 FLOP/s of one big jitted matmul on this backend (the roofline we compare to)."""
-    a = jnp.ones((n, n), jnp.float32)
-    f = jax.jit(lambda x: x @ x)
-    f(a).block_until_ready()
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        f(a).block_until_ready()
-        best = min(best, time.perf_counter() - t)
-    return 2 * n**3 / best
 
 
 def flops_per_token(cfg: ModelConfig, context: float) -> float:
@@ -299,7 +287,7 @@ def main(argv: list[str] | None = None) -> None:
     repeats = args.repeats or (1 if quick else 3)
     names = args.models or (["10M"] if quick else ["10M", "50M", "smollm2"])
 
-    peak = matmul_flops()
+    peak = matmul_flops_per_s()
     rows: list[Row] = []
     skipped: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:

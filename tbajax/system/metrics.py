@@ -53,19 +53,13 @@ class MetricsWriter:
             self._tb.close()
 
 
-def machine_info(matmul_size: int = 1024, repeats: int = 5) -> dict[str, Any]:
-    """Where a run or a benchmark ran, with this machine's fp32 matmul rate measured now.
-
-    Machines of one kind differ ~3x in speed from day to day, so an absolute time means something
-    only next to the rate measured in the same run (a 1024^3 jitted matmul, best of `repeats`)."""
-    import os
-    import platform
-    import sys
-
+def matmul_flops_per_s(n: int = 1024, repeats: int = 5) -> float:
+    """Measured fp32 FLOP/s of one jitted n^3 matmul on this backend (best of `repeats`): the
+    machine's speed, and the roofline a benchmark compares against."""
     import jax
     import jax.numpy as jnp
 
-    a = jnp.ones((matmul_size, matmul_size), jnp.float32)
+    a = jnp.ones((n, n), jnp.float32)
     f = jax.jit(lambda x: x @ x)
     f(a).block_until_ready()
     best = float("inf")
@@ -73,6 +67,20 @@ def machine_info(matmul_size: int = 1024, repeats: int = 5) -> dict[str, Any]:
         t0 = time.perf_counter()
         f(a).block_until_ready()
         best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+def machine_info() -> dict[str, Any]:
+    """Where a run or a benchmark ran, with this machine's fp32 matmul rate measured now.
+
+    Machines of one kind differ ~3x in speed from day to day, so an absolute time means something
+    only next to the rate measured in the same run."""
+    import os
+    import platform
+    import sys
+
+    import jax
+
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     return {
         "cpu_count": os.cpu_count(),
@@ -82,7 +90,7 @@ def machine_info(matmul_size: int = 1024, repeats: int = 5) -> dict[str, Any]:
         "jax": jax.__version__,
         "python": sys.version.split()[0],
         "date": time.strftime("%Y-%m-%d %H:%M"),
-        "matmul_gflops": 2 * matmul_size**3 / best / 1e9,
+        "matmul_gflops": matmul_flops_per_s() / 1e9,
         "load_average_1m": load,  # other work on the machine while it was measured
     }
 
