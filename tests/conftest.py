@@ -6,6 +6,15 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One persistent XLA compilation cache for the whole session, inherited by the role processes the
+# system tests start: the trainer and searcher of every small run compile the same programs, and
+# on 2 CPU cores compiling is most of such a test. Results do not change; only compiles are reused.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="tbajax-test-xla-cache-")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 from pathlib import Path  # noqa: E402
 from typing import Any, Callable  # noqa: E402

@@ -143,6 +143,7 @@ def test_sync_mode_uses_the_same_trainer_and_user_objective(tmp_path):
     assert all(r.reward == len(r.response_tokens) % 2 for r in rows)
 
 
+@pytest.mark.slow  # tests/test_chaos.py kills the searcher three times (mid-append too) in the default run
 def test_killed_searcher_is_restarted_and_nothing_committed_is_lost(tmp_path):
     run = tmp_path / "run"
     proc = _main(run, "--set", "train.steps=40", "--set", "system.num_searchers=1")
@@ -226,6 +227,7 @@ def test_killed_trainer_resumes_exactly_from_its_checkpoint(tmp_path):
     assert summary["samples_generated"] == stored
 
 
+@pytest.mark.slow  # the pool's TIMEOUT/ERROR handling is unit-tested in tests/test_tasks.py; this is the whole-run check
 def test_hanging_and_raising_reward_functions_cost_only_their_samples(tmp_path):
     task = tmp_path / "flaky_task.py"
     task.write_text(

@@ -784,7 +784,9 @@ def test_packed_step_equals_row_layout_step(num_microbatches, mesh_config):
     (want_state, want), (got_state, got) = results
     for g, w in zip(got, want):
         assert g == pytest.approx(w, rel=1e-5, abs=1e-6)
-    assert_trees_close(got_state.params, want_state.params)
+    # two Adam steps: Adam's normalisation turns fp32 reduction-order noise in near-zero gradients
+    # (packed and row attention sum in different orders) into ~1e-5 parameter differences
+    assert_trees_close(got_state.params, want_state.params, atol=3e-5)
 
 
 def test_packing_refuses_mixed_prompts_and_mismatched_config():
