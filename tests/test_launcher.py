@@ -474,12 +474,14 @@ def _wait_started(child: _Child, timeout: float = 60.0) -> None:
 # --- a real run, extended on resume -------------------------------------------------------------------
 
 
-@pytest.mark.slow
-def test_resume_extends_a_finished_run(tmp_path):
+@pytest.mark.slow  # two real runs each; the resume-key rules are unit-tested in the default run
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_resume_extends_a_finished_run(tmp_path, mode):
     """A finished 2-step run continued to 3 steps with `--resume --set train.steps=3` (no
-    experiment or other overrides: the config comes from the run directory)."""
+    experiment or other overrides: the config comes from the run directory). In sync mode the
+    resumed version is the restored step (it once came back as 0: "current_version went backwards")."""
     run = tmp_path / "run"
-    small = ["--quiet", "--set", "eval.num_problems=16", "--set", "eval.batch_size=16",
+    small = ["--quiet", f"--mode={mode}", "--set", "eval.num_problems=16", "--set", "eval.batch_size=16",
              "--set", "rollout.prompts_per_call=4", "--set", "train.groups_per_step=4"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("XLA_FLAGS", None)

@@ -132,7 +132,9 @@ def run_trainer(run_dir: Path, *, resume: bool = False, store_url: str | None = 
     if resume:
         summary_start = _restore(run_dir, store, checkpoints, learner, buffer, counters)
         restored_syncs = list(buffer.state_dict()["sync_versions"])
-        if publisher.latest_version() is not None and config.system.mode == "async":
+        if config.system.mode == "sync":  # on-policy: the version is the step (params handed over in memory)
+            version = learner.step
+        elif publisher.latest_version() is not None:
             # Searchers may hold params newer than the restored step (published after the last
             # checkpoint): give them the restored params at once, under a new (higher) version.
             version = publisher.publish(nnx.to_pure_dict(learner.trainer.state.params), step=learner.step)
