@@ -43,6 +43,12 @@ TABLES: dict[str, dict[str, list[str]]] = {
 }
 
 
+# Absolute times and rates: shown only when the file records the machine's matmul rate (machines of
+# one kind differ ~3x in speed); ratios measured in one run are shown always.
+ABSOLUTE = {"tbajax_tok_s", "torch_tok_s", "step_s", "best_step_s", "ms", "MB_s", "ours_tok_s",
+            "ours_decode_tok_s", "wall_time_s"}
+
+
 def _fmt(v: Any) -> str:
     if isinstance(v, bool):
         return "yes" if v else "no"
@@ -113,8 +119,10 @@ def benchmarks_block() -> str:
             info = {"cpu_count": payload.get("cpus"), "jax": payload.get("jax"),
                     "matmul_gflops": payload["matmul_flops"] / 1e9}
         out.append(f"**`{name}`** ([{path.name}]({rel}); {_machine(info)})\n")
+        timed = bool((info or {}).get("matmul_gflops"))
         for rows, columns in tables:
-            out.append(_table(rows, columns) + "\n")
+            shown = columns if timed else [c for c in columns if c not in ABSOLUTE]
+            out.append(_table(rows, shown) + "\n")
         if payload.get("command"):
             out.append(f"`{payload['command']}`\n")
     return "\n".join(out).rstrip()
@@ -133,14 +141,16 @@ def _eval_change(s: dict[str, Any]) -> str:
 
 def _run_row(path: Path) -> dict[str, Any]:
     s = json.loads(path.read_text())
+    timed = "wall_time_s" in s and bool((s.get("machine") or {}).get("matmul_gflops"))
     row: dict[str, Any] = {
         "run": f"[{path.parent.relative_to(RESULTS)}]({path.relative_to(REPO)})",
         "objective": s.get("objective", ""),
         "eval: start → end": _eval_change(s),
         "steps": s.get("trainer_steps", ""),
-        "wall time": f"{s['wall_time_s']:.0f} s" if "wall_time_s" in s else "",
+        # an absolute time means something only next to the matmul rate measured in the same run
+        "wall time": f"{s['wall_time_s']:.0f} s" if timed else "no matmul rate recorded",
         "samples": s.get("samples_generated", ""),
-        "trainer wait": f"{s['trainer_wait_s']:.0f} s" if "trainer_wait_s" in s else "",
+        "trainer wait": f"{s['trainer_wait_s']:.0f} s" if timed and "trainer_wait_s" in s else "",
         "lag mean / max": f"{s['policy_lag_mean']:.2f} / {s['policy_lag_max']}" if "policy_lag_mean" in s else "not recorded",
         "machine": _machine(s.get("machine")),
     }

@@ -10,8 +10,9 @@ import jax
 import jax.numpy as jnp
 
 from tbajax.models import layers as L
-from tbajax.models.config import ModelConfig, UnsupportedModelError, rope_inv_freq
+from tbajax.models.config import ModelConfig, UnsupportedModelError
 from tbajax.models.families import Family, Mapping, ParamSpec, same, transposed
+from tbajax.models.families.llama import embed, heads_out, position_tables  # rotary: as Llama
 from tbajax.sharding import constrain
 
 Array = jax.Array
@@ -150,11 +151,7 @@ def hf_mappings(cfg: ModelConfig) -> dict[str, Mapping]:
             lambda a, c: a.reshape(c.num_heads, 3, c.head_dim),
             lambda a, c: a.reshape(-1),
         ),
-        "layers.o_proj": Mapping(
-            pre + "attention.dense.weight",
-            lambda a, c: a.T.reshape(c.num_heads, c.head_dim, c.hidden_size),
-            lambda a, c: a.reshape(-1, a.shape[-1]).T,
-        ),
+        "layers.o_proj": heads_out(pre + "attention.dense.weight"),
         "layers.o_bias": same(pre + "attention.dense.bias"),
         "layers.post_attention_norm": same(pre + "post_attention_layernorm.weight"),
         "layers.post_attention_norm_bias": same(pre + "post_attention_layernorm.bias"),
@@ -166,14 +163,6 @@ def hf_mappings(cfg: ModelConfig) -> dict[str, Mapping]:
 
 
 # ----------------------------------------------------------------------------- math
-
-
-def embed(cfg: ModelConfig, params: dict[str, Array], tokens: Array, positions: Array) -> Array:
-    return params["embed_tokens"].astype(cfg.jnp_dtype)[tokens]
-
-
-def position_tables(cfg: ModelConfig, positions: Array) -> tuple[Array, Array]:
-    return L.rope_tables(rope_inv_freq(cfg), positions)  # [b, t, rotary_dim]
 
 
 def final_norm(cfg: ModelConfig, params: dict[str, Array], x: Array) -> Array:

@@ -146,6 +146,15 @@ def _head_bias(hf_name: str, heads_attr: str) -> Mapping:
     )
 
 
+def heads_out(hf_name: str) -> Mapping:
+    """HF Linear [hidden, heads * head_dim] -> ours [heads, head_dim, hidden] (an attention output)."""
+    return Mapping(
+        hf_name,
+        lambda a, c: a.T.reshape(c.num_heads, c.head_dim, c.hidden_size),
+        lambda a, c: a.reshape(-1, a.shape[-1]).T,
+    )
+
+
 def hf_mappings(cfg: ModelConfig) -> dict[str, Mapping]:
     pre = "model.layers.{i}."
     return {
@@ -162,11 +171,7 @@ def hf_mappings(cfg: ModelConfig) -> dict[str, Mapping]:
         "layers.v_bias": _head_bias(pre + "self_attn.v_proj.bias", "num_kv_heads"),
         "layers.q_norm": same(pre + "self_attn.q_norm.weight"),
         "layers.k_norm": same(pre + "self_attn.k_norm.weight"),
-        "layers.o_proj": Mapping(
-            pre + "self_attn.o_proj.weight",
-            lambda a, c: a.T.reshape(c.num_heads, c.head_dim, c.hidden_size),
-            lambda a, c: a.reshape(-1, a.shape[-1]).T,
-        ),
+        "layers.o_proj": heads_out(pre + "self_attn.o_proj.weight"),
         "layers.o_bias": same(pre + "self_attn.o_proj.bias"),
         "layers.gate_proj": transposed(pre + "mlp.gate_proj.weight"),
         "layers.up_proj": transposed(pre + "mlp.up_proj.weight"),
@@ -178,6 +183,7 @@ def hf_mappings(cfg: ModelConfig) -> dict[str, Mapping]:
 
 
 def embed(cfg: ModelConfig, params: dict[str, Array], tokens: Array, positions: Array) -> Array:
+    """Token embeddings only: positions enter through RoPE (shared by the rotary families)."""
     return params["embed_tokens"].astype(cfg.jnp_dtype)[tokens]
 
 
