@@ -281,3 +281,108 @@ def test_bad_targets_and_mismatched_adapters_are_clear_errors(tiny_checkpoint):
         LoraConfig(dropout=0.1)
     with pytest.raises(ValueError, match="rank"):
         LoraConfig(rank=0)
+
+
+# ----------------------------------------------------------------------------- training with LoRA
+
+from tests.test_training import MODEL, fresh_model, make_batch, vargrad_tb  # noqa: E402
+from tbajax.training import (  # noqa: E402
+    Checkpointer,
+    LRSchedule,
+    OptimizerConfig,
+    PolicyUpdater,
+    TrainerConfig,
+    init_train_state,
+)
+from tbajax.training.state import init_lora_train_state  # noqa: E402
+from tbajax.training.loss import sequence_logprobs  # noqa: E402
+
+TRAIN_LORA = LoraConfig(rank=4, alpha=8.0, targets=("q_proj", "v_proj", "down_proj"))
+TRAIN_CONFIG = TrainerConfig(
+    optimizer=OptimizerConfig(lr=LRSchedule(peak=1e-2), max_grad_norm=1.0, weight_decay=0.01),
+    compute_dtype="float32",
+)
+_FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+@functools.lru_cache(maxsize=None)
+def _lora_updater_and_steps():
+    """A LoRA updater after two updates, with the base and the state before them (built once)."""
+    updater = PolicyUpdater(fresh_model(), TRAIN_CONFIG, vargrad_tb, lora=TRAIN_LORA, compiler_options=_FAST)
+    base_before = jax.tree.map(np.array, updater.lora.params)
+    before = jax.tree.map(np.array, updater.state)
+    metrics = [updater.step(make_batch(seed)) for seed in (0, 1)]
+    return updater, base_before, before, metrics
+
+
+def _leaves_by_path(tree):
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {jax.tree_util.keystr(p).removesuffix(".value"): np.asarray(x) for p, x in flat}
+
+
+def test_lora_step_trains_only_the_adapters_and_the_base_stays_bit_identical():
+    updater, base_before, before, metrics = _lora_updater_and_steps()
+    assert int(updater.state.step) == 2 and all(m["grad_norm"] > 0 for m in metrics)
+    # the base: bit-identical after two updates (never donated, never optimised)
+    for path, x in _leaves_by_path(updater.lora.params).items():
+        assert np.array_equal(x, _leaves_by_path(base_before)[path]), path
+    # the trainable params ARE the adapters: every B moved away from 0 (A too)
+    assert set(updater.state.params) == {"layers.q_proj", "layers.v_proj", "layers.down_proj"}
+    for name, pair in updater.state.params.items():
+        assert np.abs(np.asarray(pair["b"][...])).max() > 0, name
+        assert not np.array_equal(np.asarray(pair["a"][...]), np.asarray(before.params[name]["a"][...])), name
+    # the merged policy differs from the base only in the adapted weights
+    merged = _leaves_by_path(nnx.state(updater.policy(), nnx.Param))
+    base = _leaves_by_path(base_before)
+    changed = sorted(p for p in base if not np.array_equal(merged[p], base[p]))
+    assert changed == ["['layers']['down_proj']", "['layers']['q_proj']", "['layers']['v_proj']"]
+
+
+def test_lora_optimizer_state_covers_only_the_adapters():
+    updater, base_before, _, _ = _lora_updater_and_steps()
+    adapter_bytes = adapter_nbytes(updater.state.params)
+    base_bytes = adapter_nbytes(base_before)
+    float_leaves = [x for x in jax.tree.leaves(updater.state.opt_state) if jnp.issubdtype(x.dtype, jnp.floating)]
+    # Adam's mu and nu: two leaves per adapter leaf, of the adapters' bytes each
+    assert len(float_leaves) == 2 * len(jax.tree.leaves(updater.state.params))
+    assert sum(x.nbytes for x in float_leaves) == 2 * adapter_bytes
+    assert adapter_bytes < 0.2 * base_bytes
+    assert updater.state.ref_params is None  # the reference is the base: no copy of anything
+    # the full fine-tuning state of the same model, for scale: moments over every weight
+    _, full = init_train_state(fresh_model(), TRAIN_CONFIG)
+    full_float = [x for x in jax.tree.leaves(full.opt_state) if jnp.issubdtype(x.dtype, jnp.floating)]
+    assert sum(x.nbytes for x in full_float) == 2 * base_bytes
+
+
+def test_lora_reference_forward_is_the_base_model_with_adapters_disabled():
+    updater, _, _, _ = _lora_updater_and_steps()
+    batch = make_batch(3)
+    frozen = updater.lora  # what the loss scores the reference with
+    ref = sequence_logprobs(updater.graphdef, frozen.reference(), batch, 1.0)
+    base_model = fresh_model()
+    want = sequence_logprobs(*nnx.split(base_model, nnx.Param), batch, 1.0)
+    assert np.array_equal(np.asarray(ref), np.asarray(want))
+    # ... while the trained policy moved away from it
+    pol = sequence_logprobs(updater.graphdef, nnx.state(updater.policy(), nnx.Param), batch, 1.0)
+    assert np.abs(np.asarray(pol) - np.asarray(want)).max() > 1e-4
+
+
+def test_lora_checkpoint_round_trip_restores_adapters_and_optimizer(tmp_path):
+    updater, _, _, _ = _lora_updater_and_steps()
+    with Checkpointer(tmp_path / "ckpt", async_save=False) as ckpt:
+        ckpt.save(updater.state, {"note": 1})
+    saved = jax.tree.map(np.array, updater.state)
+    want = updater.step(make_batch(4))
+    # a restarted trainer: the base from model.checkpoint (here the same fresh model), fresh adapters
+    _, _, fresh = init_lora_train_state(fresh_model(), TRAIN_CONFIG, TRAIN_LORA)
+    assert np.abs(np.asarray(fresh.params["layers.q_proj"]["b"][...])).max() == 0
+    with Checkpointer(tmp_path / "ckpt") as ckpt:
+        restored, extra = ckpt.restore(fresh)
+    assert extra == {"note": 1} and int(restored.step) == 2
+    assert jax.tree.all(jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), b), restored, saved))
+    # it holds adapters + optimizer state only: far below the size of the base weights
+    size = sum(f.stat().st_size for f in (tmp_path / "ckpt" / "2").rglob("*") if f.is_file())
+    assert size < adapter_nbytes(updater.lora.params), size
+    # and training goes on from it exactly as it did from the saved state
+    updater.state = restored
+    assert updater.step(make_batch(4)) == pytest.approx(want, rel=1e-6)

@@ -8,6 +8,13 @@ sharding stays with them, and with the optimizer moments optax builds in their i
 Objectives with trainable per-prompt params (a learned log Z table, see `ObjectiveSpec.init_aux`)
 add `aux` and its own optimizer state `aux_opt_state` (`AuxAdamState`); for every other objective
 both are None and the step does exactly what it did without them.
+
+LoRA (`init_lora_train_state`): `TrainState.params` holds the adapters, so the optimizer state,
+checkpoints and donation cover only them; the frozen base lives outside the state in a
+`LoraBase`, passed to the jitted step as a non-donated argument (never optimised, never
+checkpointed: it is reloaded from model.checkpoint). The policy is `apply_lora(base, adapters)`;
+the reference is the base itself (adapters disabled), or base + a copy of the adapters once a
+reference reset has happened (`ref_params`, kept only when resets are configured).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tbajax.models.config import DTYPES
+from tbajax.models.lora import LoraConfig, apply_lora, init_lora
 from tbajax.sharding import named_sharding
 from tbajax.training.config import OptimizerConfig, TrainerConfig
 
@@ -289,3 +297,79 @@ def reset_reference(state: TrainState, tx: optax.GradientTransformation, reset_m
 
 def _is_var(x: Any) -> bool:
     return isinstance(x, nnx.Variable)
+
+
+# ---------------------------------------------------------------------------- LoRA
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LoraBase:
+    """The frozen half of a LoRA run: the base params (trainer precision) and the adapter config.
+
+    A pytree (config is static), so the step takes it as one argument. Also what the loss gets
+    in place of the reference params (`frozen`), with `ref_adapters` = the state's reference
+    adapters (None: the reference is the base with adapters disabled).
+    """
+
+    params: nnx.State
+    config: LoraConfig = dataclasses.field(metadata=dict(static=True))
+    ref_adapters: PyTree | None = None
+
+    def policy(self, adapters: PyTree) -> nnx.State:
+        """Effective params of the policy: W + (alpha/r)·A@B on every adapted weight."""
+        return apply_lora(self.params, adapters, self.config)
+
+    def reference(self) -> nnx.State:
+        """The reference policy: the base itself until a reference reset copied the adapters."""
+        return self.params if self.ref_adapters is None else self.policy(self.ref_adapters)
+
+
+_ADAPTER_SEED = 0x10AA  # adapter init draws from its own stream of TrainerConfig.seed
+
+
+def init_lora_train_state(
+    model: nnx.Module,
+    config: TrainerConfig,
+    lora: LoraConfig,
+    mesh: Mesh | None = None,
+    *,
+    aux: PyTree | None = None,
+) -> tuple[nnx.GraphDef, LoraBase, TrainState]:
+    """(graphdef, frozen base, step 0) of LoRA training: the state's params are fresh adapters
+    (B = 0, so the policy equals the base exactly), optimised alone.
+
+    The base is `model`'s params at the trainer's precision, not copied again (the caller's model
+    keeps its own arrays; with `param_dtype` equal to the model's they are shared, which is safe:
+    the base is never donated). A reference copy of the adapters is kept only when reference
+    resets are configured; before the first reset it equals the base exactly.
+    """
+    graphdef, base = split_policy(model, config)
+    if mesh is not None:
+        base = jax.device_put(base, state_shardings(base, mesh))
+    key = jax.random.fold_in(jax.random.PRNGKey(config.seed), _ADAPTER_SEED)
+    adapters = init_lora(base, lora, key, DTYPES[config.param_dtype], mesh=mesh)
+    if aux is not None:
+        aux_table_size(aux)
+    with_reference = config.compute_reference_logprobs and config.reference_reset_every is not None
+    seed = jnp.asarray(config.seed, jnp.uint32)
+    if mesh is None:
+        state = _build_state(adapters, seed, aux, config.optimizer, with_reference)
+    else:
+        build = functools.partial(_new_state, optimizer=config.optimizer, with_reference=with_reference)
+        shardings = state_shardings(jax.eval_shape(build, adapters, seed, aux), mesh)
+        state = jax.jit(build, out_shardings=shardings)(adapters, seed, aux)
+    return graphdef, LoraBase(base, lora), state
+
+
+def policy_params(state: TrainState, lora: LoraBase | None) -> nnx.State:
+    """The policy's effective params: `state.params` itself without LoRA (no copy), else the base
+    with the adapters merged in (new arrays for the adapted weights only)."""
+    if lora is None:
+        return state.params
+    return _merge(lora, state.params)
+
+
+@jax.jit
+def _merge(lora: LoraBase, adapters: PyTree) -> nnx.State:
+    return lora.policy(adapters)

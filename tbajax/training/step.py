@@ -45,12 +45,14 @@ from tbajax.training.microbatch import (  # noqa: F401  (local_group_ids, split_
 )
 from tbajax.training.schedules import beta_at, learning_rate
 from tbajax.training.state import (
+    LoraBase,
     TrainState,
     aux_rows_touched,
     aux_table_size,
     make_optimizer,
     reset_reference,
     scale_by_row_adam,
+    state_shardings,
 )
 
 Array = jax.Array
@@ -99,6 +101,7 @@ class MicroBatchLayoutError(ValueError):
 def train_step(
     state: TrainState,
     batch: Batch,
+    lora: LoraBase | None = None,
     *,
     graphdef: nnx.GraphDef,
     objective: Objective,
@@ -109,6 +112,7 @@ def train_step(
 
     With `state.aux`, also one per-row Adam update of the aux table (rows of the batch's
     prompts only) at lr × `objective_config.aux_lr_scale`, unclipped; metrics gain aux_grad_norm.
+    With `lora` (the frozen base), `state.params` are the adapters and only they are updated.
     """
     has_aux = getattr(objective, "has_aux", False)
     if has_aux != (state.aux is not None):
@@ -123,9 +127,10 @@ def train_step(
     if config.beta is not None:
         batch = dataclasses.replace(batch, beta=beta_at(config.beta, update))
     batch = dataclasses.replace(batch, beta=jnp.asarray(batch.beta, jnp.float32))
+    frozen = state.ref_params if lora is None else dataclasses.replace(lora, ref_adapters=state.ref_params)
     (grads, aux_grads), total, count, obj_metrics, row_ok = accumulate_gradients(
         state.params,
-        state.ref_params,
+        frozen,
         batch,
         graphdef=graphdef,
         objective=objective,
@@ -220,6 +225,7 @@ def make_train_step(
     mesh: Mesh | None = None,
     state_sharding: Any = None,
     compiler_options: dict[str, Any] | None = None,
+    lora: LoraBase | None = None,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, StepOutput]]:
     """`step(state, batch) -> (state, output)`, jitted, donating the input state.
 
@@ -230,26 +236,36 @@ def make_train_step(
     state is pinned to `state_sharding` (see `state_shardings`) in and out, the batch is split
     over the batch axes (its size must divide by data × fsdp), and outputs are replicated; the
     mesh is put in context while tracing so the model's activation constraints apply.
+
+    lora: the frozen base of a LoRA state (`init_lora_train_state`); it is passed to every call
+    as an argument (never donated, never a compile-time constant).
     """
     objective, objective_config = resolve_objective(objective, objective_config)
     fn = functools.partial(
         train_step, graphdef=graphdef, objective=objective, objective_config=objective_config, config=config
     )
     if mesh is None:
-        return jax.jit(fn, donate_argnums=0, compiler_options=compiler_options)
+        jitted = jax.jit(fn, donate_argnums=0, compiler_options=compiler_options)
+        if lora is None:
+            return jitted
+        return lambda state, batch: jitted(state, batch, lora)
     if state_sharding is None:
         raise ValueError("make_train_step(mesh=...) needs state_sharding=state_shardings(state, mesh)")
+    in_shardings = (state_sharding, batch_shardings(mesh, packed=config.pack_groups))
+    if lora is not None:
+        in_shardings += (state_shardings(lora, mesh),)
     jitted = jax.jit(
         fn,
-        in_shardings=(state_sharding, batch_shardings(mesh, packed=config.pack_groups)),
+        in_shardings=in_shardings,
         out_shardings=(state_sharding, NamedSharding(mesh, P())),
         donate_argnums=0,
         compiler_options=compiler_options,
     )
+    frozen = () if lora is None else (lora,)
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, StepOutput]:
         with jax.set_mesh(mesh):
-            return jitted(state, batch)
+            return jitted(state, batch, *frozen)
 
     return step
 
