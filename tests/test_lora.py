@@ -3,6 +3,7 @@ match torch (transformers + peft) logits, adapter size for r = 8 on a 50M Llama,
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 
@@ -386,3 +387,107 @@ def test_lora_checkpoint_round_trip_restores_adapters_and_optimizer(tmp_path):
     # and training goes on from it exactly as it did from the saved state
     updater.state = restored
     assert updater.step(make_batch(4)) == pytest.approx(want, rel=1e-6)
+
+
+# ----------------------------------------------------------------------------- publishing adapters
+
+from tbajax.config import ConfigError, apply_overrides  # noqa: E402
+from tbajax.main import load_experiment  # noqa: E402
+from tbajax.sampling import Sampler  # noqa: E402
+from tbajax.stores import ParamPublisher, ParamReader, ParamStoreError  # noqa: E402
+from tbajax.system.publishing import SearcherParams, params_to_publish  # noqa: E402
+
+LORA_OVERRIDES = ["model.lora.rank=4", "model.lora.alpha=8", 'model.lora.targets=["q_proj","v_proj","down_proj"]']
+
+
+def _run_config(*overrides: str):
+    return apply_overrides(load_experiment("tiny_arithmetic"), [*LORA_OVERRIDES, *overrides])
+
+
+def test_lora_config_from_overrides_and_clear_errors():
+    config = _run_config()
+    assert config.model.lora == TRAIN_LORA and config.system.publish == "auto"
+    plain = load_experiment("tiny_arithmetic")
+    assert plain.model.lora is None
+    for bad, message in [
+        (["model.lora.dropout=0.1"], "model.lora: LoRA dropout=0.1 is not implemented"),
+        (["model.lora.rank=0"], "model.lora: LoRA rank must be >= 1"),
+        (["model.lora.rnak=4"], "Did you mean 'model.lora.rank'"),
+        (["model.lora.targets=q_proj"], "model.lora.targets: expected a list"),
+        (["system.publish=adapters"], "model.lora is null"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            apply_overrides(plain, bad)
+
+
+def _logits_of(graphdef, state) -> np.ndarray:
+    return np.asarray(_forward(graphdef, state))
+
+
+def test_adapter_only_publish_applied_by_a_searcher_gives_the_trainers_policy(tmp_path):
+    updater, _, _, _ = _lora_updater_and_steps()
+    config = _run_config()
+    tree, meta = params_to_publish(config, updater)
+    assert meta["kind"] == "lora_adapters" and meta["lora"]["rank"] == 4
+    assert jax.tree.structure(tree) == jax.tree.structure(adapter_arrays(updater.state.params))
+    with ParamPublisher(tmp_path / "params", "run", dtype="float32") as pub:
+        adapters_v = pub.publish(tree, meta, step=2)
+        full_v = pub.publish(*params_to_publish(_run_config("system.publish=full"), updater), step=2)
+    sizes = {v: (tmp_path / "params" / str(v) / "params.bin").stat().st_size for v in (adapters_v, full_v)}
+    assert sizes[adapters_v] < 0.2 * sizes[full_v]
+    # the searcher: its own copy of the base, untouched by the trainer
+    searcher_model = fresh_model()
+    base = nnx.state(searcher_model, nnx.Param)
+    base_before = jax.tree.map(np.array, base)
+    resident = SearcherParams(base, None, config.model.lora)
+    reader = ParamReader(tmp_path / "params", "searcher-0")
+    merged = resident.load(reader, adapters_v)
+    full = resident.load(reader, full_v)
+    graphdef = nnx.graphdef(searcher_model)
+    want = _logits_of(*nnx.split(updater.policy(), nnx.Param))
+    np.testing.assert_allclose(_logits_of(graphdef, merged), want, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(_logits_of(graphdef, full), want, rtol=0, atol=1e-6)
+    assert np.abs(_logits_of(graphdef, base) - want).max() > 1e-4  # the adapters do something
+    # the resident base is kept as it was, for the next version's merge
+    assert jax.tree.all(jax.tree.map(np.array_equal, jax.tree.map(np.array, base), base_before))
+    # what Rollouts.set_params hands the sampler fits it (same paths, shapes, dtypes)
+    Sampler(searcher_model, max_cache_length=16).update_params(merged)
+
+
+def test_adapters_for_another_base_or_config_are_refused_by_name(tmp_path):
+    updater, _, _, _ = _lora_updater_and_steps()
+    with ParamPublisher(tmp_path / "params", "run") as pub:
+        version = pub.publish(*params_to_publish(_run_config(), updater), step=2)
+    reader = ParamReader(tmp_path / "params", "searcher-0")
+    wider = dataclasses.replace(MODEL, intermediate_size=MODEL.intermediate_size + 16)
+    other = nnx.state(nnx.eval_shape(lambda: CausalLM(wider, rngs=nnx.Rngs(0))), nnx.Param)
+    with pytest.raises(ValueError, match=r"different base model \(layers.down_proj: trained on \[2, 64, 32\], here \[2, 80, 32\]"):
+        SearcherParams(other, None).load(reader, version)
+    base = nnx.state(fresh_model(), nnx.Param)
+    with pytest.raises(ValueError, match="this searcher's run has model.lora"):
+        SearcherParams(base, None, LoraConfig(rank=8, targets=TRAIN_LORA.targets)).load(reader, version)
+    # a non-LoRA target handed an adapter version by mistake gets the store's own structure error
+    with pytest.raises(ParamStoreError, match="does not match the target"):
+        reader.restore(version, nnx.to_pure_dict(base))
+
+
+def test_sync_run_with_lora_trains_adapters_and_samples_with_the_merged_policy(tmp_path):
+    """`python -m tbajax.main` in sync mode with LoRA: the sampler gets the merged policy of every
+    step in memory, and checkpoints hold the adapters, not the base."""
+    import orbax.checkpoint as ocp
+
+    from tbajax.system.metrics import read_metrics
+    from tests.test_system import _finish, _main
+
+    run = tmp_path / "run"
+    lora = [a for o in LORA_OVERRIDES for a in ("--set", o)]
+    out = _finish(_main(run, "--mode=sync", "--set", "train.steps=2", *lora), timeout=600)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["trainer_steps"] == 2, out
+    second = [r for r in read_metrics(run, "trainer") if "loss" in r][1]
+    # step 2 trains on samples drawn after update 1: the policy has left the reference (the base)
+    # and the sampler drew with exactly the policy the trainer scores (the merged adapters)
+    assert abs(second["kl"]) > 1e-4 and abs(second["logprob_gap"]) < 1e-5, second
+    state = ocp.StandardCheckpointer().restore(run / "checkpoints" / "2" / "state")
+    assert sorted(state["params"]) == ["layers.down_proj", "layers.q_proj", "layers.v_proj"]
+    assert state["ref_params"] is None

@@ -83,11 +83,14 @@ class SearcherParams:
             return abstract_target(adapter_template(self.base, lora), self._adapter_sharding)
         return abstract_target(self.values, self.shardings)
 
+    def merge(self, adapters: Any, lora: LoraConfig) -> nnx.State:
+        """The base with `adapters` (arrays of `adapter_template`) folded in; the base is untouched."""
+        return self._merge(self.base, adapters, lora)
+
     def load(self, reader: ParamReader, version: int) -> nnx.State:
         restored, meta = reader.restore_for(version, self.target)
         if meta.get("kind") == ADAPTER_KIND:
-            lora = check_adapter_manifest(meta, self.base)
-            return self._merge(self.base, restored, lora)
+            return self.merge(restored, check_adapter_manifest(meta, self.base))
         state = jax.tree.map(lambda x: x, self.base)
         nnx.replace_by_pure_dict(state, restored)
         return state
