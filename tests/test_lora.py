@@ -368,6 +368,28 @@ def test_lora_reference_forward_is_the_base_model_with_adapters_disabled():
     assert np.abs(np.asarray(pol) - np.asarray(want)).max() > 1e-4
 
 
+def test_lora_reference_resets_copy_the_adapters_not_the_base():
+    """TBA′ resets the reference to the current policy: under LoRA that is base + a copy of the
+    adapters (the base is never copied); before the first reset the reference is the base."""
+    config = dataclasses.replace(TRAIN_CONFIG, reference_reset_every=2, reset_optimizer_on_reference_reset=True)
+    updater = PolicyUpdater(fresh_model(), config, vargrad_tb, lora=TRAIN_LORA, compiler_options=_FAST)
+    init_b = np.asarray(updater.state.ref_params["layers.q_proj"]["b"][...])
+    assert not init_b.any()  # B = 0: this reference is exactly the base
+    updater.step(make_batch(0))
+    assert not np.asarray(updater.state.ref_params["layers.q_proj"]["b"][...]).any()  # no reset yet
+    updater.step(make_batch(1))  # update 2: reset
+    for name, pair in updater.state.params.items():
+        for k in ("a", "b"):
+            assert np.array_equal(np.asarray(updater.state.ref_params[name][k][...]), np.asarray(pair[k][...]))
+    assert int(updater.state.adam_state.count) == 0  # moments reset with it
+    frozen = dataclasses.replace(updater.lora, ref_adapters=updater.state.ref_params)
+    batch = make_batch(2)
+    np.testing.assert_array_equal(
+        np.asarray(sequence_logprobs(updater.graphdef, frozen.reference(), batch, 1.0)),
+        np.asarray(sequence_logprobs(updater.graphdef, nnx.state(updater.policy(), nnx.Param), batch, 1.0)),
+    )
+
+
 def test_lora_checkpoint_round_trip_restores_adapters_and_optimizer(tmp_path):
     updater, _, _, _ = _lora_updater_and_steps()
     with Checkpointer(tmp_path / "ckpt", async_save=False) as ckpt:

@@ -11,10 +11,11 @@ log-probs are non-finite.
 
 Objectives with per-prompt aux params (`tb_learned_logz`'s log Z table, `TrainState.aux`):
 the loss is differentiated with respect to params and aux together; each row reads its table
-entry by `batch.prompt_id`. The aux table has its own per-row Adam (`scale_by_row_adam`) at
-lr(step) × `objective_config.aux_lr_scale`; gradient clipping (`max_grad_norm`) looks at the
-params' global norm only and never scales the aux gradient (log Z has to travel ~r/β, and its
-gradient is large exactly when it lags). Without aux nothing of this is traced.
+entry by `batch.prompt_id`. One `optax.multi_transform` (`make_trainable_optimizer`) updates both:
+the aux table has its own per-row Adam (`scale_by_row_adam`) at lr(step) ×
+`objective_config.aux_lr_scale`; gradient clipping (`max_grad_norm`) looks at the params' global
+norm only and never scales the aux gradient (log Z has to travel ~r/β, and its gradient is large
+exactly when it lags). Without aux nothing of this is traced.
 """
 
 from __future__ import annotations
@@ -49,9 +50,8 @@ from tbajax.training.state import (
     TrainState,
     aux_rows_touched,
     aux_table_size,
-    make_optimizer,
+    make_trainable_optimizer,
     reset_reference,
-    scale_by_row_adam,
     state_shardings,
 )
 
@@ -122,7 +122,7 @@ def train_step(
                "init_train_state(..., aux=initial_aux(objective, objective_config, config))"
                if has_aux else "has no aux params but the state holds an aux table")
         )
-    tx = make_optimizer(config.optimizer)
+    tx = make_trainable_optimizer(config.optimizer, state.aux is not None)
     update = state.step + 1
     if config.beta is not None:
         batch = dataclasses.replace(batch, beta=beta_at(config.beta, update))
@@ -145,30 +145,25 @@ def train_step(
     lr = learning_rate(config.optimizer.lr, state.step)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     extra_metrics: dict[str, Array] = {}
-    touched = None
+    extra_args: dict[str, Array] = {"lr": lr}
     if state.aux is not None:
         aux_grads = jax.tree.map(lambda g: (g / denom).astype(g.dtype), aux_grads)
         aux_grad_norm = optax.global_norm(aux_grads)
         finite = finite & jnp.isfinite(aux_grad_norm)
-        touched = aux_rows_touched(batch.prompt_id, batch.sample_mask, aux_table_size(state.aux))
+        extra_args.update(
+            aux_lr=lr * objective_config.aux_lr_scale,
+            touched=aux_rows_touched(batch.prompt_id, batch.sample_mask, aux_table_size(state.aux)),
+        )
         extra_metrics["aux_grad_norm"] = aux_grad_norm
     layout_ok = microbatch_layout_ok(batch, config.num_microbatches)
     applied = finite & layout_ok
 
-    def apply(operand: tuple[TrainState, Any, Any]) -> TrainState:
-        old, g, aux_g = operand
-        if config.optimizer.max_grad_norm is not None:  # stateless: kept out of opt_state
-            g, _ = optax.clip_by_global_norm(config.optimizer.max_grad_norm).update(g, optax.EmptyState())
-        updates, opt_state = tx.update(g, old.opt_state, old.params)
-        params = optax.apply_updates(old.params, jax.tree.map(lambda u: -lr * u, updates))
-        new = dataclasses.replace(old, params=params, opt_state=opt_state, step=update)
-        if old.aux is not None:
-            aux_lr = lr * objective_config.aux_lr_scale
-            aux_updates, aux_opt = scale_by_row_adam(config.optimizer).update(
-                aux_g, old.aux_opt_state, old.aux, touched=touched
-            )
-            aux = optax.apply_updates(old.aux, jax.tree.map(lambda u: -aux_lr * u, aux_updates))
-            new = dataclasses.replace(new, aux=aux, aux_opt_state=aux_opt)
+    def apply(operand: tuple[TrainState, Any]) -> TrainState:
+        old, g = operand
+        trainable = (old.params, old.aux)
+        updates, opt_state = tx.update(g, old.opt_state, trainable, **extra_args)
+        params, aux = optax.apply_updates(trainable, updates)
+        new = dataclasses.replace(old, params=params, aux=aux, opt_state=opt_state, step=update)
         if config.reference_reset_every is not None:
             reset = functools.partial(
                 reset_reference, tx=tx, reset_moments=config.reset_optimizer_on_reference_reset
@@ -178,7 +173,7 @@ def train_step(
 
     # a branch, not a select after the fact: the select kept XLA from fusing the AdamW pass
     # (4x slower optimizer on CPU), and the skipped branch costs nothing
-    new = jax.lax.cond(applied, apply, lambda operand: operand[0], (state, grads, aux_grads))
+    new = jax.lax.cond(applied, apply, lambda operand: operand[0], (state, (grads, aux_grads)))
 
     real = batch.sample_mask
     metrics = {k: v.value for k, v in obj_metrics.items()}
