@@ -483,7 +483,8 @@ def test_adapters_for_another_base_or_config_are_refused_by_name(tmp_path):
     reader = ParamReader(tmp_path / "params", "searcher-0")
     wider = dataclasses.replace(MODEL, intermediate_size=MODEL.intermediate_size + 16)
     other = nnx.state(nnx.eval_shape(lambda: CausalLM(wider, rngs=nnx.Rngs(0))), nnx.Param)
-    with pytest.raises(ValueError, match=r"different base model \(layers.down_proj: trained on \[2, 64, 32\], here \[2, 80, 32\]"):
+    message = r"different base model \(layers.down_proj: trained on \[2, 64, 32\], here \[2, 80, 32\]"
+    with pytest.raises(ValueError, match=message):
         SearcherParams(other, None).load(reader, version)
     base = nnx.state(fresh_model(), nnx.Param)
     with pytest.raises(ValueError, match="this searcher's run has model.lora"):

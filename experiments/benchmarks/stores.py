@@ -269,7 +269,7 @@ def main() -> None:
     print_table(rows, ["what", "size", "MB", "ms", "MB_s", "x_raw", "bytes_vs_full", "time_vs_full", "rows_s",
                        "latest_version_us"])
     name = {"benchmark": "stores_lora"} if args.lora else {}
-    command = "python experiments/benchmarks/stores.py" + (" --lora" if args.lora else "") + (" --quick" if args.quick else "")
+    command = "python experiments/benchmarks/stores.py" + " --lora" * args.lora + " --quick" * args.quick
     write_json(args.json, {**name, "machine": machine(), "quick": args.quick, "directory": str(directory),
                            "command": command, "rows": rows})
 

@@ -296,7 +296,9 @@ def check_adapter_manifest(meta: dict[str, Any], params: Any, *, where: str = "p
     try:
         mine = {n: list(s.shape) for n, s in lora_specs(params, config).items()}
     except ValueError as e:
-        raise ValueError(f"{where} target weights this base does not have ({e}); load the base they were trained on") from None
+        raise ValueError(
+            f"{where} target weights this base does not have ({e}); load the base they were trained on"
+        ) from None
     theirs = meta["weights"]
     if mine != theirs:
         diff = sorted(n for n in set(mine) | set(theirs) if mine.get(n) != theirs.get(n))

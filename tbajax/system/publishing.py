@@ -75,7 +75,8 @@ class SearcherParams:
     def target(self, meta: dict[str, Any]) -> Any:
         """The abstract target a version with this meta restores into."""
         if meta.get("kind") == ADAPTER_KIND:
-            lora = check_adapter_manifest(meta, self.base, where=f"published adapters (base {meta.get('base_checkpoint')!r})")
+            where = f"published adapters (base {meta.get('base_checkpoint')!r})"
+            lora = check_adapter_manifest(meta, self.base, where=where)
             if self.lora is not None and lora != self.lora:
                 raise ValueError(
                     f"published adapters have LoRA config {lora}, this searcher's run has model.lora={self.lora}"
