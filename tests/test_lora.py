@@ -313,7 +313,12 @@ def _lora_updater_and_steps():
     base_before = jax.tree.map(np.array, updater.lora.params)
     before = jax.tree.map(np.array, updater.state)
     metrics = [updater.step(make_batch(seed)) for seed in (0, 1)]
+    after = jax.tree.map(np.array, updater.state)
+    _AFTER_TWO_STEPS.update(state=after, metrics=metrics)
     return updater, base_before, before, metrics
+
+
+_AFTER_TWO_STEPS: dict = {}  # the single-device run's state and metrics after its two updates
 
 
 def _leaves_by_path(tree):
@@ -388,6 +393,21 @@ def test_lora_reference_resets_copy_the_adapters_not_the_base():
         np.asarray(sequence_logprobs(updater.graphdef, frozen.reference(), batch, 1.0)),
         np.asarray(sequence_logprobs(updater.graphdef, nnx.state(updater.policy(), nnx.Param), batch, 1.0)),
     )
+
+
+def test_sharded_lora_step_matches_single_device():
+    """On a 2x2x2 mesh the adapters shard like their weights, the base stays where it was put,
+    and two updates equal the single-device ones."""
+    _lora_updater_and_steps()
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    updater = PolicyUpdater(fresh_model(), TRAIN_CONFIG, vargrad_tb, lora=TRAIN_LORA, mesh=mesh, compiler_options=_FAST)
+    metrics = [updater.step(make_batch(seed)) for seed in (0, 1)]
+    for got, want in zip(metrics, _AFTER_TWO_STEPS["metrics"]):
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+    assert tuple(updater.state.params["layers.q_proj"]["a"][...].sharding.spec) == (None, "fsdp", None)
+    assert tuple(updater.lora.params["layers"]["q_proj"][...].sharding.spec) == (None, "fsdp", "tensor", None)
+    for got, want in zip(jax.tree.leaves(updater.state.params), jax.tree.leaves(_AFTER_TWO_STEPS["state"].params)):
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
 
 
 def test_lora_checkpoint_round_trip_restores_adapters_and_optimizer(tmp_path):

@@ -18,11 +18,11 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from tbajax.batch import Batch
+from tbajax.models.lora import LoraConfig
 from tbajax.objectives.registry import resolve_objective
 from tbajax.sharding import LOGICAL_RULES
 from tbajax.training.config import TrainerConfig
 from tbajax.training.loss import scores_reference
-from tbajax.models.lora import LoraConfig
 from tbajax.training.state import (
     LoraBase,
     TrainState,
