@@ -400,7 +400,8 @@ def test_sharded_lora_step_matches_single_device():
     and two updates equal the single-device ones."""
     _lora_updater_and_steps()
     mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
-    updater = PolicyUpdater(fresh_model(), TRAIN_CONFIG, vargrad_tb, lora=TRAIN_LORA, mesh=mesh, compiler_options=_FAST)
+    updater = PolicyUpdater(fresh_model(), TRAIN_CONFIG, vargrad_tb, lora=TRAIN_LORA, mesh=mesh,
+                            compiler_options=_FAST)
     metrics = [updater.step(make_batch(seed)) for seed in (0, 1)]
     for got, want in zip(metrics, _AFTER_TWO_STEPS["metrics"]):
         assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
