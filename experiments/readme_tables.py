@@ -35,6 +35,7 @@ TABLES: dict[str, dict[str, list[str]]] = {
                            "time_saving"],
     },
     "stores": {"rows": ["what", "size", "MB", "ms", "MB_s", "x_raw"]},
+    "stores_lora": {"rows": ["what", "size", "MB", "ms", "MB_s", "bytes_vs_full", "time_vs_full"]},
     "sampler_quick": {"rows": ["model", "batch", "prompt_len", "new_tokens", "ours_tok_s", "ours_decode_tok_s",
                                "torch_tok_s", "ratio", "roofline_frac"]},
     "packed_groups": {"results": ["layout", "tokens_in_step", "step_s", "speedup", "token_ratio", "loss_rel_diff"]},

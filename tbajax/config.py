@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from tbajax.buffer import BufferConfig
+from tbajax.models.lora import LoraConfig
 from tbajax.sampling.config import SamplingConfig
 from tbajax.sharding import MeshConfig
 from tbajax.training.config import TrainerConfig
@@ -28,13 +29,18 @@ class ConfigError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
     """checkpoint: local HF directory or hub id (downloaded only when online).
-    tokenizer: same forms; None = the checkpoint's own tokenizer files."""
+    tokenizer: same forms; None = the checkpoint's own tokenizer files.
+    lora: train LoRA adapters (rank, alpha, targets: weight names or glob patterns such as
+      "q_proj" or "layers.*_proj"; dropout must stay 0) on the frozen checkpoint instead of all
+      its weights; null = full fine-tuning. E.g. `--set model.lora.rank=8`.
+    """
 
     checkpoint: str = ""
     tokenizer: str | None = None
     param_dtype: str = "float32"
     dtype: str = "float32"
     remat: Literal["none", "full", "dots"] = "none"
+    lora: LoraConfig | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,6 +161,10 @@ class SystemSpec:
     stop_grace_s: after a stop request, how long each role gets to checkpoint and exit before it
       is killed (a second Ctrl-C kills at once).
     ray: where `--launcher=ray` places the roles (resources, node labels); see RaySpec.
+    publish: what the trainer publishes to the searchers. "adapters": only the LoRA adapters
+      (searchers merge them into the base weights they hold; needs model.lora); "full": every
+      weight (under LoRA, the merged policy); "auto" = "adapters" with model.lora, else "full".
+      Sync mode hands the merged params over in memory either way.
     """
 
     mode: Literal["async", "sync"] = "async"
@@ -175,6 +185,7 @@ class SystemSpec:
     stall_timeout_s: float | None = 3600.0
     stop_grace_s: float = 60.0
     ray: RaySpec = RaySpec()
+    publish: Literal["auto", "full", "adapters"] = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,6 +231,11 @@ class ExperimentConfig:
                 "exactly one side must compute reference log-probs: set rollout.reference_logprobs=true "
                 "with train.trainer.compute_reference_logprobs=false (searchers score the initial "
                 "policy), or the reverse (the trainer scores its reference in the step)"
+            )
+        if self.system.publish == "adapters" and self.model.lora is None:
+            raise ConfigError(
+                "system.publish='adapters' publishes LoRA adapters, but model.lora is null (full "
+                "fine-tuning): set model.lora (e.g. model.lora.rank=8) or system.publish=auto"
             )
         self._check_ranges()
         self._check_recency_supply()

@@ -3,6 +3,7 @@ match torch (transformers + peft) logits, adapter size for r = 8 on a 50M Llama,
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 
@@ -281,3 +282,256 @@ def test_bad_targets_and_mismatched_adapters_are_clear_errors(tiny_checkpoint):
         LoraConfig(dropout=0.1)
     with pytest.raises(ValueError, match="rank"):
         LoraConfig(rank=0)
+
+
+# ----------------------------------------------------------------------------- training with LoRA
+
+from tests.test_training import MODEL, fresh_model, make_batch, vargrad_tb  # noqa: E402
+from tbajax.training import (  # noqa: E402
+    Checkpointer,
+    LRSchedule,
+    OptimizerConfig,
+    PolicyUpdater,
+    TrainerConfig,
+    init_train_state,
+)
+from tbajax.training.state import init_lora_train_state  # noqa: E402
+from tbajax.training.loss import sequence_logprobs  # noqa: E402
+
+TRAIN_LORA = LoraConfig(rank=4, alpha=8.0, targets=("q_proj", "v_proj", "down_proj"))
+TRAIN_CONFIG = TrainerConfig(
+    optimizer=OptimizerConfig(lr=LRSchedule(peak=1e-2), max_grad_norm=1.0, weight_decay=0.01),
+    compute_dtype="float32",
+)
+_FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+@functools.lru_cache(maxsize=None)
+def _lora_updater_and_steps():
+    """A LoRA updater after two updates, with the base and the state before them (built once)."""
+    updater = PolicyUpdater(fresh_model(), TRAIN_CONFIG, vargrad_tb, lora=TRAIN_LORA, compiler_options=_FAST)
+    base_before = jax.tree.map(np.array, updater.lora.params)
+    before = jax.tree.map(np.array, updater.state)
+    metrics = [updater.step(make_batch(seed)) for seed in (0, 1)]
+    after = jax.tree.map(np.array, updater.state)
+    _AFTER_TWO_STEPS.update(state=after, metrics=metrics)
+    return updater, base_before, before, metrics
+
+
+_AFTER_TWO_STEPS: dict = {}  # the single-device run's state and metrics after its two updates
+
+
+def _leaves_by_path(tree):
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {jax.tree_util.keystr(p).removesuffix(".value"): np.asarray(x) for p, x in flat}
+
+
+def test_lora_step_trains_only_the_adapters_and_the_base_stays_bit_identical():
+    updater, base_before, before, metrics = _lora_updater_and_steps()
+    assert int(updater.state.step) == 2 and all(m["grad_norm"] > 0 for m in metrics)
+    # the base: bit-identical after two updates (never donated, never optimised)
+    for path, x in _leaves_by_path(updater.lora.params).items():
+        assert np.array_equal(x, _leaves_by_path(base_before)[path]), path
+    # the trainable params ARE the adapters: every B moved away from 0 (A too)
+    assert set(updater.state.params) == {"layers.q_proj", "layers.v_proj", "layers.down_proj"}
+    for name, pair in updater.state.params.items():
+        assert np.abs(np.asarray(pair["b"][...])).max() > 0, name
+        assert not np.array_equal(np.asarray(pair["a"][...]), np.asarray(before.params[name]["a"][...])), name
+    # the merged policy differs from the base only in the adapted weights
+    merged = _leaves_by_path(nnx.state(updater.policy(), nnx.Param))
+    base = _leaves_by_path(base_before)
+    changed = sorted(p for p in base if not np.array_equal(merged[p], base[p]))
+    assert changed == ["['layers']['down_proj']", "['layers']['q_proj']", "['layers']['v_proj']"]
+
+
+def test_lora_optimizer_state_covers_only_the_adapters():
+    updater, base_before, _, _ = _lora_updater_and_steps()
+    adapter_bytes = adapter_nbytes(updater.state.params)
+    base_bytes = adapter_nbytes(base_before)
+    float_leaves = [x for x in jax.tree.leaves(updater.state.opt_state) if jnp.issubdtype(x.dtype, jnp.floating)]
+    # Adam's mu and nu: two leaves per adapter leaf, of the adapters' bytes each
+    assert len(float_leaves) == 2 * len(jax.tree.leaves(updater.state.params))
+    assert sum(x.nbytes for x in float_leaves) == 2 * adapter_bytes
+    assert adapter_bytes < 0.2 * base_bytes
+    assert updater.state.ref_params is None  # the reference is the base: no copy of anything
+    # the full fine-tuning state of the same model, for scale: moments over every weight
+    _, full = init_train_state(fresh_model(), TRAIN_CONFIG)
+    full_float = [x for x in jax.tree.leaves(full.opt_state) if jnp.issubdtype(x.dtype, jnp.floating)]
+    assert sum(x.nbytes for x in full_float) == 2 * base_bytes
+
+
+def test_lora_reference_forward_is_the_base_model_with_adapters_disabled():
+    updater, _, _, _ = _lora_updater_and_steps()
+    batch = make_batch(3)
+    frozen = updater.lora  # what the loss scores the reference with
+    ref = sequence_logprobs(updater.graphdef, frozen.reference(), batch, 1.0)
+    base_model = fresh_model()
+    want = sequence_logprobs(*nnx.split(base_model, nnx.Param), batch, 1.0)
+    assert np.array_equal(np.asarray(ref), np.asarray(want))
+    # ... while the trained policy moved away from it
+    pol = sequence_logprobs(updater.graphdef, nnx.state(updater.policy(), nnx.Param), batch, 1.0)
+    assert np.abs(np.asarray(pol) - np.asarray(want)).max() > 1e-4
+
+
+def test_lora_reference_resets_copy_the_adapters_not_the_base():
+    """TBA′ resets the reference to the current policy: under LoRA that is base + a copy of the
+    adapters (the base is never copied); before the first reset the reference is the base."""
+    config = dataclasses.replace(TRAIN_CONFIG, reference_reset_every=2, reset_optimizer_on_reference_reset=True)
+    updater = PolicyUpdater(fresh_model(), config, vargrad_tb, lora=TRAIN_LORA, compiler_options=_FAST)
+    init_b = np.asarray(updater.state.ref_params["layers.q_proj"]["b"][...])
+    assert not init_b.any()  # B = 0: this reference is exactly the base
+    updater.step(make_batch(0))
+    assert not np.asarray(updater.state.ref_params["layers.q_proj"]["b"][...]).any()  # no reset yet
+    updater.step(make_batch(1))  # update 2: reset
+    for name, pair in updater.state.params.items():
+        for k in ("a", "b"):
+            assert np.array_equal(np.asarray(updater.state.ref_params[name][k][...]), np.asarray(pair[k][...]))
+    assert int(updater.state.adam_state.count) == 0  # moments reset with it
+    frozen = dataclasses.replace(updater.lora, ref_adapters=updater.state.ref_params)
+    batch = make_batch(2)
+    np.testing.assert_array_equal(
+        np.asarray(sequence_logprobs(updater.graphdef, frozen.reference(), batch, 1.0)),
+        np.asarray(sequence_logprobs(updater.graphdef, nnx.state(updater.policy(), nnx.Param), batch, 1.0)),
+    )
+
+
+def test_sharded_lora_step_matches_single_device():
+    """On a 2x2x2 mesh the adapters shard like their weights, the base stays where it was put,
+    and two updates equal the single-device ones."""
+    _lora_updater_and_steps()
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    updater = PolicyUpdater(fresh_model(), TRAIN_CONFIG, vargrad_tb, lora=TRAIN_LORA, mesh=mesh,
+                            compiler_options=_FAST)
+    metrics = [updater.step(make_batch(seed)) for seed in (0, 1)]
+    for got, want in zip(metrics, _AFTER_TWO_STEPS["metrics"]):
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+    assert tuple(updater.state.params["layers.q_proj"]["a"][...].sharding.spec) == (None, "fsdp", None)
+    assert tuple(updater.lora.params["layers"]["q_proj"][...].sharding.spec) == (None, "fsdp", "tensor", None)
+    for got, want in zip(jax.tree.leaves(updater.state.params), jax.tree.leaves(_AFTER_TWO_STEPS["state"].params)):
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
+
+
+def test_lora_checkpoint_round_trip_restores_adapters_and_optimizer(tmp_path):
+    updater, _, _, _ = _lora_updater_and_steps()
+    with Checkpointer(tmp_path / "ckpt", async_save=False) as ckpt:
+        ckpt.save(updater.state, {"note": 1})
+    saved = jax.tree.map(np.array, updater.state)
+    want = updater.step(make_batch(4))
+    # a restarted trainer: the base from model.checkpoint (here the same fresh model), fresh adapters
+    _, _, fresh = init_lora_train_state(fresh_model(), TRAIN_CONFIG, TRAIN_LORA)
+    assert np.abs(np.asarray(fresh.params["layers.q_proj"]["b"][...])).max() == 0
+    with Checkpointer(tmp_path / "ckpt") as ckpt:
+        restored, extra = ckpt.restore(fresh)
+    assert extra == {"note": 1} and int(restored.step) == 2
+    assert jax.tree.all(jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), b), restored, saved))
+    # it holds adapters + optimizer state only: far below the size of the base weights
+    size = sum(f.stat().st_size for f in (tmp_path / "ckpt" / "2").rglob("*") if f.is_file())
+    assert size < adapter_nbytes(updater.lora.params), size
+    # and training goes on from it exactly as it did from the saved state
+    updater.state = restored
+    assert updater.step(make_batch(4)) == pytest.approx(want, rel=1e-6)
+
+
+# ----------------------------------------------------------------------------- publishing adapters
+
+from tbajax.config import ConfigError, apply_overrides  # noqa: E402
+from tbajax.main import load_experiment  # noqa: E402
+from tbajax.sampling import Sampler  # noqa: E402
+from tbajax.stores import ParamPublisher, ParamReader, ParamStoreError  # noqa: E402
+from tbajax.system.publishing import SearcherParams, params_to_publish  # noqa: E402
+
+LORA_OVERRIDES = ["model.lora.rank=4", "model.lora.alpha=8", 'model.lora.targets=["q_proj","v_proj","down_proj"]']
+
+
+def _run_config(*overrides: str):
+    return apply_overrides(load_experiment("tiny_arithmetic"), [*LORA_OVERRIDES, *overrides])
+
+
+def test_lora_config_from_overrides_and_clear_errors():
+    config = _run_config()
+    assert config.model.lora == TRAIN_LORA and config.system.publish == "auto"
+    plain = load_experiment("tiny_arithmetic")
+    assert plain.model.lora is None
+    for bad, message in [
+        (["model.lora.dropout=0.1"], "model.lora: LoRA dropout=0.1 is not implemented"),
+        (["model.lora.rank=0"], "model.lora: LoRA rank must be >= 1"),
+        (["model.lora.rnak=4"], "Did you mean 'model.lora.rank'"),
+        (["model.lora.targets=q_proj"], "model.lora.targets: expected a list"),
+        (["system.publish=adapters"], "model.lora is null"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            apply_overrides(plain, bad)
+
+
+def _logits_of(graphdef, state) -> np.ndarray:
+    return np.asarray(_forward(graphdef, state))
+
+
+def test_adapter_only_publish_applied_by_a_searcher_gives_the_trainers_policy(tmp_path):
+    updater, _, _, _ = _lora_updater_and_steps()
+    config = _run_config()
+    tree, meta = params_to_publish(config, updater)
+    assert meta["kind"] == "lora_adapters" and meta["lora"]["rank"] == 4
+    assert jax.tree.structure(tree) == jax.tree.structure(adapter_arrays(updater.state.params))
+    with ParamPublisher(tmp_path / "params", "run", dtype="float32") as pub:
+        adapters_v = pub.publish(tree, meta, step=2)
+        full_v = pub.publish(*params_to_publish(_run_config("system.publish=full"), updater), step=2)
+    sizes = {v: (tmp_path / "params" / str(v) / "params.bin").stat().st_size for v in (adapters_v, full_v)}
+    assert sizes[adapters_v] < 0.2 * sizes[full_v]
+    # the searcher: its own copy of the base, untouched by the trainer
+    searcher_model = fresh_model()
+    base = nnx.state(searcher_model, nnx.Param)
+    base_before = jax.tree.map(np.array, base)
+    resident = SearcherParams(base, None, config.model.lora)
+    reader = ParamReader(tmp_path / "params", "searcher-0")
+    merged = resident.load(reader, adapters_v)
+    full = resident.load(reader, full_v)
+    graphdef = nnx.graphdef(searcher_model)
+    want = _logits_of(*nnx.split(updater.policy(), nnx.Param))
+    np.testing.assert_allclose(_logits_of(graphdef, merged), want, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(_logits_of(graphdef, full), want, rtol=0, atol=1e-6)
+    assert np.abs(_logits_of(graphdef, base) - want).max() > 1e-4  # the adapters do something
+    # the resident base is kept as it was, for the next version's merge
+    assert jax.tree.all(jax.tree.map(np.array_equal, jax.tree.map(np.array, base), base_before))
+    # what Rollouts.set_params hands the sampler fits it (same paths, shapes, dtypes)
+    Sampler(searcher_model, max_cache_length=16).update_params(merged)
+
+
+def test_adapters_for_another_base_or_config_are_refused_by_name(tmp_path):
+    updater, _, _, _ = _lora_updater_and_steps()
+    with ParamPublisher(tmp_path / "params", "run") as pub:
+        version = pub.publish(*params_to_publish(_run_config(), updater), step=2)
+    reader = ParamReader(tmp_path / "params", "searcher-0")
+    wider = dataclasses.replace(MODEL, intermediate_size=MODEL.intermediate_size + 16)
+    other = nnx.state(nnx.eval_shape(lambda: CausalLM(wider, rngs=nnx.Rngs(0))), nnx.Param)
+    message = r"different base model \(layers.down_proj: trained on \[2, 64, 32\], here \[2, 80, 32\]"
+    with pytest.raises(ValueError, match=message):
+        SearcherParams(other, None).load(reader, version)
+    base = nnx.state(fresh_model(), nnx.Param)
+    with pytest.raises(ValueError, match="this searcher's run has model.lora"):
+        SearcherParams(base, None, LoraConfig(rank=8, targets=TRAIN_LORA.targets)).load(reader, version)
+    # a non-LoRA target handed an adapter version by mistake gets the store's own structure error
+    with pytest.raises(ParamStoreError, match="does not match the target"):
+        reader.restore(version, nnx.to_pure_dict(base))
+
+
+def test_sync_run_with_lora_trains_adapters_and_samples_with_the_merged_policy(tmp_path):
+    """`python -m tbajax.main` in sync mode with LoRA: the sampler gets the merged policy of every
+    step in memory, and checkpoints hold the adapters, not the base."""
+    import orbax.checkpoint as ocp
+
+    from tbajax.system.metrics import read_metrics
+    from tests.test_system import _finish, _main
+
+    run = tmp_path / "run"
+    lora = [a for o in LORA_OVERRIDES for a in ("--set", o)]
+    out = _finish(_main(run, "--mode=sync", "--set", "train.steps=2", *lora), timeout=600)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["trainer_steps"] == 2, out
+    second = [r for r in read_metrics(run, "trainer") if "loss" in r][1]
+    # step 2 trains on samples drawn after update 1: the policy has left the reference (the base)
+    # and the sampler drew with exactly the policy the trainer scores (the merged adapters)
+    assert abs(second["kl"]) > 1e-4 and abs(second["logprob_gap"]) < 1e-5, second
+    state = ocp.StandardCheckpointer().restore(run / "checkpoints" / "2" / "state")
+    assert sorted(state["params"]) == ["layers.down_proj", "layers.q_proj", "layers.v_proj"]
+    assert state["ref_params"] is None

@@ -247,7 +247,7 @@ def test_precision_defaults_to_fp32_master_bf16_compute():
     bf16_model = fresh_model(jnp.bfloat16)
     graphdef, state = init_train_state(bf16_model, TrainerConfig())
     assert {x.dtype for x in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.float32)}
-    assert {x.dtype for x in jax.tree.leaves(state.opt_state[0].mu)} == {jnp.dtype(jnp.float32)}
+    assert {x.dtype for x in jax.tree.leaves(state.adam_state.mu)} == {jnp.dtype(jnp.float32)}
     cfg = nnx.merge(graphdef, state.params).config
     assert (cfg.param_dtype, cfg.dtype) == ("float32", "bfloat16")
     assert bf16_model.config.dtype == "float32"  # the caller's model is not touched
@@ -343,7 +343,7 @@ def test_reference_reset_every_rho_steps():
         params, ref = leaves(state.params), leaves(state.ref_params)
         if u % 2 == 0:  # just reset: the reference is the policy, Adam starts over
             assert all(np.array_equal(a, b) for a, b in zip(params, ref))
-            adam = state.opt_state[0]
+            adam = state.adam_state
             assert int(adam.count) == 0 and all(not np.any(x) for x in leaves(adam.mu))
         else:
             assert all(np.array_equal(a, b) for a, b in zip(ref, leaves(before_ref)))
@@ -664,7 +664,7 @@ def test_checkpoint_resume_in_fresh_process_is_bit_exact(tmp_path):
     resharded, _ = ckpt.restore(target)  # the newest: step 4
     assert int(resharded.step) == 4
     assert tuple(resharded.params["layers"]["q_proj"][...].sharding.spec) == (None, "fsdp", "tensor", None)
-    assert tuple(resharded.opt_state[0].mu["layers"]["q_proj"][...].sharding.spec) == (
+    assert tuple(resharded.adam_state.mu["layers"]["q_proj"][...].sharding.spec) == (
         None, "fsdp", "tensor", None)
     assert all(np.array_equal(a, b) for a, b in zip(leaves(resharded), leaves(saved[4])))
     ckpt.close()

@@ -1,6 +1,7 @@
 """Store throughput: param publish/load latency vs raw disk bandwidth, trajectory append/read.
 
     python experiments/benchmarks/stores.py [--quick] [--json PATH] [--dir DIR]
+    python experiments/benchmarks/stores.py --lora [--quick] [--json PATH]   # LoRA rows only
 
 Raw bandwidth is measured in the same run on the same directory, alternating with the store: a
 file of the same byte count written with fsync, then read back (the read is from the page cache
@@ -9,6 +10,12 @@ store's time over the raw time for the same bytes (1.0 = disk speed); "publish+l
 round trip a searcher waits for after a trainer step. A publish is timed until searchers can see
 the version (collecting old versions runs behind it). Param sizes are in floats (fp32 on the
 trainer side); bfloat16 rows cast on publish (half the bytes) and load into bf16 targets.
+
+LoRA rows: a 50M-parameter Llama (vocab 32000, width 512, 8 layers) with r = 8 adapters on every
+projection; "publish adapters" is what a LoRA trainer writes per sync (system.publish=auto),
+"load adapters + merge" what a searcher does with it (restore, then fold the adapters into its
+resident base weights once), against publishing and loading all the weights. `bytes_vs_full` is
+the adapter version's params.bin size over the full version's.
 """
 
 from __future__ import annotations
@@ -113,6 +120,70 @@ def bench_params(directory: Path, n_floats: int, repeats: int) -> list[dict]:
     return rows
 
 
+LORA_MODEL = dict(model_type="llama", vocab_size=32000, hidden_size=512, intermediate_size=1376, num_layers=8,
+                  num_heads=8, num_kv_heads=4, head_dim=64, tie_word_embeddings=False)
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def bench_lora(directory: Path, repeats: int, rank: int = 8) -> list[dict]:
+    """Adapter-only publish + searcher-side load and merge vs a full publish + load, same model."""
+    from flax import nnx
+
+    from tbajax.models import CausalLM, ModelConfig
+    from tbajax.models.lora import LoraConfig, adapter_arrays, adapter_manifest, init_lora
+    from tbajax.system.publishing import SearcherParams
+
+    cfg = ModelConfig(**LORA_MODEL)
+    abstract = nnx.state(nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0))), nnx.Param)
+    rng = np.random.default_rng(0)
+    base = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape, np.float32) * 0.02), abstract)
+    lora = LoraConfig(rank=rank, alpha=2.0 * rank, targets=LORA_TARGETS)
+    adapters = init_lora(base, lora, jax.random.key(0))
+    adapters = {n: {"a": p["a"], "b": p["a"].replace(jnp.full(p["b"].shape, 1e-3, p["b"].dtype))}
+                for n, p in adapters.items()}  # non-zero B: a trained adapter's bytes and work
+    full_tree, adapter_tree = nnx.to_pure_dict(base), adapter_arrays(adapters)
+    meta = adapter_manifest(base, lora)
+    resident = SearcherParams(base, None, lora)
+    url = param_store_url(directory / "run-lora")
+    publisher = ParamPublisher(url, "bench", dtype="float32", keep=2)
+    reader = ParamReader(url, "bench-reader")
+    times: dict[str, list[float]] = {k: [] for k in ("pub_full", "load_full", "pub_lora", "load_lora", "merge")}
+    sizes = {}
+    for _ in range(repeats):
+        for kind, tree, m in (("full", full_tree, {"kind": "full"}), ("lora", adapter_tree, meta)):
+            t0 = time.perf_counter()
+            version = publisher.publish(tree, m)
+            times[f"pub_{kind}"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            restored, _ = reader.restore_for(version, resident.target)
+            jax.block_until_ready(restored)
+            times[f"load_{kind}"].append(time.perf_counter() - t0)
+            sizes[kind] = (directory / "run-lora" / "params" / str(version) / "params.bin").stat().st_size
+        t0 = time.perf_counter()  # what SearcherParams.load adds for an adapter version, once per version
+        jax.block_until_ready(resident.merge(restored, lora))
+        times["merge"].append(time.perf_counter() - t0)
+    publisher.close()
+    shutil.rmtree(directory / "run-lora")
+    best = {k: min(v) for k, v in times.items()}
+    size = f"{cfg.num_params() / 1e6:.0f}M, r={rank}"
+    ratio = sizes["lora"] / sizes["full"]
+    rows = []
+    for kind, what in (("full", "all weights"), ("lora", "adapters")):
+        mb = sizes[kind] / MB
+        rows += [
+            {"what": f"LoRA run: publish {what}", "size": size, "MB": mb, "ms": 1e3 * best[f"pub_{kind}"],
+             "MB_s": mb / best[f"pub_{kind}"], "bytes_vs_full": sizes[kind] / sizes["full"],
+             "time_vs_full": best[f"pub_{kind}"] / best["pub_full"]},
+            {"what": f"LoRA run: load {what}", "size": size,
+             "MB": mb, "ms": 1e3 * best[f"load_{kind}"], "MB_s": mb / best[f"load_{kind}"],
+             "bytes_vs_full": sizes[kind] / sizes["full"], "time_vs_full": best[f"load_{kind}"] / best["load_full"]},
+        ]
+    rows.append({"what": "LoRA run: merge adapters into the resident base", "size": size, "ms": 1e3 * best["merge"],
+                 "time_vs_full": best["merge"] / best["load_full"]})
+    assert ratio <= 0.02, f"adapter-only publish is {ratio:.2%} of a full one"
+    return rows
+
+
 def make_rows(n: int, prompt_len: int, response_len: int, seed: int) -> list[Trajectory]:
     rng = np.random.default_rng(seed)
     out = []
@@ -175,6 +246,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="small sizes (seconds on a laptop CPU)")
     ap.add_argument("--json", default=None, help="write results to this JSON file")
     ap.add_argument("--dir", default=None, help="directory to benchmark (default: a fresh temp dir)")
+    ap.add_argument("--lora", action="store_true", help="only the LoRA rows (adapter-only vs full publish)")
     args = ap.parse_args()
 
     sizes = [1_000_000, 10_000_000] if args.quick else [10_000_000, 100_000_000]
@@ -186,14 +258,20 @@ def main() -> None:
     directory = Path(tempfile.mkdtemp(prefix="bench-stores-", dir=args.dir))
     try:
         rows = []
-        for n in sizes:
-            rows += bench_params(directory, n, repeats)
-        rows += bench_trajectories(directory, **traj)
+        if not args.lora:
+            for n in sizes:
+                rows += bench_params(directory, n, repeats)
+            rows += bench_trajectories(directory, **traj)
+        rows += bench_lora(directory, repeats)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     print(f"directory: {directory} ({jax.default_backend()}, {os.cpu_count()} CPUs)")
-    print_table(rows, ["what", "size", "MB", "ms", "MB_s", "x_raw", "rows_s", "latest_version_us"])
-    write_json(args.json, {"machine": machine(), "quick": args.quick, "directory": str(directory), "rows": rows})
+    print_table(rows, ["what", "size", "MB", "ms", "MB_s", "x_raw", "bytes_vs_full", "time_vs_full", "rows_s",
+                       "latest_version_us"])
+    name = {"benchmark": "stores_lora"} if args.lora else {}
+    command = "python experiments/benchmarks/stores.py" + " --lora" * args.lora + " --quick" * args.quick
+    write_json(args.json, {**name, "machine": machine(), "quick": args.quick, "directory": str(directory),
+                           "command": command, "rows": rows})
 
 
 if __name__ == "__main__":

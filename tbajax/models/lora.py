@@ -44,6 +44,10 @@ Adapters = dict[str, dict[str, nnx.Param]]  # dotted weight name -> {"a": Param,
 PEFT_PREFIX = "base_model.model."
 
 
+class LoraDropoutError(NotImplementedError, ValueError):
+    """LoRA dropout other than 0 was asked for (a ValueError too, so config parsing reports it)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class LoraConfig:
     """rank r, alpha (scale = alpha / r) and the weights to adapt.
@@ -67,8 +71,14 @@ class LoraConfig:
             )
         if isinstance(self.targets, str):
             raise TypeError(f"LoraConfig.targets must be a tuple of names, got the string {self.targets!r}")
+        if not self.alpha > 0:
+            raise ValueError(f"LoRA alpha must be > 0 (the adapters' scale is alpha / rank), got {self.alpha}")
+        if any(not isinstance(t, str) or not t for t in self.targets):
+            raise ValueError(f"LoraConfig.targets must be non-empty names or patterns, got {self.targets!r}")
         if self.dropout != 0.0:
-            raise NotImplementedError(f"LoRA dropout={self.dropout} is not implemented; use 0.0")
+            raise LoraDropoutError(
+                f"LoRA dropout={self.dropout} is not implemented (adapters train without dropout); use 0.0"
+            )
 
     @property
     def scale(self) -> float:
@@ -256,6 +266,59 @@ def adapter_nbytes(adapters: Any) -> int:
     """Bytes of all adapter leaves (Params or plain arrays, concrete or abstract)."""
     leaves = jax.tree.leaves(adapters, is_leaf=_is_var)
     return sum(math.prod(v.shape) * np.dtype(v.dtype).itemsize for v in leaves)
+
+
+# ---------------------------------------------------------------------------- publishing adapters
+# A trainer that publishes only the adapters writes `adapter_arrays` plus `adapter_manifest` (in
+# the param store's version manifest); a searcher checks the manifest against its resident base
+# (`check_adapter_manifest`), loads the arrays into `adapter_template` and merges them once.
+
+ADAPTER_KIND = "lora_adapters"
+
+
+def adapter_manifest(params: Any, config: LoraConfig) -> dict[str, Any]:
+    """JSON description of adapters for `params`: the LoRA config and the shape of every adapted
+    weight, so a searcher with another base is refused with names, not a shape error in a matmul."""
+    return {
+        "kind": ADAPTER_KIND,
+        "lora": {"rank": config.rank, "alpha": config.alpha, "targets": list(config.targets)},
+        "weights": {n: list(s.shape) for n, s in sorted(lora_specs(params, config).items())},
+    }
+
+
+def check_adapter_manifest(meta: dict[str, Any], params: Any, *, where: str = "published adapters") -> LoraConfig:
+    """The LoraConfig of `meta` (from `adapter_manifest`) after checking that the adapters fit the
+    base `params`: every adapted weight present with the same shape. ValueError saying what differs."""
+    if meta.get("kind") != ADAPTER_KIND:
+        raise ValueError(f"{where}: not LoRA adapters (kind {meta.get('kind')!r})")
+    lora = meta["lora"]
+    config = LoraConfig(rank=int(lora["rank"]), alpha=float(lora["alpha"]), targets=tuple(lora["targets"]))
+    try:
+        mine = {n: list(s.shape) for n, s in lora_specs(params, config).items()}
+    except ValueError as e:
+        raise ValueError(
+            f"{where} target weights this base does not have ({e}); load the base they were trained on"
+        ) from None
+    theirs = meta["weights"]
+    if mine != theirs:
+        diff = sorted(n for n in set(mine) | set(theirs) if mine.get(n) != theirs.get(n))
+        shown = ", ".join(f"{n}: trained on {theirs.get(n)}, here {mine.get(n)}" for n in diff[:4])
+        raise ValueError(
+            f"{where} were trained on a different base model ({shown}); give this process the "
+            "model.checkpoint the trainer adapted"
+        )
+    return config
+
+
+def adapter_template(params: Any, config: LoraConfig, dtype: Any = jnp.float32) -> dict[str, dict[str, Any]]:
+    """ShapeDtypeStructs of `adapter_arrays` for `params` (what a searcher restores into)."""
+    out = {}
+    for name, s in sorted(lora_specs(params, config).items()):
+        out[name] = {
+            "a": jax.ShapeDtypeStruct((*s.batch_shape, *s.in_shape, config.rank), dtype),
+            "b": jax.ShapeDtypeStruct((*s.batch_shape, config.rank, *s.out_shape), dtype),
+        }
+    return out
 
 
 # ---------------------------------------------------------------------------- PEFT export

@@ -4,7 +4,9 @@ Layout of ``<run>/params/``:
 
     <v>/params.bin          every leaf's bytes (C order) at 64-byte aligned offsets, then the
                             manifest {"format", "bytes", "leaves": [{"path", "shape", "dtype",
-                            "offset"}]} as JSON, then a 16-byte footer (magic, JSON length)
+                            "offset"}], "meta"} as JSON, then a 16-byte footer (magic, JSON length);
+                            "meta" is the publisher's description of what the leaves are (e.g.
+                            LoRA adapters and their config, `tbajax.models.lora.adapter_manifest`)
     <v>/commit_success.txt  created after params.bin is on disk (one fsync): a version is complete
                             exactly when it has this marker
     latest.json             {"format", "run_id", "version", "step", "dtype", "time"}: newest complete version
@@ -150,14 +152,15 @@ def abstract_target(target: Any, shardings: Any = None) -> Any:
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def layout(names: list[str], arrays: list[Any]) -> dict[str, Any]:
-    """The manifest of a version: each leaf's path, shape, dtype and aligned offset in params.bin."""
+def layout(names: list[str], arrays: list[Any], meta: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The manifest of a version: each leaf's path, shape, dtype and aligned offset in params.bin,
+    and the publisher's `meta` (JSON; {} when none)."""
     leaves, offset = [], 0
     for name, a in zip(names, arrays):
         nbytes = int(np.prod(a.shape, dtype=np.int64)) * a.dtype.itemsize
         leaves.append({"path": name, "shape": list(a.shape), "dtype": str(a.dtype), "offset": offset})
         offset += -(-nbytes // _ALIGN) * _ALIGN
-    return {"format": VERSION_FORMAT, "bytes": offset, "leaves": leaves}
+    return {"format": VERSION_FORMAT, "bytes": offset, "leaves": leaves, "meta": dict(meta or {})}
 
 
 def _host_leaves(tree: Any, originals: list[Any], copy: bool) -> tuple[list[str], list[Any]]:
@@ -427,15 +430,22 @@ class ParamPublisher:
         """The number the next `publish` will use (above every version dir ever written)."""
         return self._next_version
 
-    def publish(self, params: Any, *, step: int | None = None, wait: bool = True) -> int:
-        """Save `params` as the next version; returns that version number."""
+    def publish(
+        self, params: Any, meta: dict[str, Any] | None = None, *, step: int | None = None, wait: bool = True
+    ) -> int:
+        """Save `params` as the next version; returns that version number.
+
+        meta: JSON-serialisable description stored in the version's manifest (readers get it
+        from `restore_for`), e.g. that the leaves are LoRA adapters and for which base."""
         self.wait()
+        meta = dict(meta or {})
+        json.dumps(meta)  # not serialisable: fail here, not in the background writer
         tree = cast_floating(params, self.dtype)
         names, arrays = _host_leaves(tree, jax.tree_util.tree_leaves(params), copy=not wait)
         del tree  # the host copies are all the write needs
         version = self._next_version
         self._next_version += 1
-        self._pending = self._executor.submit(self._finish, version, step, names, arrays)
+        self._pending = self._executor.submit(self._finish, version, step, names, arrays, meta)
         if wait:
             self._join(visible_only=True)
         return version
@@ -457,11 +467,13 @@ class ParamPublisher:
             if gc is not None:
                 gc.result()
 
-    def _finish(self, version: int, step: int | None, names: list[str], arrays: list[Any]) -> None:
+    def _finish(
+        self, version: int, step: int | None, names: list[str], arrays: list[Any], meta: dict[str, Any]
+    ) -> None:
         if not self._primary:
             self._latest = version
             return
-        manifest = layout(names, arrays)
+        manifest = layout(names, arrays, meta)
         if self._local is not None:
             _write_local(self._local / str(version), arrays, manifest)
         else:
@@ -616,19 +628,25 @@ class ParamReader:
         the target's (a bf16 publish loads into bf16 without a cast).
         """
         abstract = abstract_target(target, shardings)
+        return self.restore_for(version, lambda meta: abstract)[0]
+
+    def restore_for(self, version: int, target_for: Any) -> tuple[Any, dict[str, Any]]:
+        """(arrays, meta) of `version`, where the target depends on what was published:
+        `target_for(meta)` gets the version's meta (see `ParamPublisher.publish`) and returns the
+        target (leaves with shapes, dtypes and shardings, as `abstract_target` makes)."""
         self._require_available(version)
         with self.lease(version):
             self._require_available(version)  # GC may have deleted it before our lease landed
-            return self._load(int(version), abstract)
+            return self._load(int(version), target_for)
 
-    def _load(self, version: int, abstract: Any) -> Any:
+    def _load(self, version: int, target_for: Any) -> tuple[Any, dict[str, Any]]:
         if self._local is not None:
             with open(self._data_path(version), "rb", buffering=0) as f:
-                return self._load_from(version, abstract, f, os.fstat(f.fileno()).st_size)
+                return self._load_from(version, target_for, f, os.fstat(f.fileno()).st_size)
         data = self._dirs.kv.read(f"{version}/{DATA_FILE}").result()
         if data.state != "value":
             raise self._legacy(version)
-        return self._load_from(version, abstract, io.BytesIO(data.value), len(data.value))
+        return self._load_from(version, target_for, io.BytesIO(data.value), len(data.value))
 
     def _data_path(self, version: int) -> Any:
         path = self._local / str(version) / DATA_FILE
@@ -642,7 +660,7 @@ class ParamReader:
             "publish a new version (restart the trainer with --resume) and load that"
         )
 
-    def _load_from(self, version: int, abstract: Any, f: Any, size: int) -> Any:
+    def _load_from(self, version: int, target_for: Any, f: Any, size: int) -> tuple[Any, dict[str, Any]]:
         where = f"{self.url}/{version}/{DATA_FILE}"
         tail_n = min(size, 1 << 16)
         f.seek(size - tail_n)
@@ -653,6 +671,8 @@ class ParamReader:
         if n + _FOOTER.size > tail_n:  # a manifest of more than 64 KiB: read all of it
             f.seek(size - n - _FOOTER.size)
             manifest, _ = parse_trailer(f.read(n + _FOOTER.size), size, where)
+        meta = dict(manifest.get("meta") or {})  # versions written before meta existed: {}
+        abstract = target_for(meta)
         stored = {leaf["path"]: leaf for leaf in manifest["leaves"]}
         specs, treedef = jax.tree_util.tree_flatten_with_path(abstract)
         names = [jax.tree_util.keystr(path) for path, _ in specs]
@@ -675,7 +695,7 @@ class ParamReader:
             a = _aligned_empty(leaf["shape"], jnp.dtype(leaf["dtype"]))
             _read_exact(f, a, leaf["offset"])
             hosts.append(a)
-        return jax.tree_util.tree_unflatten(treedef, [_place(h, spec) for h, (_, spec) in zip(hosts, specs)])
+        return jax.tree_util.tree_unflatten(treedef, [_place(h, spec) for h, (_, spec) in zip(hosts, specs)]), meta
 
     def close(self) -> None:
         """Nothing to release (kept so readers work as context managers)."""

@@ -26,6 +26,7 @@ from tbajax.sharding import make_mesh
 from tbajax.stores import ParamReader, ParamVersionError, TrajectoryWriter, param_store_url, trajectory_store_url
 from tbajax.system import rundir
 from tbajax.system.metrics import MetricsWriter
+from tbajax.system.publishing import SearcherParams
 from tbajax.tasks.base import Problem, Task
 from tbajax.tasks.reward_pool import RewardResult
 from tbajax.tasks.scoring import Samples, Scorer, ScorerContext, Scores, build_scorer, grade_in_process
@@ -303,7 +304,7 @@ def run_searcher(run_dir: Path, searcher_id: int, store_url: str | None = None) 
     stream = PromptStream(problems, searcher_id, config.system.num_searchers, config.seed,
                           start=committed // config.rollout.sampling.num_samples)  # problems already done
     version = 0
-    params_template = _ParamsTemplate(rollouts.param_state, mesh)
+    resident = SearcherParams(rollouts.param_state, mesh, config.model.lora)  # LoRA: the base it keeps
     key = jax.random.fold_in(jax.random.PRNGKey(config.seed + 1000), searcher_id)
     calls = tokens = samples = 0
     t_start = time.time()
@@ -316,14 +317,14 @@ def run_searcher(run_dir: Path, searcher_id: int, store_url: str | None = None) 
         if latest is not None and latest > version:
             t0 = time.time()
             try:
-                restored = params_reader.restore(latest, params_template.values, params_template.shardings)
+                params = resident.load(params_reader, latest)
             except ParamVersionError as e:  # collected between pointer read and lease: take the next
                 retry_s = min(5.0, 2 * retry_s or 0.1)
                 log.warning("searcher %d: %s; retrying with the newest version in %.1f s", searcher_id, e, retry_s)
                 time.sleep(retry_s)
                 continue
             retry_s = 0.0
-            rollouts.set_params(params_template.to_state(restored))
+            rollouts.set_params(params)
             log.info("searcher %d: loaded params version %d in %.2fs", searcher_id, latest, time.time() - t0)
             version, calls_this_version = latest, 0
         if lead_limit is not None and calls_this_version >= lead_limit:
@@ -379,19 +380,3 @@ def stop_failing_grader(rollouts: Rollouts, searcher_id: int) -> None:
         searcher_id, n, rollouts.task.name, first[0] if first else "(none)",
     )
     raise SystemExit(EXIT_GRADER_FAILING)
-
-
-class _ParamsTemplate:
-    """What a restore needs: the pure-dict shapes/dtypes of our params and their shardings."""
-
-    def __init__(self, state: nnx.State, mesh: Any):
-        from tbajax.sharding import param_shardings
-
-        self.state = state
-        self.values = nnx.to_pure_dict(state)
-        self.shardings = nnx.to_pure_dict(param_shardings(state, mesh))
-
-    def to_state(self, restored: Any) -> nnx.State:
-        state = jax.tree.map(lambda x: x, self.state)
-        nnx.replace_by_pure_dict(state, restored)
-        return state

@@ -19,7 +19,6 @@ from typing import Any
 
 import jax
 import numpy as np
-from flax import nnx
 
 from tbajax.buffer import BufferConfig, BufferEmptyError, Tailer, TrajectoryBuffer
 from tbajax.buffer import make_buffer as buffer_for
@@ -37,9 +36,11 @@ from tbajax.stores import (
 from tbajax.system import rundir
 from tbajax.system.evaluation import Evaluator
 from tbajax.system.metrics import MetricsWriter, machine_info, plot_learning_curve, read_metrics
+from tbajax.system.publishing import params_to_publish
 from tbajax.system.searcher import make_reward_pool
 from tbajax.training import Checkpointer, PolicyUpdater
 from tbajax.training.collate import collate
+from tbajax.training.state import policy_params
 from tbajax.trajectory import Trajectory
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,8 @@ class Learner:
         self.objective, self.objective_config = resolve_objective(
             config.train.objective, overrides=dict(config.train.objective_options)
         )
-        self.trainer = PolicyUpdater(model, config.train.trainer, self.objective, self.objective_config, mesh=mesh)
+        self.trainer = PolicyUpdater(model, config.train.trainer, self.objective, self.objective_config, mesh=mesh,
+                                     lora=config.model.lora)
         self.rows = config.train.groups_per_step * config.buffer.samples_per_group
         self.tokens_trained = 0
 
@@ -137,7 +139,7 @@ def run_trainer(run_dir: Path, *, resume: bool = False, store_url: str | None = 
         elif publisher.latest_version() is not None:
             # Searchers may hold params newer than the restored step (published after the last
             # checkpoint): give them the restored params at once, under a new (higher) version.
-            version = publisher.publish(nnx.to_pure_dict(learner.trainer.state.params), step=learner.step)
+            version = publisher.publish(*params_to_publish(config, learner.trainer), step=learner.step)
             buffer.mark_sync(version)
             log.info("resumed at step %d; republished its params as version %d", learner.step, version)
         metrics.write(learner.step, {"event": "resume", "from_step": learner.step, "version": version,
@@ -187,7 +189,7 @@ def run_trainer(run_dir: Path, *, resume: bool = False, store_url: str | None = 
             version = step
             source.set_params(learner)
         elif step % config.system.sync_every == 0:
-            version = publisher.publish(nnx.to_pure_dict(learner.trainer.state.params), step=step, wait=False)
+            version = publisher.publish(*params_to_publish(config, learner.trainer), step=step, wait=False)
             buffer.mark_sync(version)
         stats = buffer.stats(current_version=version)
         record = {**step_metrics, "version": version, "buffer_rows": stats["num_rows"],
@@ -222,7 +224,7 @@ def run_trainer(run_dir: Path, *, resume: bool = False, store_url: str | None = 
         checkpoints.wait()
     publisher.wait()
     if learner.step % config.system.sync_every:
-        version = publisher.publish(nnx.to_pure_dict(learner.trainer.state.params), step=learner.step)
+        version = publisher.publish(*params_to_publish(config, learner.trainer), step=learner.step)
     publisher.close()
     rundir.write_status(run_dir, "trainer", {**last, "step": learner.step, "phase": "final evaluation"})
     final = evaluator.run(learner.trainer.policy())
@@ -422,7 +424,7 @@ class InlineRollouts:
                                                          "version": version})
 
     def set_params(self, learner: Learner) -> None:
-        self.rollouts.set_params(learner.trainer.state.params)
+        self.rollouts.set_params(policy_params(learner.trainer.state, learner.trainer.lora))  # LoRA: merged
 
     def invalid_total(self) -> int:
         return 0

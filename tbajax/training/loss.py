@@ -20,6 +20,7 @@ from tbajax.models.decoder import packed_attention_mask
 from tbajax.objectives.base import Metrics
 from tbajax.objectives.registry import EVERYTHING, ObjectiveInputs, ObjectiveSpec, gather_aux
 from tbajax.training.config import TrainerConfig
+from tbajax.training.state import LoraBase
 
 Array = jax.Array
 PyTree = Any
@@ -76,12 +77,21 @@ def microbatch_loss(
     config: TrainerConfig,
 ) -> tuple[Array, tuple[Array, Metrics, Array]]:
     """(loss sum, (loss count, metrics, row_finite)): the sum is what gets differentiated,
-    with respect to `trainable` = (params, aux table or None)."""
+    with respect to `trainable` = (params, aux table or None).
+
+    `ref_params` is a `LoraBase` under LoRA: then `params` are the adapters, the policy is the
+    base with them merged in, and the reference the base itself (no second copy of the weights).
+    """
     params, aux = trainable
     inputs = objective_inputs(objective, objective_config)
-    logprobs = sequence_logprobs(graphdef, params, batch, config.temperature)
+    if isinstance(ref_params, LoraBase):
+        frozen = jax.lax.stop_gradient(ref_params)
+        policy, reference = frozen.policy(params), frozen.reference
+    else:
+        policy, reference = params, lambda: ref_params
+    logprobs = sequence_logprobs(graphdef, policy, batch, config.temperature)
     if scores_reference(objective, objective_config, config):
-        ref = sequence_logprobs(graphdef, jax.lax.stop_gradient(ref_params), batch, config.temperature)
+        ref = sequence_logprobs(graphdef, jax.lax.stop_gradient(reference()), batch, config.temperature)
         batch = dataclasses.replace(
             batch, reference_logprobs=jnp.where(batch.loss_mask, jax.lax.stop_gradient(ref), 0.0)
         )

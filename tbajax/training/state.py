@@ -6,8 +6,17 @@ graph). Params keep their `nnx.Param` wrappers, so the `logical_axes` metadata t
 sharding stays with them, and with the optimizer moments optax builds in their image.
 
 Objectives with trainable per-prompt params (a learned log Z table, see `ObjectiveSpec.init_aux`)
-add `aux` and its own optimizer state `aux_opt_state` (`AuxAdamState`); for every other objective
-both are None and the step does exactly what it did without them.
+add `aux`. The optimizer (`make_trainable_optimizer`) is one `optax.multi_transform` over the
+trainable pair (params, aux): the params get clip-by-global-norm → AdamW → × −lr, the aux table
+its per-row Adam (`scale_by_row_adam`) → × −aux_lr; `TrainState.opt_state` is its state. For
+objectives without aux, aux is None and only the params' partition exists.
+
+LoRA (`init_lora_train_state`): `TrainState.params` holds the adapters, so the optimizer state,
+checkpoints and donation cover only them; the frozen base lives outside the state in a
+`LoraBase`, passed to the jitted step as a non-donated argument (never optimised, never
+checkpointed: it is reloaded from model.checkpoint). The policy is `apply_lora(base, adapters)`;
+the reference is the base itself (adapters disabled), or base + a copy of the adapters once a
+reference reset has happened (`ref_params`, kept only when resets are configured).
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from tbajax.models.config import DTYPES
+from tbajax.models.lora import LoraConfig, apply_lora, init_lora
 from tbajax.sharding import named_sharding
 from tbajax.training.config import OptimizerConfig, TrainerConfig
 
@@ -39,8 +49,9 @@ class TrainState:
     key (raw, not typed, so it saves and restores as a plain array); update u draws from
     `update_key(state)` = fold_in(rng, step), so a restored run continues the same stream
     without the key having to change. ref_params: the frozen reference policy, or None when
-    reference log-probs come with the batch. aux / aux_opt_state: the objective's per-prompt
-    trainable table (leading axis = prompt id) and its `AuxAdamState`, or None (no aux).
+    reference log-probs come with the batch. aux: the objective's per-prompt trainable table
+    (leading axis = prompt id), or None. opt_state: the state of `make_trainable_optimizer` over
+    (params, aux); `adam_state` and `aux_opt_state` read its two halves.
     """
 
     params: nnx.State
@@ -49,7 +60,25 @@ class TrainState:
     step: Array
     rng: Array
     aux: PyTree | None = None
-    aux_opt_state: AuxAdamState | None = None
+
+    @property
+    def adam_state(self) -> optax.ScaleByAdamState:
+        """The params' Adam state (count, and mu / nu shaped like `params`)."""
+        chain = self.opt_state.inner_states["params"].inner_state
+        adam = next(s for s in jax.tree.leaves(chain, is_leaf=_is_adam) if _is_adam(s))
+        return adam._replace(mu=adam.mu[0], nu=adam.nu[0])  # [1] is the aux half, masked out
+
+    @property
+    def aux_opt_state(self) -> AuxAdamState | None:
+        """The aux table's per-row Adam state (None without aux)."""
+        if self.aux is None:
+            return None
+        rows = self.opt_state.inner_states["aux"].inner_state[0]
+        return AuxAdamState(count=rows.count, mu=rows.mu[1], nu=rows.nu[1])  # [0]: the params, masked out
+
+
+def _is_adam(x: Any) -> bool:
+    return isinstance(x, optax.ScaleByAdamState)
 
 
 class AuxAdamState(NamedTuple):
@@ -76,6 +105,37 @@ def make_optimizer(config: OptimizerConfig) -> optax.GradientTransformation:
     if config.weight_decay:
         parts.append(optax.add_decayed_weights(config.weight_decay))
     return optax.chain(*parts)
+
+
+def scale_by_learning_rate_arg(name: str) -> optax.GradientTransformationExtraArgs:
+    """× −(the extra argument `name`): the learning rate comes from the step (`TrainState.step`)
+    at every update, not from an optimizer state a moment reset would restart."""
+
+    def update(updates: PyTree, state: optax.EmptyState, params: PyTree | None = None,
+               **extra: Any) -> tuple[PyTree, optax.EmptyState]:
+        del params
+        lr = extra[name]
+        return jax.tree.map(lambda u: -lr * u, updates), state
+
+    return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
+
+
+def make_trainable_optimizer(config: OptimizerConfig, with_aux: bool) -> optax.GradientTransformationExtraArgs:
+    """The whole update of the trainable pair (params, aux table or None): one multi_transform,
+
+        params: clip_by_global_norm(max_grad_norm) → AdamW direction (`make_optimizer`) → × −lr
+        aux:    per-row Adam of the touched rows (`scale_by_row_adam`)              → × −aux_lr
+
+    used as `tx.update(grads, state, (params, aux), lr=..., aux_lr=..., touched=...)` and
+    `optax.apply_updates`. The clip sees the params' global norm only: it never scales the aux
+    gradient (log Z has to travel ~r/β, and its gradient is large exactly when it lags).
+    """
+    params_tx = [optax.clip_by_global_norm(config.max_grad_norm)] if config.max_grad_norm is not None else []
+    transforms = {"params": optax.chain(*params_tx, make_optimizer(config), scale_by_learning_rate_arg("lr"))}
+    if not with_aux:
+        return optax.multi_transform(transforms, ("params", None))
+    transforms["aux"] = optax.chain(scale_by_row_adam(config), scale_by_learning_rate_arg("aux_lr"))
+    return optax.multi_transform(transforms, ("params", "aux"))
 
 
 def aux_table_size(aux: PyTree) -> int:
@@ -235,12 +295,11 @@ def _new_state(
     # copies: the state is donated to the step, so it must not share buffers with the model
     return TrainState(
         params=jax.tree.map(jnp.copy, params),
-        opt_state=make_optimizer(optimizer).init(params),
+        opt_state=make_trainable_optimizer(optimizer, aux is not None).init((params, aux)),
         ref_params=jax.tree.map(jnp.copy, params) if with_reference else None,
         step=jnp.zeros((), jnp.int32),
         rng=jax.random.PRNGKey(seed),
         aux=None if aux is None else jax.tree.map(jnp.copy, aux),
-        aux_opt_state=None if aux is None else init_aux_opt_state(aux),
     )
 
 
@@ -274,18 +333,95 @@ def abstract_state(state: Any) -> Any:
 def reset_reference(state: TrainState, tx: optax.GradientTransformation, reset_moments: bool) -> TrainState:
     """The reference becomes a copy of the current policy (TBA′ every ρ steps).
 
-    reset_moments re-initialises the optimizer state (Adam moments and bias-correction count, the
-    aux table's too: a new reference moves every log Z target), like building a fresh torch
-    optimizer; the learning-rate schedule follows `step`, so it goes on. The aux table is kept.
+    reset_moments re-initialises the optimizer state (`tx`, the state's `make_trainable_optimizer`:
+    Adam moments and bias-correction count, the aux table's too: a new reference moves every log Z
+    target), like building a fresh torch optimizer; the learning-rate schedule follows `step`, so
+    it goes on. The aux table is kept. Under LoRA `params` are the adapters: the reference becomes
+    base + a copy of them.
     """
     if state.ref_params is None:
         raise ValueError("this state keeps no reference params (compute_reference_logprobs=False)")
     new = dataclasses.replace(state, ref_params=jax.tree.map(jnp.copy, state.params))
     if not reset_moments:
         return new
-    aux_opt = None if state.aux is None else init_aux_opt_state(state.aux)
-    return dataclasses.replace(new, opt_state=tx.init(state.params), aux_opt_state=aux_opt)
+    return dataclasses.replace(new, opt_state=tx.init((state.params, state.aux)))
 
 
 def _is_var(x: Any) -> bool:
     return isinstance(x, nnx.Variable)
+
+
+# ---------------------------------------------------------------------------- LoRA
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LoraBase:
+    """The frozen half of a LoRA run: the base params (trainer precision) and the adapter config.
+
+    A pytree (config is static), so the step takes it as one argument. Also what the loss gets
+    in place of the reference params (`frozen`), with `ref_adapters` = the state's reference
+    adapters (None: the reference is the base with adapters disabled).
+    """
+
+    params: nnx.State
+    config: LoraConfig = dataclasses.field(metadata=dict(static=True))
+    ref_adapters: PyTree | None = None
+
+    def policy(self, adapters: PyTree) -> nnx.State:
+        """Effective params of the policy: W + (alpha/r)·A@B on every adapted weight."""
+        return apply_lora(self.params, adapters, self.config)
+
+    def reference(self) -> nnx.State:
+        """The reference policy: the base itself until a reference reset copied the adapters."""
+        return self.params if self.ref_adapters is None else self.policy(self.ref_adapters)
+
+
+_ADAPTER_SEED = 0x10AA  # adapter init draws from its own stream of TrainerConfig.seed
+
+
+def init_lora_train_state(
+    model: nnx.Module,
+    config: TrainerConfig,
+    lora: LoraConfig,
+    mesh: Mesh | None = None,
+    *,
+    aux: PyTree | None = None,
+) -> tuple[nnx.GraphDef, LoraBase, TrainState]:
+    """(graphdef, frozen base, step 0) of LoRA training: the state's params are fresh adapters
+    (B = 0, so the policy equals the base exactly), optimised alone.
+
+    The base is `model`'s params at the trainer's precision, not copied again (the caller's model
+    keeps its own arrays; with `param_dtype` equal to the model's they are shared, which is safe:
+    the base is never donated). A reference copy of the adapters is kept only when reference
+    resets are configured; before the first reset it equals the base exactly.
+    """
+    graphdef, base = split_policy(model, config)
+    if mesh is not None:
+        base = jax.device_put(base, state_shardings(base, mesh))
+    key = jax.random.fold_in(jax.random.PRNGKey(config.seed), _ADAPTER_SEED)
+    adapters = init_lora(base, lora, key, DTYPES[config.param_dtype], mesh=mesh)
+    if aux is not None:
+        aux_table_size(aux)
+    with_reference = config.compute_reference_logprobs and config.reference_reset_every is not None
+    seed = jnp.asarray(config.seed, jnp.uint32)
+    if mesh is None:
+        state = _build_state(adapters, seed, aux, config.optimizer, with_reference)
+    else:
+        build = functools.partial(_new_state, optimizer=config.optimizer, with_reference=with_reference)
+        shardings = state_shardings(jax.eval_shape(build, adapters, seed, aux), mesh)
+        state = jax.jit(build, out_shardings=shardings)(adapters, seed, aux)
+    return graphdef, LoraBase(base, lora), state
+
+
+def policy_params(state: TrainState, lora: LoraBase | None) -> nnx.State:
+    """The policy's effective params: `state.params` itself without LoRA (no copy), else the base
+    with the adapters merged in (new arrays for the adapted weights only)."""
+    if lora is None:
+        return state.params
+    return _merge(lora, state.params)
+
+
+@jax.jit
+def _merge(lora: LoraBase, adapters: PyTree) -> nnx.State:
+    return lora.policy(adapters)

@@ -11,10 +11,11 @@ log-probs are non-finite.
 
 Objectives with per-prompt aux params (`tb_learned_logz`'s log Z table, `TrainState.aux`):
 the loss is differentiated with respect to params and aux together; each row reads its table
-entry by `batch.prompt_id`. The aux table has its own per-row Adam (`scale_by_row_adam`) at
-lr(step) × `objective_config.aux_lr_scale`; gradient clipping (`max_grad_norm`) looks at the
-params' global norm only and never scales the aux gradient (log Z has to travel ~r/β, and its
-gradient is large exactly when it lags). Without aux nothing of this is traced.
+entry by `batch.prompt_id`. One `optax.multi_transform` (`make_trainable_optimizer`) updates both:
+the aux table has its own per-row Adam (`scale_by_row_adam`) at lr(step) ×
+`objective_config.aux_lr_scale`; gradient clipping (`max_grad_norm`) looks at the params' global
+norm only and never scales the aux gradient (log Z has to travel ~r/β, and its gradient is large
+exactly when it lags). Without aux nothing of this is traced.
 """
 
 from __future__ import annotations
@@ -45,12 +46,13 @@ from tbajax.training.microbatch import (  # noqa: F401  (local_group_ids, split_
 )
 from tbajax.training.schedules import beta_at, learning_rate
 from tbajax.training.state import (
+    LoraBase,
     TrainState,
     aux_rows_touched,
     aux_table_size,
-    make_optimizer,
+    make_trainable_optimizer,
     reset_reference,
-    scale_by_row_adam,
+    state_shardings,
 )
 
 Array = jax.Array
@@ -99,6 +101,7 @@ class MicroBatchLayoutError(ValueError):
 def train_step(
     state: TrainState,
     batch: Batch,
+    lora: LoraBase | None = None,
     *,
     graphdef: nnx.GraphDef,
     objective: Objective,
@@ -109,6 +112,7 @@ def train_step(
 
     With `state.aux`, also one per-row Adam update of the aux table (rows of the batch's
     prompts only) at lr × `objective_config.aux_lr_scale`, unclipped; metrics gain aux_grad_norm.
+    With `lora` (the frozen base), `state.params` are the adapters and only they are updated.
     """
     has_aux = getattr(objective, "has_aux", False)
     if has_aux != (state.aux is not None):
@@ -118,14 +122,15 @@ def train_step(
                "init_train_state(..., aux=initial_aux(objective, objective_config, config))"
                if has_aux else "has no aux params but the state holds an aux table")
         )
-    tx = make_optimizer(config.optimizer)
+    tx = make_trainable_optimizer(config.optimizer, state.aux is not None)
     update = state.step + 1
     if config.beta is not None:
         batch = dataclasses.replace(batch, beta=beta_at(config.beta, update))
     batch = dataclasses.replace(batch, beta=jnp.asarray(batch.beta, jnp.float32))
+    frozen = state.ref_params if lora is None else dataclasses.replace(lora, ref_adapters=state.ref_params)
     (grads, aux_grads), total, count, obj_metrics, row_ok = accumulate_gradients(
         state.params,
-        state.ref_params,
+        frozen,
         batch,
         graphdef=graphdef,
         objective=objective,
@@ -140,30 +145,25 @@ def train_step(
     lr = learning_rate(config.optimizer.lr, state.step)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     extra_metrics: dict[str, Array] = {}
-    touched = None
+    extra_args: dict[str, Array] = {"lr": lr}
     if state.aux is not None:
         aux_grads = jax.tree.map(lambda g: (g / denom).astype(g.dtype), aux_grads)
         aux_grad_norm = optax.global_norm(aux_grads)
         finite = finite & jnp.isfinite(aux_grad_norm)
-        touched = aux_rows_touched(batch.prompt_id, batch.sample_mask, aux_table_size(state.aux))
+        extra_args.update(
+            aux_lr=lr * objective_config.aux_lr_scale,
+            touched=aux_rows_touched(batch.prompt_id, batch.sample_mask, aux_table_size(state.aux)),
+        )
         extra_metrics["aux_grad_norm"] = aux_grad_norm
     layout_ok = microbatch_layout_ok(batch, config.num_microbatches)
     applied = finite & layout_ok
 
-    def apply(operand: tuple[TrainState, Any, Any]) -> TrainState:
-        old, g, aux_g = operand
-        if config.optimizer.max_grad_norm is not None:  # stateless: kept out of opt_state
-            g, _ = optax.clip_by_global_norm(config.optimizer.max_grad_norm).update(g, optax.EmptyState())
-        updates, opt_state = tx.update(g, old.opt_state, old.params)
-        params = optax.apply_updates(old.params, jax.tree.map(lambda u: -lr * u, updates))
-        new = dataclasses.replace(old, params=params, opt_state=opt_state, step=update)
-        if old.aux is not None:
-            aux_lr = lr * objective_config.aux_lr_scale
-            aux_updates, aux_opt = scale_by_row_adam(config.optimizer).update(
-                aux_g, old.aux_opt_state, old.aux, touched=touched
-            )
-            aux = optax.apply_updates(old.aux, jax.tree.map(lambda u: -aux_lr * u, aux_updates))
-            new = dataclasses.replace(new, aux=aux, aux_opt_state=aux_opt)
+    def apply(operand: tuple[TrainState, Any]) -> TrainState:
+        old, g = operand
+        trainable = (old.params, old.aux)
+        updates, opt_state = tx.update(g, old.opt_state, trainable, **extra_args)
+        params, aux = optax.apply_updates(trainable, updates)
+        new = dataclasses.replace(old, params=params, aux=aux, opt_state=opt_state, step=update)
         if config.reference_reset_every is not None:
             reset = functools.partial(
                 reset_reference, tx=tx, reset_moments=config.reset_optimizer_on_reference_reset
@@ -173,7 +173,7 @@ def train_step(
 
     # a branch, not a select after the fact: the select kept XLA from fusing the AdamW pass
     # (4x slower optimizer on CPU), and the skipped branch costs nothing
-    new = jax.lax.cond(applied, apply, lambda operand: operand[0], (state, grads, aux_grads))
+    new = jax.lax.cond(applied, apply, lambda operand: operand[0], (state, (grads, aux_grads)))
 
     real = batch.sample_mask
     metrics = {k: v.value for k, v in obj_metrics.items()}
@@ -220,6 +220,7 @@ def make_train_step(
     mesh: Mesh | None = None,
     state_sharding: Any = None,
     compiler_options: dict[str, Any] | None = None,
+    lora: LoraBase | None = None,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, StepOutput]]:
     """`step(state, batch) -> (state, output)`, jitted, donating the input state.
 
@@ -230,26 +231,36 @@ def make_train_step(
     state is pinned to `state_sharding` (see `state_shardings`) in and out, the batch is split
     over the batch axes (its size must divide by data × fsdp), and outputs are replicated; the
     mesh is put in context while tracing so the model's activation constraints apply.
+
+    lora: the frozen base of a LoRA state (`init_lora_train_state`); it is passed to every call
+    as an argument (never donated, never a compile-time constant).
     """
     objective, objective_config = resolve_objective(objective, objective_config)
     fn = functools.partial(
         train_step, graphdef=graphdef, objective=objective, objective_config=objective_config, config=config
     )
     if mesh is None:
-        return jax.jit(fn, donate_argnums=0, compiler_options=compiler_options)
+        jitted = jax.jit(fn, donate_argnums=0, compiler_options=compiler_options)
+        if lora is None:
+            return jitted
+        return lambda state, batch: jitted(state, batch, lora)
     if state_sharding is None:
         raise ValueError("make_train_step(mesh=...) needs state_sharding=state_shardings(state, mesh)")
+    in_shardings = (state_sharding, batch_shardings(mesh, packed=config.pack_groups))
+    if lora is not None:
+        in_shardings += (state_shardings(lora, mesh),)
     jitted = jax.jit(
         fn,
-        in_shardings=(state_sharding, batch_shardings(mesh, packed=config.pack_groups)),
+        in_shardings=in_shardings,
         out_shardings=(state_sharding, NamedSharding(mesh, P())),
         donate_argnums=0,
         compiler_options=compiler_options,
     )
+    frozen = () if lora is None else (lora,)
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, StepOutput]:
         with jax.set_mesh(mesh):
-            return jitted(state, batch)
+            return jitted(state, batch, *frozen)
 
     return step
 

@@ -18,11 +18,20 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from tbajax.batch import Batch
+from tbajax.models.lora import LoraConfig
 from tbajax.objectives.registry import resolve_objective
 from tbajax.sharding import LOGICAL_RULES
 from tbajax.training.config import TrainerConfig
 from tbajax.training.loss import scores_reference
-from tbajax.training.state import TrainState, aux_table_size, init_train_state, state_shardings
+from tbajax.training.state import (
+    LoraBase,
+    TrainState,
+    aux_table_size,
+    init_lora_train_state,
+    init_train_state,
+    policy_params,
+    state_shardings,
+)
 from tbajax.training.step import make_train_step, raise_on_bad_step
 
 
@@ -52,14 +61,18 @@ class PolicyUpdater:
         mesh: Mesh | None = None,
         state: TrainState | None = None,
         compiler_options: dict[str, Any] | None = None,
+        lora: LoraConfig | None = None,
     ):
         self.config = config
         self.mesh = mesh
         spec, objective_config = resolve_objective(objective, objective_config)
         self.objective, self.objective_config = spec, objective_config
-        self.graphdef, fresh = init_train_state(
-            model, config, mesh, aux=spec.initial_aux(objective_config, config.aux_table_size)
-        )
+        aux = spec.initial_aux(objective_config, config.aux_table_size)
+        self.lora: LoraBase | None = None  # LoRA: the frozen base; state.params are the adapters
+        if lora is None:
+            self.graphdef, fresh = init_train_state(model, config, mesh, aux=aux)
+        else:
+            self.graphdef, self.lora, fresh = init_lora_train_state(model, config, lora, mesh, aux=aux)
         self.state = fresh if state is None else state
         if (self.state.aux is None) != (fresh.aux is None):
             raise ValueError(
@@ -84,6 +97,7 @@ class PolicyUpdater:
             mesh=mesh,
             state_sharding=self.shardings,
             compiler_options=compiler_options,
+            lora=self.lora,
         )
 
     @property
@@ -144,8 +158,9 @@ class PolicyUpdater:
         return int(np.prod([self.mesh.shape[a] for a in LOGICAL_RULES["batch"] or ()]))
 
     def policy(self) -> nnx.Module:
-        """The current policy as a Module (shares the state's arrays)."""
-        return nnx.merge(self.graphdef, self.state.params)
+        """The current policy as a Module (shares the state's arrays; under LoRA, the base with
+        the adapters merged in)."""
+        return nnx.merge(self.graphdef, policy_params(self.state, self.lora))
 
     def _check_batch(self, batch: Batch) -> None:
         n = batch.tokens.shape[0]
