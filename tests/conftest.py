@@ -87,3 +87,13 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str],
         return cache[family]
 
     return get
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under `-n 2 --dist loadgroup` (the README's command) every test that starts role processes
+    runs on one worker, one at a time: each such run wants both cores and has deadlines, while the
+    other worker takes the in-process tests (mostly single-threaded XLA compiles)."""
+    for item in items:
+        if item.get_closest_marker("processes"):
+            item.add_marker(pytest.mark.xdist_group("processes"))

@@ -165,6 +165,7 @@ def _chaos_scenario(tmp_path, seed: int, early_kills: bool) -> dict:
     return figures
 
 
+@pytest.mark.processes
 def test_chaos_searcher_killed_three_times_incl_mid_append_and_trainer_once(tmp_path):
     """Async run of the tiny model: SIGKILL the searcher three times (the first right after an
     append's data write, before its commit) and the trainer once, resume, then audit: every
@@ -179,5 +180,6 @@ def test_chaos_searcher_killed_three_times_incl_mid_append_and_trainer_once(tmp_
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", range(1, 21))
+@pytest.mark.processes
 def test_chaos_repeated(tmp_path, seed):
     _chaos_scenario(tmp_path, seed, early_kills=seed % 2 == 0)

@@ -300,6 +300,7 @@ def _cli(args: list[str], tmp_path: Path, timeout: float = 90) -> subprocess.Com
     )
 
 
+@pytest.mark.processes
 def test_print_config_works_offline(tmp_path: Path):
     out = _cli(["--experiment=math_qwen", "--print-config", "--set", "train.steps=7"], tmp_path)
     assert out.returncode == 0, out.stderr
@@ -308,6 +309,7 @@ def test_print_config_works_offline(tmp_path: Path):
     assert ExperimentConfig.from_dict(printed) == apply_overrides(load_experiment("math_qwen"), ["train.steps=7"])
 
 
+@pytest.mark.processes
 def test_missing_checkpoint_fails_fast_offline(tmp_path: Path):
     out = _cli(["--experiment=math_qwen", f"--run-dir={tmp_path / 'run'}"], tmp_path)
     assert out.returncode == 2, out.stderr

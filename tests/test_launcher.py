@@ -32,6 +32,8 @@ from tbajax.models.safetensors_io import SafetensorsReader, write_safetensors
 from tbajax.system import rundir
 from tbajax.system.launcher import Supervisor, _Child, describe_exit, last_error, read_summary, restart_delay
 
+pytestmark = pytest.mark.processes
+
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "experiments" / "assets" / "tiny-arithmetic"
 

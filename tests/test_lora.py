@@ -515,6 +515,7 @@ def test_adapters_for_another_base_or_config_are_refused_by_name(tmp_path):
         reader.restore(version, nnx.to_pure_dict(base))
 
 
+@pytest.mark.processes
 def test_sync_run_with_lora_trains_adapters_and_samples_with_the_merged_policy(tmp_path):
     """`python -m tbajax.main` in sync mode with LoRA: the sampler gets the merged policy of every
     step in memory, and checkpoints hold the adapters, not the base."""

@@ -210,6 +210,7 @@ def _stored_rows(run_dir: Path):
     return rows
 
 
+@pytest.mark.processes
 def test_tldr_standin_sync_run(standin, tmp_path):
     run = tmp_path / "run"
     _run(run, standin, "--mode=sync", "--set", "train.steps=2")
@@ -219,6 +220,7 @@ def test_tldr_standin_sync_run(standin, tmp_path):
 
 
 @pytest.mark.slow  # the sync run above covers the same plumbing in the default run; this async variant is slow on 2 cores
+@pytest.mark.processes
 def test_tldr_standin_async_run_with_searcher_reference_logprobs(standin, tmp_path):
     run = tmp_path / "run"
     _run(run, standin, "--set", "train.steps=4", "--set", "rollout.reference_logprobs=true",

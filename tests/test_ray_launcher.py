@@ -25,6 +25,8 @@ from tbajax.stores import ParamReader, TrajectoryReader, discover_searcher_store
 from tbajax.system.metrics import read_metrics  # noqa: E402
 from tbajax.system.ray_launcher import actor_options, check_cluster, gpu_env, placement_problems  # noqa: E402
 
+pytestmark = pytest.mark.processes
+
 SMALL = [
     "--set", "eval.num_problems=16",
     "--set", "eval.batch_size=16",

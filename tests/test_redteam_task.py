@@ -188,6 +188,7 @@ def _check_run(run: Path, out: str, steps: int) -> None:
     assert curve[0]["num_attacks"] == len(rows) and 0.0 <= curve[0]["attack_success_rate"] <= 1.0
 
 
+@pytest.mark.processes
 def test_sync_mode_red_team_run(tmp_path: Path, bilstm_dir: Path) -> None:
     run = tmp_path / "run"
     out = _finish(_main(run, "--mode=sync", *_run_args(bilstm_dir), "--set", "train.steps=2"))
@@ -195,6 +196,7 @@ def test_sync_mode_red_team_run(tmp_path: Path, bilstm_dir: Path) -> None:
 
 
 @pytest.mark.slow  # the sync run above covers the same scorer in the default run; this async variant is slow on 2 cores
+@pytest.mark.processes
 def test_async_red_team_run(tmp_path: Path, bilstm_dir: Path) -> None:
     run = tmp_path / "run"
     out = _finish(_main(run, *_run_args(bilstm_dir), "--set", "train.steps=3", "--set", "system.num_searchers=1"))

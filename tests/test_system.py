@@ -21,6 +21,8 @@ from tbajax.stores import ParamReader, TrajectoryReader, discover_searcher_store
 from tbajax.system.metrics import read_metrics
 from tbajax.trajectory import RewardStatus
 
+pytestmark = pytest.mark.processes
+
 REPO = Path(__file__).resolve().parent.parent
 SMALL = [
     "--set", "eval.num_problems=16",
