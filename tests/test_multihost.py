@@ -206,3 +206,61 @@ def test_two_processes_train_the_same_params_as_one(tmp_path):
     assert json.loads((two / "summary.json").read_text())["trainer_steps"] == STEPS
     # both processes wrote the final checkpoint together (orbax)
     assert sorted(int(p.name) for p in (two / "checkpoints").iterdir() if p.name.isdigit()) == [STEPS]
+
+
+SMALL = ["--set", "eval.num_problems=4", "--set", "eval.batch_size=4", "--set", "rollout.prompts_per_call=4",
+         "--set", "train.groups_per_step=4", "--set", "train.log_every=1", "--set", "system.stall_timeout_s=600"]
+
+
+def test_async_run_with_a_two_process_trainer_and_one_searcher(tmp_path):
+    """The launcher starts the trainer as 2 processes x 2 CPU devices (one 4-device mesh) and one
+    searcher: the run finishes, and only process 0 wrote metrics, status and param versions."""
+    run = tmp_path / "run"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("XLA_FLAGS", None)  # the searcher: one CPU device, as a user's run
+    proc = subprocess.run(
+        [sys.executable, "-m", "tbajax.main", f"--run-dir={run}", "--quiet", *SMALL, "--set", f"train.steps={STEPS}",
+         "--set", "system.trainer_processes=2", "--set", "system.cpu_devices_per_trainer_process=2"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    logs = "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted((run / "logs").glob("*.log")))
+    assert proc.returncode == 0, proc.stdout[-3000:] + logs
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["trainer_steps"] == STEPS and summary["machine"]["devices"] == 4
+    assert "JAX process 1 of 2" in (run / "logs" / "trainer-1.log").read_text()
+    records = read_metrics(run)
+    assert {r["role"] for r in records} == {"trainer", "searcher-0"}
+    assert [r["step"] for r in records if r["role"] == "trainer" and "loss" in r] == [1, 2, 3]  # one writer
+    assert sorted(p.name for p in (run / "status").iterdir()) == ["searcher-0.json", "trainer.json"]
+    assert json.loads((run / "params" / "latest.json").read_text())["version"] == STEPS  # sync_every=1
+
+
+@pytest.mark.slow
+def test_a_dead_peer_stops_the_other_trainer_process_with_its_name(tmp_path):
+    """Process 1 is killed (SIGKILL, no chance to report) while process 0 waits for data: process 0
+    does not hang, JAX's coordination service names the dead task within the heartbeat timeout."""
+    run = tmp_path / "run"
+    config = apply_overrides(load_experiment("tiny_arithmetic"), OVERRIDES)
+    rundir.make_run_dir(run)
+    rundir.write_json_atomic(run / "config.json", config.to_dict())  # no trajectories: waits for data
+    procs = _trainers(run, 2, 2, "--heartbeat-timeout=10")
+    deadline = time.time() + 300
+    while "waiting for data" not in json.dumps(_status_of(run)) and time.time() < deadline:
+        time.sleep(0.5)
+    procs[1].kill()
+    t0 = time.time()
+    try:
+        procs[0].wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        procs[0].kill()
+        raise AssertionError(f"process 0 hung after its peer died:\n{_logs(run)}") from None
+    assert procs[0].returncode != 0
+    text = (run / "trainer-0.out").read_text()
+    assert "unhealthy" in text and "stopped sending heartbeats" in text, text[-3000:]
+    assert time.time() - t0 < 90
+
+
+def _status_of(run: Path) -> dict:
+    try:
+        return json.loads((run / "status" / "trainer.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
