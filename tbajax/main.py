@@ -183,6 +183,11 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     run_dir: Path = args.run_dir or Path("runs") / f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     if args.role == "trainer":
+        if args.coordinator_address and config.system.mode == "sync":
+            from tbajax.config import ConfigError
+
+            raise ConfigError("a multi-process trainer (--coordinator-address) needs system.mode=async: in sync mode "
+                              "the trainer generates its own batches, and generation runs in one process")
         if given_config:
             _write_or_check_config(run_dir, config)
         from tbajax.system.trainer import run_trainer

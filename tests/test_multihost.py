@@ -171,6 +171,56 @@ def test_a_searcher_refuses_to_join_a_process_group(tmp_path, capsys):
 # --- real processes -------------------------------------------------------------------------------
 
 
+_AGREEMENT_SCRIPT = """
+import hashlib, os, sys
+from tbajax.system import distributed
+from tests.test_multihost import _rows, K
+pid, port = int(sys.argv[1]), sys.argv[2]
+distributed.initialize(f"127.0.0.1:{port}", 3, pid, heartbeat_timeout_s=60)
+agreement = distributed.StepAgreement(poll_s=0.2)
+rows = _rows(7, 2, 50)
+groups = agreement.decide(1, lambda: [rows[:K], rows[K:]] if pid == 0 else None)
+digest = hashlib.sha256(distributed.encode_groups(groups)).hexdigest()
+print("step 1", digest, agreement.share("run_id", lambda: "r-" + str(pid)), flush=True)
+client = distributed._client()
+if pid == 2:
+    distributed.fail_fast(RuntimeError("process 2 ran out of memory"))
+if pid == 1:
+    try:
+        agreement.decide(2, lambda: None)
+    except distributed.PeerFailedError as e:
+        print("peer failed:", e, flush=True)
+    client.key_value_set("test/done", "1")
+else:  # process 0 waits for data that never comes (it would publish step 2 otherwise)
+    client.blocking_key_value_get("test/done", 120_000)
+sys.stdout.flush()
+os._exit(0)
+"""
+
+
+def test_followers_get_process_0s_groups_and_a_failed_peer_by_name(tmp_path):
+    """3 real processes (jax.distributed, 1 CPU device each): steps' groups arrive bit-identical
+    on every process; a follower waiting for a step learns that process 2 failed, and why."""
+    port = _free_port()
+    env = {**_env(1), "PYTHONPATH": str(REPO)}
+    procs = [subprocess.Popen([sys.executable, "-c", _AGREEMENT_SCRIPT, str(i), str(port)], cwd=REPO, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(3)]
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=180)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+    step1 = [next(line for line in o.splitlines() if line.startswith("step 1")) for o in outs]
+    assert len(set(step1)) == 1 and step1[0].endswith("r-0"), outs  # same digest, process 0's run id
+    assert [p.returncode for p in procs] == [0, 0, 1], outs
+    assert "trainer process 2 failed: RuntimeError: process 2 ran out of memory" in outs[2]
+    assert "peer failed: waiting for trainer step 2's batch from process 0: trainer process(es) 2 failed " \
+           "(RuntimeError: process 2 ran out of memory)" in outs[1], outs[1]
+
+
 def test_two_processes_train_the_same_params_as_one(tmp_path):
     """2 processes x 4 CPU devices vs 1 process x 8 devices, same store, same seed: the same batches
     (process 0 decides; a follower that trained on a batch of its own would diverge at once) and

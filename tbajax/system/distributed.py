@@ -200,8 +200,9 @@ class StepAgreement:
 
         groups = agreement.decide(step, lambda: STOP if stop() else draw())
 
-    On the primary `decide` calls the decision; a result other than None (None = nothing to
-    train on yet, try again) is published under the step's key. Elsewhere the decision is not
+    On the primary `decide` calls the decision; STOP or a list of groups is published under the
+    step's key, anything else (None, an exception object saying why there is no batch yet) is
+    returned to the primary alone, which decides again. Elsewhere the decision is not
     called: `decide` blocks until the primary's decision for `step` arrives (or a peer reports a
     failure: PeerFailedError naming it). Single-process: `decide` is the decision.
     `share(name, value)` hands one JSON value from the primary to all (e.g. the run id).
@@ -223,7 +224,7 @@ class StepAgreement:
             return decision()
         if self.primary:
             value = decision()
-            if value is not None:
+            if value is STOP or isinstance(value, (list, tuple)):
                 self._publish(step, value)
             return value
         return self._receive(step)
