@@ -314,3 +314,17 @@ def _status_of(run: Path) -> dict:
         return json.loads((run / "status" / "trainer.json").read_text())
     except (OSError, json.JSONDecodeError):
         return {}
+
+
+@pytest.mark.slow
+def test_a_two_process_trainer_resumes_from_its_orbax_checkpoint(tmp_path):
+    """Both processes save the checkpoint together and restore their own shards of it."""
+    run = _prepared_run(tmp_path / "run")
+    assert _wait(_trainers(run, 2, 2), run) == [0, 0], _logs(run)
+    longer = apply_overrides(load_experiment("tiny_arithmetic"), [*OVERRIDES, f"train.steps={STEPS + 2}"])
+    rundir.write_json_atomic(run / "config.json", longer.to_dict())  # what the launcher's --resume does
+    assert _wait(_trainers(run, 2, 2, "--resume"), run) == [0, 0], _logs(run)
+    assert json.loads((run / "summary.json").read_text())["trainer_steps"] == STEPS + 2
+    records = read_metrics(run, "trainer")
+    assert [r["from_step"] for r in records if r.get("event") == "resume"] == [STEPS]
+    assert [r["step"] for r in records if "loss" in r] == list(range(1, STEPS + 3))

@@ -129,27 +129,31 @@ def failed_peers(client: Any) -> dict[int, str]:
 
 # -- groups of trajectories <-> bytes ---------------------------------------------------------
 
-_ROW_FIELDS = ("prompt_id", "group_id", "reward", "reward_status", "finished", "policy_version",
-               "searcher_id", "wall_time", "extras")
+_INT_FIELDS = ("prompt_id", "group_id", "reward_status", "finished", "policy_version", "searcher_id")
+_FLOAT_FIELDS = ("reward", "wall_time")
 
 
 def encode_groups(groups: Sequence[Sequence[Trajectory]]) -> bytes:
-    """The groups as one self-describing blob (npz: the token / log-prob arrays concatenated, the
-    per-row scalars as JSON, whose floats round-trip exactly)."""
+    """The groups as one self-describing blob (npz): per-row scalars as int64 / float64 columns
+    (floats round-trip exactly), token and log-prob arrays concatenated, extras as JSON."""
     rows = [t for g in groups for t in g]
-    meta = {
-        "sizes": [len(g) for g in groups],
-        "rows": [[_json_value(getattr(t, f)) for f in _ROW_FIELDS]
-                 + [len(t.prompt_tokens), len(t.response_tokens), t.reference_logprobs is not None] for t in rows],
-    }
+    ints = np.array([[int(getattr(t, f)) for f in _INT_FIELDS]
+                     + [len(t.prompt_tokens), len(t.response_tokens), t.reference_logprobs is not None]
+                     for t in rows], np.int64).reshape(len(rows), len(_INT_FIELDS) + 3)
     arrays = {
-        "meta": np.frombuffer(json.dumps(meta, allow_nan=True).encode(), np.uint8),
+        "sizes": np.array([len(g) for g in groups], np.int64),
+        "ints": ints,
+        "floats": np.array([[float(getattr(t, f)) for f in _FLOAT_FIELDS] for t in rows],
+                           np.float64).reshape(len(rows), len(_FLOAT_FIELDS)),
         "prompt_tokens": _concat([t.prompt_tokens for t in rows], np.int32),
         "response_tokens": _concat([t.response_tokens for t in rows], np.int32),
         "behavior_logprobs": _concat([t.behavior_logprobs for t in rows], np.float32),
         "reference_logprobs": _concat([t.reference_logprobs for t in rows if t.reference_logprobs is not None],
                                       np.float32),
     }
+    if any(t.extras for t in rows):
+        extras = [dict(t.extras) if t.extras is not None else None for t in rows]
+        arrays["extras"] = np.frombuffer(json.dumps(extras, allow_nan=True).encode(), np.uint8)
     buf = io.BytesIO()
     np.savez(buf, **arrays)
     return buf.getvalue()
@@ -157,35 +161,28 @@ def encode_groups(groups: Sequence[Sequence[Trajectory]]) -> bytes:
 
 def decode_groups(blob: bytes) -> list[list[Trajectory]]:
     with np.load(io.BytesIO(blob), allow_pickle=False) as z:
-        meta = json.loads(z["meta"].tobytes())
-        flat = {k: z[k] for k in ("prompt_tokens", "response_tokens", "behavior_logprobs", "reference_logprobs")}
+        flat = {k: z[k] for k in z.files}
+    extras = json.loads(flat["extras"].tobytes()) if "extras" in flat else None
     rows, p, r, ref = [], 0, 0, 0
-    for *values, plen, rlen, has_ref in meta["rows"]:
-        fields = dict(zip(_ROW_FIELDS, values))
+    for i, (ints, floats) in enumerate(zip(flat["ints"].tolist(), flat["floats"].tolist())):
+        *values, plen, rlen, has_ref = ints
+        fields: dict[str, Any] = dict(zip(_INT_FIELDS, values))
         fields["reward_status"] = RewardStatus(fields["reward_status"])
+        fields["finished"] = bool(fields["finished"])
+        fields.update(zip(_FLOAT_FIELDS, floats))
         reference = None
         if has_ref:
             reference, ref = flat["reference_logprobs"][ref:ref + rlen], ref + rlen
         rows.append(Trajectory(prompt_tokens=flat["prompt_tokens"][p:p + plen],
                                response_tokens=flat["response_tokens"][r:r + rlen],
                                behavior_logprobs=flat["behavior_logprobs"][r:r + rlen],
-                               reference_logprobs=reference, **fields))
+                               reference_logprobs=reference, extras=extras[i] if extras else None, **fields))
         p, r = p + plen, r + rlen
     groups, start = [], 0
-    for n in meta["sizes"]:
+    for n in flat["sizes"].tolist():
         groups.append(rows[start:start + n])
         start += n
     return groups
-
-
-def _json_value(v: Any) -> Any:
-    if isinstance(v, (np.integer, RewardStatus)):
-        return int(v)
-    if isinstance(v, (np.floating, float)):
-        return float(v)
-    if isinstance(v, np.bool_):
-        return bool(v)
-    return dict(v) if v is not None and not isinstance(v, (int, str, bool)) else v
 
 
 def _concat(parts: list[np.ndarray], dtype: Any) -> np.ndarray:

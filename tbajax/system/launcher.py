@@ -160,7 +160,8 @@ def child_env(config: ExperimentConfig, role: str, index: int) -> dict[str, str]
         env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{share:.3f}")
     if role == "trainer" and sysc.cpu_devices_per_trainer_process is not None:
         flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", "")).strip()
-        env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={sysc.cpu_devices_per_trainer_process}".strip()
+        count = f"--xla_force_host_platform_device_count={sysc.cpu_devices_per_trainer_process}"
+        env["XLA_FLAGS"] = f"{flags} {count}".strip()
     if sysc.devices == "split":
         if role == "trainer":
             per = sysc.trainer_devices // sysc.trainer_processes

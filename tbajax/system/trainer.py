@@ -200,7 +200,7 @@ def run_trainer(run_dir: Path, *, resume: bool = False, store_url: str | None = 
                             t0 - stalled_since, e)
                 next_stall_warning *= 2
             write_status(run_dir, "trainer", {**last, "step": learner.step, "phase": "waiting for data",
-                                                     "buffer_rows": len(buffer), **source.invalid_status()})
+                                              "buffer_rows": len(buffer), **source.invalid_status()})
             continue
         stalled_since, next_stall_warning = 0.0, 60.0
         step_metrics = learner.train_on(groups, version)
@@ -229,9 +229,9 @@ def run_trainer(run_dir: Path, *, resume: bool = False, store_url: str | None = 
         last = {k: record[k] for k in ("reward_mean", "eval_score") if k in record} | {
             "eval_score": record.get("eval_score", last.get("eval_score"))}
         write_status(run_dir, "trainer", {**last, "step": step, "phase": "training",
-                                                 "buffer_rows": record["buffer_rows"],
-                                                 "policy_lag": step_metrics["policy_lag_mean"],
-                                                 **source.invalid_status()})
+                                          "buffer_rows": record["buffer_rows"],
+                                          "policy_lag": step_metrics["policy_lag_mean"],
+                                          **source.invalid_status()})
         if step % config.train.checkpoint_every == 0:
             _checkpoint(checkpoints, learner, buffer, summary_start, counters)
     stopped_early = learner.step < config.train.steps
@@ -314,7 +314,8 @@ def _restore(run_dir: Path, store: str, checkpoints: Checkpointer, learner: Lear
         log.warning("--resume: no complete checkpoint under %s; STARTING AGAIN FROM STEP 0 with the initial "
                     "params, rebuilding the replay buffer from the %d rows already in the trajectory stores",
                     checkpoints.directory, rows)
-        primary_only(rundir.write_status)(run_dir, "trainer", {"step": 0, "phase": "no checkpoint to resume: restarting at step 0"})
+        primary_only(rundir.write_status)(run_dir, "trainer",
+                                          {"step": 0, "phase": "no checkpoint to resume: restarting at step 0"})
         return {}
     learner.trainer.state, extra = checkpoints.restore(learner.trainer.state)
     buffer.load_state_dict(extra["buffer"])
