@@ -168,6 +168,48 @@ def test_a_searcher_refuses_to_join_a_process_group(tmp_path, capsys):
     assert "trainer only" in err and "system.num_searchers" in err
 
 
+def test_launcher_environment_and_coordinator_of_trainer_processes(tmp_path):
+    from tbajax.system.launcher import _Child, child_env, set_coordinator
+
+    config = apply_overrides(load_experiment("tiny_arithmetic"), [
+        "system.trainer_processes=2", "system.cpu_devices_per_trainer_process=3", "system.devices=split",
+        "system.trainer_devices=4"])
+    env = child_env(config, "trainer", 1)
+    assert env["CUDA_VISIBLE_DEVICES"] == "2,3"  # process 1's half of the trainer GPUs
+    assert env["XLA_FLAGS"].split().count("--xla_force_host_platform_device_count=3") == 1
+    assert "--xla_force_host_platform_device_count=3" not in child_env(config, "searcher", 0).get("XLA_FLAGS", "")
+    trainers = [_Child(f"trainer-{i}", ["--role=trainer"], {}, tmp_path / f"{i}.log") for i in range(2)]
+    set_coordinator(trainers)
+    first = trainers[1].args
+    set_coordinator(trainers)  # a restart: a new port, no duplicated flags
+    assert [a for a in first if a.startswith("--process-id")] == ["--process-id=1"]
+    assert len(trainers[1].args) == 4 and trainers[1].args[1] != first[1]
+    assert trainers[0].args[1:3] == trainers[1].args[1:3] and trainers[0].args[3] == "--process-id=0"
+
+
+def test_the_launcher_names_the_trainer_process_that_died_first(tmp_path):
+    """Process 1 was killed; JAX then aborted process 0 (SIGABRT) for its dead peer: the cause
+    named is process 1, whichever exit the launcher sees first."""
+    import signal
+
+    from tbajax.system.launcher import Supervisor, _Child
+
+    class Exited(_Child):
+        def poll(self):  # noqa: ANN201
+            return self.code
+
+    config = apply_overrides(load_experiment("tiny_arithmetic"), ["system.trainer_processes=2"])
+    p0, p1 = (Exited(f"trainer{s}", [], {}, tmp_path / f"trainer{s}.log") for s in ("", "-1"))
+    p0.code, p1.code = -signal.SIGABRT, -signal.SIGKILL
+    sup = Supervisor(config, tmp_path, p0, [], trainer_peers=[p1])
+    assert sup._trainer_exit() == -signal.SIGKILL
+    assert sup._trainer_name().startswith("trainer process 1 of 2 (log ")
+    p1.code = None  # process 1 still up: process 0's own failure
+    assert sup._trainer_exit() == -signal.SIGABRT and sup._trainer_name().startswith("trainer process 0 of 2")
+    p0.code = 0
+    assert sup._trainer_exit() == 0  # process 0 done: the run is over (peers get the stop request)
+
+
 # --- real processes -------------------------------------------------------------------------------
 
 
