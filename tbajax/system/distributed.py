@@ -74,7 +74,8 @@ def initialize(coordinator_address: str, num_processes: int, process_id: int, *,
         raise ValueError("--coordinator-address needs --num-processes and --process-id")
     if not 0 <= process_id < num_processes:
         raise ValueError(f"--process-id={process_id} must be in [0, --num-processes={num_processes})")
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if getattr(jax.config, "jax_cpu_collectives_implementation", "gloo") != "gloo":  # gloo: the default in 0.10
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(
         coordinator_address, num_processes, process_id,
         initialization_timeout=initialization_timeout_s, heartbeat_timeout_seconds=heartbeat_timeout_s,
@@ -227,7 +228,11 @@ class StepAgreement:
         return self._receive(step)
 
     def share(self, name: str, value: Callable[[], Any]) -> Any:
-        """The primary's `value()` (JSON), on every process."""
+        """The primary's `value()` (JSON), on every process (once per name and session).
+
+        Also the way to hold the followers after work process 0 does alone (building and running
+        the evaluator): they wait here, in the KV store, with no deadline, rather than inside the
+        next device collective, where gloo (CPU) gives up after 30 s."""
         if not self.multiprocess:
             return value()
         key = f"tbajax/shared/{name}"
@@ -340,17 +345,21 @@ class PrimaryEvaluation:
     process 0, one host copy of the params on its devices while it evaluates.
     """
 
-    def __init__(self, build: Callable[[Any, Any], Any], policy: Any, mesh: Any, local_mesh: Callable[[], Any]):
+    def __init__(self, build: Callable[[Any, Any], Any], policy: Any, mesh: Any, local_mesh: Callable[[], Any],
+                 agreement: StepAgreement):
         from tbajax.sharding import spans_processes
 
         self.spread = spans_processes(mesh)
         self.inner = None
+        self.agreement = agreement
+        self.runs = 0
         if not self.spread:
             self.inner = build(policy, mesh)
         else:
             host = self._host_model(policy)
             if is_primary():
                 self.inner = build(host, local_mesh())
+            agreement.share("evaluator-ready", lambda: True)  # followers wait here, not in a collective
 
     @property
     def metric(self) -> str:
@@ -360,9 +369,10 @@ class PrimaryEvaluation:
         if not self.spread:
             return self.inner.run(policy)
         host = self._host_model(policy)
-        if self.inner is None:
-            return {"eval_score": float("nan")}
-        return self.inner.run(host)
+        out = self.inner.run(host) if self.inner is not None else {"eval_score": float("nan")}
+        self.runs += 1
+        self.agreement.share(f"evaluated-{self.runs}", lambda: True)
+        return out
 
     @staticmethod
     def _host_model(policy: Any) -> Any:

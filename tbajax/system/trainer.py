@@ -132,7 +132,7 @@ def run_trainer(run_dir: Path, *, resume: bool = False, store_url: str | None = 
     reward_pool = make_reward_pool(config)  # shared by evaluation and (sync mode) generation
     evaluator = PrimaryEvaluation(  # multi-process: process 0 evaluates on its own devices
         lambda policy, on: Evaluator(config, policy, on, reward_pool), learner.trainer.policy(), mesh,
-        lambda: make_mesh(config.system.searcher_mesh, devices=jax.local_devices()))
+        lambda: make_mesh(config.system.searcher_mesh, devices=jax.local_devices()), agreement)
     buffer = make_buffer(config)
     checkpoints = Checkpointer(run_dir / "checkpoints", max_to_keep=config.train.keep_checkpoints)
     metrics = MetricsWriter(run_dir, "trainer") if primary else NullMetrics()
