@@ -112,6 +112,7 @@ def worker(pid: int, port: int, shapes: list[tuple[int, int, int]], steps: int, 
         if pid == 0:
             med = {k: float(np.median(v)) for k, v in (("agree_ms", agree), ("publish_ms", publish),
                                                        ("step_ms", step_t))}
+            med["step_ms"] = med["step_ms"] if train else None  # JSON null, not NaN
             rows.append({"groups": groups, "rows": groups * K, "prompt": prompt, "response": response,
                          "kib": nbytes / 1024, **med, "share": med["agree_ms"] / med["step_ms"] if train else None})
         agreement.bytes_sent = 0
@@ -149,7 +150,7 @@ def main() -> None:
         raise SystemExit(f"benchmark workers failed: exit codes {codes}")
     rows = json.loads(Path(out).read_text())
     print("\nbatch agreement across 2 local processes (1 CPU device each), median per step:")
-    print_table(rows, ["groups", "rows", "prompt", "response", "kib", "agree_ms", "publish_ms", "step_ms", "share"])
+    print_table([{k: "-" if v is None else v for k, v in r.items()} for r in rows], ["groups", "rows", "prompt", "response", "kib", "agree_ms", "publish_ms", "step_ms", "share"])
     write_json(args.json, {"benchmark": "batch_agreement", "steps": steps, "k": K, "model": str(CHECKPOINT.name),
                            "rows": rows, "machine": machine()})
 
