@@ -304,6 +304,7 @@ SMALL = ["--set", "eval.num_problems=4", "--set", "eval.batch_size=4", "--set", 
          "--set", "train.groups_per_step=4", "--set", "train.log_every=1", "--set", "system.stall_timeout_s=600"]
 
 
+@pytest.mark.slow  # ~2 min on 2 loaded cores (3 JAX processes compiling); the launcher's parts are tested above
 def test_async_run_with_a_two_process_trainer_and_one_searcher(tmp_path):
     """The launcher starts the trainer as 2 processes x 2 CPU devices (one 4-device mesh) and one
     searcher: the run finishes, and only process 0 wrote metrics, status and param versions."""
