@@ -165,6 +165,13 @@ class SystemSpec:
       (searchers merge them into the base weights they hold; needs model.lora); "full": every
       weight (under LoRA, the merged policy); "auto" = "adapters" with model.lora, else "full".
       Sync mode hands the merged params over in memory either way.
+    trainer_processes: the process launcher starts the trainer as this many JAX processes on one
+      global mesh (jax.distributed over localhost; process 0 decides every batch and alone
+      writes, see tbajax.system.distributed). With devices="split" each process gets
+      trainer_devices / trainer_processes GPUs. Searchers are always single-process.
+    cpu_devices_per_trainer_process: on CPU, the fake devices each trainer process gets
+      (XLA --xla_force_host_platform_device_count), to try a multi-process mesh without
+      accelerators; None = leave XLA_FLAGS as it is.
     """
 
     mode: Literal["async", "sync"] = "async"
@@ -186,6 +193,8 @@ class SystemSpec:
     stop_grace_s: float = 60.0
     ray: RaySpec = RaySpec()
     publish: Literal["auto", "full", "adapters"] = "auto"
+    trainer_processes: int = 1
+    cpu_devices_per_trainer_process: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,6 +248,7 @@ class ExperimentConfig:
             )
         self._check_ranges()
         self._check_recency_supply()
+        self._check_trainer_processes()
         if (self.train.groups_per_step * k) % self.train.trainer.num_microbatches:
             raise ConfigError(
                 f"{self.train.groups_per_step} groups x K={k} rows do not split into "
@@ -259,6 +269,20 @@ class ExperimentConfig:
                 raise ConfigError(f"{key}={value!r} must be {bound}{' (or null)' if optional else ''}")
         if self.system.memory_fraction is not None and self.system.memory_fraction > 1:
             raise ConfigError(f"system.memory_fraction={self.system.memory_fraction} must be in (0, 1]")
+
+    def _check_trainer_processes(self) -> None:
+        s = self.system
+        if s.trainer_processes == 1:
+            return
+        if s.mode == "sync":
+            raise ConfigError(
+                f"system.trainer_processes={s.trainer_processes} needs system.mode=async: in sync mode the "
+                "trainer generates its own batches, and generation runs in one process (run async, or one "
+                "trainer process on more devices)")
+        if s.devices == "split" and s.trainer_devices % s.trainer_processes:
+            raise ConfigError(
+                f"system.trainer_devices={s.trainer_devices} GPUs do not split evenly over "
+                f"system.trainer_processes={s.trainer_processes} processes")
 
     def _check_recency_supply(self) -> None:
         """Refuse a configuration that deadlocks: a trainer that waits for unused recent groups,
@@ -319,6 +343,8 @@ _RANGES: tuple[tuple[str, tuple[float, bool], bool], ...] = (
     ("system.restart_backoff_s", (0, False), False),
     ("system.stall_timeout_s", (0, True), True),
     ("system.stop_grace_s", (0, False), False),
+    ("system.trainer_processes", (1, False), False),
+    ("system.cpu_devices_per_trainer_process", (1, False), True),
     ("system.ray.trainer_cpus", (0, False), False),
     ("system.ray.trainer_gpus", (0, False), False),
     ("system.ray.searcher_cpus", (0, False), False),

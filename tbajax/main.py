@@ -102,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--coordinator-address", help="multi-host trainer: jax.distributed coordinator host:port")
     ap.add_argument("--num-processes", type=int, help="multi-host trainer: number of JAX processes")
     ap.add_argument("--process-id", type=int, help="multi-host trainer: this process's index")
+    ap.add_argument("--heartbeat-timeout", type=int, default=30, metavar="S",
+                    help="multi-host trainer: a process silent this long is declared dead and every process "
+                         "stops, naming it (default: 30 s)")
     return ap
 
 
@@ -154,9 +157,21 @@ def _run(args: argparse.Namespace) -> int:
     from tbajax.system import rundir
 
     if args.coordinator_address:
-        import jax
+        from tbajax.config import ConfigError
 
-        jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
+        if args.role != "trainer":
+            raise ConfigError(
+                f"--coordinator-address is for the trainer only, not --role={args.role}: a searcher is one "
+                "process on one host's devices (it decides no prompts with peers; see system.searcher_mesh). "
+                "For more generation throughput run more single-host searchers (system.num_searchers); "
+                "the launcher starts a multi-process trainer itself with system.trainer_processes")
+        from tbajax.system import distributed
+
+        try:
+            distributed.initialize(args.coordinator_address, args.num_processes, args.process_id,
+                                   heartbeat_timeout_s=args.heartbeat_timeout)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
     given_config = args.experiment is not None or args.overrides or args.objective or args.mode
     if args.role != "launcher" and args.run_dir is not None and not given_config:
@@ -168,11 +183,24 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     run_dir: Path = args.run_dir or Path("runs") / f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     if args.role == "trainer":
+        if args.coordinator_address and config.system.mode == "sync":
+            from tbajax.config import ConfigError
+
+            raise ConfigError("a multi-process trainer (--coordinator-address) needs system.mode=async: in sync mode "
+                              "the trainer generates its own batches, and generation runs in one process")
         if given_config:
             _write_or_check_config(run_dir, config)
         from tbajax.system.trainer import run_trainer
 
-        summary = run_trainer(run_dir, resume=args.resume, store_url=args.store)
+        if args.coordinator_address:
+            from tbajax.system.distributed import fail_fast
+
+            try:
+                summary = run_trainer(run_dir, resume=args.resume, store_url=args.store)
+            except BaseException as e:  # noqa: BLE001 - tell the peers, skip JAX's shutdown barrier
+                fail_fast(e)
+        else:
+            summary = run_trainer(run_dir, resume=args.resume, store_url=args.store)
         print(json.dumps(summary, indent=2))
         return 0
     if args.role == "searcher":
@@ -188,6 +216,11 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.launcher != "ray" and args.ray_address:
         raise ConfigError("--ray-address needs --launcher=ray")
+    if args.launcher == "ray" and config.system.trainer_processes > 1:
+        raise ConfigError(
+            f"system.trainer_processes={config.system.trainer_processes}: --launcher=ray starts the trainer as one "
+            "actor; start a multi-process trainer with the process launcher (one machine) or one "
+            "`--role=trainer --coordinator-address=...` per host (see the README's multi-host section)")
     print(f"tbajax: experiment {config.name!r} ({config.system.mode}, objective {config.train.objective}, "
           f"{config.system.num_searchers if config.system.mode == 'async' else 0} searcher "
           f"{'Ray actors' if args.launcher == 'ray' else 'processes'}) -> {run_dir}",

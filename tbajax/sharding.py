@@ -127,3 +127,23 @@ def param_shardings(abstract_state: Any, mesh: Mesh) -> Any:
         return named_sharding(axes, var.shape, mesh)
 
     return jax.tree.map(one, abstract_state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+
+
+def spans_processes(mesh: Mesh) -> bool:
+    """Whether some of `mesh`'s devices belong to other processes (a multi-process mesh)."""
+    return any(d.process_index != jax.process_index() for d in mesh.devices.flat)
+
+
+def host_to_global(tree: Any, shardings: Any) -> Any:
+    """A tree of host (numpy) arrays, identical on every process, as global jax.Arrays in
+    `shardings` (a matching tree or tree prefix): each process materialises only the shards of
+    its own devices. jit refuses host arrays for a sharding that spans processes; arrays that
+    are already jax.Arrays pass through unchanged."""
+
+    def one(sharding: Any, x: Any) -> Any:
+        if x is None or isinstance(x, jax.Array):
+            return x
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+    return jax.tree.map(one, shardings, tree, is_leaf=lambda s: isinstance(s, jax.sharding.Sharding))

@@ -146,7 +146,8 @@ class _Child:
 
 
 def child_env(config: ExperimentConfig, role: str, index: int) -> dict[str, str]:
-    """Environment of one role: its device set and its share of a shared GPU's memory."""
+    """Environment of one role: its device set and its share of a shared GPU's memory (`index`:
+    the searcher's id, or the trainer's process id when the trainer runs as several processes)."""
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
     env[rundir.LAUNCHER_PID_ENV] = str(os.getpid())
@@ -155,11 +156,16 @@ def child_env(config: ExperimentConfig, role: str, index: int) -> dict[str, str]
         env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = str(sysc.memory_fraction)
     elif sysc.devices == "shared":
         # several JAX processes on one GPU: none may preallocate 75% of it
-        share = 0.9 / (1 + sysc.num_searchers)
+        share = 0.9 / (sysc.trainer_processes + sysc.num_searchers)
         env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{share:.3f}")
+    if role == "trainer" and sysc.cpu_devices_per_trainer_process is not None:
+        flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", "")).strip()
+        count = f"--xla_force_host_platform_device_count={sysc.cpu_devices_per_trainer_process}"
+        env["XLA_FLAGS"] = f"{flags} {count}".strip()
     if sysc.devices == "split":
         if role == "trainer":
-            ids = range(sysc.trainer_devices)
+            per = sysc.trainer_devices // sysc.trainer_processes
+            ids = range(index * per, (index + 1) * per)
         else:
             first = sysc.trainer_devices + index * sysc.devices_per_searcher
             ids = range(first, first + sysc.devices_per_searcher)
@@ -180,7 +186,32 @@ def launch(config: ExperimentConfig, run_dir: Path, *, resume: bool = False, qui
             _Child(role, args, child_env(config, role.split("-")[0], index), logs / f"{role}.log")
             for role, index, args in role_commands(config, run_dir, resume=resume)
         ]
-        return Supervisor(config, run_dir, trainer, searchers, quiet=quiet).run()
+        peers = [_Child(f"trainer-{i}", list(trainer.args), child_env(config, "trainer", i),
+                        logs / f"trainer-{i}.log") for i in range(1, config.system.trainer_processes)]
+        if peers:
+            set_coordinator([trainer, *peers])
+        return Supervisor(config, run_dir, trainer, searchers, quiet=quiet, trainer_peers=peers).run()
+
+
+def free_port() -> int:
+    """A TCP port free on this host now (for the trainer processes' coordinator)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def set_coordinator(trainers: Sequence[_Child]) -> None:
+    """Point the trainer processes (process 0 first) at a fresh localhost coordinator: each start
+    of a multi-process trainer (restarts too) gets a new port, so a dying coordinator's socket
+    never blocks the next one."""
+    port = free_port()
+    for i, c in enumerate(trainers):
+        c.args = [a for a in c.args if not a.startswith(("--coordinator-address=", "--num-processes=",
+                                                          "--process-id="))]
+        c.args += [f"--coordinator-address=127.0.0.1:{port}", f"--num-processes={len(trainers)}",
+                   f"--process-id={i}"]
 
 
 @contextlib.contextmanager
@@ -217,12 +248,14 @@ class Supervisor:
     tick_s = 0.5
 
     def __init__(self, config: ExperimentConfig, run_dir: Path, trainer: _Child, searchers: Sequence[_Child],
-                 *, quiet: bool = True):
+                 *, quiet: bool = True, trainer_peers: Sequence[_Child] = ()):
         self.config = config
         self.run_dir = run_dir
         self.trainer = trainer
+        self.trainer_peers = list(trainer_peers)  # processes 1.. of a multi-process trainer
+        self.failed_trainer = trainer  # the trainer process whose exit ended the trainer (for messages)
         self.searchers = list(searchers)
-        self.children = [trainer, *self.searchers]
+        self.children = [trainer, *self.trainer_peers, *self.searchers]
         self.quiet = quiet
         self.interrupts = 0
         self.last_step = -1
@@ -267,9 +300,10 @@ class Supervisor:
                       "press Ctrl-C again to kill them at once", flush=True)
                 return 130
             now = time.monotonic()
-            t = self.trainer.poll()
+            t = self._trainer_exit()
             if t is not None and self.trainer.restart_at is None:
-                self.trainer.kill_group()
+                for c in (self.trainer, *self.trainer_peers):
+                    c.kill_group()
                 if t == 0:
                     return 0
                 code = self._trainer_failed(t, now)
@@ -292,6 +326,18 @@ class Supervisor:
             if stalled:
                 print(f"\nstalled: {stalled}\nstopping the run.", file=sys.stderr, flush=True)
                 return 3
+
+    def _trainer_exit(self) -> int | None:
+        """The trainer's exit code once it is over: process 0's, or that of a process of a
+        multi-process trainer that failed (it takes the others down). When several are dead,
+        the one that was not aborted by JAX for a dead peer (SIGABRT) is named: the cause."""
+        exited = [(c, c.poll()) for c in (self.trainer, *self.trainer_peers)]
+        failed = [(c, r) for c, r in exited if r not in (None, 0)]
+        if not failed:
+            return exited[0][1]
+        causes = [(c, r) for c, r in failed if r not in (-signal.SIGABRT, 128 + signal.SIGABRT)]
+        self.failed_trainer, code = (causes or failed)[0]
+        return code
 
     def _each_tick(self) -> None:
         """Per-tick work of a subclass (the Ray launcher streams the roles' log lines here)."""
@@ -326,18 +372,29 @@ class Supervisor:
             recent = len([x for x in t.restart_times if now - x < sysc.restart_window_s])
             budget = (f" after {recent} automatic restarts within {sysc.restart_window_s:g} s"
                       if sysc.max_trainer_restarts else "")
-            print(f"\ntrainer failed ({describe_exit(code)}){budget}.\n{t.tail()}\n"
+            print(f"\n{self._trainer_name()} failed ({describe_exit(code)}){budget}.\n{self.failed_trainer.tail()}\n"
                   f"to continue from {ckpt}: {resume_command(self.run_dir)}", file=sys.stderr, flush=True)
             return code if code > 0 else 1
         t.restarts += 1
         t.restart_times.append(now)
         t.restart_at = now + delay
-        if "--resume" not in t.args:
-            t.args.append("--resume")
+        for c in (t, *self.trainer_peers):
+            c.restart_at = t.restart_at
+            if "--resume" not in c.args:
+                c.args.append("--resume")
+        if self.trainer_peers:
+            set_coordinator([t, *self.trainer_peers])
         self.last_progress = now + delay  # the stall clock restarts with the trainer
-        print(f"\ntrainer failed ({describe_exit(code)}); restarting it from {ckpt} in {delay:g} s "
+        print(f"\n{self._trainer_name()} failed ({describe_exit(code)}); restarting it from {ckpt} in {delay:g} s "
               f"(restart {t.restarts}, system.max_trainer_restarts={sysc.max_trainer_restarts})", flush=True)
         return None
+
+    def _trainer_name(self) -> str:
+        if not self.trainer_peers:
+            return "trainer"
+        i = [self.trainer, *self.trainer_peers].index(self.failed_trainer)
+        return (f"trainer process {i} of {1 + len(self.trainer_peers)} (log {self.failed_trainer.log_path}; "
+                "the other trainer processes were stopped with it)")
 
     def _kill_hung_searchers(self, status: dict[str, dict[str, Any]], now: float) -> None:
         """Kill a searcher that has not reported for stall_timeout_s while the trainer kept

@@ -34,6 +34,14 @@ from tbajax.stores import (
     param_store_url,
 )
 from tbajax.system import rundir
+from tbajax.system.distributed import (
+    STOP,
+    NullMetrics,
+    PrimaryEvaluation,
+    StepAgreement,
+    is_primary,
+    primary_only,
+)
 from tbajax.system.evaluation import Evaluator
 from tbajax.system.metrics import MetricsWriter, machine_info, plot_learning_curve, read_metrics
 from tbajax.system.publishing import params_to_publish
@@ -115,17 +123,22 @@ def run_trainer(run_dir: Path, *, resume: bool = False, store_url: str | None = 
     """The trainer process. Returns the run summary (also written to summary.json)."""
     config = rundir.load_config(run_dir)
     store = store_url or str(run_dir)
+    # several trainer processes: process 0 decides every batch and alone writes (tbajax.system.distributed)
+    agreement, primary = StepAgreement(), is_primary()
+    write_status = primary_only(rundir.write_status)
     stop = rundir.StopFlag(run_dir)
     mesh = make_mesh(config.system.trainer_mesh)
     model = load_model(config.model.checkpoint, mesh=mesh, param_dtype=config.model.param_dtype,
                        dtype=config.model.dtype, remat=config.model.remat)
     learner = Learner(config, model, mesh)
     reward_pool = make_reward_pool(config)  # shared by evaluation and (sync mode) generation
-    evaluator = Evaluator(config, learner.trainer.policy(), mesh, reward_pool)
+    evaluator = PrimaryEvaluation(  # multi-process: process 0 evaluates on its own devices
+        lambda policy, on: Evaluator(config, policy, on, reward_pool), learner.trainer.policy(), mesh,
+        lambda: make_mesh(config.system.searcher_mesh, devices=jax.local_devices()), agreement)
     buffer = make_buffer(config)
     checkpoints = Checkpointer(run_dir / "checkpoints", max_to_keep=config.train.keep_checkpoints)
-    metrics = MetricsWriter(run_dir, "trainer")
-    run_id = _run_id(run_dir, resume)
+    metrics = MetricsWriter(run_dir, "trainer") if primary else NullMetrics()
+    run_id = agreement.share("run_id", lambda: _run_id(run_dir, resume))
     publisher = ParamPublisher(param_store_url(store), run_id, dtype=config.system.publish_dtype,
                                keep=config.system.keep_param_versions)
     counters = RunCounters(start_time=time.time())
@@ -136,7 +149,7 @@ def run_trainer(run_dir: Path, *, resume: bool = False, store_url: str | None = 
         restored_syncs = list(buffer.state_dict()["sync_versions"])
         if config.system.mode == "sync":  # on-policy: the version is the step (params handed over in memory)
             version = learner.step
-        elif publisher.latest_version() is not None:
+        elif agreement.share("republish", lambda: publisher.latest_version() is not None):
             # Searchers may hold params newer than the restored step (published after the last
             # checkpoint): give them the restored params at once, under a new (higher) version.
             version = publisher.publish(*params_to_publish(config, learner.trainer), step=learner.step)
@@ -159,16 +172,27 @@ def run_trainer(run_dir: Path, *, resume: bool = False, store_url: str | None = 
         if "eval_accuracy" in acc:
             summary_start["eval_accuracy_start"] = acc["eval_accuracy"]
         metrics.write(learner.step, {**acc, "version": version, "elapsed_s": counters.elapsed()})
-        rundir.write_status(run_dir, "trainer", {"step": learner.step, "phase": "waiting for data", **acc})
+        write_status(run_dir, "trainer", {"step": learner.step, "phase": "waiting for data", **acc})
     # checkpoints written before eval_score existed hold only eval_accuracy_start
     last = {"eval_score": summary_start.get("eval_score_start", summary_start.get("eval_accuracy_start"))}
     stalled_since, next_stall_warning = 0.0, 60.0
-    while learner.step < config.train.steps and not stop():
+
+    def draw() -> Any:  # process 0's decision for the next step (see StepAgreement)
+        if stop():
+            return STOP
         source.fill(buffer, version)
         try:
-            groups = buffer.sample(np.random.default_rng((config.seed, learner.step)),
-                                   config.train.groups_per_step, current_version=version)
+            return buffer.sample(np.random.default_rng((config.seed, learner.step)),
+                                 config.train.groups_per_step, current_version=version)
         except BufferEmptyError as e:
+            return e
+
+    while learner.step < config.train.steps:
+        groups = agreement.decide(learner.step + 1, draw)
+        if groups is STOP:
+            break
+        if isinstance(groups, BufferEmptyError):
+            e = groups
             t0 = time.time()
             time.sleep(0.05)
             counters.wait_s += time.time() - t0
@@ -177,8 +201,8 @@ def run_trainer(run_dir: Path, *, resume: bool = False, store_url: str | None = 
                 log.warning("no trainable batch for %.0f s (%s); are the searchers running? see logs/searcher-*.log",
                             t0 - stalled_since, e)
                 next_stall_warning *= 2
-            rundir.write_status(run_dir, "trainer", {**last, "step": learner.step, "phase": "waiting for data",
-                                                     "buffer_rows": len(buffer), **source.invalid_status()})
+            write_status(run_dir, "trainer", {**last, "step": learner.step, "phase": "waiting for data",
+                                              "buffer_rows": len(buffer), **source.invalid_status()})
             continue
         stalled_since, next_stall_warning = 0.0, 60.0
         step_metrics = learner.train_on(groups, version)
@@ -199,17 +223,17 @@ def run_trainer(run_dir: Path, *, resume: bool = False, store_url: str | None = 
         if config.eval.every and step % config.eval.every == 0 and step < config.train.steps:
             record.update(evaluator.run(learner.trainer.policy()))
             log.info("step %d: eval %s %.3f", step, evaluator.metric, record["eval_score"])
-        if step % 10 == 0:
+        if step % 10 == 0 and primary:
             log.info("step %d: loss %.4g reward %.3f lag %.1f buffer %d rows (%.2fs/step)", step, record.get("loss", float("nan")),
                      record["reward_mean"], record["policy_lag_mean"], record["buffer_rows"], record["step_time_s"])
         if step % config.train.log_every == 0 or "eval_score" in record:
             metrics.write(step, record)
         last = {k: record[k] for k in ("reward_mean", "eval_score") if k in record} | {
             "eval_score": record.get("eval_score", last.get("eval_score"))}
-        rundir.write_status(run_dir, "trainer", {**last, "step": step, "phase": "training",
-                                                 "buffer_rows": record["buffer_rows"],
-                                                 "policy_lag": step_metrics["policy_lag_mean"],
-                                                 **source.invalid_status()})
+        write_status(run_dir, "trainer", {**last, "step": step, "phase": "training",
+                                          "buffer_rows": record["buffer_rows"],
+                                          "policy_lag": step_metrics["policy_lag_mean"],
+                                          **source.invalid_status()})
         if step % config.train.checkpoint_every == 0:
             _checkpoint(checkpoints, learner, buffer, summary_start, counters)
     stopped_early = learner.step < config.train.steps
@@ -217,7 +241,7 @@ def run_trainer(run_dir: Path, *, resume: bool = False, store_url: str | None = 
     # evaluation must not cost the steps since the last checkpoint.
     if stopped_early:
         log.warning("stop requested at step %d of %d: checkpointing first", learner.step, config.train.steps)
-        rundir.write_status(run_dir, "trainer", {**last, "step": learner.step, "phase": "checkpointing (stopping)"})
+        write_status(run_dir, "trainer", {**last, "step": learner.step, "phase": "checkpointing (stopping)"})
     checkpoints.wait()
     if checkpoints.latest_step() != learner.step:
         _checkpoint(checkpoints, learner, buffer, summary_start, counters, force=True)
@@ -226,8 +250,12 @@ def run_trainer(run_dir: Path, *, resume: bool = False, store_url: str | None = 
     if learner.step % config.system.sync_every:
         version = publisher.publish(*params_to_publish(config, learner.trainer), step=learner.step)
     publisher.close()
-    rundir.write_status(run_dir, "trainer", {**last, "step": learner.step, "phase": "final evaluation"})
+    write_status(run_dir, "trainer", {**last, "step": learner.step, "phase": "final evaluation"})
     final = evaluator.run(learner.trainer.policy())
+    if not primary:  # the summary, plots and status are process 0's
+        if reward_pool is not None:
+            reward_pool.close()
+        return {"process_index": jax.process_index(), "trainer_steps": learner.step, "eval_end": final}
     log.info("final eval %s %.3f after %d steps", evaluator.metric, final["eval_score"], learner.step)
     wall = counters.elapsed()
     metrics.write(learner.step, {**final, "version": version, "elapsed_s": wall})
@@ -288,7 +316,8 @@ def _restore(run_dir: Path, store: str, checkpoints: Checkpointer, learner: Lear
         log.warning("--resume: no complete checkpoint under %s; STARTING AGAIN FROM STEP 0 with the initial "
                     "params, rebuilding the replay buffer from the %d rows already in the trajectory stores",
                     checkpoints.directory, rows)
-        rundir.write_status(run_dir, "trainer", {"step": 0, "phase": "no checkpoint to resume: restarting at step 0"})
+        primary_only(rundir.write_status)(run_dir, "trainer",
+                                          {"step": 0, "phase": "no checkpoint to resume: restarting at step 0"})
         return {}
     learner.trainer.state, extra = checkpoints.restore(learner.trainer.state)
     buffer.load_state_dict(extra["buffer"])

@@ -35,7 +35,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tbajax.batch import Batch, PackedGroups
 from tbajax.objectives.base import Metrics, Ratio
 from tbajax.objectives.registry import resolve_objective
-from tbajax.sharding import LOGICAL_RULES
+from tbajax.sharding import LOGICAL_RULES, host_to_global, spans_processes
 from tbajax.training.config import TrainerConfig
 from tbajax.training.loss import sequence_logprobs  # noqa: F401  (re-exported: the old import path)
 from tbajax.training.microbatch import (  # noqa: F401  (local_group_ids, split_microbatches: re-exported)
@@ -258,7 +258,12 @@ def make_train_step(
     )
     frozen = () if lora is None else (lora,)
 
+    global_batch = spans_processes(mesh)  # jit takes no host arrays for shardings across processes
+    in_batch = batch_shardings(mesh, packed=config.pack_groups)
+
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, StepOutput]:
+        if global_batch:
+            batch = host_to_global(batch, in_batch)
         with jax.set_mesh(mesh):
             return jitted(state, batch, *frozen)
 
