@@ -28,6 +28,8 @@ from tbajax.system.distributed import STOP, StepAgreement, decode_groups, encode
 from tbajax.system.metrics import read_metrics
 from tbajax.trajectory import RewardStatus, Trajectory
 
+pytestmark = pytest.mark.processes
+
 REPO = Path(__file__).resolve().parent.parent
 K = 8
 STEPS = 3
