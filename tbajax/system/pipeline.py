@@ -169,11 +169,6 @@ class UpdateClock:
         self.wall_s += max(0.0, done - before - paused)
         return idle
 
-    def forget(self, update: int) -> None:
-        """An update that was refused (not applied): it never counts."""
-        for d in (self._dispatch, self._done, self._paused):
-            d.pop(update, None)
-
     @property
     def idle_share(self) -> float:
         return self.idle_s / self.wall_s if self.wall_s > 0 else float("nan")
