@@ -182,6 +182,13 @@ def _ready_at(ready: Any) -> float:
     return time.perf_counter()
 
 
+@jax.jit
+def _copy_tree(tree: Any) -> Any:
+    """A device-side copy of a tree of arrays, in one dispatch (outputs never alias inputs that
+    are not donated)."""
+    return jax.tree.map(jnp.copy, tree)
+
+
 class BackgroundPublish:
     """`publisher.publish(params)` without making the caller wait for the update behind `params`.
 
@@ -210,7 +217,7 @@ class BackgroundPublish:
             return self.publisher.publish(params, step=step, wait=False)
         self.join()
         version = self.publisher.next_version
-        snapshot = jax.tree.map(jnp.copy, params)
+        snapshot = _copy_tree(params)
         self._pending = self._worker.submit(self._publish, snapshot, step, version)
         return version
 
