@@ -366,7 +366,8 @@ class StepLoop:
       unchanged params may have been published once more).
     - Evaluation and checkpoint steps (`pauses_after`) are checked before the next batch is
       drawn and before the next update is dispatched: `on_step` sees the params and the buffer
-      after exactly that update.
+      after exactly that update. At other steps `on_step` runs while the next update is in flight
+      and the batch after it is being drawn: it may write records, not read params or the buffer.
     - A stop request is seen between updates; a batch already drawn is trained on first (its
       draw changed the buffer), so the final checkpoint's buffer and params agree.
 
