@@ -255,8 +255,9 @@ def run_trainer(run_dir: Path, *, resume: bool = False, store_url: str | None = 
         "wall_time_s": wall,
         "trainer_wait_s": counters.wait_s,
         "train_loop": "pipelined" if loop.pipelined else "serial",
-        # device idle between updates / the step loop's wall time (StepLoop, UpdateClock)
-        "trainer_idle_share": counters.idle_share,
+        # device idle between updates / the step loop's wall time (StepLoop, UpdateClock); in
+        # sync mode the inline generation between updates counts as idle (no update in flight)
+        "trainer_idle_share": counters.idle_share if counters.loop_wall_s > 0 else None,
         "trainer_idle_s": counters.idle_s,
         "loop_wall_s": counters.loop_wall_s,
         "batch_prep_s": counters.prep_s,  # host time drawing batches (overlapped when pipelined)

@@ -80,7 +80,8 @@ class PolicyUpdater:
                 f"TrainerConfig.aux_table_size={config.aux_table_size}"
             )
         self.shardings = state_shardings(self.state, mesh) if mesh is not None else None
-        self._pending: collections.deque[tuple[Any, int]] = collections.deque()  # (StepOutput, update number) in flight, oldest first
+        # (StepOutput, update number) of the updates in flight, oldest first
+        self._pending: collections.deque[tuple[Any, int]] = collections.deque()
         self._next_update = int(jax.device_get(self.state.step)) + 1
         self.last_dispatch: tuple[float, Any] | None = None
         self._step = make_train_step(
