@@ -100,6 +100,11 @@ class TrainSpec:
     # policy). Sound for TB, an off-policy objective whose loss never uses the sampling
     # distribution; ratio/clipping objectives would compare log-probs of different distributions.
     exploration_temperature: bool = False
+    # True: the asynchronous mode's trainer draws the next batch in a background thread and
+    # dispatches update n+1 before checking update n, so the device does not wait for the host
+    # (same updates, same order, same params: see tbajax.system.trainer.StepLoop). False: the
+    # serial loop. Sync mode is always serial (its next batch is generated with update n's params).
+    pipeline: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -364,6 +369,7 @@ RESUME_SAFE_KEYS: tuple[str, ...] = (
     "train.checkpoint_every",
     "train.keep_checkpoints",
     "train.log_every",
+    "train.pipeline",  # the same updates either way: only whether host and device overlap
     "train.trainer.optimizer.lr.warmup_steps",
     "train.trainer.optimizer.lr.stable_steps",
     "train.trainer.optimizer.lr.decay_steps",

@@ -9,17 +9,20 @@ resume, the final summary.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
+import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 
+from tbajax.batch import Batch
 from tbajax.buffer import BufferConfig, BufferEmptyError, Tailer, TrajectoryBuffer
 from tbajax.buffer import make_buffer as buffer_for
 from tbajax.config import ExperimentConfig
@@ -36,6 +39,7 @@ from tbajax.stores import (
 from tbajax.system import rundir
 from tbajax.system.distributed import (
     STOP,
+    Stop,
     NullMetrics,
     PrimaryEvaluation,
     StepAgreement,
@@ -45,6 +49,7 @@ from tbajax.system.distributed import (
 from tbajax.system.evaluation import Evaluator
 from tbajax.system.metrics import MetricsWriter, machine_info, plot_learning_curve, read_metrics
 from tbajax.system.publishing import params_to_publish
+from tbajax.system.pipeline import BackgroundPublish, Prefetcher, UpdateClock
 from tbajax.system.searcher import make_reward_pool
 from tbajax.training import Checkpointer, PolicyUpdater
 from tbajax.training.collate import collate
@@ -57,13 +62,14 @@ log = logging.getLogger(__name__)
 class Learner:
     """Groups of trajectories in, one optimizer update out."""
 
-    def __init__(self, config: ExperimentConfig, model: CausalLM, mesh: Any = None):
+    def __init__(self, config: ExperimentConfig, model: CausalLM, mesh: Any = None, *,
+                 compiler_options: dict[str, Any] | None = None):
         self.config = config
         self.objective, self.objective_config = resolve_objective(
             config.train.objective, overrides=dict(config.train.objective_options)
         )
         self.trainer = PolicyUpdater(model, config.train.trainer, self.objective, self.objective_config, mesh=mesh,
-                                     lora=config.model.lora)
+                                     lora=config.model.lora, compiler_options=compiler_options)
         self.rows = config.train.groups_per_step * config.buffer.samples_per_group
         self.tokens_trained = 0
 
@@ -71,8 +77,8 @@ class Learner:
     def step(self) -> int:
         return self.trainer.updates_applied
 
-    def train_on(self, groups: Sequence[Sequence[Trajectory]], current_version: int) -> dict[str, float]:
-        t0 = time.time()
+    def prepare(self, groups: Sequence[Sequence[Trajectory]]) -> Batch:
+        """Collate and validate one step's groups (host side; safe in a background thread)."""
         trainer = self.config.train.trainer
         batch = collate(
             groups,
@@ -85,24 +91,34 @@ class Learner:
         )
         validate_batch(batch, self.objective, objective_config=self.objective_config,
                        reference_from_trainer=trainer.compute_reference_logprobs)
-        metrics = self.trainer.step(batch)
+        return batch
+
+    @staticmethod
+    def batch_metrics(groups: Sequence[Sequence[Trajectory]], batch: Batch, current_version: int) -> dict[str, float]:
+        """What a step's record says about its data; `current_version`: the trainer's param version
+        when the groups were sampled (the lag is measured against it)."""
         rows = [t for g in groups for t in g]
         per_searcher = np.bincount([t.searcher_id for t in rows], minlength=1)
         rewards = np.array([t.reward for t in rows], np.float64)
         lags = np.array([current_version - t.policy_version for t in rows])
-        tokens = int(np.asarray(batch.loss_mask).sum())
-        self.tokens_trained += tokens
-        metrics.update(
+        return dict(
             reward_mean=float(rewards.mean()),
             reward_std_within_group=float(np.mean([np.std([t.reward for t in g]) for g in groups])),
             response_length=float(np.mean([len(t.response_tokens) for t in rows])),
             policy_lag_mean=float(lags.mean()),
             policy_lag_max=float(lags.max()),
-            train_tokens=tokens,
+            train_tokens=int(np.asarray(batch.loss_mask).sum()),
             **{f"rows_from_searcher_{i}": int(n) for i, n in enumerate(per_searcher)},
-            step_time_s=time.time() - t0,
         )
-        return metrics
+
+    def train_on(self, groups: Sequence[Sequence[Trajectory]], current_version: int) -> dict[str, float]:
+        """One update on `groups`, waiting for it (the serial path; the loop uses `StepLoop`)."""
+        t0 = time.time()
+        batch = self.prepare(groups)
+        metrics = self.trainer.step(batch)
+        data = self.batch_metrics(groups, batch, current_version)
+        self.tokens_trained += int(data["train_tokens"])
+        return {**metrics, **data, "step_time_s": time.time() - t0}
 
 
 def _beta_placeholder(config: ExperimentConfig) -> float:
@@ -175,51 +191,16 @@ def run_trainer(run_dir: Path, *, resume: bool = False, store_url: str | None = 
         write_status(run_dir, "trainer", {"step": learner.step, "phase": "waiting for data", **acc})
     # checkpoints written before eval_score existed hold only eval_accuracy_start
     last = {"eval_score": summary_start.get("eval_score_start", summary_start.get("eval_accuracy_start"))}
-    stalled_since, next_stall_warning = 0.0, 60.0
+    publishing = BackgroundPublish(publisher, threaded=config.train.pipeline and jax.process_count() == 1)
 
-    def draw() -> Any:  # process 0's decision for the next step (see StepAgreement)
-        if stop():
-            return STOP
-        source.fill(buffer, version)
-        try:
-            return buffer.sample(np.random.default_rng((config.seed, learner.step)),
-                                 config.train.groups_per_step, current_version=version)
-        except BufferEmptyError as e:
-            return e
+    def publish(step: int) -> int:
+        """Publish the params after update `step` (right after it was dispatched); its version."""
+        return publishing.publish(*params_to_publish(config, learner.trainer), step=step)
 
-    while learner.step < config.train.steps:
-        groups = agreement.decide(learner.step + 1, draw)
-        if groups is STOP:
-            break
-        if isinstance(groups, BufferEmptyError):
-            e = groups
-            t0 = time.time()
-            time.sleep(0.05)
-            counters.wait_s += time.time() - t0
-            stalled_since = stalled_since or t0
-            if t0 - stalled_since > next_stall_warning:
-                log.warning("no trainable batch for %.0f s (%s); are the searchers running? see logs/searcher-*.log",
-                            t0 - stalled_since, e)
-                next_stall_warning *= 2
-            write_status(run_dir, "trainer", {**last, "step": learner.step, "phase": "waiting for data",
-                                              "buffer_rows": len(buffer), **source.invalid_status()})
-            continue
-        stalled_since, next_stall_warning = 0.0, 60.0
-        step_metrics = learner.train_on(groups, version)
-        if config.system.mode == "sync":
-            step_metrics["generate_s"] = source.last_generate_s
-        step = learner.step
-        if config.system.mode == "sync":  # on-policy: the params are handed over in memory
-            version = step
-            source.set_params(learner)
-        elif step % config.system.sync_every == 0:
-            version = publisher.publish(*params_to_publish(config, learner.trainer), step=step, wait=False)
-            buffer.mark_sync(version)
-        stats = buffer.stats(current_version=version)
-        record = {**step_metrics, "version": version, "buffer_rows": stats["num_rows"],
-                  "buffer_prompts": stats["num_prompts"], "buffer_recent_prompts": stats["num_recent_prompts"],
-                  "buffer_mean_staleness": stats["mean_staleness"], "trainer_wait_s": counters.wait_s,
-                  "invalid_rows_skipped": source.invalid_total(), "elapsed_s": counters.elapsed()}
+    def on_step(step: int, record: dict[str, Any]) -> None:
+        """A finished update's record; the learner's params are those after `step` when the loop
+        paused after it (`pauses_after`: evaluation and checkpoint steps)."""
+        nonlocal last
         if config.eval.every and step % config.eval.every == 0 and step < config.train.steps:
             record.update(evaluator.run(learner.trainer.policy()))
             log.info("step %d: eval %s %.3f", step, evaluator.metric, record["eval_score"])
@@ -232,10 +213,29 @@ def run_trainer(run_dir: Path, *, resume: bool = False, store_url: str | None = 
             "eval_score": record.get("eval_score", last.get("eval_score"))}
         write_status(run_dir, "trainer", {**last, "step": step, "phase": "training",
                                           "buffer_rows": record["buffer_rows"],
-                                          "policy_lag": step_metrics["policy_lag_mean"],
-                                          **source.invalid_status()})
+                                          "policy_lag": record["policy_lag_mean"],
+                                          **loop.invalid_status})
         if step % config.train.checkpoint_every == 0:
             _checkpoint(checkpoints, learner, buffer, summary_start, counters)
+
+    def pauses_after(step: int) -> bool:
+        return bool(config.eval.every and step % config.eval.every == 0) or step % config.train.checkpoint_every == 0
+
+    def on_stall(error: BufferEmptyError) -> None:
+        write_status(run_dir, "trainer", {**last, "step": loop.step, "phase": "waiting for data",
+                                          "buffer_rows": len(buffer), **loop.invalid_status})
+
+    loop = StepLoop(config, learner, buffer, source, counters, version=version, publish=publish,
+                    on_step=on_step, pauses_after=pauses_after, stop=stop, on_stall=on_stall,
+                    agreement=agreement)
+    try:
+        loop.run()
+    finally:
+        try:
+            publishing.close()
+        except Exception:  # noqa: BLE001 - do not hide the error that ended the loop
+            log.exception("publishing the last params failed")
+    version = loop.version
     stopped_early = learner.step < config.train.steps
     # Checkpoint before the final evaluation: a stop request gives us a grace period, and a slow
     # evaluation must not cost the steps since the last checkpoint.
@@ -274,6 +274,13 @@ def run_trainer(run_dir: Path, *, resume: bool = False, store_url: str | None = 
         "tokens_trained": learner.tokens_trained,
         "wall_time_s": wall,
         "trainer_wait_s": counters.wait_s,
+        "train_loop": "pipelined" if loop.pipelined else "serial",
+        # device idle between updates / the step loop's wall time (StepLoop, UpdateClock); in
+        # sync mode the inline generation between updates counts as idle (no update in flight)
+        "trainer_idle_share": counters.idle_share if counters.loop_wall_s > 0 else None,
+        "trainer_idle_s": counters.idle_s,
+        "loop_wall_s": counters.loop_wall_s,
+        "batch_prep_s": counters.prep_s,  # host time drawing batches (overlapped when pipelined)
         "final_version": version,
         # over trained rows: trainer's param version minus the version that sampled the row
         "policy_lag_mean": float(np.mean([a for a, _ in lags])) if lags else 0.0,
@@ -303,9 +310,259 @@ class RunCounters:
 
     start_time: float  # wall-clock start, shifted back by the elapsed time of earlier sessions
     wait_s: float = 0.0  # time the trainer waited for a trainable batch
+    idle_s: float = 0.0  # device idle between updates (`UpdateClock`: sum of idle_n)
+    loop_wall_s: float = 0.0  # wall time of the step loop (`UpdateClock`: sum of cycle_n)
+    prep_s: float = 0.0  # host time drawing batches (tail/generate, sample, collate, validate)
+
+    @property
+    def idle_share(self) -> float:
+        """The trainer's idle share: the fraction of the step loop's wall time (evaluation and
+        checkpoint pauses and each session's first, compiling update excluded) in which no
+        update was in flight on the device; see `tbajax.system.pipeline.UpdateClock`."""
+        return self.idle_s / self.loop_wall_s if self.loop_wall_s > 0 else float("nan")
 
     def elapsed(self) -> float:
         return time.time() - self.start_time
+
+
+@dataclasses.dataclass
+class DrawnBatch:
+    """One step's batch as `draw_batch` made it."""
+
+    step: int  # the update it is for (1-based)
+    version: int  # the trainer's param version when it was sampled (its lag is measured against it)
+    groups: list[list[Trajectory]]
+    batch: Batch
+    data: dict[str, float]  # Learner.batch_metrics
+    prep_s: float  # host seconds: new rows in (tail / generate), sample, collate, validate
+
+
+def draw_batch(config: ExperimentConfig, learner: Learner, buffer: TrajectoryBuffer, source: Any, version: int,
+               step: int, lock: threading.Lock | None = None, *, agreement: StepAgreement | None = None,
+               stop: Callable[[], bool] = lambda: False) -> DrawnBatch | Stop:
+    """THE place a step's batch is drawn: bring new rows in (tail the stores / generate), sample
+    with the step's own generator (seed, step - 1) (a resumed run draws what it would have),
+    collate and validate. Raises BufferEmptyError (nothing consumed, no random number drawn).
+    Returns STOP when a stop was requested (checked here so that, with several trainer
+    processes, process 0 alone decides it: `agreement` hands its groups or STOP to the others,
+    which wait for that decision instead of sampling).
+
+    Runs in the prefetch thread of the pipelined loop: `lock` guards the buffer and the source
+    against the main thread's `mark_sync` / `stats` (which, by the loop's order, never overlap)."""
+    t0 = time.perf_counter()
+
+    def decision() -> Any:  # process 0's (or the only process's) decision for this step
+        if stop():
+            return STOP
+        with lock or contextlib.nullcontext():
+            source.fill(buffer, version)
+            try:
+                return buffer.sample(np.random.default_rng((config.seed, step - 1)), config.train.groups_per_step,
+                                     current_version=version)
+            except BufferEmptyError as e:
+                return e
+
+    groups = (agreement or StepAgreement()).decide(step, decision)
+    if groups is STOP:
+        return STOP
+    if isinstance(groups, BufferEmptyError):
+        raise groups
+    batch = learner.prepare(groups)
+    data = learner.batch_metrics(groups, batch, version)
+    if isinstance(source, InlineRollouts):
+        data["generate_s"] = source.last_generate_s
+    return DrawnBatch(step, version, groups, batch, data, time.perf_counter() - t0)
+
+
+@dataclasses.dataclass
+class _InFlight:
+    drawn: DrawnBatch
+    host: dict[str, Any]  # the buffer/version snapshot taken right after the update was dispatched
+    wait_s: float  # how long the loop waited for the batch
+
+
+class StepLoop:
+    """The trainer's step loop: draw a batch, update, publish, record; serial or pipelined.
+
+    Serial (`train.pipeline=false`, and always in sync mode): draw batch n, dispatch update n,
+    wait for it, publish, record, draw n+1. Sync mode must stay serial: its next batch is
+    *generated* with update n's params, so there is nothing to overlap.
+
+    Pipelined: the next batch is drawn in a background thread while the device runs the update
+    before it, and update n+1 is dispatched before update n is checked:
+
+        get batch n -> dispatch n -> publish n's params, mark the sync, snapshot buffer stats
+        -> start drawing batch n+1 (thread) -> check update n-1, record it -> get batch n+1 ...
+
+    Both loops give the same updates, in the same order, from the same batches: batch n+1 is
+    drawn after update n's sync is marked, with the version current then and the generator
+    (seed, n), exactly as in the serial loop; the buffer is never touched by both threads at once.
+    Consequences of checking one update late:
+    - A refused update (NonFiniteLossError, not applied) raises when the update after it has
+      been dispatched, naming the same update and groups; the run stops as in the serial loop
+      (the update in flight is never recorded, published or checkpointed; the refused update's
+      unchanged params may have been published once more).
+    - Evaluation and checkpoint steps (`pauses_after`) are checked before the next batch is
+      drawn and before the next update is dispatched: `on_step` sees the params and the buffer
+      after exactly that update. At other steps `on_step` runs while the next update is in flight
+      and the batch after it is being drawn: it may write records, not read params or the buffer.
+    - A stop request is seen between updates; a batch already drawn is trained on first (its
+      draw changed the buffer), so the final checkpoint's buffer and params agree.
+
+    Timings per record (see `tbajax.system.pipeline.UpdateClock` for the idle definition):
+    `device_idle_s` (no update in flight before this one), `batch_prep_s` (host time drawing this
+    batch), `batch_wait_s` (the loop waited for it), `step_time_s` (wall time since the previous
+    update's record, evaluation/checkpoints and data waits excluded).
+    """
+
+    def __init__(self, config: ExperimentConfig, learner: Learner, buffer: TrajectoryBuffer, source: Any,
+                 counters: RunCounters, *, version: int, publish: Callable[[int], int],
+                 on_step: Callable[[int, dict[str, Any]], None], pauses_after: Callable[[int], bool] = lambda s: False,
+                 stop: Callable[[], bool] = lambda: False, on_stall: Callable[[BufferEmptyError], None] | None = None,
+                 agreement: StepAgreement | None = None):
+        self.config = config
+        self.learner = learner
+        self.buffer = buffer
+        self.source = source
+        self.counters = counters
+        self.version = version
+        self.publish = publish
+        self.on_step = on_step
+        self.pauses_after = pauses_after
+        self.stop = stop
+        self.on_stall = on_stall
+        self.agreement = agreement or StepAgreement()
+        self.pipelined = config.train.pipeline and config.system.mode != "sync"
+        self.lock = threading.Lock()
+        self.step = 0  # updates dispatched (== applied once the loop returns)
+        self.invalid_status: dict[str, int] = {}
+        self.clock = UpdateClock()
+        self._idle_base, self._wall_base = counters.idle_s, counters.loop_wall_s  # earlier sessions
+        self._excluded = 0.0  # evaluation/checkpoint/data-wait seconds since the last record
+        self._last_record = 0.0
+        self._stalled_since, self._next_stall_warning = 0.0, 60.0
+
+    def run(self) -> None:
+        """Train until `train.steps` or a stop request; every dispatched update is checked and
+        recorded when this returns (or it raises the error that refused one)."""
+        updater, steps = self.learner.trainer, self.config.train.steps
+        self.step = self.learner.step  # nothing is in flight: one cheap device read
+        self._last_record = time.perf_counter()
+        prefetch = Prefetcher("draw-batch", inline=not self.pipelined)
+        previous: _InFlight | None = None  # dispatched, not yet checked (pipelined only)
+        try:
+            if self.step < steps:
+                self._request(prefetch)
+            while prefetch.outstanding:
+                t0 = time.perf_counter()
+                drawn = prefetch.get()
+                wait_s = time.perf_counter() - t0
+                if drawn is STOP:  # a stop request, decided where batches are drawn (draw_batch)
+                    break
+                if isinstance(drawn, BufferEmptyError):
+                    if previous is not None:  # record it before waiting for data
+                        self._finish(previous, updater.flush())
+                        previous = None
+                    self._stalled(drawn)
+                    self._request(prefetch)
+                    continue
+                self._stalled_since, self._next_stall_warning = 0.0, 60.0
+                n = self.step = drawn.step
+                if not self.pipelined:
+                    updater.submit(drawn.batch)  # nothing else in flight: returns None
+                    metrics = updater.flush()
+                    self.clock.dispatched(n, *updater.last_dispatch)
+                    self._finish(_InFlight(drawn, self._after_update(n), wait_s), metrics)
+                    if n < steps:
+                        self._request(prefetch)
+                    continue
+                updater.submit(drawn.batch, check_previous=False)
+                self.clock.dispatched(n, *updater.last_dispatch)
+                current = _InFlight(drawn, self._after_update(n), wait_s)
+                if n >= steps or self.pauses_after(n) or self.stop():
+                    if previous is not None:
+                        self._finish(previous, updater.check_previous())
+                    self._finish(current, updater.flush())
+                    previous = None
+                    if n < steps:
+                        self._request(prefetch)
+                    continue
+                self._request(prefetch)  # batch n+1 is drawn while the device runs update n
+                if previous is not None:
+                    self._finish(previous, updater.check_previous())
+                previous = current
+            if previous is not None:  # a stop request came while it was in flight
+                self._finish(previous, updater.flush())
+        finally:
+            prefetch.close()
+            self.clock.close()
+
+    def _request(self, prefetch: Prefetcher) -> None:
+        step, version = self.step + 1, self.version
+
+        def job() -> DrawnBatch | BufferEmptyError:
+            try:
+                return draw_batch(self.config, self.learner, self.buffer, self.source, version, step, self.lock,
+                                  agreement=self.agreement, stop=self.stop)
+            except BufferEmptyError as e:
+                return e
+
+        prefetch.request(job)
+
+    def _after_update(self, step: int) -> dict[str, Any]:
+        """Right after update `step` was dispatched (serial: finished): publish its params, mark the
+        sync, snapshot what its record says about the buffer. No batch is being drawn now."""
+        if self.config.system.mode == "sync":  # on-policy: the params are handed over in memory
+            self.version = step
+            self.source.set_params(self.learner)
+        elif step % self.config.system.sync_every == 0:
+            self.version = self.publish(step)
+            with self.lock:
+                self.buffer.mark_sync(self.version)
+        with self.lock:
+            stats = self.buffer.stats(current_version=self.version)
+            self.invalid_status = self.source.invalid_status()
+            invalid = self.source.invalid_total()
+        return {"version": self.version, "buffer_rows": stats["num_rows"], "buffer_prompts": stats["num_prompts"],
+                "buffer_recent_prompts": stats["num_recent_prompts"],
+                "buffer_mean_staleness": stats["mean_staleness"], "invalid_rows_skipped": invalid}
+
+    def _finish(self, done: _InFlight, metrics: dict[str, float] | None) -> None:
+        """Update `done.drawn.step` was checked (applied): count it and hand its record to on_step."""
+        assert metrics is not None
+        step = done.drawn.step
+        idle = self.clock.finished(step)
+        now = time.perf_counter()
+        step_time = max(0.0, now - self._last_record - self._excluded)
+        self.learner.tokens_trained += int(done.drawn.data["train_tokens"])
+        self.counters.prep_s += done.drawn.prep_s
+        self.counters.idle_s = self._idle_base + self.clock.idle_s
+        self.counters.loop_wall_s = self._wall_base + self.clock.wall_s
+        record = {**metrics, **done.drawn.data, **done.host, "step_time_s": step_time, "device_idle_s": idle,
+                  "batch_prep_s": done.drawn.prep_s, "batch_wait_s": done.wait_s,
+                  "trainer_wait_s": self.counters.wait_s, "elapsed_s": self.counters.elapsed()}
+        paused = self.pauses_after(step)
+        self.on_step(step, record)
+        end = time.perf_counter()
+        if paused:
+            self.clock.pause(end - now)
+        self._last_record, self._excluded = (end, 0.0) if paused else (now, 0.0)
+
+    def _stalled(self, error: BufferEmptyError) -> None:
+        t0 = time.time()
+        time.sleep(0.05)
+        waited = time.time() - t0
+        self.counters.wait_s += waited
+        self._excluded += waited
+        self._stalled_since = self._stalled_since or t0
+        if t0 - self._stalled_since > self._next_stall_warning:
+            log.warning("no trainable batch for %.0f s (%s); are the searchers running? see logs/searcher-*.log",
+                        t0 - self._stalled_since, error)
+            self._next_stall_warning *= 2
+        with self.lock:
+            self.invalid_status = self.source.invalid_status()
+        if self.on_stall is not None:
+            self.on_stall(error)
 
 
 def _restore(run_dir: Path, store: str, checkpoints: Checkpointer, learner: Learner, buffer: TrajectoryBuffer,
@@ -323,6 +580,9 @@ def _restore(run_dir: Path, store: str, checkpoints: Checkpointer, learner: Lear
     buffer.load_state_dict(extra["buffer"])
     counters.start_time -= float(extra.get("elapsed_s", 0.0))
     counters.wait_s = float(extra.get("trainer_wait_s", 0.0))
+    counters.idle_s = float(extra.get("trainer_idle_s", 0.0))
+    counters.loop_wall_s = float(extra.get("loop_wall_s", 0.0))
+    counters.prep_s = float(extra.get("batch_prep_s", 0.0))
     learner.tokens_trained = int(extra.get("tokens_trained", 0))
     if checkpoints.skipped:
         log.warning("resumed from checkpoint %d; skipped unreadable newer checkpoint(s) %s",
@@ -468,7 +728,8 @@ def _checkpoint(checkpoints: Checkpointer, learner: Learner, buffer: TrajectoryB
     checkpoints.save(
         learner.trainer.state,
         {"buffer": buffer.state_dict(), "summary_start": summary_start, "elapsed_s": counters.elapsed(),
-         "trainer_wait_s": counters.wait_s, "tokens_trained": learner.tokens_trained},
+         "trainer_wait_s": counters.wait_s, "tokens_trained": learner.tokens_trained,
+         "trainer_idle_s": counters.idle_s, "loop_wall_s": counters.loop_wall_s, "batch_prep_s": counters.prep_s},
         force=force,
     )
 

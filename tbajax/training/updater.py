@@ -9,6 +9,8 @@ trajectories in, one update out: collating, validating, metrics) and the trainer
 
 from __future__ import annotations
 
+import collections
+import time
 import warnings
 from typing import Any
 
@@ -49,6 +51,10 @@ class PolicyUpdater:
     one before (the host prepares the next batch while the device computes); `flush()` waits
     for the last. Checking one update late is safe: a refused update leaves the state as it was,
     so the update dispatched after it started from params no NaN reached.
+
+    `last_dispatch` is (host `time.perf_counter()` just before the last update was dispatched, a
+    small output of it that is ready when the device has finished it): what a loop needs to time
+    the device's idle gaps (`tbajax.system.pipeline.UpdateClock`) without waiting for results.
     """
 
     def __init__(
@@ -87,8 +93,10 @@ class PolicyUpdater:
                 f"TrainerConfig.aux_table_size={config.aux_table_size}"
             )
         self.shardings = state_shardings(self.state, mesh) if mesh is not None else None
-        self._pending: tuple[Any, int] | None = None  # (StepOutput, update number) in flight
+        # (StepOutput, update number) of the updates in flight, oldest first
+        self._pending: collections.deque[tuple[Any, int]] = collections.deque()
         self._next_update = int(jax.device_get(self.state.step)) + 1
+        self.last_dispatch: tuple[float, Any] | None = None
         self._step = make_train_step(
             self.graphdef,
             config,
@@ -112,42 +120,57 @@ class PolicyUpdater:
 
     def step(self, batch: Batch) -> dict[str, float]:
         """Apply one update and wait for it; returns its metrics as floats."""
-        if self._pending is not None:
+        if self._pending:
             raise RuntimeError("an update from submit() is still in flight: call flush() before step()")
         self._check_batch(batch)
         update = self.updates_applied + 1
+        t0 = time.perf_counter()
         self.state, output = self._step(self.state, batch)
+        self.last_dispatch = (t0, output.applied)
         metrics = raise_on_bad_step(output, update)
         self._next_update = update + 1
         return metrics
 
-    def submit(self, batch: Batch) -> dict[str, float] | None:
+    def submit(self, batch: Batch, *, check_previous: bool = True) -> dict[str, float] | None:
         """Dispatch one update without waiting for it; returns the checked metrics of the update
         submitted before (None for the first). Raises that update's NonFiniteLossError /
-        MicroBatchLayoutError; this batch's update is then still in flight (see `flush`)."""
+        MicroBatchLayoutError; this batch's update is then still in flight (see `flush`).
+
+        `check_previous=False` leaves the previous update unchecked too (at most two in flight):
+        the caller does host work first and checks it with `check_previous()`."""
         self._check_batch(batch)
-        if self._pending is None:  # nothing in flight: cheap, and the state may have been replaced
+        if len(self._pending) > 1:
+            raise RuntimeError("two updates are already in flight: check_previous() or flush() first")
+        if not self._pending:  # nothing in flight: cheap, and the state may have been replaced
             self._next_update = self.updates_applied + 1
+        t0 = time.perf_counter()
         self.state, output = self._step(self.state, batch)
-        previous, self._pending = self._pending, (output, self._next_update)
+        self.last_dispatch = (t0, output.applied)
+        self._pending.append((output, self._next_update))
         self._next_update += 1
-        return None if previous is None else self._check(previous)
+        return self.check_previous() if check_previous else None
+
+    def check_previous(self) -> dict[str, float] | None:
+        """Check the update dispatched before the newest one in flight (waiting for it); None if
+        only one (or none) is in flight."""
+        if len(self._pending) < 2:
+            return None
+        return self._check(self._pending.popleft())
 
     def flush(self) -> dict[str, float] | None:
-        """Wait for the update in flight (if any), check it and return its metrics."""
-        if self._pending is None:
-            return None
-        pending, self._pending = self._pending, None
-        return self._check(pending)
+        """Wait for the updates in flight (if any), check them and return the newest's metrics."""
+        metrics = None
+        while self._pending:
+            metrics = self._check(self._pending.popleft())
+        return metrics
 
     def _check(self, pending: tuple[Any, int]) -> dict[str, float]:
         output, update = pending
         try:
             return raise_on_bad_step(output, update)
         except Exception:
-            self._next_update -= 1  # the refused update took no number: the one after it took this one
-            if self._pending is not None:
-                self._pending = (self._pending[0], self._pending[1] - 1)
+            self._next_update -= 1  # the refused update took no number: the ones after it move down
+            self._pending = collections.deque((o, n - 1) for o, n in self._pending)
             raise
 
     @property
