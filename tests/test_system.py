@@ -226,7 +226,10 @@ def test_killed_trainer_resumes_exactly_from_its_checkpoint(tmp_path):
     assert summary["trainer_wait_s"] >= extra["trainer_wait_s"]
     assert summary["wall_time_s"] >= extra["elapsed_s"]
     stored = sum(TrajectoryReader(u).committed_rows() for u in discover_searcher_stores(str(run)).values())
-    assert summary["samples_generated"] == stored
+    # the searcher is stopped after the trainer wrote summary.json: it may commit one call more
+    config = json.loads((run / "config.json").read_text())
+    one_call = config["rollout"]["prompts_per_call"] * config["rollout"]["sampling"]["num_samples"]
+    assert summary["samples_generated"] <= stored <= summary["samples_generated"] + one_call
 
 
 @pytest.mark.slow  # the pool's TIMEOUT/ERROR handling is unit-tested in tests/test_tasks.py; this is the whole-run check
