@@ -36,6 +36,7 @@ TABLES: dict[str, dict[str, list[str]]] = {
     },
     "stores": {"rows": ["what", "size", "MB", "ms", "MB_s", "x_raw"]},
     "stores_lora": {"rows": ["what", "size", "MB", "ms", "MB_s", "bytes_vs_full", "time_vs_full"]},
+    "trainer_loop": {"rows": ["loop", "steps", "vs_serial", "idle_share", "idle_bound", "steps_per_s", "step_ms", "prep_ms"]},
     "sampler_quick": {"rows": ["model", "batch", "prompt_len", "new_tokens", "ours_tok_s", "ours_decode_tok_s",
                                "torch_tok_s", "ratio", "roofline_frac"]},
     "packed_groups": {"results": ["layout", "tokens_in_step", "step_s", "speedup", "token_ratio", "loss_rel_diff"]},
