@@ -270,3 +270,26 @@ def test_embedding_reward_ranks_by_meaning_with_minilm():
     e = e / np.linalg.norm(e, axis=-1, keepdims=True)
     np.testing.assert_allclose(got, e[1:] @ e[0], atol=1e-5)
     assert got[0] > got[1] + 0.1
+
+
+def test_pft_report_kl_windows_and_plot(tmp_path):
+    spec = importlib.util.spec_from_file_location("pft_smollm2", REPO / "experiments" / "pft_smollm2.py")
+    pft = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pft)
+    sampled = [{"version": 0, "tokens": 100, "k3": 0.0, "k1": 0.0},
+               {"version": 19, "tokens": 100, "k3": 0.2, "k1": 0.1},
+               {"version": 21, "tokens": 300, "k3": 0.6, "k1": 0.3},
+               {"version": 25, "tokens": 50, "k3": 9.0, "k1": 9.0}]
+    # token-weighted over versions 18..22 only: (100·0.2 + 300·0.6) / 400
+    assert pft._window_mean(sampled, 20, "k3", window=2) == pytest.approx(0.5)
+    assert pft._window_mean(sampled, 22, "k3") == pytest.approx(0.6)  # default window ±1: version 21 only
+    assert pft._window_mean(sampled, 10, "k3") is None
+    rows = {18: ["a18", "b18"], 20: ["a20"], 21: ["a21", "b21"], 30: ["a30"]}
+    assert pft._rows_near(rows, 20, 2) == ["a20", "a21"]  # nearest versions first
+    assert pft._rows_near(rows, 20, 10) == ["a20", "a21", "b21"]
+    assert pft._rows_near(rows, 20, 10, window=2) == ["a20", "a21", "b21", "a18", "b18"]
+    evals = [{"step": s, "version": s, "eval_win_rate": w, "eval_win_rate_low": w - 0.1, "eval_win_rate_high": w + 0.1,
+              "eval_kl_greedy": 0.8 + s / 100} for s, w in ((0, 0.5), (20, 0.62))]
+    full = [{"version": 20, "kl_ref_pi": 0.3, "kl_pi_ref": 0.4}]
+    out = pft.plot_kl_win_rate(evals, sampled, full, tmp_path / "kl.png", "t")
+    assert out.is_file() and out.read_bytes()[:4] == b"\x89PNG"
