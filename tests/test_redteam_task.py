@@ -77,6 +77,7 @@ def test_scorer_gives_the_formulas_log_reward(bilstm_dir: Path) -> None:
     task = _task(bilstm_dir, beta=0.5, gamma=2.0, tau=[3.0, 1.0, 10], min_attack_tokens=3)
     tok = load_tokenizer(TINY)
     scorer = task.scorer(task, ScorerContext(config=None, tokenizer=tok, policy_checkpoint=str(TINY)))
+    assert scorer.prior_shares_victim  # victim = the attacker's checkpoint: one copy of the weights
     scorer.set_policy_version(5)
     prompt = tok(task.prompt(task.load("train")[0]))["input_ids"]
     responses = [[5, 6, 18, 7, 2], [8, 9], [10, 18, 11, 12, 13, 14, 2]]  # "12 3<eos>", "45" (short), ...
@@ -151,7 +152,7 @@ def test_tb_without_reference_reads_no_reference() -> None:
 
 
 def _run_args(bilstm_dir: Path, *extra: str) -> list[str]:
-    options = dict(victim=str(TINY), classifier=f"bilstm:{bilstm_dir}", instruction=INSTRUCTION, num_eval=32,
+    options = dict(victim=str(TINY), classifier=f"bilstm:{bilstm_dir}", instruction=INSTRUCTION, num_eval=4, eval_samples=8,
                    victim_answers=2, victim_max_new_tokens=4, victim_max_prompt_tokens=16, beta=0.5)
     return [
         "--set", "task.name=redteam", "--set", f"task.options={json.dumps(options)}",
@@ -159,8 +160,8 @@ def _run_args(bilstm_dir: Path, *extra: str) -> list[str]:
         "--set", 'train.trainer.beta={"kind": "constant", "start": 1.0}',
         "--set", "rollout.sampling.temperature=1.0", "--set", "train.trainer.temperature=1.0",
         "--set", "rollout.sampling.min_new_tokens=2", "--set", "rollout.sampling.max_new_tokens=5",
-        # 32 eval attacks, as many as one rollout call's (4 prompts x 8): one victim program for both
-        "--set", "eval.num_problems=32", "--set", "eval.batch_size=32",
+        # 32 *sampled* eval attacks (4 problems x 8), shaped like one rollout call: one program for both
+        "--set", "eval.num_problems=4", "--set", "eval.batch_size=4",
         "--set", "rollout.reference_logprobs=false", "--set", "train.trainer.compute_reference_logprobs=true",
         *extra,
     ]
@@ -172,7 +173,11 @@ def _check_run(run: Path, out: str, steps: int) -> None:
     assert summary["eval_metric"] == "attack_success_rate"
     end = summary["eval_end"]
     assert 0.0 <= end["eval_attack_success_rate"] <= 1.0
-    assert "eval_diversity_hashed_bow" in end and end["eval_num_unique_attacks"] >= 1
+    assert "eval_diversity_hashed_bow" in end
+    # sampled, not greedy: 32 draws of one prompt from a random tiny model are not all one attack
+    assert 1 < end["eval_num_unique_attacks"] <= 32
+    # one scorer per process: sync mode's generation and evaluation share it (victim loaded once)
+    assert (run / "logs" / "trainer.log").read_text().count("redteam scorer:") == 1
     rows = []
     for url in discover_searcher_stores(str(run)).values():
         reader = TrajectoryReader(url)
