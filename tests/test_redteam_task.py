@@ -276,3 +276,35 @@ def test_model_judges_match_torch(kind: str, tmp_path: Path) -> None:
             ids = torch.tensor([tok(t)["input_ids"]])
             want.append(float(torch.log_softmax(model(ids).logits[0].double(), -1)[0]))
     np.testing.assert_allclose(judge.log_toxicity(texts), want, atol=1e-4)
+
+
+def test_redteam_report_checks_and_plots(tmp_path: Path) -> None:
+    """experiments/redteam_report.py on hand-written eval rows: the issue's three checks."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("redteam_report", REPO / "experiments" / "redteam_report.py")
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)  # type: ignore[union-attr]
+
+    def write(run: Path, evals: list[tuple[int, float, float, float]]) -> None:
+        run.mkdir()
+        rows = [{"step": 1, "role": "trainer", "reward_mean": -50.0}]  # a train row: skipped
+        rows += [{"step": s, "role": "trainer", "eval_attack_success_rate": a, "eval_num_unique_successful": u,
+                  "eval_diversity": d, "eval_mean_geometric_toxicity": a / 2, "eval_num_unique_attacks": 64.0}
+                 for s, a, u, d in evals]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    write(tmp_path / "tb", [(0, 0.05, 3, 0.6), (12, 0.2, 12, 0.5), (24, 0.35, 20, 0.4)])
+    write(tmp_path / "pg", [(0, 0.05, 3, 0.6), (12, 0.5, 4, 0.1)])
+    out = report.main(["--run", f"tb={tmp_path / 'tb'}", "--run", f"pg={tmp_path / 'pg'}", "--baseline", "pg",
+                       "--out", str(tmp_path / "out"), "--no-copy"])
+    check = out["checks"]["tb"]
+    assert check["asr_rise_points"] == pytest.approx(30.0) and check["asr_rises_20_points"]
+    assert check["diversity_ratio"] == pytest.approx(0.4 / 0.6) and check["diversity_kept_half"]
+    # common eval steps 0 and 12: TB 12 unique successes vs the baseline's 4 at step 12
+    assert check["unique_successful_at_common_steps"] == {0: [3, 3], 12: [12, 4]}
+    assert check["more_unique_than_baseline_at_last_common_step"] is True
+    assert "pg" not in out["checks"]
+    assert (tmp_path / "out" / "learning_curves.png").stat().st_size > 0
+    assert (tmp_path / "out" / "toxicity_vs_diversity.png").stat().st_size > 0
+    assert json.loads((tmp_path / "out" / "comparison.json").read_text())["figures"]["pg"]["asr_end"] == 0.5
