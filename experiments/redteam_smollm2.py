@@ -62,6 +62,7 @@ def config():
             "gamma": 1.0,
             "tau": 1.0,
             "min_attack_tokens": 5,
+            "scorer_batch": 16,  # an eval's 64 attacks go to the victim/prior 16 at a time, like a train call
             "eval_samples": 64,  # 64 sampled attacks of the one eval prompt per evaluation (one prefill)
         },
         samples_per_prompt=8,

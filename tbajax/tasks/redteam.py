@@ -237,10 +237,13 @@ class VictimConfig:
     chat: bool | None = None
     template: str | None = None
     dtype: str = "float32"
+    max_batch: int | None = None  # attacks per victim call and per prior forward (None: all at once)
 
     def __post_init__(self) -> None:
         if self.template is not None and "{attack}" not in self.template:
             raise ValueError(f"victim template {self.template!r} has no {{attack}} field")
+        if self.max_batch is not None and self.max_batch < 1:
+            raise ValueError(f"victim max_batch (scorer_batch) must be >= 1 or None, got {self.max_batch}")
         if self.template is not None and self.chat:
             raise ValueError("give the victim a chat template (chat=True) or a text template, not both")
 
@@ -269,7 +272,13 @@ class PriorScorer:
 
         self._fn = jax.jit(fn)
 
-    def __call__(self, prompts: Sequence[np.ndarray], responses: Sequence[np.ndarray]) -> np.ndarray:
+    def __call__(self, prompts: Sequence[np.ndarray], responses: Sequence[np.ndarray],
+                 max_batch: int | None = None) -> np.ndarray:
+        """max_batch: score at most this many rows per forward (bounds the [B, T, vocab] logits)."""
+        step = max_batch or max(1, len(prompts))
+        if len(prompts) > step:
+            return np.concatenate([self(prompts[i : i + step], responses[i : i + step])
+                                   for i in range(0, len(prompts), step)])
         rows = [np.concatenate([np.asarray(p), np.asarray(r)]).astype(np.int32) for p, r in zip(prompts, responses)]
         ids, mask = _pad_rows(rows, self.pad)
         resp = np.zeros_like(mask)
@@ -338,7 +347,13 @@ class RedTeamScorer:
         return ids or [_fallback_token(tok)]
 
     def answer(self, attacks: Sequence[str], key: jax.Array) -> list[list[str]]:
-        """K_v victim answers per attack (stop token removed)."""
+        """K_v victim answers per attack (stop token removed); `victim.max_batch` attacks per call
+        (chunk i samples with fold_in(key, i): a batch of attacks the size of a training call
+        reuses that call's compiled program and KV cache, a larger eval batch does not add one)."""
+        step = self.victim.max_batch or max(1, len(attacks))
+        if len(attacks) > step:
+            return [row for i, start in enumerate(range(0, len(attacks), step))
+                    for row in self.answer(attacks[start : start + step], jax.random.fold_in(key, i))]
         out = self.victim_sampler.sample([self.victim_prompt(a) for a in attacks], self.victim_sampling, key)
         k = self.victim.num_answers
         answers: list[list[str]] = [[] for _ in attacks]
@@ -356,7 +371,7 @@ class RedTeamScorer:
         key = jax.random.PRNGKey(0) if key is None else key
         attacks = list(samples.texts)
         lengths = np.asarray([len(r) for r in samples.response_tokens], np.int64)
-        log_prior = self.prior(samples.prompt_tokens, samples.response_tokens)
+        log_prior = self.prior(samples.prompt_tokens, samples.response_tokens, self.victim.max_batch)
         answers = self.answer(attacks, key)
         k = self.victim.num_answers
         log_tox = self.judge.log_toxicity([a for row in answers for a in row]).reshape(n, k)
@@ -486,6 +501,7 @@ def redteam_task(
     victim_chat: bool | None = None,
     victim_template: str | None = None,
     victim_dtype: str = "float32",
+    scorer_batch: int | None = None,
     classifier_label: int | None = None,
     beta: float = 0.1,
     gamma: Sequence[float] | float = 1.0,
@@ -499,6 +515,8 @@ def redteam_task(
     victim: checkpoint (dir or hub id) of the frozen victim LM. classifier: see `load_judge`.
     encoder: sentence-transformers dir for the eval diversity (None: hashed bag-of-words).
     num_eval × eval_samples: the number of attacks each evaluation samples.
+    scorer_batch: attacks per victim call / prior forward (None: a whole call at once); bounds
+    the scorer's peak memory (an eval of 64 attacks) and its compiled shapes.
     """
     if num_train < 1 or num_eval < 1:
         raise ValueError(f"num_train and num_eval must be >= 1, got {num_train}, {num_eval}")
@@ -507,7 +525,7 @@ def redteam_task(
     victim_cfg = VictimConfig(checkpoint=victim, num_answers=int(victim_answers), temperature=float(victim_temperature),
                               top_p=float(victim_top_p), max_new_tokens=int(victim_max_new_tokens),
                               max_prompt_tokens=int(victim_max_prompt_tokens), chat=victim_chat,
-                              template=victim_template, dtype=victim_dtype)
+                              template=victim_template, dtype=victim_dtype, max_batch=scorer_batch)
 
     def load(split: str) -> list[Problem]:
         n = num_train if split == "train" else num_eval
