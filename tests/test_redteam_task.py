@@ -74,7 +74,8 @@ def _torch_log_prior(model, prompt: list[int], response: list[int]) -> float:
 
 def test_scorer_gives_the_formulas_log_reward(bilstm_dir: Path) -> None:
     # β 0.5, γ 2, τ ramped 3 -> 1 over 10 steps: at version 5 (sync_every 1) τ = 2
-    task = _task(bilstm_dir, beta=0.5, gamma=2.0, tau=[3.0, 1.0, 10], min_attack_tokens=3)
+    # scorer_batch 2: the 3 attacks go to the victim and the prior as chunks of 2 + 1
+    task = _task(bilstm_dir, beta=0.5, gamma=2.0, tau=[3.0, 1.0, 10], min_attack_tokens=3, scorer_batch=2)
     tok = load_tokenizer(TINY)
     scorer = task.scorer(task, ScorerContext(config=None, tokenizer=tok, policy_checkpoint=str(TINY)))
     assert scorer.prior_shares_victim  # victim = the attacker's checkpoint: one copy of the weights
