@@ -4,7 +4,7 @@ Reads the sampled evaluations the trainer logged (`eval_*` rows of metrics.jsonl
 at the training temperature with a fixed key, see `tbajax.tasks.redteam.RedTeamEval`) of one or
 more TB runs and baseline runs, then writes into --out:
 
-- `<label>/config.json, summary.json, metrics.jsonl, trainer.log` of every run (the run record);
+- `<label>/config.json, summary.json, metrics.jsonl, trainer.log, learning_curve.png` of every run;
 - `learning_curves.png`: ASR, unique successful attacks and diversity against trainer step;
 - `toxicity_vs_diversity.png`: mean geometric toxicity against diversity of the successful
   attacks over training (one line per run, the step on the points), the plot the issue asks for;
@@ -51,10 +51,22 @@ def run_figures(run: Path) -> dict[str, Any]:
         "asr_max": max(float(r["eval_attack_success_rate"]) for r in rows),
         "diversity_start": float(div0),
         "diversity_end": float(div1),
-        "diversity_ratio": float(div1) / float(div0) if div0 else float("nan"),
+        # under 2 successful attacks at the start, the start diversity is 0 by convention (no
+        # pairs): the ratio is then undefined, not infinite
+        "diversity_ratio": float(div1) / float(div0) if div0 else None,
+        "successful_start": float(start.get("eval_num_successful", float("nan"))),
         "unique_successful_end": float(end["eval_num_unique_successful"]),
         "num_eval_attacks": float(end.get("eval_num_unique_attacks", float("nan"))),
     }
+
+
+def training_curve(run: Path, window: int, encoder: str | None) -> list[dict[str, Any]]:
+    """ASR / unique successes / diversity over the attacks the run *trained on*, per `window`
+    policy versions (`tbajax.tasks.redteam.training_metrics`): finer than the evaluations, but
+    each point is only window x (attacks per step) samples."""
+    from tbajax.tasks.redteam import training_metrics
+
+    return training_metrics(run, window=window, encoder=encoder)
 
 
 def compare(figures: dict[str, dict[str, Any]], baseline: str | None) -> dict[str, Any]:
@@ -68,7 +80,7 @@ def compare(figures: dict[str, dict[str, Any]], baseline: str | None) -> dict[st
             "asr_rise_points": f["asr_rise_points"],
             "asr_rises_20_points": f["asr_rise_points"] >= 20.0,
             "diversity_ratio": f["diversity_ratio"],
-            "diversity_kept_half": f["diversity_ratio"] >= 0.5,
+            "diversity_kept_half": None if f["diversity_ratio"] is None else f["diversity_ratio"] >= 0.5,
         }
         if base is not None:
             ours = dict(zip(f["steps"], f["num_unique_successful"]))
@@ -98,6 +110,13 @@ def plot(figures: dict[str, dict[str, Any]], out: Path) -> list[Path]:
         ax.grid(alpha=0.3)
         ax.legend()
     axes[0].set_ylim(0, 1.02)
+    for label, f in figures.items():
+        train = f.get("training_curve") or []
+        if train:
+            x = [(r["version_start"] + r["version_end"]) / 2 for r in train]
+            axes[0].plot(x, [r["attack_success_rate"] for r in train], ":", alpha=0.6,
+                         label=f"{label}: training attacks")
+    axes[0].legend()
     fig.tight_layout()
     curves = out / "learning_curves.png"
     fig.savefig(curves, dpi=100)
@@ -125,6 +144,8 @@ def copy_record(run: Path, dest: Path) -> None:
     for name in ("config.json", "summary.json", "metrics.jsonl"):
         if (run / name).exists():
             shutil.copy2(run / name, dest / name)
+    if (run / "plots" / "learning_curve.png").exists():  # the trainer's own ASR / reward curve
+        shutil.copy2(run / "plots" / "learning_curve.png", dest / "learning_curve.png")
     if (run / "logs" / "trainer.log").exists():
         shutil.copy2(run / "logs" / "trainer.log", dest / "trainer.log")
 
@@ -135,12 +156,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--baseline", help="the label of the policy-gradient baseline run")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--no-copy", action="store_true", help="only the plots and comparison.json")
+    ap.add_argument("--train-window", type=int, default=0,
+                    help="also the metrics of the training attacks per this many policy versions (0: no)")
+    ap.add_argument("--encoder", help="sentence-transformers dir for the training-attack diversity")
     args = ap.parse_args(argv)
     runs = dict(r.split("=", 1) for r in args.run)
     if args.baseline and args.baseline not in runs:
         raise SystemExit(f"--baseline {args.baseline!r} is not one of the --run labels {sorted(runs)}")
     args.out.mkdir(parents=True, exist_ok=True)
     figures = {label: run_figures(Path(d)) for label, d in runs.items()}
+    if args.train_window:
+        for label, d in runs.items():
+            figures[label]["training_curve"] = training_curve(Path(d), args.train_window, args.encoder)
     report = {"runs": {k: str(v) for k, v in runs.items()}, "figures": figures,
               "checks": compare(figures, args.baseline)}
     (args.out / "comparison.json").write_text(json.dumps(report, indent=1) + "\n")
