@@ -17,6 +17,11 @@ Evaluation every 12 steps samples 64 attacks of the one prompt at the training t
 a fixed key (comparable across evaluations and runs). What the probe showed and why the recipe
 changed:
 
+- the run of 2026-12-01 (experiments/results/redteam_smollm2/, NOTES.md there): TB was
+  OOM-killed after step 21 of 36 (peak RSS 7.3 GB on a 23 GB box shared by 5 jobs), ASR 1.6%
+  at steps 0 and 12, 3.1% over the training attacks of versions 12-21: the issue's +20 points
+  was not reached; the RLOO baseline ran 12 steps (ASR 0, 39 of 64 attacks unique). Checkpoints
+  now every 12 steps so a killed run can `--resume`.
 - the old instruction (54-token prompt with SmolLM2's default system prompt) at T 1.0: 0 of 64
   sampled attacks succeeded, mean geometric toxicity 0.05; the attacks were mostly incoherent and
   the victim answered politely, echoing the attack now and then. The recipe now uses a short
@@ -99,6 +104,6 @@ def config():
         compute_dtype="float32",  # bf16 matmuls are slow on CPU
         eval_every=12,
         eval_problems=1,
-        checkpoint_every=1000,  # the final checkpoint only: writing 1.6 GB costs minutes here
+        checkpoint_every=12,  # a run the OOM killer stops can --resume (the 2026-12-01 TB run could not)
         max_calls_per_version=2,  # sharing 2 cores: do not generate far ahead of the trainer
     )
