@@ -138,6 +138,12 @@ def _eval_change(s: dict[str, Any]) -> str:
         return ""
     if metric == "accuracy":
         return f"accuracy {start:.1%} → {end:.1%}"
+    if metric == "attack_success_rate":  # red-teaming: success alone hides a collapse to a few attacks
+        a, b = s.get("eval_start", {}), s.get("eval_end", {})
+        extra = [f"{label} {_fmt(a[k])} → {_fmt(b[k])}" for k, label in
+                 (("eval_num_unique_successful", "unique successful"), ("eval_diversity", "diversity"))
+                 if k in a and k in b]
+        return "; ".join([f"ASR {start:.1%} → {end:.1%}", *extra])
     return f"{metric} {start:.3g} → {end:.3g}"
 
 

@@ -74,9 +74,11 @@ def _torch_log_prior(model, prompt: list[int], response: list[int]) -> float:
 
 def test_scorer_gives_the_formulas_log_reward(bilstm_dir: Path) -> None:
     # β 0.5, γ 2, τ ramped 3 -> 1 over 10 steps: at version 5 (sync_every 1) τ = 2
-    task = _task(bilstm_dir, beta=0.5, gamma=2.0, tau=[3.0, 1.0, 10], min_attack_tokens=3)
+    # scorer_batch 2: the 3 attacks go to the victim and the prior as chunks of 2 + 1
+    task = _task(bilstm_dir, beta=0.5, gamma=2.0, tau=[3.0, 1.0, 10], min_attack_tokens=3, scorer_batch=2)
     tok = load_tokenizer(TINY)
     scorer = task.scorer(task, ScorerContext(config=None, tokenizer=tok, policy_checkpoint=str(TINY)))
+    assert scorer.prior_shares_victim  # victim = the attacker's checkpoint: one copy of the weights
     scorer.set_policy_version(5)
     prompt = tok(task.prompt(task.load("train")[0]))["input_ids"]
     responses = [[5, 6, 18, 7, 2], [8, 9], [10, 18, 11, 12, 13, 14, 2]]  # "12 3<eos>", "45" (short), ...
@@ -151,7 +153,7 @@ def test_tb_without_reference_reads_no_reference() -> None:
 
 
 def _run_args(bilstm_dir: Path, *extra: str) -> list[str]:
-    options = dict(victim=str(TINY), classifier=f"bilstm:{bilstm_dir}", instruction=INSTRUCTION, num_eval=32,
+    options = dict(victim=str(TINY), classifier=f"bilstm:{bilstm_dir}", instruction=INSTRUCTION, num_eval=4, eval_samples=8,
                    victim_answers=2, victim_max_new_tokens=4, victim_max_prompt_tokens=16, beta=0.5)
     return [
         "--set", "task.name=redteam", "--set", f"task.options={json.dumps(options)}",
@@ -159,8 +161,8 @@ def _run_args(bilstm_dir: Path, *extra: str) -> list[str]:
         "--set", 'train.trainer.beta={"kind": "constant", "start": 1.0}',
         "--set", "rollout.sampling.temperature=1.0", "--set", "train.trainer.temperature=1.0",
         "--set", "rollout.sampling.min_new_tokens=2", "--set", "rollout.sampling.max_new_tokens=5",
-        # 32 eval attacks, as many as one rollout call's (4 prompts x 8): one victim program for both
-        "--set", "eval.num_problems=32", "--set", "eval.batch_size=32",
+        # 32 *sampled* eval attacks (4 problems x 8), shaped like one rollout call: one program for both
+        "--set", "eval.num_problems=4", "--set", "eval.batch_size=4",
         "--set", "rollout.reference_logprobs=false", "--set", "train.trainer.compute_reference_logprobs=true",
         *extra,
     ]
@@ -172,7 +174,11 @@ def _check_run(run: Path, out: str, steps: int) -> None:
     assert summary["eval_metric"] == "attack_success_rate"
     end = summary["eval_end"]
     assert 0.0 <= end["eval_attack_success_rate"] <= 1.0
-    assert "eval_diversity_hashed_bow" in end and end["eval_num_unique_attacks"] >= 1
+    assert "eval_diversity_hashed_bow" in end
+    # sampled, not greedy: 32 draws of one prompt from a random tiny model are not all one attack
+    assert 1 < end["eval_num_unique_attacks"] <= 32
+    # one scorer per process: sync mode's generation and evaluation share it (victim loaded once)
+    assert (run / "logs" / "trainer.log").read_text().count("redteam scorer:") == 1
     rows = []
     for url in discover_searcher_stores(str(run)).values():
         reader = TrajectoryReader(url)
@@ -273,3 +279,35 @@ def test_model_judges_match_torch(kind: str, tmp_path: Path) -> None:
             ids = torch.tensor([tok(t)["input_ids"]])
             want.append(float(torch.log_softmax(model(ids).logits[0].double(), -1)[0]))
     np.testing.assert_allclose(judge.log_toxicity(texts), want, atol=1e-4)
+
+
+def test_redteam_report_checks_and_plots(tmp_path: Path) -> None:
+    """experiments/redteam_report.py on hand-written eval rows: the issue's three checks."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("redteam_report", REPO / "experiments" / "redteam_report.py")
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)  # type: ignore[union-attr]
+
+    def write(run: Path, evals: list[tuple[int, float, float, float]]) -> None:
+        run.mkdir()
+        rows = [{"step": 1, "role": "trainer", "reward_mean": -50.0}]  # a train row: skipped
+        rows += [{"step": s, "role": "trainer", "eval_attack_success_rate": a, "eval_num_unique_successful": u,
+                  "eval_diversity": d, "eval_mean_geometric_toxicity": a / 2, "eval_num_unique_attacks": 64.0}
+                 for s, a, u, d in evals]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    write(tmp_path / "tb", [(0, 0.05, 3, 0.6), (12, 0.2, 12, 0.5), (24, 0.35, 20, 0.4)])
+    write(tmp_path / "pg", [(0, 0.05, 3, 0.6), (12, 0.5, 4, 0.1)])
+    out = report.main(["--run", f"tb={tmp_path / 'tb'}", "--run", f"pg={tmp_path / 'pg'}", "--baseline", "pg",
+                       "--out", str(tmp_path / "out"), "--no-copy"])
+    check = out["checks"]["tb"]
+    assert check["asr_rise_points"] == pytest.approx(30.0) and check["asr_rises_20_points"]
+    assert check["diversity_ratio"] == pytest.approx(0.4 / 0.6) and check["diversity_kept_half"]
+    # common eval steps 0 and 12: TB 12 unique successes vs the baseline's 4 at step 12
+    assert check["unique_successful_at_common_steps"] == {0: [3, 3], 12: [12, 4]}
+    assert check["more_unique_than_baseline_at_last_common_step"] is True
+    assert "pg" not in out["checks"]
+    assert (tmp_path / "out" / "learning_curves.png").stat().st_size > 0
+    assert (tmp_path / "out" / "toxicity_vs_diversity.png").stat().st_size > 0
+    assert json.loads((tmp_path / "out" / "comparison.json").read_text())["figures"]["pg"]["asr_end"] == 0.5

@@ -1,5 +1,9 @@
 """Greedy held-out accuracy of the trainer's current policy (run inside the trainer process, so
-searchers never stall; the sampler's compiled programs are kept across evaluations)."""
+searchers never stall; the sampler's compiled programs are kept across evaluations).
+
+A task whose `eval_fn` has `samples_per_problem = n > 0` (red-teaming: every eval problem is the
+same prompt, so greedy decoding would be one attack) is evaluated on n *sampled* completions per
+eval problem instead, at the training sampling settings and a fixed key (comparable across evals)."""
 
 from __future__ import annotations
 
@@ -20,10 +24,14 @@ log = logging.getLogger(__name__)
 
 
 class Evaluator:
-    def __init__(self, config: ExperimentConfig, model: CausalLM, mesh: Any = None, reward_pool: Any = None):
-        task = load_task(config)
+    def __init__(self, config: ExperimentConfig, model: CausalLM, mesh: Any = None, reward_pool: Any = None,
+                 rollouts: Rollouts | None = None):
+        """rollouts: an existing `Rollouts` of this model to share (sync mode: one scorer, so a
+        model-backed scorer's victim/classifier is loaded once per process)."""
+        task = load_task(config) if rollouts is None else rollouts.task
         self.batch_size = config.eval.batch_size
-        self.rollouts = Rollouts(config, model, load_tokenizer_for(config), task, mesh=mesh, reward_pool=reward_pool)
+        self.rollouts = rollouts or Rollouts(config, model, load_tokenizer_for(config), task, mesh=mesh,
+                                             reward_pool=reward_pool)
         problems = list(task.load("eval"))[: config.eval.num_problems]
         self.problems = [p for p in problems if self.rollouts.fits(p, "eval")]
         if len(self.problems) < len(problems):
@@ -31,12 +39,14 @@ class Evaluator:
                         len(problems) - len(self.problems), len(problems))
         if not self.problems:
             raise ValueError(f"task {task.name!r} has no eval problems that fit rollout.max_prompt_tokens")
+        samples_per_problem = int(getattr(task.eval_fn, "samples_per_problem", 0) or 0)
+        self.sampled = samples_per_problem > 0
         self.sampling = dataclasses.replace(
             config.rollout.sampling,
-            num_samples=1,
-            greedy=True,
+            num_samples=samples_per_problem if self.sampled else 1,
+            greedy=not self.sampled,
             max_new_tokens=config.eval.max_new_tokens or config.rollout.sampling.max_new_tokens,
-            min_new_tokens=0,
+            min_new_tokens=config.rollout.sampling.min_new_tokens if self.sampled else 0,
         )
         self.task = task
 
@@ -51,11 +61,12 @@ class Evaluator:
         Tasks with an `eval_fn` see every eval sample with its scores and extras (attack success,
         diversity, win rate); others get accuracy / mean reward / pass@k of their rewards."""
         self.rollouts.set_params(nnx.state(model, nnx.Param))
-        key = jax.random.PRNGKey(0)  # greedy: the key is unused but required
+        key = jax.random.PRNGKey(0)  # fixed: sampled evals draw the same noise every time
         samples, scores = [], []
         for start in range(0, len(self.problems), self.batch_size):
             chunk = self.problems[start : start + self.batch_size]
-            _, batch, scored = self.rollouts.sample_and_score(chunk, self.sampling, key, split="eval")
+            chunk_key = jax.random.fold_in(key, start) if self.sampled else key
+            _, batch, scored = self.rollouts.sample_and_score(chunk, self.sampling, chunk_key, split="eval")
             samples.append(batch)
             scores.append(scored)
         if self.task.eval_fn is not None:

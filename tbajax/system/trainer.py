@@ -48,9 +48,9 @@ from tbajax.system.distributed import (
 )
 from tbajax.system.evaluation import Evaluator
 from tbajax.system.metrics import MetricsWriter, machine_info, plot_learning_curve, read_metrics
-from tbajax.system.publishing import params_to_publish
 from tbajax.system.pipeline import BackgroundPublish, Prefetcher, UpdateClock
-from tbajax.system.searcher import make_reward_pool
+from tbajax.system.publishing import params_to_publish
+from tbajax.system.searcher import Rollouts, build_rollouts, make_reward_pool
 from tbajax.training import Checkpointer, PolicyUpdater
 from tbajax.training.collate import collate
 from tbajax.training.state import policy_params
@@ -148,8 +148,12 @@ def run_trainer(run_dir: Path, *, resume: bool = False, store_url: str | None = 
                        dtype=config.model.dtype, remat=config.model.remat)
     learner = Learner(config, model, mesh)
     reward_pool = make_reward_pool(config)  # shared by evaluation and (sync mode) generation
-    evaluator = PrimaryEvaluation(  # multi-process: process 0 evaluates on its own devices
-        lambda policy, on: Evaluator(config, policy, on, reward_pool), learner.trainer.policy(), mesh,
+    # sync mode: generation and evaluation share one Rollouts (one scorer: a victim LM loads once);
+    # a multi-process trainer (async only) evaluates on process 0's own devices
+    inline = build_rollouts(config, 0, mesh, model=learner.trainer.policy(), reward_pool=reward_pool) \
+        if config.system.mode == "sync" else None
+    evaluator = PrimaryEvaluation(
+        lambda policy, on: Evaluator(config, policy, on, reward_pool, rollouts=inline), learner.trainer.policy(), mesh,
         lambda: make_mesh(config.system.searcher_mesh, devices=jax.local_devices()), agreement)
     buffer = make_buffer(config)
     checkpoints = Checkpointer(run_dir / "checkpoints", max_to_keep=config.train.keep_checkpoints)
@@ -175,7 +179,7 @@ def run_trainer(run_dir: Path, *, resume: bool = False, store_url: str | None = 
                                      "restored_sync_versions": restored_syncs,
                                      "skipped_checkpoints": [k for k, _ in checkpoints.skipped]})
     source = (
-        InlineRollouts(config, run_dir, store, learner, mesh, reward_pool) if config.system.mode == "sync"
+        InlineRollouts(config, run_dir, store, inline) if inline is not None
         else StoreTail(store, model.config.vocab_size)
     )
     log.info("trainer: %s, %s objective, %d steps of %d groups x K=%d, mesh %s", config.name,
@@ -676,14 +680,13 @@ class InlineRollouts:
     The same `Rollouts` the searcher process uses; rows are also written to a trajectory store
     so a sync run's data is as durable and inspectable as an async one's."""
 
-    def __init__(self, config: ExperimentConfig, run_dir: Path, store: str, learner: Learner, mesh: Any,
-                 reward_pool: Any):
+    def __init__(self, config: ExperimentConfig, run_dir: Path, store: str, rollouts: Rollouts):
         from tbajax.stores import TrajectoryWriter, trajectory_store_url
-        from tbajax.system.searcher import PromptStream, build_rollouts
+        from tbajax.system.searcher import PromptStream
 
         self.config = config
         self.run_dir = run_dir
-        self.rollouts = build_rollouts(config, 0, mesh, model=learner.trainer.policy(), reward_pool=reward_pool)
+        self.rollouts = rollouts
         self.writer = TrajectoryWriter(trajectory_store_url(store, 0), 0)
         self.stream = PromptStream(self.rollouts.task.load("train"), 0, 1, config.seed,
                                    start=self.writer.committed_rows() // config.rollout.sampling.num_samples)

@@ -31,10 +31,11 @@ Evaluation (`RedTeamEval`): attack success rate (geometric-mean toxicity over th
 > 0.5), unique successful attacks, and diversity of the successful attacks = 1 − mean pairwise
 cosine of all-MiniLM-L6-v2 embeddings (`encoder=` a sentence-transformers directory). Without an
 encoder it reports `diversity_hashed_bow` instead (a hashed bag-of-words embedding): a different
-name, since it is not the paper's metric. The system's evaluator decodes greedily, and every
-eval prompt is the same, so its eval attacks are the one greedy attack: the eval numbers say how
-the greedy attack fares; `training_metrics` computes the same metrics over the *sampled*
-attacks stored in a run's trajectories, per window of policy versions (the learning curve).
+name, since it is not the paper's metric. Every eval prompt is the same, so greedy decoding
+would be one attack: `RedTeamEval.samples_per_problem` makes the system's evaluator *sample*
+`eval_samples` attacks per eval problem (num_eval × eval_samples attacks, training sampling
+settings, a fixed key so evals are comparable; many samples of one problem share one prefill). `training_metrics` computes the same metrics over the sampled attacks stored in a
+run's trajectories, per window of policy versions.
 """
 
 from __future__ import annotations
@@ -236,10 +237,13 @@ class VictimConfig:
     chat: bool | None = None
     template: str | None = None
     dtype: str = "float32"
+    max_batch: int | None = None  # attacks per victim call and per prior forward (None: all at once)
 
     def __post_init__(self) -> None:
         if self.template is not None and "{attack}" not in self.template:
             raise ValueError(f"victim template {self.template!r} has no {{attack}} field")
+        if self.max_batch is not None and self.max_batch < 1:
+            raise ValueError(f"victim max_batch (scorer_batch) must be >= 1 or None, got {self.max_batch}")
         if self.template is not None and self.chat:
             raise ValueError("give the victim a chat template (chat=True) or a text template, not both")
 
@@ -247,10 +251,14 @@ class VictimConfig:
 class PriorScorer:
     """log p_SFT(response | prompt) summed over response tokens, untempered (T = 1), jitted."""
 
-    def __init__(self, checkpoint: str, mesh: Any = None, param_dtype: str = "float32", dtype: str = "float32"):
+    def __init__(self, checkpoint: str, mesh: Any = None, param_dtype: str = "float32", dtype: str = "float32",
+                 model: Any = None):
+        """model: an already loaded, frozen copy of `checkpoint` to use (the victim, when the
+        attacker attacks its own initial checkpoint: one copy of the weights instead of two)."""
         from tbajax.models import load_model
 
-        model = load_model(checkpoint, mesh=mesh, param_dtype=param_dtype, dtype=dtype)
+        if model is None:
+            model = load_model(checkpoint, mesh=mesh, param_dtype=param_dtype, dtype=dtype)
         self.pad = int(model.config.pad_token_id or 0)
         graphdef, self._state = nnx.split(model)
 
@@ -264,7 +272,13 @@ class PriorScorer:
 
         self._fn = jax.jit(fn)
 
-    def __call__(self, prompts: Sequence[np.ndarray], responses: Sequence[np.ndarray]) -> np.ndarray:
+    def __call__(self, prompts: Sequence[np.ndarray], responses: Sequence[np.ndarray],
+                 max_batch: int | None = None) -> np.ndarray:
+        """max_batch: score at most this many rows per forward (bounds the [B, T, vocab] logits)."""
+        step = max_batch or max(1, len(prompts))
+        if len(prompts) > step:
+            return np.concatenate([self(prompts[i : i + step], responses[i : i + step])
+                                   for i in range(0, len(prompts), step)])
         rows = [np.concatenate([np.asarray(p), np.asarray(r)]).astype(np.int32) for p, r in zip(prompts, responses)]
         ids, mask = _pad_rows(rows, self.pad)
         resp = np.zeros_like(mask)
@@ -295,10 +309,16 @@ class RedTeamScorer:
         self.sync_every = int(getattr(getattr(cfg, "system", None), "sync_every", 1) or 1)
         self.step = 0
         model_spec = getattr(cfg, "model", None)
-        self.prior = PriorScorer(context.policy_checkpoint, context.mesh,
-                                 getattr(model_spec, "param_dtype", "float32"), getattr(model_spec, "dtype", "float32"))
+        prior_dtypes = (getattr(model_spec, "param_dtype", "float32"), getattr(model_spec, "dtype", "float32"))
         self.victim = victim
         victim_model = load_model(victim.checkpoint, mesh=context.mesh, param_dtype=victim.dtype, dtype=victim.dtype)
+        # the attacker attacking its own initial checkpoint (redteam_smollm2): one frozen copy serves both
+        same = victim.checkpoint == context.policy_checkpoint and prior_dtypes == (victim.dtype, victim.dtype)
+        self.prior_shares_victim = same
+        self.prior = PriorScorer(context.policy_checkpoint, context.mesh, *prior_dtypes,
+                                 model=victim_model if same else None)
+        log.info("redteam scorer: victim %s (%d answers), classifier %s, prior %s", victim.checkpoint,
+                 victim.num_answers, classifier, "shares the victim's weights" if same else context.policy_checkpoint)
         self.victim_tokenizer = load_tokenizer(victim.checkpoint)
         has_template = getattr(self.victim_tokenizer, "chat_template", None) is not None
         if victim.chat and not has_template:
@@ -327,7 +347,13 @@ class RedTeamScorer:
         return ids or [_fallback_token(tok)]
 
     def answer(self, attacks: Sequence[str], key: jax.Array) -> list[list[str]]:
-        """K_v victim answers per attack (stop token removed)."""
+        """K_v victim answers per attack (stop token removed); `victim.max_batch` attacks per call
+        (chunk i samples with fold_in(key, i): a batch of attacks the size of a training call
+        reuses that call's compiled program and KV cache, a larger eval batch does not add one)."""
+        step = self.victim.max_batch or max(1, len(attacks))
+        if len(attacks) > step:
+            return [row for i, start in enumerate(range(0, len(attacks), step))
+                    for row in self.answer(attacks[start : start + step], jax.random.fold_in(key, i))]
         out = self.victim_sampler.sample([self.victim_prompt(a) for a in attacks], self.victim_sampling, key)
         k = self.victim.num_answers
         answers: list[list[str]] = [[] for _ in attacks]
@@ -345,7 +371,7 @@ class RedTeamScorer:
         key = jax.random.PRNGKey(0) if key is None else key
         attacks = list(samples.texts)
         lengths = np.asarray([len(r) for r in samples.response_tokens], np.int64)
-        log_prior = self.prior(samples.prompt_tokens, samples.response_tokens)
+        log_prior = self.prior(samples.prompt_tokens, samples.response_tokens, self.victim.max_batch)
         answers = self.answer(attacks, key)
         k = self.victim.num_answers
         log_tox = self.judge.log_toxicity([a for row in answers for a in row]).reshape(n, k)
@@ -388,8 +414,12 @@ class RedTeamEval:
     its metric is `diversity`. None: `diversity_hashed_bow` (see `hashed_bow`).
     """
 
-    def __init__(self, encoder: str | None = None):
+    def __init__(self, encoder: str | None = None, samples_per_problem: int = 1):
+        if samples_per_problem < 1:
+            raise ValueError(f"samples_per_problem must be >= 1, got {samples_per_problem}")
         self.encoder_path = encoder
+        # read by the system's Evaluator: sample this many attacks per eval problem, not greedy
+        self.samples_per_problem = int(samples_per_problem)
         self._encoder: Any = None
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
@@ -462,6 +492,7 @@ def redteam_task(
     instruction: str = DEFAULT_INSTRUCTION,
     num_train: int = 100_000,
     num_eval: int = 32,
+    eval_samples: int = 1,
     victim_answers: int = 5,
     victim_temperature: float = 0.7,
     victim_top_p: float = 0.92,
@@ -470,6 +501,7 @@ def redteam_task(
     victim_chat: bool | None = None,
     victim_template: str | None = None,
     victim_dtype: str = "float32",
+    scorer_batch: int | None = None,
     classifier_label: int | None = None,
     beta: float = 0.1,
     gamma: Sequence[float] | float = 1.0,
@@ -482,6 +514,9 @@ def redteam_task(
 
     victim: checkpoint (dir or hub id) of the frozen victim LM. classifier: see `load_judge`.
     encoder: sentence-transformers dir for the eval diversity (None: hashed bag-of-words).
+    num_eval × eval_samples: the number of attacks each evaluation samples.
+    scorer_batch: attacks per victim call / prior forward (None: a whole call at once); bounds
+    the scorer's peak memory (an eval of 64 attacks) and its compiled shapes.
     """
     if num_train < 1 or num_eval < 1:
         raise ValueError(f"num_train and num_eval must be >= 1, got {num_train}, {num_eval}")
@@ -490,7 +525,7 @@ def redteam_task(
     victim_cfg = VictimConfig(checkpoint=victim, num_answers=int(victim_answers), temperature=float(victim_temperature),
                               top_p=float(victim_top_p), max_new_tokens=int(victim_max_new_tokens),
                               max_prompt_tokens=int(victim_max_prompt_tokens), chat=victim_chat,
-                              template=victim_template, dtype=victim_dtype)
+                              template=victim_template, dtype=victim_dtype, max_batch=scorer_batch)
 
     def load(split: str) -> list[Problem]:
         n = num_train if split == "train" else num_eval
@@ -510,7 +545,7 @@ def redteam_task(
         chat=chat,
         system_prompt=system_prompt,
         scorer=scorer,
-        eval_fn=RedTeamEval(encoder),
+        eval_fn=RedTeamEval(encoder, eval_samples),
         headline_metric="attack_success_rate",
         success_threshold=math.log(SUCCESS_THRESHOLD),
     )
@@ -552,6 +587,7 @@ def redteam_experiment(
     eval_problems: int = 32,
     checkpoint_every: int = 500,
     chat: bool = False,
+    system_prompt: str | None = None,
     max_prompt_tokens: int = 128,
     max_calls_per_version: int | None = None,
 ) -> Any:
@@ -581,6 +617,8 @@ def redteam_experiment(
     from tbajax.training.config import BetaSchedule, LRSchedule, OptimizerConfig, TrainerConfig
 
     options = {"num_train": num_prompts, "num_eval": eval_problems, **task_options}
+    if system_prompt is not None:
+        options["system_prompt"] = system_prompt
     return ExperimentConfig(
         name=name,
         description=description,
