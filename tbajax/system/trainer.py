@@ -111,15 +111,6 @@ class Learner:
             **{f"rows_from_searcher_{i}": int(n) for i, n in enumerate(per_searcher)},
         )
 
-    def train_on(self, groups: Sequence[Sequence[Trajectory]], current_version: int) -> dict[str, float]:
-        """One update on `groups`, waiting for it (the serial path; the loop uses `StepLoop`)."""
-        t0 = time.time()
-        batch = self.prepare(groups)
-        metrics = self.trainer.step(batch)
-        data = self.batch_metrics(groups, batch, current_version)
-        self.tokens_trained += int(data["train_tokens"])
-        return {**metrics, **data, "step_time_s": time.time() - t0}
-
 
 def _beta_placeholder(config: ExperimentConfig) -> float:
     """β written into the host batch; the trainer's β schedule replaces it inside the step."""
