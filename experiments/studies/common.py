@@ -64,7 +64,7 @@ class Arm:
 class ArmResult:
     arm: Arm
     summary: dict[str, Any]
-    curve: tuple[tuple[int, float, float], ...]  # (trainer step, seconds since start, eval accuracy)
+    curve: tuple[tuple[int, float, float], ...]  # (trainer step, seconds since start, eval score)
     generate_s: float  # sync mode: time spent generating (0 in async mode)
     train_s: float  # time inside train steps
     mean_lag: float  # mean over trained rows of (trainer version - the version that sampled them)
@@ -76,6 +76,15 @@ class ArmResult:
     @property
     def start_accuracy(self) -> float:
         return float(self.summary["eval_accuracy_start"])
+
+    @property
+    def final_score(self) -> float:
+        """The experiment's own headline metric (`eval_metric`: accuracy, win rate, ...)."""
+        return float(self.summary["eval_score_end"])
+
+    @property
+    def start_score(self) -> float:
+        return float(self.summary["eval_score_start"])
 
     @property
     def wall_s(self) -> float:
@@ -145,7 +154,7 @@ def run_arm(experiment: str, arm: Arm, common: Sequence[str], runs_dir: Path, *,
         summary = read_summary(run_dir)
         if summary is None:
             raise StudyError(f"arm {arm.name} finished without a summary.json in {run_dir}")
-        print(f"    -> accuracy {summary['eval_accuracy_start']:.3f} -> {summary['eval_accuracy_end']:.3f} "
+        print(f"    -> {summary['eval_metric']} {summary['eval_score_start']:.3f} -> {summary['eval_score_end']:.3f} "
               f"in {time.time() - t0:.0f}s", flush=True)
     else:
         print(f"  {arm.name}: reusing the finished run in {run_dir}", flush=True)
@@ -154,8 +163,8 @@ def run_arm(experiment: str, arm: Arm, common: Sequence[str], runs_dir: Path, *,
 
 def collect(arm: Arm, run_dir: Path, summary: dict[str, Any]) -> ArmResult:
     records = read_metrics(run_dir, "trainer")
-    evals = [r for r in records if "eval_accuracy" in r]
-    curve = tuple((int(r["step"]), float(r.get("elapsed_s", 0.0)), float(r["eval_accuracy"])) for r in evals)
+    evals = [r for r in records if "eval_score" in r]
+    curve = tuple((int(r["step"]), float(r.get("elapsed_s", 0.0)), float(r["eval_score"])) for r in evals)
     steps = [r for r in records if "step_time_s" in r]
     return ArmResult(
         arm=arm, summary=summary, curve=curve,
