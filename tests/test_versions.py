@@ -326,3 +326,15 @@ def test_stale_token_config_accepted() -> None:
                                            "stale_token_ratio_cap": 2.0})
     assert c.stale_token_max_lag == 2 and c.stale_token_mode == "cap"
     assert get_objective("rloo").make_config({"stale_token_max_lag": 0}).stale_token_max_lag == 0
+
+
+def test_bad_stale_token_option_stops_the_launcher_before_any_role_starts(tmp_path, capsys) -> None:
+    from tbajax.main import main
+
+    run = tmp_path / "run"
+    code = main([f"--run-dir={run}", "--quiet", "--objective=rloo",
+                 "--set", "train.objective_options.stale_token_max_lag=2",
+                 "--set", "train.objective_options.stale_token_mode=cap"])
+    err = capsys.readouterr().err
+    assert code == 2 and "RLOOConfig: stale_token_mode='cap'" in err, err
+    assert not (run / "logs").exists()
