@@ -51,13 +51,14 @@ class Trajectory:
     # their toxicity (red-teaming), a reward model's raw score; for evaluation and logging
     extras: Mapping[str, Any] | None = None
     # int32 [R]: the param version that produced each response token. None (the default) is
-    # filled in as every token = policy_version, so after construction it is always an array.
+    # filled in as every token = policy_version, so after construction it is always an array
+    # (then a read-only broadcast of one int32: a buffer of single-version rows costs nothing more).
     token_versions: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         r = len(self.response_tokens)
         if self.token_versions is None:
-            versions = np.full(r, self.policy_version, np.int32)
+            versions = np.broadcast_to(np.int32(self.policy_version), (r,))
         else:
             versions = _versions_array(self.token_versions, r, self.policy_version)
         object.__setattr__(self, "token_versions", versions)  # frozen: the one normalisation
