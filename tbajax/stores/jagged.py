@@ -164,9 +164,9 @@ class JaggedWriter:
     `header` holds fixed fields of the commit record (e.g. the owning searcher); re-opening a
     store with a different header is refused before anything is written. `layouts`: one layout,
     or several known format versions newest first; a new store gets the newest, an existing one
-    keeps its own (`self.layout`). Re-opening after a
-    crash continues after the last committed element (uncommitted data is simply overwritten)
-    and fences off any older writer still holding the store (see the module docstring).
+    keeps its own (`self.layout`). Re-opening after a crash continues after the last committed
+    element (uncommitted data is simply overwritten) and fences off any older writer still
+    holding the store (see the module docstring).
     """
 
     def __init__(self, url: str | os.PathLike[str], layouts: Layouts, header: Mapping[str, Any] | None = None):
