@@ -338,3 +338,30 @@ def test_bad_stale_token_option_stops_the_launcher_before_any_role_starts(tmp_pa
     err = capsys.readouterr().err
     assert code == 2 and "RLOOConfig: stale_token_mode='cap'" in err, err
     assert not (run / "logs").exists()
+
+
+def test_train_step_with_stale_mask_accumulates_exactly_over_micro_batches() -> None:
+    """Through the real step (jit, micro-batch scan): `current_version` (a scalar) reaches every
+    micro-batch, the masked loss of two micro-batches equals the whole batch's, and stale_frac is
+    the share of scored tokens more than 1 version behind."""
+    from tests.test_training import ACCUM_CONFIG, FAST_COMPILE, fresh_model, make_batch
+    from tbajax.training import init_train_state, make_train_step, raise_on_bad_step
+
+    batch = make_batch(0)
+    rng = np.random.default_rng(1)
+    versions = np.where(batch.loss_mask, rng.integers(0, 4, batch.loss_mask.shape), 0).astype(np.int32)
+    batch = dataclasses.replace(batch, token_versions=versions, current_version=np.int32(3))
+    scored = batch.loss_mask & batch.sample_mask[:, None]
+    want_frac = float((scored & (versions < 2)).sum() / scored.sum())
+    assert 0 < want_frac < 1
+    losses = {}
+    for m, lag in ((1, 1), (2, 1)):
+        config = dataclasses.replace(ACCUM_CONFIG, num_microbatches=m)
+        objective_config = DrGRPOConfig(stale_token_max_lag=lag)
+        graphdef, state = init_train_state(fresh_model(), config)
+        step = make_train_step(graphdef, config, "dr_grpo", objective_config, compiler_options=FAST_COMPILE)
+        _, out = step(state, batch)
+        metrics = raise_on_bad_step(out, 1)
+        losses[m, lag] = metrics["loss"]
+        assert metrics["stale_frac"] == pytest.approx(want_frac, abs=1e-6)
+    assert losses[2, 1] == pytest.approx(losses[1, 1], rel=1e-5, abs=1e-7)
