@@ -50,10 +50,16 @@ class Batch:
     reward: Array  # [B] f32
     group_id: Array  # [B] int32 in [0, B): rows with equal id are one group
     sample_mask: Array  # [B] bool: False for padding rows (e.g. to fill a micro-batch)
-    policy_version: Array  # [B] int32: param version the sample was generated with
+    policy_version: Array  # [B] int32: param version the sample was generated with (the oldest
+    #   of its tokens' versions: `Trajectory.policy_version`)
     prompt_id: Array  # [B] int32: the prompt's id in its dataset (0 for padding rows); indexes
     #   per-prompt trainable tables such as a learned log Z
     beta: Array  # [] f32: KL coefficient at the trainer's current step
+    token_versions: Array  # [B, T] int32: param version that produced each token (set on the
+    #   response tokens; 0 elsewhere): a sample spans versions when the searcher swapped params
+    #   mid-sequence
+    current_version: Array  # [] int32: the trainer's param version when the batch was drawn (what
+    #   token lags are measured against; objectives read it, so they stay pure functions of the batch)
     packed: PackedGroups | None = None  # the same rows packed per group (see PackedGroups)
 
     @property

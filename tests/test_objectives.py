@@ -94,6 +94,8 @@ def build(rows: list[Row], beta: float, seed: int = 0):
         policy_version=jnp.zeros((B,), jnp.int32),
         prompt_id=jnp.asarray([r.pid for r in rows], jnp.int32),
         beta=jnp.asarray(beta, jnp.float64),
+        token_versions=jnp.zeros((B, T), jnp.int32),
+        current_version=jnp.asarray(0, jnp.int32),
     )
     return batch, jnp.asarray(lp), batch.prompt_id
 

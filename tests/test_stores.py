@@ -68,6 +68,7 @@ def assert_same(a: Trajectory, b: Trajectory) -> None:
     np.testing.assert_array_equal(a.prompt_tokens, b.prompt_tokens)
     np.testing.assert_array_equal(a.response_tokens, b.response_tokens)
     np.testing.assert_array_equal(a.behavior_logprobs, b.behavior_logprobs)
+    np.testing.assert_array_equal(a.token_versions, b.token_versions)
     assert (a.reference_logprobs is None) == (b.reference_logprobs is None)
     if a.reference_logprobs is not None:
         np.testing.assert_array_equal(a.reference_logprobs, b.reference_logprobs)

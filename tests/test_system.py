@@ -85,6 +85,8 @@ def test_async_run_with_two_searchers(tmp_path):
         assert sum(r.get(f"rows_from_searcher_{i}", 0) for r in trainer) > 0, f"searcher {i} never trained on"
     # versions advance every sync (k = 2) and the searchers pick them up
     assert [r["version"] for r in trainer] == [0, 1, 1, 2, 2, 3]
+    # the static sampler gives every token its call's version: token lags are the sample lags
+    assert [r["token_lag_max"] for r in trainer] == [r["policy_lag_max"] for r in trainer]
     loaded = {r["version"] for r in read_metrics(run) if r["role"].startswith("searcher")}
     assert max(loaded) >= 1, "no searcher ever loaded published params"
     assert ParamReader(param_store_url(str(run)), "test").latest_version() == 3

@@ -103,6 +103,8 @@ def make_batch(seed: int, rows: int = 8, seq: int = 16) -> Batch:
         policy_version=np.zeros(rows, np.int32),
         prompt_id=PROMPT_IDS[:rows] if rows == 8 else np.zeros(rows, np.int32),
         beta=np.float32(0.5),
+        token_versions=np.zeros((rows, seq), np.int32),
+        current_version=np.int32(0),
     )
 
 

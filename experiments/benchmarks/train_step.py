@@ -104,7 +104,8 @@ def run_jax(ckpt: str, rows: int, seq: int, repeats: int, precision: str) -> dic
             behavior_logprobs=zeros, reference_logprobs=zeros, reward=b["reward"],
             group_id=b["group_id"], sample_mask=np.ones(rows, bool),
             policy_version=np.zeros(rows, np.int32), prompt_id=np.zeros(rows, np.int32),
-            beta=np.float32(BETA),
+            beta=np.float32(BETA), token_versions=np.zeros((rows, seq), np.int32),
+            current_version=np.int32(0),
         )
     )
     step = make_train_step(graphdef, config, "tb")

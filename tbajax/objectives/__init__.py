@@ -32,6 +32,9 @@ and pass its path, "my_project/losses.py:my_loss" (or "my_project.losses:my_loss
 is importable; both fit in config.json), or the function itself: `get_objective(my_loss)`. The
 config class is taken from the annotation of the third parameter (no annotation: config=None);
 `ObjectiveSpec(loss=..., config_cls=..., init_aux=..., inputs=...)` spells everything out.
+Per-token param versions reach every objective as `batch.token_versions` and the trainer's
+`batch.current_version`; `token_lag(batch)` / `stale_tokens(batch, max_lag)` read them (the
+built-in policy-gradient objectives' `stale_token_*` options use these).
 Objectives with trainable extras (a learned log Z) declare `init_aux`; objectives that never read
 the reference log-probs declare `inputs=ObjectiveInputs(reference_logprobs=False)` and the
 trainer skips the reference forward for them (a bare function is assumed to read everything).
@@ -47,6 +50,8 @@ from tbajax.objectives.common import (
     row_mean,
     seq_sum,
     seq_sums,
+    stale_tokens,
+    token_lag,
     token_mask,
 )
 from tbajax.objectives.dpo import OnlineDPOConfig, online_dpo
@@ -117,9 +122,11 @@ __all__ = [
     "row_mean",
     "seq_sum",
     "seq_sums",
+    "stale_tokens",
     "tb",
     "tb_learned_logz",
     "tba_prime",
+    "token_lag",
     "token_mask",
     "validate_batch",
 ]

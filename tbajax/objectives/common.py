@@ -9,7 +9,8 @@ even when they share a group id with real rows.
 from __future__ import annotations
 
 import math
-from typing import Literal, NamedTuple
+import numbers
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,7 @@ from tbajax.objectives.base import Max, Metrics, Min, Ratio
 
 Array = jax.Array
 LengthNorm = Literal["sequence", "response", "constant"]
+StaleTokenMode = Literal["mask", "cap"]
 
 
 # --------------------------------------------------------------------------- sequences
@@ -156,6 +158,56 @@ def windowed_ratio(log_r: Array, low: float, high: float) -> tuple[Array, Array]
     """(ratio inside [low, high] else 0, keep mask): IcePop's hard token mask."""
     keep = (log_r >= math.log(low)) & (log_r <= math.log(high))
     return jnp.where(keep, jnp.exp(jnp.clip(log_r, math.log(low), math.log(high))), 0), keep
+
+
+# --------------------------------------------------------------------------- stale tokens
+
+
+def check_stale_token_options(config: Any, *, allow_cap: bool = True) -> None:
+    """Validate a config's `stale_token_max_lag` / `stale_token_mode` / `stale_token_ratio_cap`
+    (shared by the policy-gradient configs; called from their __post_init__)."""
+    name = type(config).__name__
+    lag = config.stale_token_max_lag
+    if lag is not None and (isinstance(lag, bool) or not isinstance(lag, numbers.Integral) or lag < 0):
+        raise ValueError(
+            f"{name}.stale_token_max_lag={lag!r}: give an int >= 0 (tokens more than that many "
+            "versions behind the trainer are stale) or None (off)"
+        )
+    if config.stale_token_mode not in ("mask", "cap"):
+        raise ValueError(
+            f"{name}.stale_token_mode={config.stale_token_mode!r}; choose 'mask' (stale tokens "
+            "contribute nothing) or 'cap' (their importance ratio is capped at stale_token_ratio_cap)"
+        )
+    if config.stale_token_mode == "cap" and not allow_cap:
+        raise ValueError(
+            f"{name}: stale_token_mode='cap' caps an importance ratio, and this objective has none "
+            "(its estimator is on-policy); use stale_token_mode='mask'"
+        )
+    cap = config.stale_token_ratio_cap
+    if isinstance(cap, bool) or not isinstance(cap, numbers.Real) or not cap > 0 or not math.isfinite(cap):
+        raise ValueError(f"{name}.stale_token_ratio_cap={cap!r}: give a finite number > 0")
+
+
+def token_lag(batch: Batch) -> Array:
+    """[B, T] int32: how many param versions each token is behind the trainer
+    (`batch.current_version − batch.token_versions`; meaningful on the loss mask only)."""
+    return batch.current_version.astype(jnp.int32) - batch.token_versions.astype(jnp.int32)
+
+
+def stale_tokens(batch: Batch, max_lag: int | None) -> Array | None:
+    """[B, T] bool: scored tokens more than `max_lag` versions behind; None when `max_lag` is None
+    (the option is off, and callers then skip every stale-token term: bit-for-bit the old loss)."""
+    if max_lag is None:
+        return None
+    return (token_lag(batch) > max_lag) & batch.loss_mask & batch.sample_mask[:, None]
+
+
+def stale_metrics(batch: Batch, stale: Array | None, dtype) -> Metrics:
+    """stale_frac: the fraction of scored tokens that were stale (empty when the option is off)."""
+    if stale is None:
+        return {}
+    m = token_mask(batch, dtype)
+    return {"stale_frac": Ratio(jnp.where(stale, 1.0, 0.0).astype(dtype).sum(), m.sum())}
 
 
 # --------------------------------------------------------------------------- diagnostics

@@ -4,6 +4,16 @@ All compute a per-sequence loss ℓ_i and return its mean over real sequences as
 Advantages are constants (stop-gradient); importance ratios ρ_t = π_θ / π_old use the behaviour
 log-probs of the policy that sampled. Token sums are divided by a per-sequence normaliser chosen
 by `length_norm` (see `common.length_normaliser`).
+
+Stale tokens (in-flight weight updates, AReaL-style): with `stale_token_max_lag = N`, a scored
+token whose param version (`batch.token_versions`) is more than N behind the trainer's
+(`batch.current_version`) is either dropped (`stale_token_mode="mask"`: its per-token term is
+removed, value and gradient, while it still counts in the length normaliser, so the other
+tokens' weights do not change) or has its importance ratio capped at `stale_token_ratio_cap`
+(`"cap"`: zero gradient above the cap, on top of the objective's own clip). RLOO and REINFORCE
+have no importance ratio: they take "mask" only (the token leaves S_i; the reward, a sequence
+property, is unchanged). None (default) turns the option off and leaves the loss bit-for-bit
+as it was.
 """
 
 from __future__ import annotations
@@ -20,7 +30,9 @@ from tbajax.objectives.base import Metrics, Ratio
 from tbajax.objectives.common import (
     Groups,
     LengthNorm,
+    StaleTokenMode,
     capped_ratio,
+    check_stale_token_options,
     diagnostics,
     groups_of,
     length_normaliser,
@@ -28,6 +40,8 @@ from tbajax.objectives.common import (
     row_mean,
     seq_sum,
     seq_sums,
+    stale_metrics,
+    stale_tokens,
     token_mask,
     windowed_ratio,
 )
@@ -41,11 +55,18 @@ KLMeanSource = Literal["current", "behaviour"]
 class DrGRPOConfig:
     """ratio_clip: ρ is capped here with zero gradient above. length_norm "sequence" divides each
     token sum by prompt + response length (the TBA′ reference); "constant" by `norm_constant`
-    (Dr. GRPO proper: the generation budget); "response" by the response length."""
+    (Dr. GRPO proper: the generation budget); "response" by the response length.
+    stale_token_*: see the module docstring (None: off; "cap" uses the tighter of the two caps)."""
 
     ratio_clip: float = 8.0
     length_norm: LengthNorm = "sequence"
     norm_constant: float = 1.0
+    stale_token_max_lag: int | None = None
+    stale_token_mode: StaleTokenMode = "mask"
+    stale_token_ratio_cap: float = 1.0
+
+    def __post_init__(self) -> None:
+        check_stale_token_options(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +83,7 @@ class TBAPrimeConfig(DrGRPOConfig):
     kl_mean_source: KLMeanSource = "current"
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.kl_mean_source not in ("current", "behaviour"):
             raise ValueError(
                 f"kl_mean_source={self.kl_mean_source!r}; choose 'current' or 'behaviour' "
@@ -90,25 +112,46 @@ class IcePopConfig:
 @dataclasses.dataclass(frozen=True)
 class GRPOConfig:
     """clip_eps: PPO clip. std_eps: added to the group reward std (ddof=1). kl_penalty: add the
-    k3 estimator of KL(π_θ‖π_ref) per token with coefficient batch.beta."""
+    k3 estimator of KL(π_θ‖π_ref) per token with coefficient batch.beta.
+    stale_token_*: see the module docstring (None: off; "mask" drops the KL term too)."""
 
     clip_eps: float = 0.2
     std_eps: float = 1e-6
     kl_penalty: bool = False
+    stale_token_max_lag: int | None = None
+    stale_token_mode: StaleTokenMode = "mask"
+    stale_token_ratio_cap: float = 1.0
+
+    def __post_init__(self) -> None:
+        check_stale_token_options(self)
 
 
 @dataclasses.dataclass(frozen=True)
 class RLOOConfig:
-    """kl_in_reward: use r − β·(S − R) (stop-gradient) as the reward."""
+    """kl_in_reward: use r − β·(S − R) (stop-gradient) as the reward.
+    stale_token_*: see the module docstring (None: off; "mask" only: no importance ratio here)."""
 
     kl_in_reward: bool = False
+    stale_token_max_lag: int | None = None
+    stale_token_mode: StaleTokenMode = "mask"
+    stale_token_ratio_cap: float = 1.0
+
+    def __post_init__(self) -> None:
+        check_stale_token_options(self, allow_cap=False)
 
 
 @dataclasses.dataclass(frozen=True)
 class ReinforceConfig:
-    """kl_in_reward: use r − β·(S − R) (stop-gradient) as the reward."""
+    """kl_in_reward: use r − β·(S − R) (stop-gradient) as the reward.
+    stale_token_*: see the module docstring (None: off; "mask" only: no importance ratio here)."""
 
     kl_in_reward: bool = True
+    stale_token_max_lag: int | None = None
+    stale_token_mode: StaleTokenMode = "mask"
+    stale_token_ratio_cap: float = 1.0
+
+    def __post_init__(self) -> None:
+        check_stale_token_options(self, allow_cap=False)
 
 
 # --------------------------------------------------------------------------- advantages
@@ -151,14 +194,37 @@ def kl_regularised_reward(batch: Batch, logprobs: Array) -> Array:
 
 
 def _finish(
-    batch: Batch, logprobs: Array, g: Groups, per_seq: Array, clipped: Array | None, reference: bool
+    batch: Batch,
+    logprobs: Array,
+    g: Groups,
+    per_seq: Array,
+    clipped: Array | None,
+    reference: bool,
+    stale: Array | None = None,
 ) -> tuple[Ratio, Metrics]:
     """The mean over real rows, and the diagnostics (kl only when the objective reads the
-    reference log-probs: otherwise the trainer may not have computed them)."""
+    reference log-probs: otherwise the trainer may not have computed them; stale_frac only with
+    the stale-token option on)."""
     loss = row_mean(g, per_seq)
     metrics = diagnostics(batch, logprobs, clipped, reference=reference)
+    metrics.update(stale_metrics(batch, stale, logprobs.dtype))
     metrics["loss"] = loss
     return loss, metrics
+
+
+def _drop(per_token: Array, stale: Array | None, mode: StaleTokenMode) -> Array:
+    """per_token with the stale tokens' terms removed (value and gradient) in "mask" mode."""
+    if stale is None or mode != "mask":
+        return per_token
+    return jnp.where(stale, 0, per_token)
+
+
+def _stale_log_ratio(lr: Array, stale: Array | None, config) -> Array:
+    """log ρ with the stale tokens' ratio capped at `stale_token_ratio_cap` in "cap" mode (a min
+    on the log, before any exp, so the capped branch can neither overflow nor pass gradient)."""
+    if stale is None or config.stale_token_mode != "cap":
+        return lr
+    return jnp.where(stale, jnp.minimum(lr, math.log(config.stale_token_ratio_cap)), lr)
 
 
 def _token_loss(batch: Batch, per_token: Array, norm: Array) -> Array:
@@ -169,13 +235,22 @@ def _token_loss(batch: Batch, per_token: Array, norm: Array) -> Array:
 def capped_pg(
     batch: Batch, logprobs: Array, advantage: Array, config: DrGRPOConfig, reference: bool
 ) -> tuple[Ratio, Metrics]:
-    """Per token −ρ_t A_i with ρ_t = min(π_θ/π_old, ratio_clip); shared by Dr. GRPO and TBA′."""
+    """Per token −ρ_t A_i with ρ_t = min(π_θ/π_old, ratio_clip); shared by Dr. GRPO and TBA′.
+    Stale tokens (config.stale_token_*): dropped, or ρ_t capped at the tighter of the two caps."""
     g = groups_of(batch, logprobs.dtype)
     lr = log_ratio(batch, logprobs, token_mask(batch, logprobs.dtype))
-    rho = capped_ratio(lr, config.ratio_clip)
+    stale = stale_tokens(batch, config.stale_token_max_lag)
     norm = length_normaliser(batch, config.length_norm, config.norm_constant, logprobs.dtype)
-    per_seq = _token_loss(batch, -rho * sg(advantage)[:, None], norm)
-    return _finish(batch, logprobs, g, per_seq, lr > math.log(config.ratio_clip), reference)
+    if stale is None:
+        rho = capped_ratio(lr, config.ratio_clip)
+        per_seq = _token_loss(batch, -rho * sg(advantage)[:, None], norm)
+        return _finish(batch, logprobs, g, per_seq, lr > math.log(config.ratio_clip), reference)
+    capped_lr = _stale_log_ratio(lr, stale, config)
+    rho = capped_ratio(capped_lr, config.ratio_clip)
+    clipped = (lr > math.log(config.ratio_clip)) | (capped_lr < lr)
+    per_token = _drop(-rho * sg(advantage)[:, None], stale, config.stale_token_mode)
+    per_seq = _token_loss(batch, per_token, norm)
+    return _finish(batch, logprobs, g, per_seq, clipped, reference, stale)
 
 
 # --------------------------------------------------------------------------- objectives
@@ -231,15 +306,21 @@ def grpo(batch: Batch, logprobs: Array, config: GRPOConfig = GRPOConfig()) -> tu
     r = batch.reward.astype(dtype)
     adv = sg(g.centered(r) / (g.row(g.std(r)) + config.std_eps))[:, None]
     m = token_mask(batch, dtype)
-    rho = jnp.exp(log_ratio(batch, logprobs, m))
+    stale = stale_tokens(batch, config.stale_token_max_lag)
+    lr = log_ratio(batch, logprobs, m)
+    capped_lr = _stale_log_ratio(lr, stale, config)
+    rho = jnp.exp(capped_lr)
     eps = config.clip_eps
     per_token = -jnp.minimum(rho * adv, jnp.clip(rho, 1 - eps, 1 + eps) * adv)
     if config.kl_penalty:
         d = jnp.where(m > 0, batch.reference_logprobs.astype(dtype) - logprobs, 0)
         per_token = per_token + batch.beta.astype(dtype) * (jnp.exp(d) - d - 1)
+    per_token = _drop(per_token, stale, config.stale_token_mode)
     clipped = ((rho > 1 + eps) & (adv > 0)) | ((rho < 1 - eps) & (adv < 0))
+    if stale is not None:
+        clipped = clipped | (capped_lr < lr)
     per_seq = _token_loss(batch, per_token, length_normaliser(batch, "response", 1.0, dtype))
-    return _finish(batch, logprobs, g, per_seq, clipped, reference=config.kl_penalty)
+    return _finish(batch, logprobs, g, per_seq, clipped, reference=config.kl_penalty, stale=stale)
 
 
 def rloo(batch: Batch, logprobs: Array, config: RLOOConfig = RLOOConfig()) -> tuple[Ratio, Metrics]:
@@ -249,8 +330,9 @@ def rloo(batch: Batch, logprobs: Array, config: RLOOConfig = RLOOConfig()) -> tu
     r = kl_regularised_reward(batch, logprobs) if config.kl_in_reward else batch.reward.astype(dtype)
     k = g.row(g.count)  # real rows in the group
     baseline = (g.row(g.sum(r)) - r) / jnp.maximum(k - 1, 1)
-    per_seq = -sg(r - baseline) * seq_sums(batch, logprobs).policy
-    return _finish(batch, logprobs, g, per_seq, None, reference=config.kl_in_reward)
+    stale = stale_tokens(batch, config.stale_token_max_lag)
+    per_seq = -sg(r - baseline) * _policy_sum(batch, logprobs, stale)
+    return _finish(batch, logprobs, g, per_seq, None, reference=config.kl_in_reward, stale=stale)
 
 
 def reinforce(
@@ -263,5 +345,13 @@ def reinforce(
     dtype = logprobs.dtype
     g = groups_of(batch, dtype)
     r = kl_regularised_reward(batch, logprobs) if config.kl_in_reward else batch.reward.astype(dtype)
-    per_seq = -sg(g.centered(r)) * seq_sums(batch, logprobs).policy
-    return _finish(batch, logprobs, g, per_seq, None, reference=config.kl_in_reward)
+    stale = stale_tokens(batch, config.stale_token_max_lag)
+    per_seq = -sg(g.centered(r)) * _policy_sum(batch, logprobs, stale)
+    return _finish(batch, logprobs, g, per_seq, None, reference=config.kl_in_reward, stale=stale)
+
+
+def _policy_sum(batch: Batch, logprobs: Array, stale: Array | None) -> Array:
+    """S_i, [B]; without the stale tokens when there are any to mask (RLOO / REINFORCE)."""
+    if stale is None:
+        return seq_sums(batch, logprobs).policy
+    return seq_sum(logprobs, jnp.where(stale, 0, token_mask(batch, logprobs.dtype)))

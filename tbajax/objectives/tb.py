@@ -4,6 +4,13 @@ Per sample, δ_i = S_i − R_i − r_i/β (S, R: policy / reference log-prob sum
 TB asks log Z(x) + δ_i = 0 for every response of prompt x. VarGrad replaces log Z by its best
 per-group estimate −mean_group(δ) (stop-gradient), which leaves the within-group variance of δ.
 Sequence sums: no length normalisation, no clipping, no importance weights.
+
+Stale tokens: TB has no stale-token option and reads no `batch.token_versions`. Trajectory
+balance is off-policy by construction (any sampling policy with full support gives the same
+optimum), so a sample whose tokens come from older or several param versions trains like any
+other; the behaviour log-probs (whatever version produced each token) are used as before, for
+the off-policy diagnostics only (ratio_*, logprob_gap). The policy-gradient objectives are the
+ones that mask or cap stale tokens (`tbajax.objectives.policy_gradient`).
 """
 
 from __future__ import annotations

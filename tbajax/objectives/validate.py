@@ -9,7 +9,7 @@ import numpy as np
 from tbajax.batch import Batch
 from tbajax.objectives.registry import EVERYTHING, ObjectiveInputs, ObjectiveSpec, get_objective
 
-_PER_TOKEN = ("attention_mask", "loss_mask", "behavior_logprobs", "reference_logprobs")
+_PER_TOKEN = ("attention_mask", "loss_mask", "behavior_logprobs", "reference_logprobs", "token_versions")
 _PER_ROW = ("reward", "group_id", "sample_mask", "policy_version", "prompt_id")
 
 
@@ -34,12 +34,13 @@ def validate_batch(
 ) -> None:
     """Raise ValueError naming the field if the batch cannot give a meaningful loss.
 
-    Checks shapes, finiteness of rewards / β / log-probs (including `logprobs` if given), group
-    ids in [0, B), at least `min_group_size` real rows per group (group baselines need >= 2), and
-    β >= 0 (> 0 for objectives whose spec has `positive_beta`, such as TB). Behaviour and
-    reference log-probs are checked for finiteness only when the objective reads them
-    (`ObjectiveSpec.inputs`, under `objective_config` when they depend on it), and reference
-    log-probs not at all when `reference_from_trainer` (the trainer scores them itself).
+    Checks shapes (token_versions per token and current_version a scalar, both integers),
+    finiteness of rewards / β / log-probs (including `logprobs` if given), group ids in [0, B),
+    at least `min_group_size` real rows per group (group baselines need >= 2), and β >= 0 (> 0
+    for objectives whose spec has `positive_beta`, such as TB). Behaviour and reference log-probs
+    are checked for finiteness only when the objective reads them (`ObjectiveSpec.inputs`, under
+    `objective_config` when they depend on it), and reference log-probs not at all when
+    `reference_from_trainer` (the trainer scores them itself).
     """
     spec = None if objective is None else get_objective(objective)
     inputs = _inputs(spec, objective_config)
@@ -48,7 +49,8 @@ def validate_batch(
         finite.append("behavior_logprobs")
     if inputs.reference_logprobs and not reference_from_trainer:
         finite.append("reference_logprobs")
-    arr = {f: np.asarray(getattr(batch, f)) for f in ("tokens", *_PER_TOKEN, *_PER_ROW, "beta")}
+    scalars = ("beta", "current_version")
+    arr = {f: np.asarray(getattr(batch, f)) for f in ("tokens", *_PER_TOKEN, *_PER_ROW, *scalars)}
     if logprobs is not None:
         arr["logprobs"] = np.asarray(logprobs)
     if arr["tokens"].ndim != 2:
@@ -62,6 +64,11 @@ def validate_batch(
             raise ValueError(f"{f} has shape {arr[f].shape}, expected ({bt[0]},): one per row")
     if arr["beta"].shape != ():
         raise ValueError(f"beta must be a scalar, got shape {arr['beta'].shape}")
+    if arr["current_version"].shape != ():
+        raise ValueError(f"current_version must be a scalar, got shape {arr['current_version'].shape}")
+    for f in ("token_versions", "current_version"):
+        if arr[f].dtype.kind not in "iu":
+            raise ValueError(f"{f} must hold integer param versions, got dtype {arr[f].dtype}")
 
     for f in (*finite, *(("logprobs",) if logprobs is not None else ())):
         bad = ~np.isfinite(arr[f])

@@ -22,6 +22,10 @@ is a zombie that had already passed that check when its replacement opened (a wr
 seconds between the check and its data write); that is why a supervisor must kill a writer's
 whole process before starting its replacement, which SIGKILL does.
 
+Format versions: a reader or writer takes the layouts it understands, newest first. A new store
+is created in the newest; an existing one is read (and appended to) in the layout its commit
+record names, so stores written by an older format version stay readable after a column is added.
+
 This module knows nothing about what the columns mean; ``tbajax.stores.trajectories`` is the
 codec that maps `Trajectory` rows onto it.
 """
@@ -33,7 +37,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -110,9 +114,30 @@ def open_arrays(url: str, layout: Layout, create: bool) -> dict[str, ts.TensorSt
     return arrays
 
 
+Layouts = Layout | Sequence[Layout]
+
+
+def _as_layouts(layouts: Layouts) -> tuple[Layout, ...]:
+    out = (layouts,) if isinstance(layouts, Layout) else tuple(layouts)
+    if not out:
+        raise ValueError("need at least one store layout")
+    return out
+
+
+def layout_of(commit: Mapping[str, Any], url: str, layouts: Layouts) -> Layout:
+    """The layout among `layouts` that the commit record's format names."""
+    known = _as_layouts(layouts)
+    for layout in known:
+        if commit.get("format") == layout.format:
+            return layout
+    raise StoreError(
+        f"{url}/{COMMIT_KEY} has format {commit.get('format')!r}, this code reads "
+        + " or ".join(repr(x.format) for x in known)
+    )
+
+
 def check_commit(commit: dict[str, Any], url: str, layout: Layout) -> dict[str, Any]:
-    if commit.get("format") != layout.format:
-        raise StoreError(f"{url}/{COMMIT_KEY} has format {commit.get('format')!r}, this code reads {layout.format!r}")
+    layout = layout_of(commit, url, layout)
     for key in layout.extents:
         if not isinstance(commit.get(key), int) or commit[key] < 0:
             raise StoreError(f"{url}/{COMMIT_KEY} has a bad {key!r}: {commit.get(key)!r}")
@@ -137,17 +162,20 @@ class JaggedWriter:
     """The single writer of one store; each `append` is one atomic commit.
 
     `header` holds fixed fields of the commit record (e.g. the owning searcher); re-opening a
-    store with a different header is refused before anything is written. Re-opening after a
-    crash continues after the last committed element (uncommitted data is simply overwritten)
-    and fences off any older writer still holding the store (see the module docstring).
+    store with a different header is refused before anything is written. `layouts`: one layout,
+    or several known format versions newest first; a new store gets the newest, an existing one
+    keeps its own (`self.layout`). Re-opening after a crash continues after the last committed
+    element (uncommitted data is simply overwritten) and fences off any older writer still
+    holding the store (see the module docstring).
     """
 
-    def __init__(self, url: str | os.PathLike[str], layout: Layout, header: Mapping[str, Any] | None = None):
+    def __init__(self, url: str | os.PathLike[str], layouts: Layouts, header: Mapping[str, Any] | None = None):
         self.url = to_url(url)
-        self.layout = layout
         header = dict(header or {})
         self._kv = open_kvstore(self.url)
         commit, generation = read_json(self._kv, COMMIT_KEY)
+        layout = _as_layouts(layouts)[0] if commit is None else layout_of(commit, self.url, layouts)
+        self.layout = layout
         if commit is None:
             self._arrays = open_arrays(self.url, layout, create=True)
             commit = {"format": layout.format, "store_id": uuid.uuid4().hex, **header,
@@ -223,11 +251,15 @@ class JaggedWriter:
 
 
 class JaggedReader:
-    """Reads committed elements of one store; never reads past the commit record's extents."""
+    """Reads committed elements of one store; never reads past the commit record's extents.
 
-    def __init__(self, url: str | os.PathLike[str], layout: Layout):
+    `layouts`: the known format versions; `layout` is the store's own once its commit record
+    was read (None before)."""
+
+    def __init__(self, url: str | os.PathLike[str], layouts: Layouts):
         self.url = to_url(url)
-        self.layout = layout
+        self._layouts = _as_layouts(layouts)
+        self.layout: Layout | None = None
         self._kv = open_kvstore(self.url)
         self._arrays: dict[str, ts.TensorStore] | None = None
         self._store_id: str | None = None
@@ -237,7 +269,12 @@ class JaggedReader:
         commit, _ = read_json(self._kv, COMMIT_KEY)
         if commit is None:
             return None
-        check_commit(commit, self.url, self.layout)
+        layout = layout_of(commit, self.url, self._layouts)
+        check_commit(commit, self.url, layout)
+        if self.layout is None:
+            self.layout = layout
+        elif layout is not self.layout:
+            raise StoreError(f"{self.url} changed format under this reader ({self.layout.format} -> {layout.format})")
         if self._store_id is None:
             self._store_id = commit["store_id"]
         elif commit["store_id"] != self._store_id:
@@ -250,7 +287,10 @@ class JaggedReader:
     def read(self, spans: Mapping[str, tuple[int, int]]) -> dict[str, np.ndarray]:
         """{column: elements [start, stop)} for each requested span, read concurrently. The caller
         keeps spans inside the committed extents (this does not re-read the commit record)."""
+        if self.layout is None and self.read_commit() is None:
+            raise StoreError(f"{self.url} has no commit record yet: nothing to read")
         if self._arrays is None:
+            assert self.layout is not None
             self._arrays = open_arrays(self.url, self.layout, create=False)
         futures = {n: self._arrays[n][a:b].read() for n, (a, b) in spans.items()}
         return {n: np.asarray(f.result()) for n, f in futures.items()}

@@ -14,6 +14,13 @@ commit protocol and writer fencing:
     reference_logprobs/  float32, aligned with response_tokens (read only for rows flagged has-ref)
     rows_extras/         int64 [rows, 2]: start, length of the row's extras in `extras`
     extras/              uint8 [sum of extras lengths]: each row's scorer extras as UTF-8 JSON
+    token_versions/      int32, aligned with response_tokens: the param version of each token
+                         (read only for rows flagged mixed-versions; a row from one version
+                         has every token at its policy_version and stores nothing here)
+
+Format versions: v3 (written) adds `token_versions`; v2 stores (no such column) still load, every
+token at its row's policy_version, and a re-opened v2 store takes more single-version rows (a
+row whose tokens span versions cannot be written to it: start a new run directory).
 """
 
 from __future__ import annotations
@@ -30,7 +37,8 @@ from tbajax.stores.jagged import COMMIT_KEY, Column, JaggedReader, JaggedWriter,
 from tbajax.stores.urls import TRAJECTORIES_DIR, join_url, list_keys, open_kvstore, to_url
 from tbajax.trajectory import RewardStatus, Trajectory
 
-FORMAT = "tbajax.trajectories.v2"  # v2: scorer extras per row
+FORMAT = "tbajax.trajectories.v3"  # v2: scorer extras per row; v3: per-token param versions
+FORMAT_V2 = "tbajax.trajectories.v2"
 ROW_CHUNK = 4096
 FLAT_CHUNK = 65536
 
@@ -51,9 +59,10 @@ _I = {name: i for i, name in enumerate(I64_COLUMNS)}
 _F = {name: i for i, name in enumerate(F64_COLUMNS)}
 FLAG_FINISHED = 1
 FLAG_HAS_REFERENCE = 2
+FLAG_MIXED_VERSIONS = 4  # the row's tokens come from several param versions (see token_versions/)
 
-LAYOUT = Layout(
-    FORMAT,
+LAYOUT_V2 = Layout(
+    FORMAT_V2,
     {
         "rows_i64": Column("int64", (len(I64_COLUMNS),), (ROW_CHUNK, len(I64_COLUMNS)), 0, "rows"),
         "rows_f64": Column("float64", (len(F64_COLUMNS),), (ROW_CHUNK, len(F64_COLUMNS)), 0.0, "rows"),
@@ -65,6 +74,11 @@ LAYOUT = Layout(
         "extras": Column("uint8", (), (FLAT_CHUNK,), 0, "extras_bytes"),
     },
 )
+LAYOUT = Layout(
+    FORMAT,
+    {**LAYOUT_V2.columns, "token_versions": Column("int32", (), (FLAT_CHUNK,), 0, "response_tokens")},
+)
+LAYOUTS = (LAYOUT, LAYOUT_V2)  # newest first: new stores are v3, v2 stores are read as they are
 
 _SEARCHER_DIR = re.compile(r"^searcher-(\d+)/" + re.escape(COMMIT_KEY) + "$")
 
@@ -87,17 +101,27 @@ def _as_float32(x: Any, what: str, index: int) -> np.ndarray:
     return a
 
 
-def _encode(trajs: Sequence[Trajectory], commit: Mapping[str, int], searcher_id: int) -> dict[str, np.ndarray]:
+def _encode(
+    trajs: Sequence[Trajectory], commit: Mapping[str, int], searcher_id: int, layout: Layout = LAYOUT
+) -> dict[str, np.ndarray]:
     """Row tables and flat arrays for one append, offsets continuing after the committed extents."""
     n = len(trajs)
-    prompts, responses, behavior, reference, extras = [], [], [], [], []
+    prompts, responses, behavior, reference, extras, versions = [], [], [], [], [], []
     i64 = np.zeros((n, len(I64_COLUMNS)), np.int64)
     extras_index = np.zeros((n, 2), np.int64)
     f64 = np.zeros((n, len(F64_COLUMNS)), np.float64)
-    any_ref = any(t.reference_logprobs is not None for t in trajs)
     for i, t in enumerate(trajs):
         if not isinstance(t, Trajectory):
             raise TypeError(f"trajectory {i}: expected tbajax.trajectory.Trajectory, got {type(t).__name__}")
+    any_ref = any(t.reference_logprobs is not None for t in trajs)
+    any_mixed = any(t.mixed_versions for t in trajs)
+    if any_mixed and "token_versions" not in layout.columns:
+        i = next(i for i, t in enumerate(trajs) if t.mixed_versions)
+        raise ValueError(
+            f"trajectory {i} has tokens from several param versions, but this store is format "
+            f"{layout.format}, which has no per-token versions: write to a new run directory"
+        )
+    for i, t in enumerate(trajs):
         if t.searcher_id != searcher_id:
             raise ValueError(
                 f"trajectory {i} has searcher_id {t.searcher_id} but this store belongs to searcher "
@@ -113,7 +137,13 @@ def _encode(trajs: Sequence[Trajectory], commit: Mapping[str, int], searcher_id:
             reference.append(
                 np.full(len(r), np.nan, np.float32) if ref is None else _as_float32(ref, "reference_logprobs", i)
             )
-        flags = (FLAG_FINISHED if t.finished else 0) | (FLAG_HAS_REFERENCE if t.reference_logprobs is not None else 0)
+        if any_mixed:
+            versions.append(_as_int32(t.token_versions, "token_versions", i))
+        flags = (
+            (FLAG_FINISHED if t.finished else 0)
+            | (FLAG_HAS_REFERENCE if t.reference_logprobs is not None else 0)
+            | (FLAG_MIXED_VERSIONS if t.mixed_versions else 0)
+        )
         i64[i, _I["prompt_id"]] = t.prompt_id
         i64[i, _I["group_id"]] = t.group_id
         i64[i, _I["prompt_len"]] = len(p)
@@ -141,6 +171,8 @@ def _encode(trajs: Sequence[Trajectory], commit: Mapping[str, int], searcher_id:
     }
     if any_ref:
         out["reference_logprobs"] = np.concatenate(reference)
+    if any_mixed:
+        out["token_versions"] = np.concatenate(versions)
     if extras_index[:, 1].any():
         out["extras"] = np.frombuffer(b"".join(extras), np.uint8)
     return out
@@ -188,6 +220,9 @@ def _decode(
                     flat["reference_logprobs"][rs : rs + rl].copy() if flags & FLAG_HAS_REFERENCE else None
                 ),
                 extras=json.loads(flat["extras"][es - e0 : es - e0 + el].tobytes()) if el else None,
+                token_versions=(  # None: every token at policy_version (also every v2 row)
+                    flat["token_versions"][rs : rs + rl].copy() if flags & FLAG_MIXED_VERSIONS else None
+                ),
             )
         )
     return out
@@ -204,7 +239,7 @@ class TrajectoryWriter:
     def __init__(self, url: str | os.PathLike[str], searcher_id: int):
         self.url = to_url(url)
         self.searcher_id = int(searcher_id)
-        self._store = JaggedWriter(self.url, LAYOUT, {"searcher_id": self.searcher_id})
+        self._store = JaggedWriter(self.url, LAYOUTS, {"searcher_id": self.searcher_id})
 
     @property
     def epoch(self) -> int:
@@ -222,7 +257,9 @@ class TrajectoryWriter:
 
     def _write_data(self, trajectories: Sequence[Trajectory]) -> dict[str, int]:
         """Step 1 of an append (tests call it alone to leave uncommitted data behind)."""
-        return self._store.write_data(_encode(trajectories, self._store.extents, self.searcher_id))
+        return self._store.write_data(
+            _encode(trajectories, self._store.extents, self.searcher_id, self._store.layout)
+        )
 
 
 class TrajectoryReader:
@@ -231,13 +268,14 @@ class TrajectoryReader:
     `cursor` is the next row `read_new` returns; start another reader there with
     ``TrajectoryReader(url, start_row=cursor)``. (The trainer does not checkpoint it: on resume
     it re-reads every store from row 0 and the buffer state drops the groups already consumed.)
+    Reads format v3 and v2 stores (see the module docstring).
     """
 
     def __init__(self, url: str | os.PathLike[str], start_row: int = 0):
         if start_row < 0:
             raise ValueError(f"start_row must be >= 0, got {start_row}")
         self.url = to_url(url)
-        self._store = JaggedReader(self.url, LAYOUT)
+        self._store = JaggedReader(self.url, LAYOUTS)
         self._cursor = int(start_row)
 
     @property
@@ -284,6 +322,13 @@ class TrajectoryReader:
         spans = {"prompt_tokens": (p0, p1), "response_tokens": (r0, r1), "behavior_logprobs": (r0, r1)}
         if np.any(i64[:, _I["flags"]] & FLAG_HAS_REFERENCE):
             spans["reference_logprobs"] = (r0, r1)
+        if np.any(i64[:, _I["flags"]] & FLAG_MIXED_VERSIONS):
+            if "token_versions" not in self._store.layout.columns:
+                raise TrajectoryStoreError(
+                    f"rows [{start}, {stop}) of {self.url} are flagged mixed-versions but the store is "
+                    f"format {self._store.layout.format}, which has no token_versions column: corrupt store"
+                )
+            spans["token_versions"] = (r0, r1)
         if ext[:, 1].any():
             if not np.array_equal(ext[1:, 0], (ext[:, 0] + ext[:, 1])[:-1]):
                 raise TrajectoryStoreError(f"rows [{start}, {stop}) of {self.url} have inconsistent extras offsets")

@@ -151,6 +151,7 @@ def encode_groups(groups: Sequence[Sequence[Trajectory]]) -> bytes:
         "behavior_logprobs": _concat([t.behavior_logprobs for t in rows], np.float32),
         "reference_logprobs": _concat([t.reference_logprobs for t in rows if t.reference_logprobs is not None],
                                       np.float32),
+        "token_versions": _concat([t.token_versions for t in rows], np.int32),
     }
     if any(t.extras for t in rows):
         extras = [dict(t.extras) if t.extras is not None else None for t in rows]
@@ -177,7 +178,8 @@ def decode_groups(blob: bytes) -> list[list[Trajectory]]:
         rows.append(Trajectory(prompt_tokens=flat["prompt_tokens"][p:p + plen],
                                response_tokens=flat["response_tokens"][r:r + rlen],
                                behavior_logprobs=flat["behavior_logprobs"][r:r + rlen],
-                               reference_logprobs=reference, extras=extras[i] if extras else None, **fields))
+                               reference_logprobs=reference, extras=extras[i] if extras else None,
+                               token_versions=flat["token_versions"][r:r + rlen], **fields))
         p, r = p + plen, r + rlen
     groups, start = [], 0
     for n in flat["sizes"].tolist():

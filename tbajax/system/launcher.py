@@ -513,7 +513,7 @@ def preflight(config: ExperimentConfig) -> None:
     SafetensorsReader(directory)  # the weights exist, and every header and size is intact
     try:
         load_tokenizer_for(config)
-        resolve_objective(config.train.objective)
+        resolve_objective(config.train.objective, overrides=dict(config.train.objective_options))
         task = load_task(config)
         check_grading_mode(task, config.rollout.reward_workers)
     except SyntaxError as e:

@@ -219,6 +219,7 @@ class Rollouts:
                     extras=scores.extras_of(i) or None,
                     finished=bool(out.finished[i]),
                     policy_version=version,
+                    token_versions=np.full(len(resp), version, np.int32),  # one version per call
                     searcher_id=self.searcher_id,
                     wall_time=now,
                     reference_logprobs=None

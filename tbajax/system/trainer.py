@@ -77,8 +77,9 @@ class Learner:
     def step(self) -> int:
         return self.trainer.updates_applied
 
-    def prepare(self, groups: Sequence[Sequence[Trajectory]]) -> Batch:
-        """Collate and validate one step's groups (host side; safe in a background thread)."""
+    def prepare(self, groups: Sequence[Sequence[Trajectory]], current_version: int = 0) -> Batch:
+        """Collate and validate one step's groups (host side; safe in a background thread);
+        `current_version` goes into the batch (objectives measure token staleness against it)."""
         trainer = self.config.train.trainer
         batch = collate(
             groups,
@@ -88,6 +89,7 @@ class Learner:
             length_bucket=self.config.train.length_bucket,
             pack_microbatches=trainer.num_microbatches if trainer.pack_groups else None,
             pack_row_multiple=self.trainer.batch_shards,
+            current_version=current_version,
         )
         validate_batch(batch, self.objective, objective_config=self.objective_config,
                        reference_from_trainer=trainer.compute_reference_logprobs)
@@ -96,12 +98,15 @@ class Learner:
     @staticmethod
     def batch_metrics(groups: Sequence[Sequence[Trajectory]], batch: Batch, current_version: int) -> dict[str, float]:
         """What a step's record says about its data; `current_version`: the trainer's param version
-        when the groups were sampled (the lag is measured against it)."""
+        when the groups were sampled (the lag is measured against it). policy_lag_*: per sample,
+        from its oldest version; token_lag_*: per response token, from `token_versions` (they
+        differ when the searcher swapped params mid-sequence)."""
         rows = [t for g in groups for t in g]
         per_searcher = np.bincount([t.searcher_id for t in rows], minlength=1)
         rewards = np.array([t.reward for t in rows], np.float64)
         lags = np.array([current_version - t.policy_version for t in rows])
         return dict(
+            **token_lag_metrics(rows, current_version),
             reward_mean=float(rewards.mean()),
             reward_std_within_group=float(np.mean([np.std([t.reward for t in g]) for g in groups])),
             response_length=float(np.mean([len(t.response_tokens) for t in rows])),
@@ -110,6 +115,16 @@ class Learner:
             train_tokens=int(np.asarray(batch.loss_mask).sum()),
             **{f"rows_from_searcher_{i}": int(n) for i, n in enumerate(per_searcher)},
         )
+
+
+def token_lag_metrics(rows: Sequence[Trajectory], current_version: int) -> dict[str, float]:
+    """token_lag_mean / token_lag_max: current_version − token version over every response token
+    of `rows` (0 when no row has a response token)."""
+    versions = np.concatenate([np.asarray(t.token_versions, np.int64) for t in rows] or [np.zeros(0, np.int64)])
+    if not versions.size:
+        return dict(token_lag_mean=0.0, token_lag_max=0.0)
+    lags = current_version - versions
+    return dict(token_lag_mean=float(lags.mean()), token_lag_max=float(lags.max()))
 
 
 def _beta_placeholder(config: ExperimentConfig) -> float:
@@ -362,7 +377,7 @@ def draw_batch(config: ExperimentConfig, learner: Learner, buffer: TrajectoryBuf
         return STOP
     if isinstance(groups, BufferEmptyError):
         raise groups
-    batch = learner.prepare(groups)
+    batch = learner.prepare(groups, current_version=version)
     data = learner.batch_metrics(groups, batch, version)
     if isinstance(source, InlineRollouts):
         data["generate_s"] = source.last_generate_s

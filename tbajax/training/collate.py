@@ -22,6 +22,7 @@ def collate(
     length_bucket: int = 32,
     pack_microbatches: int | None = None,
     pack_row_multiple: int = 1,
+    current_version: int = 0,
 ) -> Batch:
     """Pad groups of trajectories into one host-side (numpy) Batch.
 
@@ -31,6 +32,8 @@ def collate(
     score_stop_token: whether a finished response's final stop token is in the loss.
     pack_microbatches: also build `Batch.packed` for a step cut into this many micro-batches.
     pack_row_multiple: make the number of packed rows a multiple of this (the data-parallel shards).
+    current_version: the trainer's param version, written into `Batch.current_version` (token lags
+    and the objectives' stale-token options are measured against it).
     """
     rows = [t for g in groups for t in g]
     if not rows:
@@ -52,6 +55,7 @@ def collate(
     reward = np.zeros((n,), np.float32)
     gid = np.zeros((n,), np.int32)
     version = np.zeros((n,), np.int32)
+    token_versions = np.zeros((n, seq_len), np.int32)
     prompt_id = np.zeros((n,), np.int32)
     i = 0
     for g, group in enumerate(groups):
@@ -63,6 +67,7 @@ def collate(
             scored = r - (1 if (t.finished and not score_stop_token and r > 0) else 0)
             loss[i, p : p + scored] = True
             blp[i, p : p + r] = t.behavior_logprobs
+            token_versions[i, p : p + r] = t.token_versions
             if t.reference_logprobs is not None:
                 rlp[i, p : p + r] = t.reference_logprobs
             reward[i] = t.reward
@@ -93,6 +98,8 @@ def collate(
         policy_version=version,
         prompt_id=prompt_id,
         beta=np.float32(beta),
+        token_versions=token_versions,
+        current_version=np.int32(current_version),
         packed=packed,
     )
 

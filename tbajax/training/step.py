@@ -192,11 +192,12 @@ def train_step(
 
 
 def batch_shardings(mesh: Mesh, packed: bool = False) -> Batch:
-    """Every [B, ...] field split on its batch dim over the "batch" mesh axes; β replicated;
+    """Every [B, ...] field split on its batch dim over the "batch" mesh axes; the scalars (β, the
+    current version) replicated;
     packed rows (if `packed`) split on their leading dim too."""
     rows = NamedSharding(mesh, P(LOGICAL_RULES["batch"]))
     fields = {f.name: rows for f in dataclasses.fields(Batch)}
-    fields["beta"] = NamedSharding(mesh, P())
+    fields["beta"] = fields["current_version"] = NamedSharding(mesh, P())
     fields["packed"] = PackedGroups(**{f.name: rows for f in dataclasses.fields(PackedGroups)}) if packed else None
     return Batch(**fields)
 
