@@ -37,7 +37,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import ctypes
+import collections
 import dataclasses
+import functools
 import io
 import json
 import logging
@@ -154,32 +157,116 @@ def abstract_target(target: Any, shardings: Any = None) -> Any:
 
 def layout(names: list[str], arrays: list[Any], meta: dict[str, Any] | None = None) -> dict[str, Any]:
     """The manifest of a version: each leaf's path, shape, dtype and aligned offset in params.bin,
-    and the publisher's `meta` (JSON; {} when none)."""
+    and the publisher's `meta` (JSON; {} when none). `arrays` need only .shape and .dtype."""
     leaves, offset = [], 0
     for name, a in zip(names, arrays):
-        nbytes = int(np.prod(a.shape, dtype=np.int64)) * a.dtype.itemsize
-        leaves.append({"path": name, "shape": list(a.shape), "dtype": str(a.dtype), "offset": offset})
+        dtype = np.dtype(a.dtype)
+        nbytes = int(np.prod(a.shape, dtype=np.int64)) * dtype.itemsize
+        leaves.append({"path": name, "shape": list(a.shape), "dtype": str(dtype), "offset": offset})
         offset += -(-nbytes // _ALIGN) * _ALIGN
     return {"format": VERSION_FORMAT, "bytes": offset, "leaves": leaves, "meta": dict(meta or {})}
 
 
-def _host_leaves(tree: Any, originals: list[Any], copy: bool) -> tuple[list[str], list[Any]]:
-    """(path names, leaves the writer can turn into host arrays) of a (cast) param tree.
+@dataclasses.dataclass(frozen=True)
+class _Leaf:
+    """One leaf to write: its source (a host or device array) and the dtype it is stored as."""
 
-    `copy` copies leaves that are still the caller's arrays (`originals`) to the host now, so a
-    background write never reads a buffer the caller has donated or deleted. Cast leaves are ours:
-    they stay device arrays whose (asynchronous) casts the writer waits for one by one, so casting
-    leaf k+1 overlaps writing leaf k.
+    name: str
+    source: Any
+    dtype: np.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.source.shape)
+
+    @property
+    def casts(self) -> bool:
+        return self.source.dtype != self.dtype
+
+
+@functools.partial(jax.jit, static_argnames="dtype")
+def _cast(x: jax.Array, dtype: np.dtype) -> jax.Array:
+    return x.astype(dtype)
+
+
+def _on_host(x: Any) -> bool:
+    """Whether `x`'s bytes are already in this process's memory (numpy, or the CPU backend)."""
+    return isinstance(x, np.ndarray) or all(d.platform == "cpu" for d in x.devices())
+
+
+def _publish_leaves(tree: Any, dtype: str | None, detach: bool) -> list[_Leaf]:
+    """The leaves of a param tree as the writer needs them.
+
+    Floating leaves are stored as `dtype` (None: as they are). Device (accelerator) leaves are
+    cast there, where it is cheap, and their transfers to the host start at once, all of them, so
+    that transferring leaf k+1 overlaps writing leaf k. Host leaves are cast by the writer, in
+    chunks (`_pieces`), unless `detach`: then every leaf is made independent of the caller's
+    buffers now (a cast result or a host copy), because the caller may donate or delete them as
+    soon as `publish(wait=False)` returns.
     """
-    names, leaves = [], []
-    for (path, x), orig in zip(jax.tree_util.tree_flatten_with_path(tree)[0], originals):
+    if dtype is not None and dtype not in PUBLISH_DTYPES:
+        raise ValueError(f"publish dtype must be one of {PUBLISH_DTYPES} or None, got {dtype!r}")
+    out = []
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if isinstance(x, np.generic):
+            x = np.asarray(x)
+        if not isinstance(x, (jax.Array, np.ndarray)):
+            raise TypeError(
+                f"param leaf {jax.tree_util.keystr(path)} is a {type(x).__name__}, not an array: publish a "
+                "pure pytree of arrays, e.g. nnx.to_pure_dict(nnx.state(model, nnx.Param))"
+            )
         if isinstance(x, jax.Array) and not x.is_fully_addressable:
             x = multihost_utils.process_allgather(x, tiled=True)  # collective: every process publishes
-        elif copy and x is orig:
-            x = np.array(x, copy=True)
-        names.append(jax.tree_util.keystr(path))
-        leaves.append(x)
-    return names, leaves
+        stored = np.dtype(x.dtype)
+        if dtype is not None and jnp.issubdtype(x.dtype, jnp.floating):
+            stored = jnp.dtype(dtype)
+        if isinstance(x, jax.Array) and (not _on_host(x) or (detach and x.dtype != stored)):
+            if x.dtype != stored:
+                x = _cast(x, stored)
+            elif detach:
+                x = np.array(x, copy=True)  # the caller's buffer: copy it before returning
+            if isinstance(x, jax.Array):
+                x.copy_to_host_async()
+        elif detach:
+            x = np.array(x, dtype=stored, copy=True)
+        out.append(_Leaf(jax.tree_util.keystr(path), x, stored))
+    return out
+
+
+def _pieces(leaves: list[_Leaf], chunk: int = 1 << 20, ahead: int = 3) -> Iterator[tuple[int, np.ndarray]]:
+    """(leaf index, contiguous host array) pieces whose bytes, in order, are each leaf's stored bytes.
+
+    A host leaf that needs a cast is cut into `chunk`-element pieces whose casts (jitted, on the
+    leaf's own CPU device) are dispatched `ahead` pieces before the caller asks for them: XLA runs
+    them on its threads while the caller writes the previous piece, so a bf16 publish costs about
+    a write of the bf16 bytes, not a cast of the whole tree and then a write. Small pieces keep the
+    cast output in cache until it is written, and bound the memory in flight. Everything else is
+    one piece per leaf (a view of a CPU array, or the host copy of a device array)."""
+
+    def jobs() -> Iterator[tuple[int, Any]]:
+        for i, leaf in enumerate(leaves):
+            x = leaf.source
+            if not (leaf.casts and _on_host(x)):
+                yield i, x
+                continue
+            flat = np.ascontiguousarray(np.asarray(x)).reshape(-1)
+            if isinstance(x, np.ndarray):  # only in a multi-host publish (gathered leaves)
+                for s in range(0, flat.size, chunk):
+                    yield i, flat[s : s + chunk].astype(leaf.dtype)
+                continue
+            device = next(iter(x.devices()))
+            for s in range(0, flat.size, chunk):
+                yield i, _cast(jax.device_put(flat[s : s + chunk], device), leaf.dtype)
+
+    pending: collections.deque[tuple[int, Any]] = collections.deque()
+    for job in jobs():
+        pending.append(job)
+        if len(pending) > ahead:
+            i, x = pending.popleft()
+            yield i, _host(x)
+    while pending:
+        i, x = pending.popleft()
+        yield i, _host(x)
 
 
 def _host(x: Any) -> np.ndarray:
@@ -226,36 +313,89 @@ def _replace_file(path: Any, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def _write_local(directory: Any, arrays: list[Any], manifest: dict[str, Any]) -> None:
-    """params.bin (data + manifest) with one fsync, then the commit marker; the directories are
-    fsynced so that the marker (and the version directory) survive a crash before the pointer."""
+def _write_all(fd: int, data: Any) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[os.write(fd, view) :]  # one write() moves at most ~2 GiB
+
+
+def _stream(leaves: list[_Leaf], manifest: dict[str, Any], write: Any) -> None:
+    """Call `write(bytes-like)` with params.bin's content in order: each leaf at its offset,
+    zero padding between, the trailer last."""
+    entries = manifest["leaves"]
+    ends = [e["offset"] + int(np.prod(e["shape"], dtype=np.int64)) * np.dtype(e["dtype"]).itemsize for e in entries]
+    pos, current = 0, 0
+    for i, piece in _pieces(leaves):
+        if i != current:
+            if pos not in (ends[current], entries[current]["offset"]):
+                raise ParamStoreError(f"leaf {leaves[current].name} was written short ({pos} of {ends[current]}, a bug)")
+            current = i
+        if pos < entries[i]["offset"]:
+            write(bytes(entries[i]["offset"] - pos))
+            pos = entries[i]["offset"]
+        if pos + piece.nbytes > ends[i]:
+            raise ParamStoreError(f"leaf {leaves[i].name} produced more bytes than its shape holds (a bug)")
+        write(_byte_view(piece))
+        pos += piece.nbytes
+    if entries and max(pos, entries[current]["offset"]) != ends[current]:
+        raise ParamStoreError(f"leaf {leaves[current].name} was written short ({pos} of {ends[current]}, a bug)")
+    write(bytes(manifest["bytes"] - pos) + _trailer(manifest))
+
+
+def _sync_file_range() -> Any:
+    """libc's sync_file_range (Linux), or None where there is none."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (AttributeError, OSError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    return fn
+
+
+_START_WRITEBACK = _sync_file_range()  # (fd, offset, nbytes, SYNC_FILE_RANGE_WRITE = 2): start, don't wait
+_WRITEBACK_EVERY = 8 << 20
+
+
+class _FileWriter:
+    """Writes to a file descriptor, starting the disk write-back of every `_WRITEBACK_EVERY` bytes
+    as soon as they are written (where the OS offers it): the final fsync then waits for the last
+    few MB instead of all of them. Only a hint to the kernel: durability still comes from fsync."""
+
+    def __init__(self, fd: int):
+        self.fd, self.pos, self.flushed = fd, 0, 0
+
+    def __call__(self, data: Any) -> None:
+        _write_all(self.fd, data)
+        self.pos += memoryview(data).nbytes
+        if _START_WRITEBACK is not None and self.pos - self.flushed >= _WRITEBACK_EVERY:
+            _START_WRITEBACK(self.fd, self.flushed, self.pos - self.flushed, 2)
+            self.flushed = self.pos
+
+
+def _write_local(directory: Any, leaves: list[_Leaf], manifest: dict[str, Any]) -> None:
+    """params.bin (data + manifest) with one fsync, then the commit marker, made durable by an
+    fsync of the version directory. The fsync that makes the new version directory's own entry
+    durable runs concurrently with the data write (it only has to land before the pointer)."""
     directory = os.fspath(directory)
     os.makedirs(directory)  # a fresh version number: an existing directory is another writer's
-    with open(os.path.join(directory, DATA_FILE), "wb") as f:
-        pos = 0
-        for a, leaf in zip(arrays, manifest["leaves"]):
-            if leaf["offset"] > pos:
-                f.write(bytes(leaf["offset"] - pos))
-            a = _host(a)
-            f.write(_byte_view(a))
-            pos = leaf["offset"] + a.nbytes
-        if manifest["bytes"] > pos:
-            f.write(bytes(manifest["bytes"] - pos))
-        f.write(_trailer(manifest))
-        f.flush()
-        os.fsync(f.fileno())
-    with open(os.path.join(directory, COMMIT_MARKER), "wb"):
-        pass  # empty: its directory entry is the commit, made durable by the fsync below
-    _fsync_dir(directory)
-    _fsync_dir(os.path.dirname(directory))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="param-dirsync") as sync:
+        parent = sync.submit(_fsync_dir, os.path.dirname(directory))
+        fd = os.open(os.path.join(directory, DATA_FILE), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            _stream(leaves, manifest, _FileWriter(fd))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.close(os.open(os.path.join(directory, COMMIT_MARKER), os.O_WRONLY | os.O_CREAT, 0o644))
+        _fsync_dir(directory)  # the marker is on disk
+        parent.result()  # and so is the version directory
 
 
-def _write_objects(kv: Any, version: int, arrays: list[Any], manifest: dict[str, Any]) -> None:
+def _write_objects(kv: Any, version: int, leaves: list[_Leaf], manifest: dict[str, Any]) -> None:
     """Bucket stores: params.bin as one object, then the marker."""
-    blob = bytearray(manifest["bytes"])
-    for a, leaf in zip(arrays, manifest["leaves"]):
-        blob[leaf["offset"] : leaf["offset"] + a.nbytes] = _byte_view(_host(a))
-    kv.write(f"{version}/{DATA_FILE}", bytes(blob) + _trailer(manifest)).result()
+    blob = bytearray()
+    _stream(leaves, manifest, blob.extend)
+    kv.write(f"{version}/{DATA_FILE}", bytes(blob)).result()
     kv.write(f"{version}/{COMMIT_MARKER}", b"").result()
 
 
@@ -440,12 +580,10 @@ class ParamPublisher:
         self.wait()
         meta = dict(meta or {})
         json.dumps(meta)  # not serialisable: fail here, not in the background writer
-        tree = cast_floating(params, self.dtype)
-        names, arrays = _host_leaves(tree, jax.tree_util.tree_leaves(params), copy=not wait)
-        del tree  # the host copies are all the write needs
+        leaves = _publish_leaves(params, self.dtype, detach=not wait)
         version = self._next_version
         self._next_version += 1
-        self._pending = self._executor.submit(self._finish, version, step, names, arrays, meta)
+        self._pending = self._executor.submit(self._finish, version, step, leaves, meta)
         if wait:
             self._join(visible_only=True)
         return version
@@ -467,17 +605,15 @@ class ParamPublisher:
             if gc is not None:
                 gc.result()
 
-    def _finish(
-        self, version: int, step: int | None, names: list[str], arrays: list[Any], meta: dict[str, Any]
-    ) -> None:
+    def _finish(self, version: int, step: int | None, leaves: list[_Leaf], meta: dict[str, Any]) -> None:
         if not self._primary:
             self._latest = version
             return
-        manifest = layout(names, arrays, meta)
+        manifest = layout([leaf.name for leaf in leaves], leaves, meta)
         if self._local is not None:
-            _write_local(self._local / str(version), arrays, manifest)
+            _write_local(self._local / str(version), leaves, manifest)
         else:
-            _write_objects(self._dirs.kv, version, arrays, manifest)
+            _write_objects(self._dirs.kv, version, leaves, manifest)
         record = {
             "format": FORMAT,
             "run_id": self.run_id,
