@@ -228,7 +228,8 @@ def _publish_leaves(tree: Any, dtype: str | None, detach: bool) -> list[_Leaf]:
             if isinstance(x, jax.Array):
                 x.copy_to_host_async()
         elif detach:
-            x = np.array(x, dtype=stored, copy=True)
+            with np.errstate(over="ignore"):  # out of range -> inf, as jax's cast does
+                x = np.array(x, dtype=stored, copy=True)
         out.append(_Leaf(jax.tree_util.keystr(path), x, stored))
     return out
 
@@ -252,7 +253,9 @@ def _pieces(leaves: list[_Leaf], chunk: int = 1 << 20, ahead: int = 3) -> Iterat
             flat = np.ascontiguousarray(np.asarray(x)).reshape(-1)
             if isinstance(x, np.ndarray):  # only in a multi-host publish (gathered leaves)
                 for s in range(0, flat.size, chunk):
-                    yield i, flat[s : s + chunk].astype(leaf.dtype)
+                    with np.errstate(over="ignore"):  # out of range -> inf, as jax's cast does
+                        cast = flat[s : s + chunk].astype(leaf.dtype)
+                    yield i, cast
                 continue
             device = next(iter(x.devices()))
             for s in range(0, flat.size, chunk):
