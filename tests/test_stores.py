@@ -573,8 +573,8 @@ def _awkward_floats(n: int, seed: int) -> np.ndarray:
 def test_cast_publish_is_bitwise_the_jax_cast(tmp_path: Path, dtype: str) -> None:
     """A leaf larger than the writer's cast chunk (chunked casts and a tail), small and 0-d and
     empty leaves, a numpy leaf and an int leaf: stored bytes equal `jnp.astype`'s, with
-    wait=True (chunked casts while writing) and wait=False (cast before returning), and a
-    reader loads them into `dtype` unchanged."""
+    wait=True (chunked casts while writing) and wait=False (casts dispatched before returning,
+    then the caller deletes its arrays, as a donation would), and a reader loads them unchanged."""
     from tbajax.stores.params import _pieces, _publish_leaves
 
     big = _awkward_floats((1 << 20) + 37, 0)
@@ -595,6 +595,7 @@ def test_cast_publish_is_bitwise_the_jax_cast(tmp_path: Path, dtype: str) -> Non
     reader = ParamReader(url, "s")
     with ParamPublisher(url, "run-a", dtype=dtype, keep=4) as pub:
         versions = [pub.publish(params, wait=True), pub.publish(params, wait=False)]
+        jax.tree.map(lambda x: x.delete() if isinstance(x, jax.Array) else None, params)  # a donation, say
         pub.wait()
     for version in versions:
         got = reader.restore(version, target, one)

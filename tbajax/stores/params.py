@@ -180,26 +180,51 @@ def layout(names: list[str], arrays: list[Any], meta: dict[str, Any] | None = No
     return {"format": VERSION_FORMAT, "bytes": offset, "leaves": leaves, "meta": dict(meta or {})}
 
 
+_CHUNK = 1 << 20  # elements per host cast piece: a few MB, cast while the previous piece is written
+_AHEAD = 3  # cast pieces dispatched before the writer needs them
+
+
 @dataclasses.dataclass(frozen=True)
 class _Leaf:
-    """One leaf to write: its source (a host or device array) and the dtype it is stored as."""
+    """One leaf to write: its source (a host or device array, maybe not yet in the stored dtype),
+    the dtype it is stored as, and the casts of its pieces when they had to be dispatched early."""
 
     name: str
     source: Any
     dtype: np.dtype
+    pieces: tuple[Any, ...] = ()
 
     @property
     def shape(self) -> tuple[int, ...]:
         return tuple(self.source.shape)
 
-    @property
-    def casts(self) -> bool:
-        return self.source.dtype != self.dtype
-
 
 @functools.partial(jax.jit, static_argnames="dtype")
 def _cast(x: jax.Array, dtype: np.dtype) -> jax.Array:
     return x.astype(dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("rows", "dtype"))
+def _cast_rows(x: jax.Array, start: jax.Array, rows: int, dtype: np.dtype) -> jax.Array:
+    """Rows [start, start + rows) of `x`, cast: one piece of a host leaf's cast (compiled once per
+    leaf shape and piece size; the start is traced)."""
+    return jax.lax.dynamic_slice_in_dim(x, start, rows, axis=0).astype(dtype)
+
+
+def _row_pieces(shape: tuple[int, ...], chunk: int) -> list[tuple[int, int]]:
+    """(first row, rows) pieces of about `chunk` elements covering axis 0 of `shape`."""
+    per_row = int(np.prod(shape[1:], dtype=np.int64))
+    step = max(1, chunk // max(per_row, 1))
+    return [(r, min(step, shape[0] - r)) for r in range(0, shape[0], step)]
+
+
+def _dispatch_casts(x: jax.Array, dtype: np.dtype, chunk: int) -> Iterator[jax.Array]:
+    """The casts of a host jax leaf's pieces, each dispatched (asynchronously) when asked for."""
+    if x.ndim == 0:
+        yield _cast(x, dtype)
+        return
+    for start, rows in _row_pieces(x.shape, chunk):
+        yield _cast_rows(x, start, rows, dtype)
 
 
 def _on_host(x: Any) -> bool:
@@ -212,10 +237,11 @@ def _publish_leaves(tree: Any, dtype: str | None, detach: bool) -> list[_Leaf]:
 
     Floating leaves are stored as `dtype` (None: as they are). Device (accelerator) leaves are
     cast there, where it is cheap, and their transfers to the host start at once, all of them, so
-    that transferring leaf k+1 overlaps writing leaf k. Host leaves are cast by the writer, in
-    chunks (`_pieces`), unless `detach`: then every leaf is made independent of the caller's
-    buffers now (a cast result or a host copy), because the caller may donate or delete them as
-    soon as `publish(wait=False)` returns.
+    that transferring leaf k+1 overlaps writing leaf k. Host leaves are cast by the writer, piece
+    by piece (`_pieces`). With `detach` nothing may read the caller's buffers after this returns
+    (the caller may donate or delete them as soon as `publish(wait=False)` returns): uncast leaves
+    are copied to the host now, and the casts of host leaves' pieces are all dispatched now (jax
+    keeps a donated input alive until the computations already reading it are done).
     """
     if dtype is not None and dtype not in PUBLISH_DTYPES:
         raise ValueError(f"publish dtype must be one of {PUBLISH_DTYPES} or None, got {dtype!r}")
@@ -230,49 +256,53 @@ def _publish_leaves(tree: Any, dtype: str | None, detach: bool) -> list[_Leaf]:
             )
         if isinstance(x, jax.Array) and not x.is_fully_addressable:
             x = multihost_utils.process_allgather(x, tiled=True)  # collective: every process publishes
-        stored = np.dtype(x.dtype)
+        name, stored, pieces = jax.tree_util.keystr(path), np.dtype(x.dtype), ()
         if dtype is not None and jnp.issubdtype(x.dtype, jnp.floating):
             stored = jnp.dtype(dtype)
-        if isinstance(x, jax.Array) and (not _on_host(x) or (detach and x.dtype != stored)):
+        if isinstance(x, np.ndarray):
+            if detach:
+                with np.errstate(over="ignore"):  # out of range -> inf, as jax's cast does
+                    x = np.array(x, dtype=stored, copy=True)
+        elif not _on_host(x):
             if x.dtype != stored:
                 x = _cast(x, stored)
             elif detach:
                 x = np.array(x, copy=True)  # the caller's buffer: copy it before returning
             if isinstance(x, jax.Array):
                 x.copy_to_host_async()
+        elif x.dtype != stored and detach:
+            pieces = tuple(_dispatch_casts(x, stored, _CHUNK))
         elif detach:
-            with np.errstate(over="ignore"):  # out of range -> inf, as jax's cast does
-                x = np.array(x, dtype=stored, copy=True)
-        out.append(_Leaf(jax.tree_util.keystr(path), x, stored))
+            x = np.array(x, copy=True)
+        out.append(_Leaf(name, x, stored, pieces))
     return out
 
 
-def _pieces(leaves: list[_Leaf], chunk: int = 1 << 20, ahead: int = 3) -> Iterator[tuple[int, np.ndarray]]:
+def _pieces(leaves: list[_Leaf], chunk: int = _CHUNK, ahead: int = _AHEAD) -> Iterator[tuple[int, np.ndarray]]:
     """(leaf index, contiguous host array) pieces whose bytes, in order, are each leaf's stored bytes.
 
-    A host leaf that needs a cast is cut into `chunk`-element pieces whose casts (jitted, on the
-    leaf's own CPU device) are dispatched `ahead` pieces before the caller asks for them: XLA runs
+    A host leaf that needs a cast comes in pieces of about `chunk` elements whose casts (jitted, on
+    the leaf's CPU device) are dispatched `ahead` pieces before the caller asks for them: XLA runs
     them on its threads while the caller writes the previous piece, so a bf16 publish costs about
     a write of the bf16 bytes, not a cast of the whole tree and then a write. Small pieces keep the
-    cast output in cache until it is written, and bound the memory in flight. Everything else is
-    one piece per leaf (a view of a CPU array, or the host copy of a device array)."""
+    cast output in cache until it is written and bound the memory in flight. Everything else is
+    one piece per leaf (a CPU array's own memory, or the host copy of a device array)."""
 
     def jobs() -> Iterator[tuple[int, Any]]:
         for i, leaf in enumerate(leaves):
             x = leaf.source
-            if not (leaf.casts and _on_host(x)):
+            if leaf.pieces:
+                yield from ((i, p) for p in leaf.pieces)
+            elif x.dtype == leaf.dtype:
                 yield i, x
-                continue
-            flat = np.ascontiguousarray(np.asarray(x)).reshape(-1)
-            if isinstance(x, np.ndarray):  # only in a multi-host publish (gathered leaves)
+            elif isinstance(x, np.ndarray):  # numpy leaves (and multi-host gathered ones)
+                flat = np.ascontiguousarray(x).reshape(-1)
                 for s in range(0, flat.size, chunk):
                     with np.errstate(over="ignore"):  # out of range -> inf, as jax's cast does
                         cast = flat[s : s + chunk].astype(leaf.dtype)
                     yield i, cast
-                continue
-            device = next(iter(x.devices()))
-            for s in range(0, flat.size, chunk):
-                yield i, _cast(jax.device_put(flat[s : s + chunk], device), leaf.dtype)
+            else:
+                yield from ((i, p) for p in _dispatch_casts(x, leaf.dtype, chunk))
 
     pending: collections.deque[tuple[int, Any]] = collections.deque()
     for job in jobs():
