@@ -601,8 +601,8 @@ def test_cast_publish_is_bitwise_the_jax_cast(tmp_path: Path, dtype: str) -> Non
         got = reader.restore(version, target, one)
         for k, want in expected.items():
             assert got[k].dtype == want.dtype and got[k].shape == want.shape, k
-            np.testing.assert_array_equal(np.asarray(got[k]).reshape(-1).view(np.uint8), want.reshape(-1).view(np.uint8),
-                                          err_msg=k)
+            got_bytes = np.asarray(got[k]).reshape(-1).view(np.uint8)
+            np.testing.assert_array_equal(got_bytes, want.reshape(-1).view(np.uint8), err_msg=k)
 
 
 def test_bucket_objects_hold_the_same_bytes_as_the_local_file(tmp_path: Path) -> None:
@@ -610,7 +610,8 @@ def test_bucket_objects_hold_the_same_bytes_as_the_local_file(tmp_path: Path) ->
     byte for byte the local file, bf16 casts included (checked on a memory:// kvstore)."""
     from tbajax.stores.params import _publish_leaves, _write_objects, layout
 
-    params = {"a": jnp.asarray(_awkward_floats(3000, 3)).reshape(30, 100), "b": jnp.arange(7, dtype=jnp.int32)}
+    params = {"a": jnp.asarray(_awkward_floats(3000, 3)).reshape(30, 100),
+              "b": jnp.arange(7, dtype=jnp.int32)}
     with ParamPublisher(param_store_url(tmp_path), "run-a", dtype="bfloat16") as pub:
         pub.publish(params, {"kind": "full"})
     leaves = _publish_leaves(params, "bfloat16", detach=False)
@@ -645,15 +646,17 @@ def test_publisher_killed_mid_write_leaves_no_visible_broken_version(tmp_path: P
     publisher continues above it and its collection deletes it."""
     url = param_store_url(tmp_path)
     code = KILLED_PUBLISHER.format(repo=str(REPO), url=url, kill_in=3)  # a slow disk from version 3 on
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
     proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO)))
+                            stderr=subprocess.PIPE, env=env)
     deadline, writing = time.monotonic() + 120, None
     try:
         while True:
             ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
             line = proc.stdout.readline().decode() if ready else ""
             if not line:
-                raise AssertionError(f"publisher produced no kill point: {proc.stderr.read()[-2000:].decode()}")
+                stderr = proc.stderr.read()[-2000:].decode()
+                raise AssertionError(f"publisher produced no kill point: {stderr}")
             if line.startswith("publishing"):
                 writing = int(line.split()[1])
             elif line.startswith("wrote") and writing == 3:
@@ -670,7 +673,8 @@ def test_publisher_killed_mid_write_leaves_no_visible_broken_version(tmp_path: P
     target = {"w": jax.ShapeDtypeStruct((3 << 20,), jnp.bfloat16)}
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     np.testing.assert_array_equal(np.asarray(reader.restore(2, target, one)["w"], np.float32), 2.0)
-    with pytest.raises(ParamVersionError, match=r"version 3 is not available .* complete versions are \[1, 2\]"):
+    gone = r"version 3 is not available .* complete versions are \[1, 2\]"
+    with pytest.raises(ParamVersionError, match=gone):
         reader.restore(3, target, one)
     with ParamPublisher(url, "run-k", dtype="bfloat16", keep=2) as pub:
         assert pub.next_version == 4

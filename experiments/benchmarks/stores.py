@@ -130,7 +130,8 @@ def bench_params(directory: Path, n_floats: int, repeats: int) -> list[dict]:
 
         def row(what: str, s: float, med: float, raw: float | None = None, raw_med: float | None = None,
                 **extra) -> dict:
-            out = {"what": what, "size": size, "MB": mb, "ms": 1e3 * s, "ms_median": 1e3 * med, "MB_s": mb / s}
+            out = {"what": what, "size": size, "MB": mb, "ms": 1e3 * s, "ms_median": 1e3 * med,
+                   "MB_s": mb / s}
             if raw is not None:
                 out.update(raw_ms=1e3 * raw, x_raw=s / raw, raw_over_ours=raw / s, x_raw_median=med / raw_med)
             return {**out, **extra}

@@ -278,7 +278,9 @@ def _publish_leaves(tree: Any, dtype: str | None, detach: bool) -> list[_Leaf]:
     return out
 
 
-def _pieces(leaves: list[_Leaf], chunk: int = _CHUNK, ahead: int = _AHEAD) -> Iterator[tuple[int, np.ndarray]]:
+def _pieces(
+    leaves: list[_Leaf], chunk: int = _CHUNK, ahead: int = _AHEAD
+) -> Iterator[tuple[int, np.ndarray]]:
     """(leaf index, contiguous host array) pieces whose bytes, in order, are each leaf's stored bytes.
 
     A host leaf that needs a cast comes in pieces of about `chunk` elements whose casts (jitted, on
@@ -369,12 +371,17 @@ def _stream(leaves: list[_Leaf], manifest: dict[str, Any], write: Any) -> None:
     """Call `write(bytes-like)` with params.bin's content in order: each leaf at its offset,
     zero padding between, the trailer last."""
     entries = manifest["leaves"]
-    ends = [e["offset"] + int(np.prod(e["shape"], dtype=np.int64)) * np.dtype(e["dtype"]).itemsize for e in entries]
+    ends = [e["offset"] + int(np.prod(e["shape"], dtype=np.int64)) * np.dtype(e["dtype"]).itemsize
+            for e in entries]
+
+    def check_complete(i: int, pos: int) -> None:
+        if max(pos, entries[i]["offset"]) != ends[i]:
+            raise ParamStoreError(f"leaf {leaves[i].name} was written short ({pos} of {ends[i]}; a bug)")
+
     pos, current = 0, 0
     for i, piece in _pieces(leaves):
         if i != current:
-            if pos not in (ends[current], entries[current]["offset"]):
-                raise ParamStoreError(f"leaf {leaves[current].name} was written short ({pos} of {ends[current]}, a bug)")
+            check_complete(current, pos)
             current = i
         if pos < entries[i]["offset"]:
             write(bytes(entries[i]["offset"] - pos))
@@ -383,8 +390,8 @@ def _stream(leaves: list[_Leaf], manifest: dict[str, Any], write: Any) -> None:
             raise ParamStoreError(f"leaf {leaves[i].name} produced more bytes than its shape holds (a bug)")
         write(_byte_view(piece))
         pos += piece.nbytes
-    if entries and max(pos, entries[current]["offset"]) != ends[current]:
-        raise ParamStoreError(f"leaf {leaves[current].name} was written short ({pos} of {ends[current]}, a bug)")
+    if entries:
+        check_complete(current, pos)
     write(bytes(manifest["bytes"] - pos) + _trailer(manifest))
 
 
