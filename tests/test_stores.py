@@ -569,13 +569,17 @@ def _awkward_floats(n: int, seed: int) -> np.ndarray:
     return x
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_cast_publish_is_bitwise_the_jax_cast(tmp_path: Path, dtype: str) -> None:
-    """A leaf larger than the writer's cast chunk (chunked casts and a tail), small and 0-d and
+@pytest.mark.parametrize("dtype,where", [("bfloat16", "host"), ("float16", "host"), ("bfloat16", "device")])
+def test_cast_publish_is_bitwise_the_jax_cast(tmp_path: Path, monkeypatch, dtype: str, where: str) -> None:
+    """A leaf larger than the writer's cast piece (chunked casts and a tail), small and 0-d and
     empty leaves, a numpy leaf and an int leaf: stored bytes equal `jnp.astype`'s, with
     wait=True (chunked casts while writing) and wait=False (casts dispatched before returning,
-    then the caller deletes its arrays, as a donation would), and a reader loads them unchanged."""
-    from tbajax.stores.params import _pieces, _publish_leaves
+    then the caller deletes its arrays, as a donation would), and a reader loads them unchanged.
+    "device" runs the accelerator path (whole-leaf casts, host transfers started early) on CPU."""
+    from tbajax.stores import params as store
+
+    if where == "device":  # jax arrays take the accelerator path: cast whole on the device, then transfer
+        monkeypatch.setattr(store, "_on_host", lambda x: isinstance(x, np.ndarray))
 
     big = _awkward_floats((1 << 20) + 37, 0)
     params = {
@@ -586,8 +590,8 @@ def test_cast_publish_is_bitwise_the_jax_cast(tmp_path: Path, dtype: str) -> Non
         "host": _awkward_floats(300, 2),
         "ids": jnp.arange(5, dtype=jnp.int32),
     }
-    pieces = [i for i, _ in _pieces(_publish_leaves(params, dtype, detach=False), chunk=1 << 18)]
-    assert pieces.count(0) == 5  # 'big' comes in 4 full chunks and a tail
+    pieces = [i for i, _ in store._pieces(store._publish_leaves(params, dtype, detach=False), chunk=1 << 18)]
+    assert pieces.count(0) == (5 if where == "host" else 1)  # on the host: 4 full chunks and a tail
     expected = {k: np.asarray(jnp.asarray(v).astype(dtype) if k != "ids" else v) for k, v in params.items()}
     url = param_store_url(tmp_path)
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), expected)

@@ -425,14 +425,16 @@ class _FileWriter:
             self.flushed = self.pos
 
 
-def _write_local(directory: Any, leaves: list[_Leaf], manifest: dict[str, Any]) -> None:
+def _write_local(
+    directory: Any, leaves: list[_Leaf], manifest: dict[str, Any], sync: concurrent.futures.Executor
+) -> None:
     """params.bin (data + manifest) with one fsync, then the commit marker, made durable by an
     fsync of the version directory. The fsync that makes the new version directory's own entry
-    durable runs concurrently with the data write (it only has to land before the pointer)."""
+    durable runs on `sync` while the data is written (it only has to land before the pointer)."""
     directory = os.fspath(directory)
     os.makedirs(directory)  # a fresh version number: an existing directory is another writer's
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="param-dirsync") as sync:
-        parent = sync.submit(_fsync_dir, os.path.dirname(directory))
+    parent = sync.submit(_fsync_dir, os.path.dirname(directory))
+    try:
         fd = os.open(os.path.join(directory, DATA_FILE), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             _stream(leaves, manifest, _FileWriter(fd))
@@ -441,7 +443,8 @@ def _write_local(directory: Any, leaves: list[_Leaf], manifest: dict[str, Any]) 
             os.close(fd)
         os.close(os.open(os.path.join(directory, COMMIT_MARKER), os.O_WRONLY | os.O_CREAT, 0o644))
         _fsync_dir(directory)  # the marker is on disk
-        parent.result()  # and so is the version directory
+    finally:
+        parent.result()  # and so is the version directory (waited for on errors too)
 
 
 def _write_objects(kv: Any, version: int, leaves: list[_Leaf], manifest: dict[str, Any]) -> None:
@@ -593,6 +596,7 @@ class ParamPublisher:
         self._primary = jax.process_index() == 0
         self._local = local_path(self.url)
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="param-publish")
+        self._dirsync = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="param-dirsync")
         self._pending: concurrent.futures.Future[None] | None = None
         self._pending_gc: concurrent.futures.Future[list[int]] | None = None
 
@@ -664,7 +668,7 @@ class ParamPublisher:
             return
         manifest = layout([leaf.name for leaf in leaves], leaves, meta)
         if self._local is not None:
-            _write_local(self._local / str(version), leaves, manifest)
+            _write_local(self._local / str(version), leaves, manifest, self._dirsync)
         else:
             _write_objects(self._dirs.kv, version, leaves, manifest)
         record = {
@@ -726,6 +730,7 @@ class ParamPublisher:
             self.wait()
         finally:
             self._executor.shutdown(wait=True)
+            self._dirsync.shutdown(wait=True)
 
     def __enter__(self) -> ParamPublisher:
         return self
