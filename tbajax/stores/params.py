@@ -883,12 +883,18 @@ class ParamReader:
                     f"leaf {name} of version {version} in {self.url} has shape {tuple(stored[name]['shape'])}, "
                     f"the target {tuple(spec.shape)}"
                 )
+        # One aligned buffer for all the data, filled by one sequential read; the leaves are views
+        # into it (64-byte aligned offsets: the CPU backend adopts each without a copy). One large
+        # allocation and one read cost half of a buffer and a read per leaf (the page faults of
+        # many mid-sized allocations dominate otherwise).
+        data = _aligned_empty([manifest["bytes"]], np.dtype(np.uint8))
+        _read_exact(f, data, 0)
         hosts = []
         for name in names:
             leaf = stored[name]
-            a = _aligned_empty(leaf["shape"], jnp.dtype(leaf["dtype"]))
-            _read_exact(f, a, leaf["offset"])
-            hosts.append(a)
+            dtype = np.dtype(jnp.dtype(leaf["dtype"]))
+            nbytes = int(np.prod(leaf["shape"], dtype=np.int64)) * dtype.itemsize
+            hosts.append(data[leaf["offset"] : leaf["offset"] + nbytes].view(dtype).reshape(leaf["shape"]))
         return jax.tree_util.tree_unflatten(treedef, [_place(h, spec) for h, (_, spec) in zip(hosts, specs)]), meta
 
     def close(self) -> None:
