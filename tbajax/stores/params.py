@@ -640,9 +640,10 @@ class ParamPublisher:
         leaves = _publish_leaves(params, self.dtype, detach=not wait)
         version = self._next_version
         self._next_version += 1
-        self._pending = self._executor.submit(self._finish, version, step, leaves, meta)
-        if wait:
-            self._join(visible_only=True)
+        if wait:  # written by this thread: no hand-off to the writer thread and back
+            self._finish(version, step, leaves, meta)
+        else:
+            self._pending = self._executor.submit(self._finish, version, step, leaves, meta)
         return version
 
     def wait(self) -> None:
