@@ -18,11 +18,17 @@ from tbajax.buffer.policies import (
 )
 from tbajax.buffer.replay import GroupQueue, ReplayBuffer, TrajectoryBuffer, make_buffer
 from tbajax.buffer.tailer import Tailer, TrajectorySource
+from tbajax.buffer.heap_buffer import HeapReplayBuffer
+from tbajax.buffer.reward_heap import HeapItem, RewardHeap, RewardHeapConfig
 
 __all__ = [
     "BufferConfig",
     "BufferEmptyError",
     "GroupQueue",
+    "HeapItem",
+    "HeapReplayBuffer",
+    "RewardHeap",
+    "RewardHeapConfig",
     "ReplayBuffer",
     "Tailer",
     "TrajectoryBuffer",
