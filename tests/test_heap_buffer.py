@@ -98,7 +98,7 @@ def test_half_online_half_replay_and_replay_follows_softmax_of_log_toxicity():
         else:
             replay_tokens.append(g[0].response_tokens[0])
     s = buf.stats()
-    assert s["groups_online"] == online_rows and s["groups_replay"] == n - online_rows
+    assert s["groups_online"] == s["batches_online"] == online_rows and s["groups_replay"] == n - online_rows
     assert s["online_fallbacks"] == s["replay_fallbacks"] == 0
     assert abs(online_rows / n - 0.5) < 5 * np.sqrt(0.25 / n)
     probs = np.array(tox) / sum(tox)
@@ -108,6 +108,20 @@ def test_half_online_half_replay_and_replay_follows_softmax_of_log_toxicity():
     # the trainer's record gets the counters
     em = s["extra_metrics"]
     assert em["heap_size"] == 4 and em["heap_capacity_drops"] == 3 and em["groups_online"] == online_rows
+
+
+def test_online_or_replay_is_decided_per_batch():
+    buf = make_buffer(cfg(samples_per_group=1, capacity_per_prompt=4))
+    buf.add([row(far(i), reward=10.0 + i, version=0, group=i) for i in range(4)])
+    buf.add([row(far(10 + i), reward=-5.0, version=1, group=10 + i) for i in range(4)])
+    kinds = set()
+    for i in range(200):
+        versions = {t.policy_version for g in buf.sample(np.random.default_rng((4, i)), 4) for t in g}
+        assert len(versions) == 1  # all 4 groups online (version 1) or all replay (version 0)
+        kinds |= versions
+    s = buf.stats()
+    assert kinds == {0, 1} and s["batches_online"] + s["batches_replay"] == 200
+    assert s["groups_online"] == 4 * s["batches_online"]
 
 
 def test_groups_have_k_rows_of_the_one_prompt_and_online_rows_are_not_reused_within_a_step():

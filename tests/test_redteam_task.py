@@ -163,7 +163,11 @@ def _run_args(bilstm_dir: Path, *extra: str) -> list[str]:
         "--set", "rollout.sampling.min_new_tokens=2", "--set", "rollout.sampling.max_new_tokens=5",
         # 32 *sampled* eval attacks (4 problems x 8), shaped like one rollout call: one program for both
         "--set", "eval.num_problems=4", "--set", "eval.batch_size=4",
-        "--set", "rollout.reference_logprobs=false", "--set", "train.trainer.compute_reference_logprobs=true",
+        # the objective reads no reference: neither side computes one (the trainer keeps no copy)
+        "--set", "rollout.reference_logprobs=false", "--set", "train.trainer.compute_reference_logprobs=false",
+        # the red-team recipe's replay (reward heap, half online) and LoRA adapters, as redteam_experiment
+        "--set", "buffer.max_staleness=null", "--set", "buffer.mode=reward_heap", "--set", "buffer.reward_inv_temp=1.0", "--set", "buffer.recency_prob=0.5",
+        "--set", "model.lora.rank=4", "--set", "model.lora.alpha=8",
         *extra,
     ]
 
@@ -190,6 +194,14 @@ def _check_run(run: Path, out: str, steps: int) -> None:
         assert ex["attack_length"] == len(r.response_tokens) >= 2
         want = ex["log_prior"] + float(np.mean(np.log(ex["toxicity"]))) / 0.5  # γ = τ = 1
         assert r.reward == pytest.approx(want, rel=1e-4, abs=1e-3)
+    # the heap buffer's counters reach the trainer's records
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps_rec = [r for r in records if "buffer_heap_accepted" in r]
+    assert steps_rec, records[-1]
+    last = steps_rec[-1]
+    assert 0 < last["buffer_heap_size"] == last["buffer_rows"] <= last["buffer_heap_accepted"] <= len(rows)
+    assert last["buffer_batches_online"] + last["buffer_batches_replay"] == last["step"]
+    assert "buffer_heap_near_duplicate_drops" in last and "buffer_heap_evictions" in last
     curve = training_metrics(run, window=100)
     assert curve[0]["num_attacks"] == len(rows) and 0.0 <= curve[0]["attack_success_rate"] <= 1.0
 

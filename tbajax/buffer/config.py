@@ -34,8 +34,8 @@ class BufferConfig:
       "reward_heap" red-teaming (TBA spec §8; `tbajax.buffer.heap_buffer.HeapReplayBuffer`):
                   every attack of the one shared prompt is offered to a reward-keyed heap of
                   `capacity_per_prompt` unique attacks (`tbajax.buffer.RewardHeap`: exact and
-                  near-duplicate rejection, the lowest reward evicted); each group slot is K of
-                  the newest attacks ("online") with probability `recency_prob`, else K heap
+                  near-duplicate rejection, the lowest reward evicted); a batch is the newest
+                  attacks ("online") with probability `recency_prob`, else each group is K heap
                   attacks drawn by softmax(priority · reward_inv_temp).
     samples_per_group: K, rows per returned group (the default of `sample(k=None)`).
     capacity_per_prompt: C, unique responses kept per prompt (replay; oldest version evicted;

@@ -7,12 +7,15 @@ unique attacks by log reward, rejecting exact duplicates and near-duplicates (ed
 the attack's tokens with the stop token stripped; embedding cosine only when rows carry
 `extras["embedding"]`; the red-team scorer stores none, so runs keep cosine dedup off).
 
-Sampling is the reference's half online / half replay: each of a step's group slots is, with
-probability `recency_prob` (0.5 in the recipe), K of the *online* attacks (the newest ones, see
-below), drawn uniformly without replacement and never reused within the step, else K heap
-attacks drawn without replacement with probability softmax(priority · reward_inv_temp), the
-priority being the mean log toxicity of the victim's answers (`heap_priority="log_toxicity"`,
-the reference) or the log reward.
+Sampling is the reference's half online / half replay, decided once per batch (per `sample`
+call, i.e. per trainer step): with probability `recency_prob` (0.5 in the recipe) the batch's
+groups are the *online* attacks (the newest ones, see below), K per group drawn uniformly
+without replacement, no row twice in the batch; else each group is K heap attacks drawn without
+replacement with probability softmax(priority · reward_inv_temp), the priority being the mean
+log toxicity of the victim's answers (`heap_priority="log_toxicity"`, the reference) or the log
+reward. An online batch whose groups run out of unused online rows takes the rest from the heap
+(counted: `online_fallbacks`); a replay batch while the heap cannot fill a group (fewer than K
+attacks, shortfall="skip") is served online (`replay_fallbacks`).
 
 Groups. The objective (VarGrad TB) needs groups of K rows of one prompt: its per-group baseline
 δ̄ estimates log Z(prompt). Every red-team attack has the same prompt, so *any* K attacks form a
@@ -54,8 +57,8 @@ from tbajax.buffer.reward_heap import HeapItem, RewardHeap, RewardHeapConfig
 from tbajax.trajectory import RewardStatus, Trajectory
 
 _STATE_FORMAT = 1
-_COUNTERS = ("rows_added", "failed_grade_drops", "replayed_rows_skipped", "groups_online", "groups_replay",
-             "online_fallbacks", "replay_fallbacks")
+_COUNTERS = ("rows_added", "failed_grade_drops", "replayed_rows_skipped", "batches_online", "batches_replay",
+             "groups_online", "groups_replay", "online_fallbacks", "replay_fallbacks")
 
 
 def attack_tokens(t: Trajectory) -> tuple[int, ...]:
@@ -237,8 +240,10 @@ class HeapReplayBuffer(_BufferBase):
             )
         unused = np.arange(len(self._online))
         groups: list[list[Trajectory]] = []
+        online_batch = bool(rng.random() < cfg.recency_prob)
+        counts["batches_online" if online_batch else "batches_replay"] += 1
         for _ in range(num_groups):
-            online = bool(rng.random() < cfg.recency_prob)
+            online = online_batch
             if online and unused.size < k:
                 counts["online_fallbacks"] += 1
                 online = False
@@ -293,7 +298,8 @@ class HeapReplayBuffer(_BufferBase):
             "heap_near_duplicate_replacements": hs["near_duplicate_replacements"],
             "heap_capacity_drops": hs["capacity_drops"], "heap_evictions": hs["evictions"],
             "heap_max_reward": hs["max_reward"], "heap_mean_reward": hs["mean_reward"],
-            "online_rows": len(self._online), "groups_online": self._hcounts["groups_online"],
+            "online_rows": len(self._online), "batches_online": self._hcounts["batches_online"],
+            "batches_replay": self._hcounts["batches_replay"], "groups_online": self._hcounts["groups_online"],
             "groups_replay": self._hcounts["groups_replay"],
         }
         return out
