@@ -42,7 +42,12 @@ INSTRUCTION = "12+34="
 
 @pytest.fixture(scope="module")
 def bilstm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("bilstm")
+    return write_tiny_bilstm(tmp_path_factory.mktemp("bilstm"))
+
+
+def write_tiny_bilstm(d: Path) -> Path:
+    """The tiny BiLSTM judge (weights + Keras tokenizer pickle) in directory `d`."""
+    d.mkdir(parents=True, exist_ok=True)
     write_tiny_h5(d / "model.weights.h5", vocab=1001, seed=3)
     mp = pytest.MonkeyPatch()
     cls = _fake_keras_modules(mp)
