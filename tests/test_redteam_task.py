@@ -227,6 +227,26 @@ def test_async_red_team_run(tmp_path: Path, bilstm_dir: Path) -> None:
     assert math.isfinite(json.loads((run / "summary.json").read_text())["eval_score_end"])
 
 
+@pytest.mark.slow  # two async runs; the buffer's state round trip is unit-tested in tests/test_heap_buffer.py
+@pytest.mark.processes
+def test_red_team_run_resumes_with_its_replay_heap(tmp_path: Path, bilstm_dir: Path) -> None:
+    """--resume restores the heap from the checkpoint: its counters go on from there, and the rows the
+    tailer re-reads from the stores (offered before the checkpoint) are skipped, not offered twice."""
+    run = tmp_path / "run"
+    args = [*_run_args(bilstm_dir), "--set", "system.num_searchers=1", "--set", "train.checkpoint_every=2"]
+    out = _finish(_main(run, *args, "--set", "train.steps=2"))
+    extra = json.loads((run / "checkpoints" / "2" / "extra" / "metadata").read_text())
+    heap_state = extra["buffer"]["heap"]
+    assert extra["buffer"]["mode"] == "reward_heap" and heap_state["items"], out
+    out = _finish(_main(run, *args, "--set", "train.steps=4", "--resume"))
+    assert json.loads((run / "summary.json").read_text())["trainer_steps"] == 4, out
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert any(r.get("event") == "resume" and r["from_step"] == 2 for r in records)
+    after = [r for r in records if "buffer_heap_accepted" in r and r["step"] > 2]
+    assert after and after[0]["buffer_heap_accepted"] >= heap_state["counts"]["accepted"]
+    assert after[-1]["buffer_replayed_rows_skipped"] > 0  # the stores' old rows were re-read and skipped
+
+
 def test_exploration_temperature_is_an_explicit_opt_out() -> None:
     from tbajax.config import ConfigError, ExperimentConfig, RolloutSpec, TrainSpec
     from tbajax.sampling import SamplingConfig

@@ -301,6 +301,7 @@ class HeapReplayBuffer(_BufferBase):
             "online_rows": len(self._online), "batches_online": self._hcounts["batches_online"],
             "batches_replay": self._hcounts["batches_replay"], "groups_online": self._hcounts["groups_online"],
             "groups_replay": self._hcounts["groups_replay"],
+            "replayed_rows_skipped": self._hcounts["replayed_rows_skipped"],
         }
         return out
 
