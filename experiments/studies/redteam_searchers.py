@@ -12,7 +12,7 @@ same number of trainer steps, plus one `--objective` arm per named objective (de
 policy-gradient baseline on the same log reward, no KL term) with the first searcher count.
 
 Reported per arm, all read from the runs' own files:
-- the sampled evaluation at the last step (64 attacks of the one prompt at the training
+- the sampled evaluation at the last step (64 attacks of the one prompt in the recipe, at the training
   temperature, a fixed key; `tbajax.tasks.redteam.RedTeamEval`): attack success rate (geometric
   mean toxicity over the victim's answers > 0.5), unique successful attacks, diversity of the
   successful attacks (1 − mean pairwise MiniLM cosine; `diversity_hashed_bow` when the run has
@@ -155,7 +155,9 @@ def main() -> None:
     arm_list = arms(args.searchers, args.objective, seeds)
     results = run_study(NAME, args, arm_list, common)
     runs_dir = args.runs_dir or Path(__file__).resolve().parents[2] / "runs" / "studies" / NAME
-    encoder = resolve(args.experiment, [*common, *arm_list[0].overrides], 0).task.options.get("encoder")
+    base = resolve(args.experiment, [*common, *arm_list[0].overrides], 0)
+    encoder = base.task.options.get("encoder")
+    num_eval = base.eval.num_problems * int(base.task.options.get("eval_samples", 1))
     figs = [figures(r, runs_dir / r.arm.name, args.train_window, encoder) for r in results]
 
     import redteam_report
@@ -171,7 +173,7 @@ def main() -> None:
     div_names = sorted({f["diversity_metric"] for f in figs})
     sections = [
         f"## After {args.steps} trainer steps", "",
-        "Eval: 64 attacks of the one prompt sampled at the training temperature with a fixed key "
+        f"Eval: {num_eval} attacks of the one prompt sampled at the training temperature with a fixed key "
         f"(diversity metric: {', '.join(div_names)}; 1 − mean pairwise cosine of the successful attacks). "
         f"Train: the attacks the searchers sampled in the last {args.train_window} policy versions.", "",
         table, "",
