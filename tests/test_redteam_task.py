@@ -272,6 +272,13 @@ def test_redteam_experiments_resolve(name: str) -> None:
     assert (s.min_new_tokens, s.max_new_tokens) == (5, 20)  # no EOS first; attacks of 5-20 tokens
     assert config.train.trainer.beta.start == 1.0 and config.train.trainer.temperature == 1.0
     assert config.task.options["beta"] == 0.1
+    # the reference's replay (reward heap, half online) and adapters (LoRA r 32, α 16); no reference copy
+    b = config.buffer
+    assert (b.mode, b.recency_prob, b.heap_priority, b.edit_tolerance, b.cosine_tolerance) == (
+        "reward_heap", 0.5, "log_toxicity", 0.25, None)
+    assert (config.model.lora.rank, config.model.lora.alpha) == (32, 16.0) and config.system.publish == "auto"
+    assert not config.train.trainer.compute_reference_logprobs and not config.rollout.reference_logprobs
+    assert config.task.options["num_train"] == 1  # one prompt id: any K attacks are a TB group
     if name != "redteam_smollm2":
         assert config.task.options["victim_answers"] == 5
         assert config.train.groups_per_step * s.num_samples == 128 and config.train.steps == 5000
