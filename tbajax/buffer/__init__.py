@@ -2,8 +2,9 @@
 
 Host-side numpy only (no JAX): pure sampling policies in `policies`, two thin stateful buffers
 behind one protocol (`TrajectoryBuffer`: `ReplayBuffer` for TBA replay, `GroupQueue` for
-consume-once groups; `make_buffer(config)` picks by mode), and a `Tailer` that feeds either
-from the per-searcher stores.
+consume-once groups, `HeapReplayBuffer` for red-teaming's reward-keyed heap of unique attacks;
+`make_buffer(config)` picks by mode), and a `Tailer` that feeds any of them from the
+per-searcher stores.
 """
 
 from tbajax.buffer.config import BufferConfig, BufferEmptyError
