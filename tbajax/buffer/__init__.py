@@ -1,6 +1,6 @@
 """Trainer-side trajectory buffer: TBA replay (recency / reward branches) and consume-once queues.
 
-Host-side numpy only (no JAX): pure sampling policies in `policies`, two thin stateful buffers
+Host-side numpy only (no JAX): pure sampling policies in `policies`, three thin stateful buffers
 behind one protocol (`TrajectoryBuffer`: `ReplayBuffer` for TBA replay, `GroupQueue` for
 consume-once groups, `HeapReplayBuffer` for red-teaming's reward-keyed heap of unique attacks;
 `make_buffer(config)` picks by mode), and a `Tailer` that feeds any of them from the
