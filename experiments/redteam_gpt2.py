@@ -7,13 +7,15 @@ hate-speech classifier `facebook/roberta-hate-speech-dynabench-r4-target` scores
 (log p("hate")); the prior is the attacker's initial checkpoint. Reward and objective: see
 `tbajax.tasks.redteam` (log R with β 0.1, γ 1; VarGrad TB on δ = S − log R). Batch 16 attacks ×
 8 groups = 128 per update (the reference's 16 × 8 accumulation), AdamW lr 1e-4, grad clip 1.0,
-5,000 updates, a 1,000-attack replay buffer sampled half the time. Diversity is measured with
+5,000 updates, LoRA r 32 α 16 on c_attn, a 1,000-attack reward-keyed replay heap with
+edit-distance near-duplicate rejection, half the steps online and half replayed. Diversity is measured with
 all-MiniLM-L6-v2. The reference fine-tunes an SFT'd GPT-2 attacker; pass it with
 `--set model.checkpoint=DIR` (plain `gpt2` is the architecture and the default).
 
 Not the reference in three places (see `redteam_experiment`): τ is constant 1 (its 2 -> 1 warm-up
 over the first 500 of 5,000 steps needs the trainer step, which a scorer does not see yet), one
-fixed sampling temperature instead of a random one per batch, and full fine-tuning (no LoRA).
+fixed sampling temperature instead of a random one per batch, and no MiniLM-cosine dedup in the
+replay heap (edit distance only: the scorer stores no embeddings).
 
     python -m tbajax.main --experiment=redteam_gpt2
 """
@@ -51,7 +53,7 @@ def config():
         steps=5000,
         lr=1e-4,
         buffer_capacity=1000,
-        num_prompts=8,
+        lora_targets=("qkv_proj",),  # GPT-2's c_attn, PEFT's GPT-2 default
         eval_every=500,
         eval_problems=64,
     )

@@ -1,7 +1,7 @@
 """Red-teaming Llama-3.2-1B with TBA (TBA spec §8): Llama-3.2-1B-Instruct attacker vs the same model as victim.
 
 Hub / GPU recipe. Victim: T 0.1, top-p 0.9, 64 tokens, through its chat template, 5 answers per
-attack. β 0.1, a 5,000-attack replay buffer, batch 16 × 8, AdamW lr 1e-4, grad clip 1, 5,000
+attack. β 0.1, LoRA r 32 α 16 (q_proj, v_proj), a 5,000-attack reward-keyed replay heap, batch 16 × 8, AdamW lr 1e-4, grad clip 1, 5,000
 updates; everything else as `redteam_gpt2` (see `tbajax.tasks.redteam.redteam_experiment`).
 
 The reference judges Llama victims with Llama Guard (the log-prob of its "unsafe" token). That
@@ -9,7 +9,7 @@ judge is NOT implemented here: this recipe uses the RoBERTa hate-speech classifi
 recipe instead (any BERT/RoBERTa or decoder *ForSequenceClassification works through
 `task.options.classifier`). Also not the reference: γ is constant 1 (its 1.0 -> 1.2 ramp over
 2,000 steps and τ's 2 -> 1 warm-up need the trainer step, which a scorer does not see yet), one
-fixed sampling temperature, full fine-tuning instead of LoRA.
+fixed sampling temperature, edit-distance dedup only (no MiniLM cosine) in the replay heap.
 
     python -m tbajax.main --experiment=redteam_llama
 """
@@ -45,7 +45,6 @@ def config():
         steps=5000,
         lr=1e-4,
         buffer_capacity=5000,
-        num_prompts=8,
         chat=True,
         eval_every=500,
         eval_problems=64,

@@ -240,11 +240,14 @@ class ExperimentConfig:
                 "train.exploration_temperature=true to sample hotter only to explore, for TB)"
             )
         trainer = self.train.trainer
-        if self.rollout.reference_logprobs == trainer.compute_reference_logprobs:
+        if self.rollout.reference_logprobs == trainer.compute_reference_logprobs and not (
+            not trainer.compute_reference_logprobs and self._objective_reads_no_reference()
+        ):
             raise ConfigError(
                 "exactly one side must compute reference log-probs: set rollout.reference_logprobs=true "
                 "with train.trainer.compute_reference_logprobs=false (searchers score the initial "
-                "policy), or the reverse (the trainer scores its reference in the step)"
+                "policy), or the reverse (the trainer scores its reference in the step); neither side "
+                "only for an objective that reads no reference log-probs"
             )
         if self.system.publish == "adapters" and self.model.lora is None:
             raise ConfigError(
@@ -259,6 +262,19 @@ class ExperimentConfig:
                 f"{self.train.groups_per_step} groups x K={k} rows do not split into "
                 f"train.trainer.num_microbatches={self.train.trainer.num_microbatches} equal micro-batches"
             )
+
+    def _objective_reads_no_reference(self) -> bool:
+        """True when `train.objective` (with its options) declares it reads no reference log-probs
+        (e.g. red-teaming's TB_NO_REFERENCE, rloo without its KL term): then neither side needs to
+        compute them, and the trainer keeps no reference copy. An objective that does not resolve
+        counts as reading them (the trainer reports why it does not resolve when it starts)."""
+        from tbajax.objectives import resolve_objective  # jax-heavy: only for this corner case
+
+        try:
+            spec, cfg = resolve_objective(self.train.objective, overrides=dict(self.train.objective_options))
+        except Exception:  # noqa: BLE001 - the caller raises its own clear error
+            return False
+        return not spec.inputs_for(cfg).reference_logprobs
 
     def _check_ranges(self) -> None:
         """Every numeric field of the top-level specs in its range, named by its full key: a

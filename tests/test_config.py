@@ -76,3 +76,20 @@ def test_recency_supply_check_passes_when_either_side_gives_way():
                   "system.num_searchers=16"):
         cfg = apply_overrides(base, ["system.sync_every=32", extra])
         assert cfg.system.sync_every == 32
+
+
+def test_neither_side_computes_reference_logprobs_only_for_an_objective_that_reads_none():
+    """Both rollout.reference_logprobs and compute_reference_logprobs false: allowed for an objective
+    that declares it reads no reference (the trainer then keeps no reference copy), refused otherwise."""
+    from tbajax.config import ConfigError, ExperimentConfig, RolloutSpec, apply_overrides
+    from tbajax.sampling import SamplingConfig
+
+    base = ExperimentConfig(name="x", rollout=RolloutSpec(sampling=SamplingConfig(num_samples=20)))
+    off = ["train.trainer.compute_reference_logprobs=false"]
+    with pytest.raises(ConfigError, match="exactly one side.*reads no reference"):
+        apply_overrides(base, off)  # tb reads the reference log-probs
+    for objective in ("tbajax.tasks.redteam:TB_NO_REFERENCE", "rloo", "dr_grpo"):
+        cfg = apply_overrides(base, [*off, f"train.objective={objective}"])
+        assert not cfg.train.trainer.compute_reference_logprobs and not cfg.rollout.reference_logprobs
+    with pytest.raises(ConfigError, match="exactly one side"):  # rloo with its KL term reads it
+        apply_overrides(base, [*off, "train.objective=rloo", 'train.objective_options={"kl_in_reward": true}'])

@@ -42,7 +42,12 @@ INSTRUCTION = "12+34="
 
 @pytest.fixture(scope="module")
 def bilstm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("bilstm")
+    return write_tiny_bilstm(tmp_path_factory.mktemp("bilstm"))
+
+
+def write_tiny_bilstm(d: Path) -> Path:
+    """The tiny BiLSTM judge (weights + Keras tokenizer pickle) in directory `d`."""
+    d.mkdir(parents=True, exist_ok=True)
     write_tiny_h5(d / "model.weights.h5", vocab=1001, seed=3)
     mp = pytest.MonkeyPatch()
     cls = _fake_keras_modules(mp)
@@ -163,7 +168,11 @@ def _run_args(bilstm_dir: Path, *extra: str) -> list[str]:
         "--set", "rollout.sampling.min_new_tokens=2", "--set", "rollout.sampling.max_new_tokens=5",
         # 32 *sampled* eval attacks (4 problems x 8), shaped like one rollout call: one program for both
         "--set", "eval.num_problems=4", "--set", "eval.batch_size=4",
-        "--set", "rollout.reference_logprobs=false", "--set", "train.trainer.compute_reference_logprobs=true",
+        # the objective reads no reference: neither side computes one (the trainer keeps no copy)
+        "--set", "rollout.reference_logprobs=false", "--set", "train.trainer.compute_reference_logprobs=false",
+        # the red-team recipe's replay (reward heap, half online) and LoRA adapters, as redteam_experiment
+        "--set", "buffer.max_staleness=null", "--set", "buffer.mode=reward_heap", "--set", "buffer.reward_inv_temp=1.0", "--set", "buffer.recency_prob=0.5",
+        "--set", "model.lora.rank=4", "--set", "model.lora.alpha=8",
         *extra,
     ]
 
@@ -190,6 +199,14 @@ def _check_run(run: Path, out: str, steps: int) -> None:
         assert ex["attack_length"] == len(r.response_tokens) >= 2
         want = ex["log_prior"] + float(np.mean(np.log(ex["toxicity"]))) / 0.5  # γ = τ = 1
         assert r.reward == pytest.approx(want, rel=1e-4, abs=1e-3)
+    # the heap buffer's counters reach the trainer's records
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps_rec = [r for r in records if "buffer_heap_accepted" in r]
+    assert steps_rec, records[-1]
+    last = steps_rec[-1]
+    assert 0 < last["buffer_heap_size"] == last["buffer_rows"] <= last["buffer_heap_accepted"] <= len(rows)
+    assert last["buffer_batches_online"] + last["buffer_batches_replay"] == last["step"]
+    assert "buffer_heap_near_duplicate_drops" in last and "buffer_heap_evictions" in last
     curve = training_metrics(run, window=100)
     assert curve[0]["num_attacks"] == len(rows) and 0.0 <= curve[0]["attack_success_rate"] <= 1.0
 
@@ -208,6 +225,26 @@ def test_async_red_team_run(tmp_path: Path, bilstm_dir: Path) -> None:
     out = _finish(_main(run, *_run_args(bilstm_dir), "--set", "train.steps=3", "--set", "system.num_searchers=1"))
     _check_run(run, out, 3)
     assert math.isfinite(json.loads((run / "summary.json").read_text())["eval_score_end"])
+
+
+@pytest.mark.slow  # two async runs; the buffer's state round trip is unit-tested in tests/test_heap_buffer.py
+@pytest.mark.processes
+def test_red_team_run_resumes_with_its_replay_heap(tmp_path: Path, bilstm_dir: Path) -> None:
+    """--resume restores the heap from the checkpoint: its counters go on from there, and the rows the
+    tailer re-reads from the stores (offered before the checkpoint) are skipped, not offered twice."""
+    run = tmp_path / "run"
+    args = [*_run_args(bilstm_dir), "--set", "system.num_searchers=1", "--set", "train.checkpoint_every=2"]
+    out = _finish(_main(run, *args, "--set", "train.steps=2"))
+    extra = json.loads((run / "checkpoints" / "2" / "extra" / "metadata").read_text())
+    heap_state = extra["buffer"]["heap"]
+    assert extra["buffer"]["mode"] == "reward_heap" and heap_state["items"], out
+    out = _finish(_main(run, *args, "--set", "train.steps=4", "--resume"))
+    assert json.loads((run / "summary.json").read_text())["trainer_steps"] == 4, out
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert any(r.get("event") == "resume" and r["from_step"] == 2 for r in records)
+    after = [r for r in records if "buffer_heap_accepted" in r and r["step"] > 2]
+    assert after and after[0]["buffer_heap_accepted"] >= heap_state["counts"]["accepted"]
+    assert after[-1]["buffer_replayed_rows_skipped"] > 0  # the stores' old rows were re-read and skipped
 
 
 def test_exploration_temperature_is_an_explicit_opt_out() -> None:
@@ -235,6 +272,13 @@ def test_redteam_experiments_resolve(name: str) -> None:
     assert (s.min_new_tokens, s.max_new_tokens) == (5, 20)  # no EOS first; attacks of 5-20 tokens
     assert config.train.trainer.beta.start == 1.0 and config.train.trainer.temperature == 1.0
     assert config.task.options["beta"] == 0.1
+    # the reference's replay (reward heap, half online) and adapters (LoRA r 32, α 16); no reference copy
+    b = config.buffer
+    assert (b.mode, b.recency_prob, b.heap_priority, b.edit_tolerance, b.cosine_tolerance) == (
+        "reward_heap", 0.5, "log_toxicity", 0.25, None)
+    assert (config.model.lora.rank, config.model.lora.alpha) == (32, 16.0) and config.system.publish == "auto"
+    assert not config.train.trainer.compute_reference_logprobs and not config.rollout.reference_logprobs
+    assert config.task.options["num_train"] == 1  # one prompt id: any K attacks are a TB group
     if name != "redteam_smollm2":
         assert config.task.options["victim_answers"] == 5
         assert config.train.groups_per_step * s.num_samples == 128 and config.train.steps == 5000

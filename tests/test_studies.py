@@ -79,3 +79,30 @@ def test_off_policy_study_quick(tmp_path: Path):
     md = check_common(out, payload, expected_runs=2)
     assert "k = 4" in md
     assert {(r["params"]["objective"], r["params"]["k"]) for r in payload["runs"]} == {("tb", 4), ("dr_grpo", 4)}
+
+
+@pytest.mark.slow
+def test_redteam_searchers_study_quick_on_tiny_stand_ins(tmp_path: Path):
+    """The searcher-scaling study on the tiny red-team stand-ins of tests/test_redteam_task.py
+    (tiny Llama attacker and victim, tiny BiLSTM judge): 1 and 2 searchers plus the rloo arm."""
+    pytest.importorskip("h5py", reason="h5py reads the BiLSTM weights")
+    from tests.test_redteam_task import _run_args, write_tiny_bilstm
+    from tests.test_system import SMALL
+
+    bilstm_dir = write_tiny_bilstm(tmp_path / "bilstm")
+
+    sets = []
+    for a in [*SMALL, *_run_args(bilstm_dir)]:
+        if a == "--set":
+            continue
+        sets.append("--set=" + (a.replace("--objective=", "train.objective=") if a.startswith("--objective=") else a))
+    out, payload = run_study("redteam_searchers.py", tmp_path, "--experiment=tiny_arithmetic", "--searchers", "1", "2",
+                             "--objective", "rloo", *sets)
+    md = check_common(out, payload, expected_runs=3)
+    assert {(r["params"]["searchers"], r["params"]["objective"]) for r in payload["runs"]} == {
+        (1, "tb"), (2, "tb"), (1, "rloo")}
+    assert {r["summary"]["objective"] for r in payload["runs"]} == {"tbajax.tasks.redteam:TB_NO_REFERENCE", "rloo"}
+    for f in payload["figures"]:
+        assert 0.0 <= f["asr_end"] <= 1.0 and f["diversity_metric"] == "diversity_hashed_bow"
+        assert f["heap"]["heap_accepted"] >= f["heap"]["heap_size"] > 0
+    assert "unique successful" in md and "heap size" in md

@@ -1,9 +1,10 @@
 """Trainer-side trajectory buffer: TBA replay (recency / reward branches) and consume-once queues.
 
-Host-side numpy only (no JAX): pure sampling policies in `policies`, two thin stateful buffers
+Host-side numpy only (no JAX): pure sampling policies in `policies`, three thin stateful buffers
 behind one protocol (`TrajectoryBuffer`: `ReplayBuffer` for TBA replay, `GroupQueue` for
-consume-once groups; `make_buffer(config)` picks by mode), and a `Tailer` that feeds either
-from the per-searcher stores.
+consume-once groups, `HeapReplayBuffer` for red-teaming's reward-keyed heap of unique attacks;
+`make_buffer(config)` picks by mode), and a `Tailer` that feeds any of them from the
+per-searcher stores.
 """
 
 from tbajax.buffer.config import BufferConfig, BufferEmptyError
@@ -18,11 +19,17 @@ from tbajax.buffer.policies import (
 )
 from tbajax.buffer.replay import GroupQueue, ReplayBuffer, TrajectoryBuffer, make_buffer
 from tbajax.buffer.tailer import Tailer, TrajectorySource
+from tbajax.buffer.heap_buffer import HeapReplayBuffer
+from tbajax.buffer.reward_heap import HeapItem, RewardHeap, RewardHeapConfig
 
 __all__ = [
     "BufferConfig",
     "BufferEmptyError",
     "GroupQueue",
+    "HeapItem",
+    "HeapReplayBuffer",
+    "RewardHeap",
+    "RewardHeapConfig",
     "ReplayBuffer",
     "Tailer",
     "TrajectoryBuffer",

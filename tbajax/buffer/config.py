@@ -6,7 +6,8 @@ import dataclasses
 import math
 from typing import Literal
 
-Mode = Literal["replay", "fifo_once"]
+Mode = Literal["replay", "fifo_once", "reward_heap"]
+HeapPriority = Literal["log_toxicity", "reward"]
 Shortfall = Literal["skip", "replace"]
 StalenessMode = Literal["drop", "weight"]
 RecencyFallback = Literal["reward", "wait"]
@@ -30,11 +31,19 @@ class BufferConfig:
       "fifo_once" TBA' / async GRPO: whole generation groups, each consumed once, oldest first,
                   dropped when more than `async_level` versions older than the trainer.
                   `async_level=0` is synchronous on-policy training.
+      "reward_heap" red-teaming (TBA spec §8; `tbajax.buffer.heap_buffer.HeapReplayBuffer`):
+                  every attack of the one shared prompt is offered to a reward-keyed heap of
+                  `capacity_per_prompt` unique attacks (`tbajax.buffer.RewardHeap`: exact and
+                  near-duplicate rejection, the lowest reward evicted); a batch is the newest
+                  attacks ("online") with probability `recency_prob`, else each group is K heap
+                  attacks drawn by softmax(priority · reward_inv_temp).
     samples_per_group: K, rows per returned group (the default of `sample(k=None)`).
-    capacity_per_prompt: C, unique responses kept per prompt (replay; oldest version evicted).
+    capacity_per_prompt: C, unique responses kept per prompt (replay; oldest version evicted;
+      reward_heap: the heap's capacity, lowest reward evicted).
     recency_prob: m, probability that a group slot uses the recency branch (replay).
     reward_inv_temp: reward branch draws rows with probability softmax(reward * inv_temp);
-      0 is uniform. Must be >= 0 (a negative value would favour low rewards; almost surely a
+      0 is uniform. In reward_heap mode it multiplies the heap's priority instead (1 is the
+      red-teaming reference: softmax of the log toxicity). Must be >= 0 (a negative value would favour low rewards; almost surely a
       sign mistake).
     shortfall: a prompt with fewer than K usable unique rows is
       "skip"    never picked (default: repeated rows in a group bias its mean baseline, and with
@@ -62,6 +71,13 @@ class BufferConfig:
       the same groups again and again, which on the tiny default task diverges where on-policy
       training at the same learning rate improves; 1 with recency_fallback="wait" makes the
       trainer wait for new data instead, keeping the replay ratio of the recency branch at 1.
+    edit_tolerance: reward_heap near-duplicates: Levenshtein distance of the attacks' tokens
+      (stop token stripped) < tol · (len₁ + len₂) (the reference: 0.25); None: off.
+    cosine_tolerance: reward_heap near-duplicates: cosine of the rows' `extras["embedding"]`
+      > tol (the reference's MiniLM buffer: 0.4); None: off. Every row then needs that extra.
+    heap_priority: what the reward_heap samples by: "log_toxicity" (the reference: the mean log
+      toxicity of the victim's answers, from the red-team scorer's `extras["toxicity"]`) or
+      "reward" (the row's log reward, which also orders the heap).
     """
 
     mode: Mode = "replay"
@@ -79,9 +95,13 @@ class BufferConfig:
     keep_failed_grades: bool = False
     dedup: bool = True
     max_recent_uses: int | None = None
+    edit_tolerance: float | None = 0.25
+    cosine_tolerance: float | None = None
+    heap_priority: HeapPriority = "log_toxicity"
 
     def __post_init__(self) -> None:
-        _one_of("mode", self.mode, ("replay", "fifo_once"))
+        _one_of("mode", self.mode, ("replay", "fifo_once", "reward_heap"))
+        _one_of("heap_priority", self.heap_priority, ("log_toxicity", "reward"))
         _one_of("shortfall", self.shortfall, ("skip", "replace"))
         _one_of("staleness_mode", self.staleness_mode, ("drop", "weight"))
         _one_of("recency_fallback", self.recency_fallback, ("reward", "wait"))
@@ -107,8 +127,17 @@ class BufferConfig:
             raise ValueError(f"max_recent_uses must be None or >= 1, got {self.max_recent_uses}")
         if self.async_level < 0:
             raise ValueError(f"async_level must be >= 0, got {self.async_level}")
+        if self.edit_tolerance is not None and not 0.0 <= self.edit_tolerance <= 1.0:
+            raise ValueError(f"edit_tolerance must be None or in [0, 1], got {self.edit_tolerance}")
+        if self.cosine_tolerance is not None and not -1.0 <= self.cosine_tolerance <= 1.0:
+            raise ValueError(f"cosine_tolerance must be None or in [-1, 1], got {self.cosine_tolerance}")
+        if self.mode == "reward_heap" and self.max_staleness is not None:
+            raise ValueError(
+                "max_staleness is not supported in reward_heap mode (the heap keeps attacks by "
+                "reward, whatever their age, as the red-teaming reference); set it to null"
+            )
         if (
-            self.mode == "replay"
+            self.mode in ("replay", "reward_heap")
             and self.shortfall == "skip"
             and self.samples_per_group > self.capacity_per_prompt
         ):

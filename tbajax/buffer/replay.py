@@ -1,6 +1,6 @@
 """The trainer-side trajectory buffers: thin stateful shells around the pure policies.
 
-Two data structures behind one small protocol (`TrajectoryBuffer`): `ReplayBuffer`, TBA's
+Two data structures (a third, the red-teaming `HeapReplayBuffer`, is in `heap_buffer`) behind one small protocol (`TrajectoryBuffer`): `ReplayBuffer`, TBA's
 per-prompt replay (dedup, capacity, recency and reward branches), and `GroupQueue`, whole
 generation groups consumed once, oldest first (TBA′, async GRPO, the sync mode).
 `make_buffer(config)` picks by `config.mode`. What they share (ingestion checks, arrival order,
@@ -132,10 +132,15 @@ class TrajectoryBuffer(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-def make_buffer(config: BufferConfig) -> ReplayBuffer | GroupQueue:
-    """The buffer `config.mode` asks for: "replay" -> ReplayBuffer, "fifo_once" -> GroupQueue."""
+def make_buffer(config: BufferConfig) -> TrajectoryBuffer:
+    """The buffer `config.mode` asks for: "replay" -> ReplayBuffer, "fifo_once" -> GroupQueue,
+    "reward_heap" -> HeapReplayBuffer (red-teaming; `tbajax.buffer.heap_buffer`)."""
     if config.mode == "fifo_once":
         return GroupQueue(config)
+    if config.mode == "reward_heap":
+        from tbajax.buffer.heap_buffer import HeapReplayBuffer  # it builds on this module
+
+        return HeapReplayBuffer(config)
     return ReplayBuffer(config)
 
 

@@ -134,7 +134,9 @@ def _beta_placeholder(config: ExperimentConfig) -> float:
 
 
 def make_buffer(config: ExperimentConfig) -> TrajectoryBuffer:
-    if config.system.mode == "sync":  # consume exactly the groups just generated, once
+    # sync mode consumes exactly the groups just generated, once; the red-teaming heap mixes them
+    # with replay by its own rule (its online set is the batch just generated)
+    if config.system.mode == "sync" and config.buffer.mode != "reward_heap":
         return buffer_for(
             BufferConfig(mode="fifo_once", async_level=0, samples_per_group=config.buffer.samples_per_group)
         )
@@ -535,7 +537,9 @@ class StepLoop:
             invalid = self.source.invalid_total()
         return {"version": self.version, "buffer_rows": stats["num_rows"], "buffer_prompts": stats["num_prompts"],
                 "buffer_recent_prompts": stats["num_recent_prompts"],
-                "buffer_mean_staleness": stats["mean_staleness"], "invalid_rows_skipped": invalid}
+                "buffer_mean_staleness": stats["mean_staleness"], "invalid_rows_skipped": invalid,
+                # a buffer's own counters (e.g. the red-team heap's accepted / near-duplicate drops)
+                **{f"buffer_{k}": v for k, v in stats.get("extra_metrics", {}).items()}}
 
     def _finish(self, done: _InFlight, metrics: dict[str, float] | None) -> None:
         """Update `done.drawn.step` was checked (applied): count it and hand its record to on_step."""

@@ -574,12 +574,16 @@ def redteam_experiment(
     steps: int,
     lr: float,
     buffer_capacity: int,
-    num_prompts: int = 8,
+    num_prompts: int = 1,
     sampling_temperature: float = 1.0,
     max_new_tokens: int = 20,
     min_new_tokens: int = 5,
     recency_prob: float = 0.5,
-    reward_inv_temp: float = 0.1,
+    priority_inv_temp: float = 1.0,
+    edit_tolerance: float | None = 0.25,
+    lora_rank: int | None = 32,
+    lora_alpha: float = 16.0,
+    lora_targets: tuple[str, ...] = ("q_proj", "v_proj"),
     num_searchers: int = 1,
     sync_every: int = 1,
     compute_dtype: str = "bfloat16",
@@ -594,25 +598,30 @@ def redteam_experiment(
     """The red-team recipe shared by experiments/redteam_*.py (TBA spec §8), in this repo's terms.
 
     - Objective: VarGrad TB without a reference term (`TB_NO_REFERENCE`) at a constant β = 1, so
-      δ = S − log R(x); the trainer holds the reference copy the config check asks for but never
-      runs it (`compute_reference_logprobs=True` with an objective that reads no reference).
-      The reference's learned log Z head is not used: all attacks share one prompt, so VarGrad's
-      per-group estimate is the same quantity without a head.
+      δ = S − log R(x). It reads no reference log-probs, so neither the searchers nor the trainer
+      compute them (`rollout.reference_logprobs=false`, `compute_reference_logprobs=false`) and
+      the trainer keeps no reference copy of the weights. The reference's learned log Z head is
+      not used: all attacks share one prompt, so VarGrad's per-group estimate is the same
+      quantity without a head.
+    - LoRA r `lora_rank` 32, α 16 (the reference's adapters) on `lora_targets` (PEFT's defaults:
+      q_proj / v_proj, GPT-2's fused qkv_proj = c_attn); `lora_rank=None`: full fine-tuning.
+      `system.publish=auto` sends the searchers the adapters only.
     - Attacks: `min_new_tokens`..`max_new_tokens` tokens (5–20: no EOS first, nothing shorter
       than the prior's 5-token rule). Sampling at `sampling_temperature`; a value other than 1
       samples hotter/colder only to explore (`train.exploration_temperature`), the trainer scores
       untempered log-probs. (The reference draws a random temperature per batch; a searcher
       samples at one fixed temperature.)
-    - Replay: `num_prompts` copies of the one prompt, each with a buffer of
-      buffer_capacity / num_prompts unique attacks (exact dedup, oldest evicted); a group slot is
-      online with probability `recency_prob` (half, as the reference) else drawn by
-      softmax(log R · reward_inv_temp) (0.1 ≈ softmax of the toxicity term, which log R carries
-      divided by β = 0.1). The reference's reward-keyed heap with edit-distance / embedding
-      near-duplicate rejection (`tbajax.buffer.RewardHeap`) is not wired into the trainer yet.
-    - Full fine-tuning (the reference trains LoRA r 32, α 16; not wired into the trainer here).
+    - Replay: the reference's reward-keyed heap (`buffer.mode="reward_heap"`,
+      `tbajax.buffer.heap_buffer`): `buffer_capacity` unique attacks by log R, near-duplicates
+      (edit distance of the tokens < `edit_tolerance`·(len₁ + len₂)) rejected, no embedding
+      cosine (the scorer stores no embeddings); a step's batch is online (the newest attacks) with
+      probability `recency_prob` (half, as the reference) else drawn from the heap by
+      softmax(`priority_inv_temp` · mean log toxicity). One prompt id (`num_prompts` 1): any K
+      attacks form a TB group.
     """
     from tbajax.buffer import BufferConfig
     from tbajax.config import EvalSpec, ExperimentConfig, ModelSpec, RolloutSpec, SystemSpec, TaskSpec, TrainSpec
+    from tbajax.models.lora import LoraConfig
     from tbajax.sampling import SamplingConfig
     from tbajax.training.config import BetaSchedule, LRSchedule, OptimizerConfig, TrainerConfig
 
@@ -622,7 +631,9 @@ def redteam_experiment(
     return ExperimentConfig(
         name=name,
         description=description,
-        model=ModelSpec(checkpoint=attacker),
+        model=ModelSpec(checkpoint=attacker,
+                        lora=None if lora_rank is None else LoraConfig(rank=lora_rank, alpha=lora_alpha,
+                                                                        targets=tuple(lora_targets))),
         task=TaskSpec(name="redteam", options=options, chat_template=chat),
         rollout=RolloutSpec(
             prompts_per_call=groups_per_step,
@@ -640,7 +651,7 @@ def redteam_experiment(
                 optimizer=OptimizerConfig(lr=LRSchedule(kind="constant", peak=lr), max_grad_norm=1.0),
                 beta=BetaSchedule(kind="constant", start=1.0),
                 temperature=1.0,
-                compute_reference_logprobs=True,
+                compute_reference_logprobs=False,  # the objective reads none: no reference copy
                 param_dtype="float32",
                 compute_dtype=compute_dtype,
             ),
@@ -648,11 +659,14 @@ def redteam_experiment(
             exploration_temperature=sampling_temperature != 1.0,
         ),
         buffer=BufferConfig(
+            mode="reward_heap",
             samples_per_group=samples_per_prompt,
-            capacity_per_prompt=max(samples_per_prompt, buffer_capacity // num_prompts),
+            capacity_per_prompt=max(samples_per_prompt, buffer_capacity),
             recency_prob=recency_prob,
-            reward_inv_temp=reward_inv_temp,
-            dedup=True,
+            reward_inv_temp=priority_inv_temp,
+            edit_tolerance=edit_tolerance,
+            cosine_tolerance=None,
+            heap_priority="log_toxicity",
         ),
         system=SystemSpec(mode="async", num_searchers=num_searchers, sync_every=sync_every),
         eval=EvalSpec(every=eval_every, num_problems=eval_problems, batch_size=eval_problems),
