@@ -35,10 +35,13 @@ TABLES: dict[str, dict[str, list[str]]] = {
                            "time_saving"],
     },
     "stores": {"rows": ["what", "size", "MB", "ms", "MB_s", "x_raw"]},
+    "stores_baseline": {"rows": ["what", "size", "MB", "ms", "MB_s", "x_raw"]},
     "stores_lora": {"rows": ["what", "size", "MB", "ms", "MB_s", "bytes_vs_full", "time_vs_full"]},
     "trainer_loop": {"rows": ["loop", "steps", "vs_serial", "idle_share", "idle_bound", "steps_per_s", "step_ms", "prep_ms"]},
     "sampler_quick": {"rows": ["model", "batch", "prompt_len", "new_tokens", "ours_tok_s", "ours_decode_tok_s",
                                "torch_tok_s", "ratio", "roofline_frac"]},
+    "redteam_trainer_memory": {"arms": ["arm", "rss_after_load_mb", "state_mb", "rss_after_updates_mb", "update_s"],
+                               "ratios_after_over_before": ["rss_after_updates_mb", "state_mb", "update_s"]},
     "packed_groups": {"results": ["layout", "tokens_in_step", "step_s", "speedup", "token_ratio", "loss_rel_diff"]},
     "chaos": {"total": ["scenarios", "scenarios_sane", "kills_survived", "rows_committed", "rows_read_back",
                         "torn_rows", "duplicated_rows", "row_count_ever_went_down", "versions_monotone"]},
@@ -47,7 +50,7 @@ TABLES: dict[str, dict[str, list[str]]] = {
 
 # Absolute times and rates: shown only when the file records the machine's matmul rate (machines of
 # one kind differ ~3x in speed); ratios measured in one run are shown always.
-ABSOLUTE = {"tbajax_tok_s", "torch_tok_s", "step_s", "best_step_s", "ms", "MB_s", "ours_tok_s",
+ABSOLUTE = {"update_s", "tbajax_tok_s", "torch_tok_s", "step_s", "best_step_s", "ms", "MB_s", "ours_tok_s",
             "ours_decode_tok_s", "wall_time_s"}
 
 
