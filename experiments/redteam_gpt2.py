@@ -51,6 +51,7 @@ def config():
         samples_per_prompt=16,
         groups_per_step=8,
         steps=5000,
+        log_z="head",  # the reference's learned log Z head on the pooled prompt state
         lr=1e-4,
         buffer_capacity=1000,
         lora_targets=("qkv_proj",),  # GPT-2's c_attn, PEFT's GPT-2 default

@@ -61,6 +61,9 @@ class Batch:
     current_version: Array  # [] int32: the trainer's param version when the batch was drawn (what
     #   token lags are measured against; objectives read it, so they stay pure functions of the batch)
     packed: PackedGroups | None = None  # the same rows packed per group (see PackedGroups)
+    prompt_features: Array | None = None  # [B, D] f32: the policy's final hidden state mean-pooled
+    #   over each row's prompt tokens (stop-gradient), filled inside the step for objectives that
+    #   declare `ObjectiveInputs.prompt_features` (a learned log Z head); None otherwise
 
     @property
     def batch_size(self) -> int:

@@ -127,6 +127,18 @@ def pad_row(gid: int, rng) -> Row:
 TABLE = np.array([3.0, -2.0, 10.0, 0.5, 7.0, -4.0])  # a learned log Z per prompt id
 
 
+def with_log_z(spec: ObjectiveSpec, batch: Batch, pids, table):
+    """(batch, aux) giving row i the log Z table[pids[i]]: the table rows for a per-prompt table;
+    for a log Z head, one-hot prompt features and w = table (so every generic test of the table
+    holds for the head too)."""
+    if not spec.has_aux:
+        return batch, None
+    if spec.aux_scope == "shared":
+        features = jax.nn.one_hot(pids, table.shape[0], dtype=table.dtype)
+        return dataclasses.replace(batch, prompt_features=features), {"w": table[None], "b": jnp.zeros((1,), table.dtype)}
+    return batch, gather_aux({"log_z": table}, pids)
+
+
 @functools.cache
 def _compiled(name: str, overrides: tuple):
     spec = get_objective(name)
@@ -134,8 +146,8 @@ def _compiled(name: str, overrides: tuple):
 
     def f(batch, lp, pids, table):
         def total(x):
-            aux = gather_aux({"log_z": table}, pids) if spec.has_aux else None
-            loss, metrics = spec(batch, x, config, aux)
+            b, aux = with_log_z(spec, batch, pids, table)
+            loss, metrics = spec(b, x, config, aux)
             return loss.total, (loss, metrics)
 
         grad, (loss, metrics) = jax.grad(total, has_aux=True)(lp)
@@ -552,7 +564,7 @@ def test_learned_logz_matches_vargrad_at_the_optimum_and_learns_the_table():
 
 
 def test_registry_names_and_overrides():
-    assert set(OBJECTIVES) == {"tb", "tb_learned_logz", "tba_prime", "tba_prime_paper", "dr_grpo", "grpo", "rloo",
+    assert set(OBJECTIVES) == {"tb", "tb_learned_logz", "tb_logz_head", "tba_prime", "tba_prime_paper", "dr_grpo", "grpo", "rloo",
                                "reinforce", "online_dpo", "icepop"}
     with pytest.raises(ValueError, match=r"unknown objective 'trpo'.*'dr_grpo'.*'tb'"):
         get_objective("trpo")
@@ -630,8 +642,8 @@ def test_every_objective_on_a_collated_float32_batch():
         def f(logits, batch):
             def loss(x, spec):
                 lp = token_logprobs(x, batch.tokens, 0.7)
-                aux = gather_aux({"log_z": jnp.zeros(3)}, pids) if spec.has_aux else None
-                return spec(batch, lp, spec.make_config(), aux)[0].value
+                b, aux = with_log_z(spec, batch, pids, jnp.zeros(3))
+                return spec(b, lp, spec.make_config(), aux)[0].value
 
             return {n: jax.value_and_grad(loss)(logits, spec) for n, spec in specs.items()}
 
@@ -673,3 +685,51 @@ def test_validate_batch_reports_bad_input():
         validate_batch(dataclasses.replace(batch, group_id=batch.group_id.at[0].set(99)))
     with pytest.raises(ValueError, match="unknown objective"):
         validate_batch(batch, "tbb")
+
+
+# --------------------------------------------------------------------------- learned log Z head
+
+
+def test_logz_head_loss_and_gradients_by_hand():
+    """log Z(x) = w·h(x) + b on hand-made prompt features; L = mean over groups of mean_i
+    (log Z + δ_i)². By hand: ∂L/∂b = Σ_groups (2/G) mean_i(log Z_g + δ_i), ∂L/∂w the same
+    weighted by h(x_g); the policy's gradient is tb_learned_logz's with log Z held fixed, and no
+    gradient reaches the features."""
+    rng = np.random.default_rng(11)
+    rows = random_group(3, 0, rng, pid=1) + random_group(3, 1, rng, pid=4)
+    beta = 0.2
+    batch, lp, pids = build(rows, beta)
+    spec = get_objective("tb_logz_head")
+    cfg = spec.make_config()
+    assert spec.aux_scope == "shared" and spec.inputs_for(cfg).prompt_features
+    assert spec.inputs_for(spec.make_config({"reference": False})).reference_logprobs is False
+    head = spec.init_aux(cfg, 3)
+    assert head["w"].shape == (1, 3) and head["b"].shape == (1,)
+    feats = np.zeros((B, 3))
+    feats[:3], feats[3:6] = [1.0, 2.0, 0.0], [0.0, -1.0, 3.0]  # one prompt state per group
+    feats[6:] = rng.normal(0, 5, (B - 6, 3))  # padding rows: must not matter
+    batch = dataclasses.replace(batch, prompt_features=jnp.asarray(feats))
+    w, b = np.array([0.5, -0.25, 1.0]), 0.75
+    log_z = {0: feats[0] @ w + b, 1: feats[3] @ w + b}  # 0.75 and 4.0
+    delta = np.array([r.pol.sum() - r.ref.sum() - r.reward / beta for r in rows])
+    gid = np.array([r.gid for r in rows])
+    per_group = [np.mean((log_z[g] + delta[gid == g]) ** 2) for g in (0, 1)]
+
+    def f(x, head, features):
+        return spec(dataclasses.replace(batch, prompt_features=features), x, cfg, head)[0].value
+
+    with enable_x64():
+        head = {"w": jnp.asarray(w[None]), "b": jnp.asarray([b])}
+        loss, (g_lp, g_head, g_feat) = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))(
+            lp, head, jnp.asarray(feats))
+        table = jnp.asarray([0, log_z[0], 0, 0, log_z[1], 0])  # by prompt id: 1 and 4
+        g_table_lp = jax.grad(lambda x: get_objective("tb_learned_logz")(
+            batch, x, get_objective("tb_learned_logz").make_config(), gather_aux({"log_z": table}, pids))[0].value)(lp)
+    np.testing.assert_allclose(float(loss), np.mean(per_group), rtol=1e-10)
+    resid = {g: np.mean(log_z[g] + delta[gid == g]) for g in (0, 1)}  # 2/2 groups · mean residual
+    np.testing.assert_allclose(float(g_head["b"][0]), resid[0] + resid[1], rtol=1e-10)
+    np.testing.assert_allclose(np.asarray(g_head["w"][0]), resid[0] * feats[0] + resid[1] * feats[3], rtol=1e-10)
+    np.testing.assert_allclose(np.asarray(g_feat), 0.0)  # stop-gradient: nothing flows into h(x)
+    np.testing.assert_allclose(np.asarray(g_lp), np.asarray(g_table_lp), atol=1e-12)
+    with pytest.raises(ValueError, match="prompt_features"):
+        spec(dataclasses.replace(batch, prompt_features=None), lp, cfg, head)

@@ -213,9 +213,15 @@ def _check_run(run: Path, out: str, steps: int) -> None:
 
 @pytest.mark.processes
 def test_sync_mode_red_team_run(tmp_path: Path, bilstm_dir: Path) -> None:
+    """Sync mode with the reference's learned log Z head (the async variant below runs VarGrad TB)."""
     run = tmp_path / "run"
-    out = _finish(_main(run, "--mode=sync", *_run_args(bilstm_dir), "--set", "train.steps=2"))
+    head = ["--objective=tb_logz_head", "--set", 'train.objective_options={"reference": false}']
+    out = _finish(_main(run, "--mode=sync", *_run_args(bilstm_dir), *head, "--set", "train.steps=2"))
     _check_run(run, out, 2)
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "aux_grad_norm" in r]
+    assert len(steps) == 2 and all(math.isfinite(r["aux_grad_norm"]) and r["aux_grad_norm"] > 0 for r in steps)
+    assert steps[1]["log_z"] != steps[0]["log_z"]  # the head moved (it starts at log Z = 0)
 
 
 @pytest.mark.slow  # the sync run above covers the same scorer in the default run; this async variant is slow on 2 cores
@@ -267,7 +273,11 @@ def test_redteam_experiments_resolve(name: str) -> None:
     config = load_experiment(name)
     assert config.name == name and config.task.name == "redteam"
     assert ExperimentConfig.from_dict(json.loads(config.to_json())) == config
-    assert get_objective(config.train.objective) is TB_NO_REFERENCE
+    if name == "redteam_smollm2":
+        assert get_objective(config.train.objective) is TB_NO_REFERENCE
+    else:  # the paper's recipes: the reference's learned log Z head, no reference term
+        assert config.train.objective == "tb_logz_head" and config.train.objective_options == {"reference": False}
+        assert config._objective_reads_no_reference()
     s = config.rollout.sampling
     assert (s.min_new_tokens, s.max_new_tokens) == (5, 20)  # no EOS first; attacks of 5-20 tokens
     assert config.train.trainer.beta.start == 1.0 and config.train.trainer.temperature == 1.0

@@ -799,3 +799,57 @@ def test_packing_refuses_mixed_prompts_and_mismatched_config():
     trainer = PolicyUpdater(fresh_model(), dataclasses.replace(ACCUM_CONFIG, pack_groups=True), vargrad_tb)
     with pytest.raises(ValueError, match="pack_microbatches=1"):
         trainer.step(grouped_batch(0, None))
+
+
+# --------------------------------------------------------------------------- learned log Z head
+
+
+def test_prompt_features_are_the_pooled_prompt_states_of_the_same_forward():
+    from tbajax.training.loss import logprobs_and_prompt_features
+
+    graphdef, params = nnx.split(fresh_model(), nnx.Param)
+    batch = jax.tree.map(jnp.asarray, make_batch(3))
+
+
+    @functools.partial(jax.jit, compiler_options=FAST_COMPILE)  # eager ops would compile one by one
+    def run(params, batch):
+        model = nnx.merge(graphdef, params)
+        hidden, _ = model.hidden_states(batch.tokens, attention_mask=batch.attention_mask)
+        return (logprobs_and_prompt_features(graphdef, params, batch, 0.7),
+                sequence_logprobs(graphdef, params, batch, 0.7), hidden)
+
+    (lp, feats), want_lp, hidden = run(params, batch)
+    np.testing.assert_allclose(np.asarray(lp), np.asarray(want_lp), rtol=1e-6, atol=1e-6)
+    hidden = np.asarray(hidden)
+    for i in range(batch.batch_size):
+        p = int(np.argmax(np.asarray(batch.loss_mask[i])))  # the first response token
+        np.testing.assert_allclose(np.asarray(feats[i]), hidden[i, :p].mean(0), rtol=1e-5, atol=1e-6)
+
+
+def test_logz_head_step_trains_the_head_and_the_policy_as_a_fixed_log_z_would():
+    """One update: the head (w = 0, b = 0.5 at the start: log Z = 0.5 for every prompt) gets
+    Adam's first step, lr_aux · sign(g), on every weight with a gradient; the policy's update equals
+    tb_learned_logz's with its table at 0.5 (the head's loss reaches no model weight)."""
+    from tbajax.objectives import LearnedLogZConfig, LogZHeadConfig
+
+    config = dataclasses.replace(LOGZ_CONFIG, optimizer=dataclasses.replace(
+        LOGZ_CONFIG.optimizer, lr=LRSchedule("constant", peak=1e-3)))
+    head = PolicyUpdater(fresh_model(), config, "tb_logz_head", LogZHeadConfig(aux_lr_scale=100.0, init_log_z=LOGZ_INIT),
+                         compiler_options=FAST_COMPILE)
+    table = PolicyUpdater(fresh_model(), config, "tb_learned_logz",
+                          LearnedLogZConfig(aux_lr_scale=100.0, init_log_z=LOGZ_INIT), compiler_options=FAST_COMPILE)
+    assert set(head.state.aux) == {"w", "b"} and head.state.aux["w"].shape == (1, MODEL.hidden_size)
+    pid = PROMPT_IDS.copy()
+    pid[3] = 10**6  # a head takes any prompt id: no table to index
+    m_head = head.step(dataclasses.replace(logz_batch(), prompt_id=pid))
+    m_table = table.step(logz_batch())
+    assert m_head["loss"] == pytest.approx(m_table["loss"], rel=1e-6)
+    assert m_head["loss"] == pytest.approx(1.75, rel=1e-5)  # the table test's hand value
+    assert_trees_close(host(head.state.params), host(table.state.params), atol=1e-7, rtol=1e-6)
+    aux_lr = 1e-3 * 100.0
+    assert float(head.state.aux["b"][0]) - LOGZ_INIT == pytest.approx(aux_lr, rel=1e-4)  # ∂L/∂b < 0
+    dw = np.asarray(head.state.aux["w"][0])
+    assert np.all(np.isclose(np.abs(dw), aux_lr, rtol=1e-3) | (dw == 0)) and np.any(dw != 0)
+    assert np.isfinite(m_head["aux_grad_norm"]) and m_head["aux_grad_norm"] > 0
+    with pytest.raises(ValueError, match="feature_dim"):
+        initial_aux("tb_logz_head", None, config)

@@ -1,6 +1,7 @@
 """Training objectives as pure, jit-able functions: `fn(batch, logprobs, config) -> (loss, metrics)`.
 
-Built-ins (`OBJECTIVES`): tb (default; VarGrad trajectory balance), tb_learned_logz, tba_prime,
+Built-ins (`OBJECTIVES`): tb (default; VarGrad trajectory balance), tb_learned_logz (a log Z table),
+tb_logz_head (log Z from a linear head on the pooled prompt state), tba_prime,
 tba_prime_paper (TBA′ with the paper's KL centring), dr_grpo, grpo, rloo, reinforce, online_dpo,
 icepop. Each has a frozen config dataclass with
 defaults; the trainer builds one from a name plus an overrides dict:
@@ -75,11 +76,22 @@ from tbajax.objectives.registry import (
     OBJECTIVES,
     ObjectiveInputs,
     ObjectiveSpec,
+    aux_for_loss,
     gather_aux,
     get_objective,
     resolve_objective,
 )
-from tbajax.objectives.tb import LearnedLogZConfig, TBConfig, init_log_z_table, tb, tb_learned_logz
+from tbajax.objectives.tb import (
+    LearnedLogZConfig,
+    LogZHeadConfig,
+    TBConfig,
+    init_log_z_head,
+    init_log_z_table,
+    log_z_from_head,
+    tb,
+    tb_learned_logz,
+    tb_logz_head,
+)
 from tbajax.objectives.validate import validate_batch
 
 __all__ = [
@@ -90,6 +102,7 @@ __all__ = [
     "Groups",
     "IcePopConfig",
     "LearnedLogZConfig",
+    "LogZHeadConfig",
     "Max",
     "Metrics",
     "Min",
@@ -107,12 +120,15 @@ __all__ = [
     "combine_metrics",
     "diagnostics",
     "dr_grpo",
+    "aux_for_loss",
     "gather_aux",
     "get_objective",
     "groups_of",
     "grpo",
     "icepop",
+    "init_log_z_head",
     "init_log_z_table",
+    "log_z_from_head",
     "length_normaliser",
     "metric_values",
     "online_dpo",
@@ -125,6 +141,7 @@ __all__ = [
     "stale_tokens",
     "tb",
     "tb_learned_logz",
+    "tb_logz_head",
     "tba_prime",
     "token_lag",
     "token_mask",

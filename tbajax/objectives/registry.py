@@ -35,7 +35,16 @@ from tbajax.objectives.policy_gradient import (
     rloo,
     tba_prime,
 )
-from tbajax.objectives.tb import LearnedLogZConfig, TBConfig, init_log_z_table, tb, tb_learned_logz
+from tbajax.objectives.tb import (
+    LearnedLogZConfig,
+    LogZHeadConfig,
+    TBConfig,
+    init_log_z_head,
+    init_log_z_table,
+    tb,
+    tb_learned_logz,
+    tb_logz_head,
+)
 
 Array = jax.Array
 PyTree = Any
@@ -49,12 +58,16 @@ class ObjectiveInputs:
     reference_logprobs: `batch.reference_logprobs` (S − R terms, KL penalties). False lets the
         trainer skip the reference forward pass, a full second forward per step.
     behavior_logprobs: `batch.behavior_logprobs` (importance ratios, off-policy diagnostics).
-    The aux table is declared by `ObjectiveSpec.init_aux`, not here.
-    Default: everything (safe for objectives that say nothing).
+    prompt_features: `batch.prompt_features`, the policy's final hidden state mean-pooled over
+        each row's prompt (stop-gradient; a learned log Z head reads it). Off by default: it is
+        computed only when asked for.
+    The aux params are declared by `ObjectiveSpec.init_aux`, not here.
+    Default: everything a batch carries (safe for objectives that say nothing).
     """
 
     reference_logprobs: bool = True
     behavior_logprobs: bool = True
+    prompt_features: bool = False
 
 
 EVERYTHING = ObjectiveInputs()
@@ -68,9 +81,14 @@ class ObjectiveSpec:
         argument: the aux pytree gathered per row (`gather_aux(aux, prompt_ids)`), e.g. log Z.
     config_cls: frozen dataclass of static hyperparameters, every field defaulted (None: the
         loss is called with config=None).
-    init_aux: `(config, num_prompts) -> pytree` of trainable arrays with leading axis
-        num_prompts. The trainer differentiates the loss with respect to it as well and updates it
-        with its own optimizer at lr × `config.aux_lr_scale`.
+    init_aux: `(config, n) -> pytree` of trainable arrays with leading axis n. The trainer
+        differentiates the loss with respect to it as well and updates it with its own (per-row)
+        Adam at lr × `config.aux_lr_scale`. What n is depends on `aux_scope`.
+    aux_scope: "prompt": a table with one row per prompt id (n = `TrainerConfig.aux_table_size`),
+        gathered per batch row (`gather_aux`) before the loss sees it (a learned log Z table);
+        "shared": one set of weights for every row (n = 1, `init_aux(config, feature_dim)` with
+        the model's hidden size: a log Z head on `batch.prompt_features`), passed to the loss
+        whole.
     positive_beta: validation rejects β <= 0 (the loss divides by β or needs it as a scale).
     inputs: the `ObjectiveInputs` the loss reads, or `config -> ObjectiveInputs` when that depends
         on the config (GRPO reads the reference only with its KL penalty on). Default: everything.
@@ -78,12 +96,15 @@ class ObjectiveSpec:
 
     loss: Callable[..., tuple[Ratio, Metrics]]
     config_cls: type | None = None
-    init_aux: Callable[[Any, int], PyTree] | None = None
+    init_aux: Callable[..., PyTree] | None = None
+    aux_scope: str = "prompt"
     name: str = ""
     positive_beta: bool = False
     inputs: ObjectiveInputs | Callable[[Any], ObjectiveInputs] = EVERYTHING
 
     def __post_init__(self) -> None:
+        if self.aux_scope not in ("prompt", "shared"):
+            raise ValueError(f"objective {self.name!r}: aux_scope must be 'prompt' or 'shared', got {self.aux_scope!r}")
         if self.init_aux is not None and (
             self.config_cls is None
             or "aux_lr_scale" not in {f.name for f in dataclasses.fields(self.config_cls)}
@@ -132,11 +153,22 @@ class ObjectiveSpec:
             )
         return self.config_cls(**overrides)
 
-    def initial_aux(self, config: Any, num_prompts: int) -> PyTree | None:
-        """The initial per-prompt table (`init_aux(config, num_prompts)`, checked), or None for
-        objectives without aux params. `num_prompts` is `TrainerConfig.aux_table_size`."""
+    def initial_aux(self, config: Any, num_prompts: int, feature_dim: int | None = None) -> PyTree | None:
+        """The initial aux params, checked, or None for objectives without any: a per-prompt table
+        (`init_aux(config, num_prompts)`, `num_prompts` = `TrainerConfig.aux_table_size`) or, for
+        `aux_scope="shared"`, one row of shared weights (`init_aux(config, feature_dim)`,
+        `feature_dim` = the model's hidden size)."""
         if not self.has_aux:
             return None
+        if self.aux_scope == "shared":
+            if feature_dim is None or feature_dim < 1:
+                raise ValueError(f"objective {self.name!r} trains a head on the prompt features: pass "
+                                 f"feature_dim (the model's hidden size), got {feature_dim}")
+            aux = self.init_aux(config, feature_dim)  # type: ignore[misc]
+            if {getattr(x, "shape", ())[:1] for x in jax.tree.leaves(aux)} != {(1,)}:
+                raise ValueError(f"objective {self.name!r}: a shared aux (aux_scope='shared') has one "
+                                 "row: every leaf needs a leading axis of size 1")
+            return aux
         if num_prompts < 1:
             raise ValueError(
                 f"objective {self.name!r} trains one entry per prompt id (a learned log Z table); set "
@@ -196,6 +228,14 @@ def gather_aux(aux: PyTree, prompt_ids: Array) -> PyTree:
     return jax.tree.map(lambda a: a[prompt_ids], aux)
 
 
+def aux_for_loss(objective: Any, aux: PyTree, prompt_ids: Array) -> PyTree:
+    """What the loss gets as its aux argument: the rows of a per-prompt table, or shared weights
+    whole."""
+    if getattr(objective, "aux_scope", "prompt") == "shared":
+        return aux
+    return gather_aux(aux, prompt_ids)
+
+
 def _spec(name: str, loss, config_cls, **kw) -> ObjectiveSpec:
     return ObjectiveSpec(loss=loss, config_cls=config_cls, name=name, **kw)
 
@@ -218,6 +258,15 @@ OBJECTIVES: Mapping[str, ObjectiveSpec] = MappingProxyType(
             LearnedLogZConfig,
             init_aux=init_log_z_table,
             positive_beta=True,
+        ),
+        "tb_logz_head": _spec(
+            "tb_logz_head",
+            tb_logz_head,
+            LogZHeadConfig,
+            init_aux=init_log_z_head,
+            aux_scope="shared",
+            positive_beta=True,
+            inputs=lambda config: ObjectiveInputs(reference_logprobs=config.reference, prompt_features=True),
         ),
         "tba_prime": _spec("tba_prime", tba_prime, TBAPrimeConfig),
         "tba_prime_paper": _spec("tba_prime_paper", tba_prime, TBAPrimePaperConfig),

@@ -102,3 +102,47 @@ def tb_learned_logz(
 def init_log_z_table(config: LearnedLogZConfig, num_prompts: int) -> dict[str, Array]:
     """The trainable aux of `tb_learned_logz`: one log Z per prompt id."""
     return {"log_z": jnp.full((num_prompts,), config.init_log_z, jnp.float32)}
+
+
+@dataclasses.dataclass(frozen=True)
+class LogZHeadConfig:
+    """aux_lr_scale: the head's learning rate is lr × this (as for the table).
+    init_log_z: the head's starting bias (its weights start at 0, so log Z(x) = init_log_z).
+    reference: read `batch.reference_logprobs` (δ = S − R − r/β); False drops R (δ = S − r/β),
+        so neither side computes reference log-probs (red-teaming: the prior is in the reward)."""
+
+    aux_lr_scale: float = 100.0
+    init_log_z: float = 0.0
+    reference: bool = True
+
+
+def log_z_from_head(head: dict[str, Array], features: Array) -> Array:
+    """[B] log Z(x) = w · h(x) + b of the linear head on the pooled prompt states [B, D]."""
+    w, b = head["w"][0], head["b"][0]
+    dtype = jnp.result_type(features, w, jnp.float32)  # at least fp32, even for bf16 features
+    return features.astype(dtype) @ w.astype(dtype) + b.astype(dtype)
+
+
+def tb_logz_head(
+    batch: Batch, logprobs: Array, config: LogZHeadConfig, aux: dict[str, Array]
+) -> tuple[Ratio, Metrics]:
+    """TB with log Z(x) from a linear head on the prompt's pooled hidden state (the red-teaming
+    reference's log Z): L_group = mean_i (log Z(x) + δ_i)², mean over groups.
+
+    `batch.prompt_features` is stop-gradient, so the head's loss trains only the head: the
+    policy's gradient is exactly the one of `tb_learned_logz` with log Z held at the head's value.
+    Unlike a per-prompt table the head generalises to prompts it has not seen (and needs no
+    `aux_table_size`). Extra metric log_z_gap as for the table.
+    """
+    if batch.prompt_features is None:
+        raise ValueError("tb_logz_head reads batch.prompt_features: declare "
+                         "ObjectiveInputs(prompt_features=True) (its registered spec does)")
+    if not config.reference:
+        batch = dataclasses.replace(batch, reference_logprobs=jnp.zeros_like(batch.reference_logprobs))
+    log_z = log_z_from_head(aux, jax.lax.stop_gradient(batch.prompt_features)).astype(logprobs.dtype)
+    return tb_learned_logz(batch, logprobs, LearnedLogZConfig(config.aux_lr_scale), {"log_z": log_z})
+
+
+def init_log_z_head(config: LogZHeadConfig, feature_dim: int) -> dict[str, Array]:
+    """The trainable aux of `tb_logz_head`: one row holding w [D] and b."""
+    return {"w": jnp.zeros((1, feature_dim), jnp.float32), "b": jnp.full((1,), config.init_log_z, jnp.float32)}

@@ -594,15 +594,17 @@ def redteam_experiment(
     system_prompt: str | None = None,
     max_prompt_tokens: int = 128,
     max_calls_per_version: int | None = None,
+    log_z: str = "vargrad",
 ) -> Any:
     """The red-team recipe shared by experiments/redteam_*.py (TBA spec §8), in this repo's terms.
 
-    - Objective: VarGrad TB without a reference term (`TB_NO_REFERENCE`) at a constant β = 1, so
-      δ = S − log R(x). It reads no reference log-probs, so neither the searchers nor the trainer
-      compute them (`rollout.reference_logprobs=false`, `compute_reference_logprobs=false`) and
-      the trainer keeps no reference copy of the weights. The reference's learned log Z head is
-      not used: all attacks share one prompt, so VarGrad's per-group estimate is the same
-      quantity without a head.
+    - Objective: TB without a reference term at a constant β = 1, so δ = S − log R(x). It reads
+      no reference log-probs, so neither the searchers nor the trainer compute them
+      (`rollout.reference_logprobs=false`, `compute_reference_logprobs=false`) and the trainer
+      keeps no reference copy of the weights. `log_z="head"`: the reference's learned log Z, a
+      linear head on the prompt's mean-pooled hidden state (`tb_logz_head`, reference=false; its
+      own Adam at 100 × lr); `"vargrad"`: VarGrad's per-group estimate (`TB_NO_REFERENCE`), the
+      same quantity without a head when all attacks share one prompt.
     - LoRA r `lora_rank` 32, α 16 (the reference's adapters) on `lora_targets` (PEFT's defaults:
       q_proj / v_proj, GPT-2's fused qkv_proj = c_attn); `lora_rank=None`: full fine-tuning.
       `system.publish=auto` sends the searchers the adapters only.
@@ -625,6 +627,11 @@ def redteam_experiment(
     from tbajax.sampling import SamplingConfig
     from tbajax.training.config import BetaSchedule, LRSchedule, OptimizerConfig, TrainerConfig
 
+    objectives = {"vargrad": ("tbajax.tasks.redteam:TB_NO_REFERENCE", {}),
+                  "head": ("tb_logz_head", {"reference": False})}
+    if log_z not in objectives:
+        raise ValueError(f"log_z must be one of {sorted(objectives)}, got {log_z!r}")
+    objective, objective_options = objectives[log_z]
     options = {"num_train": num_prompts, "num_eval": eval_problems, **task_options}
     if system_prompt is not None:
         options["system_prompt"] = system_prompt
@@ -646,7 +653,8 @@ def redteam_experiment(
         train=TrainSpec(
             steps=steps,
             groups_per_step=groups_per_step,
-            objective="tbajax.tasks.redteam:TB_NO_REFERENCE",
+            objective=objective,
+            objective_options=objective_options,
             trainer=TrainerConfig(
                 optimizer=OptimizerConfig(lr=LRSchedule(kind="constant", peak=lr), max_grad_norm=1.0),
                 beta=BetaSchedule(kind="constant", start=1.0),

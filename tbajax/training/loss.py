@@ -18,7 +18,7 @@ from flax import nnx
 from tbajax.batch import Batch, packed_token_logprobs, token_logprobs
 from tbajax.models.decoder import packed_attention_mask
 from tbajax.objectives.base import Metrics
-from tbajax.objectives.registry import EVERYTHING, ObjectiveInputs, ObjectiveSpec, gather_aux
+from tbajax.objectives.registry import EVERYTHING, ObjectiveInputs, ObjectiveSpec, aux_for_loss
 from tbajax.training.config import TrainerConfig
 from tbajax.training.state import LoraBase
 
@@ -36,6 +36,23 @@ def sequence_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, t
         return packed_token_logprobs(logits, batch, temperature)
     logits, _ = model(batch.tokens, attention_mask=batch.attention_mask)
     return token_logprobs(logits, batch.tokens, temperature)
+
+
+def logprobs_and_prompt_features(
+    graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, temperature: float
+) -> tuple[Array, Array]:
+    """`sequence_logprobs` plus the final hidden state mean-pooled over each row's prompt tokens
+    ([B, D] f32, the real tokens before the first loss-masked one), from the same forward."""
+    if batch.packed is not None:
+        raise ValueError("an objective that reads prompt_features (a log Z head) needs the row layout: "
+                         "set train.trainer.pack_groups=false")
+    model = nnx.merge(graphdef, params)
+    hidden, _ = model.hidden_states(batch.tokens, attention_mask=batch.attention_mask)
+    logprobs = token_logprobs(model.logits(hidden), batch.tokens, temperature)
+    prompt = batch.attention_mask.astype(bool) & (jnp.cumsum(batch.loss_mask.astype(jnp.int32), axis=-1) == 0)
+    weights = prompt.astype(jnp.float32)
+    pooled = jnp.einsum("bt,btd->bd", weights, hidden.astype(jnp.float32))
+    return logprobs, pooled / jnp.maximum(weights.sum(-1, keepdims=True), 1.0)
 
 
 def objective_inputs(objective: Any, objective_config: Any) -> ObjectiveInputs:
@@ -89,7 +106,11 @@ def microbatch_loss(
         policy, reference = frozen.policy(params), frozen.reference
     else:
         policy, reference = params, lambda: ref_params
-    logprobs = sequence_logprobs(graphdef, policy, batch, config.temperature)
+    if inputs.prompt_features:
+        logprobs, features = logprobs_and_prompt_features(graphdef, policy, batch, config.temperature)
+        batch = dataclasses.replace(batch, prompt_features=jax.lax.stop_gradient(features))
+    else:
+        logprobs = sequence_logprobs(graphdef, policy, batch, config.temperature)
     if scores_reference(objective, objective_config, config):
         ref = sequence_logprobs(graphdef, jax.lax.stop_gradient(reference()), batch, config.temperature)
         batch = dataclasses.replace(
@@ -98,6 +119,6 @@ def microbatch_loss(
     if aux is None:
         loss, metrics = objective(batch, logprobs, objective_config)
     else:
-        loss, metrics = objective(batch, logprobs, objective_config, gather_aux(aux, batch.prompt_id))
+        loss, metrics = objective(batch, logprobs, objective_config, aux_for_loss(objective, aux, batch.prompt_id))
     row_ok = rows_finite(batch, jax.lax.stop_gradient(logprobs), inputs)
     return loss.total, (jax.lax.stop_gradient(loss.count), metrics, row_ok)

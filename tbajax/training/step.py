@@ -152,7 +152,8 @@ def train_step(
         finite = finite & jnp.isfinite(aux_grad_norm)
         extra_args.update(
             aux_lr=lr * objective_config.aux_lr_scale,
-            touched=aux_rows_touched(batch.prompt_id, batch.sample_mask, aux_table_size(state.aux)),
+            touched=jnp.ones((1,), bool) if getattr(objective, "aux_scope", "prompt") == "shared"
+            else aux_rows_touched(batch.prompt_id, batch.sample_mask, aux_table_size(state.aux)),
         )
         extra_metrics["aux_grad_norm"] = aux_grad_norm
     layout_ok = microbatch_layout_ok(batch, config.num_microbatches)
@@ -199,17 +200,21 @@ def batch_shardings(mesh: Mesh, packed: bool = False) -> Batch:
     fields = {f.name: rows for f in dataclasses.fields(Batch)}
     fields["beta"] = fields["current_version"] = NamedSharding(mesh, P())
     fields["packed"] = PackedGroups(**{f.name: rows for f in dataclasses.fields(PackedGroups)}) if packed else None
+    fields["prompt_features"] = None  # computed inside the step, never an input
     return Batch(**fields)
 
 
-def initial_aux(objective: Any, objective_config: Any, config: TrainerConfig) -> PyTree | None:
-    """The objective's initial per-prompt table (`ObjectiveSpec.initial_aux` sized by
-    `config.aux_table_size`), or None for objectives without aux params.
+def initial_aux(
+    objective: Any, objective_config: Any, config: TrainerConfig, feature_dim: int | None = None
+) -> PyTree | None:
+    """The objective's initial aux params (`ObjectiveSpec.initial_aux`: a per-prompt table sized by
+    `config.aux_table_size`, or a head on `feature_dim` = the model's hidden size), or None for
+    objectives without aux params.
 
     Pass it to `init_train_state(..., aux=...)`; `PolicyUpdater` does both.
     """
     spec, objective_config = resolve_objective(objective, objective_config)
-    return spec.initial_aux(objective_config, config.aux_table_size)
+    return spec.initial_aux(objective_config, config.aux_table_size, feature_dim)
 
 
 def make_train_step(

@@ -73,7 +73,7 @@ class PolicyUpdater:
         self.mesh = mesh
         spec, objective_config = resolve_objective(objective, objective_config)
         self.objective, self.objective_config = spec, objective_config
-        aux = spec.initial_aux(objective_config, config.aux_table_size)
+        aux = spec.initial_aux(objective_config, config.aux_table_size, _hidden_size(model))
         self.lora: LoraBase | None = None  # LoRA: the frozen base; state.params are the adapters
         if lora is None:
             self.graphdef, fresh = init_train_state(model, config, mesh, aux=aux)
@@ -86,7 +86,9 @@ class PolicyUpdater:
                 + ("trains an aux table but the given state has none" if spec.has_aux
                    else "has no aux params but the given state holds an aux table")
             )
-        self._aux_size = None if self.state.aux is None else aux_table_size(self.state.aux)
+        # prompt ids index a per-prompt table; a shared head has one row and takes any id
+        per_prompt = self.state.aux is not None and spec.aux_scope == "prompt"
+        self._aux_size = aux_table_size(self.state.aux) if per_prompt else None
         if self._aux_size is not None and self._aux_size != config.aux_table_size:
             raise ValueError(
                 f"the given state's aux table has {self._aux_size} rows but "
@@ -216,6 +218,10 @@ class PolicyUpdater:
                     f"{rows[:10].tolist()}) are outside the aux table [0, {self._aux_size}); "
                     "set TrainerConfig.aux_table_size to the largest prompt id + 1"
                 )
+
+
+def _hidden_size(model: nnx.Module) -> int | None:
+    return getattr(getattr(model, "config", None), "hidden_size", None)
 
 
 class Trainer(PolicyUpdater):
