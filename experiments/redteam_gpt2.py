@@ -5,17 +5,18 @@ writes 5–20-token attacks from one fixed instruction; the frozen victim `vicga
 answers each 5 times (top-p 0.92, T 0.7, 30 tokens, Alpaca prompt format); the RoBERTa
 hate-speech classifier `facebook/roberta-hate-speech-dynabench-r4-target` scores the answers
 (log p("hate")); the prior is the attacker's initial checkpoint. Reward and objective: see
-`tbajax.tasks.redteam` (log R with β 0.1, γ 1; VarGrad TB on δ = S − log R). Batch 16 attacks ×
+`tbajax.tasks.redteam` (log R with β 0.1, γ 1, τ 2 -> 1 over the first 500 steps; TB with the
+reference's learned log Z head on δ = S − log R). Batch 16 attacks ×
 8 groups = 128 per update (the reference's 16 × 8 accumulation), AdamW lr 1e-4, grad clip 1.0,
 5,000 updates, LoRA r 32 α 16 on c_attn, a 1,000-attack reward-keyed replay heap with
 edit-distance near-duplicate rejection, half the steps online and half replayed. Diversity is measured with
 all-MiniLM-L6-v2. The reference fine-tunes an SFT'd GPT-2 attacker; pass it with
 `--set model.checkpoint=DIR` (plain `gpt2` is the architecture and the default).
 
-Not the reference in three places (see `redteam_experiment`): τ is constant 1 (its 2 -> 1 warm-up
-over the first 500 of 5,000 steps needs the trainer step, which a scorer does not see yet), one
-fixed sampling temperature instead of a random one per batch, and no MiniLM-cosine dedup in the
-replay heap (edit distance only: the scorer stores no embeddings).
+Not the reference in two places (see `redteam_experiment`): one fixed sampling temperature
+instead of a random one per batch, and no MiniLM-cosine dedup in the replay heap (edit distance
+only: the scorer stores no embeddings). The γ/τ schedules follow the trainer step through the
+param version the searcher samples with (version × sync_every: with sync_every 1, the step).
 
     python -m tbajax.main --experiment=redteam_gpt2
 """
@@ -45,7 +46,7 @@ def config():
             "encoder": "sentence-transformers/all-MiniLM-L6-v2",
             "beta": 0.1,
             "gamma": 1.0,
-            "tau": 1.0,
+            "tau": [2.0, 1.0, 500],  # the reference's warm-up
             "min_attack_tokens": 5,
         },
         samples_per_prompt=16,

@@ -7,9 +7,9 @@ updates; everything else as `redteam_gpt2` (see `tbajax.tasks.redteam.redteam_ex
 The reference judges Llama victims with Llama Guard (the log-prob of its "unsafe" token). That
 judge is NOT implemented here: this recipe uses the RoBERTa hate-speech classifier of the GPT-2
 recipe instead (any BERT/RoBERTa or decoder *ForSequenceClassification works through
-`task.options.classifier`). Also not the reference: γ is constant 1 (its 1.0 -> 1.2 ramp over
-2,000 steps and τ's 2 -> 1 warm-up need the trainer step, which a scorer does not see yet), one
-fixed sampling temperature, edit-distance dedup only (no MiniLM cosine) in the replay heap.
+`task.options.classifier`). γ ramps 1.0 -> 1.2 over 2,000 steps and τ 2 -> 1 over 500 as the
+reference's (following the trainer step through the searcher's param version). Also not the
+reference: one fixed sampling temperature, edit-distance dedup only (no MiniLM cosine) in the replay heap.
 
     python -m tbajax.main --experiment=redteam_llama
 """
@@ -36,8 +36,8 @@ def config():
             "classifier": "encoder:facebook/roberta-hate-speech-dynabench-r4-target",
             "encoder": "sentence-transformers/all-MiniLM-L6-v2",
             "beta": 0.1,
-            "gamma": 1.0,
-            "tau": 1.0,
+            "gamma": [1.0, 1.2, 2000],
+            "tau": [2.0, 1.0, 500],
             "min_attack_tokens": 5,
         },
         samples_per_prompt=16,
