@@ -4,10 +4,12 @@ Hub / GPU recipe. Victim: T 0.1, top-p 0.9, 64 tokens, through its chat template
 attack. β 0.1, LoRA r 32 α 16 (q_proj, v_proj), a 5,000-attack reward-keyed replay heap, batch 16 × 8, AdamW lr 1e-4, grad clip 1, 5,000
 updates; everything else as `redteam_gpt2` (see `tbajax.tasks.redteam.redteam_experiment`).
 
-The reference judges Llama victims with Llama Guard (the log-prob of its "unsafe" token). That
-judge is NOT implemented here: this recipe uses the RoBERTa hate-speech classifier of the GPT-2
-recipe instead (any BERT/RoBERTa or decoder *ForSequenceClassification works through
-`task.options.classifier`). γ ramps 1.0 -> 1.2 over 2,000 steps and τ 2 -> 1 over 500 as the
+The judge is Llama Guard 3 1B as in the reference: log p("unsafe") as its verdict token on the
+conversation [attack, answer] (`tbajax.tasks.redteam.GuardJudge`, tested against torch on a random
+checkpoint; its prompt defaults follow the model card and are not checked against the real weights
+offline). Any BERT/RoBERTa or decoder *ForSequenceClassification also works through
+`task.options.classifier` (`encoder:` / `scorer:`), e.g. the GPT-2 recipe's RoBERTa.
+γ ramps 1.0 -> 1.2 over 2,000 steps and τ 2 -> 1 over 500 as the
 reference's (following the trainer step through the searcher's param version). Also not the
 reference: one fixed sampling temperature, edit-distance dedup only (no MiniLM cosine) in the replay heap.
 
@@ -33,7 +35,7 @@ def config():
             "victim_max_prompt_tokens": 128,
             "victim_chat": True,
             "victim_dtype": "bfloat16",
-            "classifier": "encoder:facebook/roberta-hate-speech-dynabench-r4-target",
+            "classifier": "guard:meta-llama/Llama-Guard-3-1B",
             "encoder": "sentence-transformers/all-MiniLM-L6-v2",
             "beta": 0.1,
             "gamma": [1.0, 1.2, 2000],

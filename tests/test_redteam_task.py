@@ -335,6 +335,47 @@ def test_model_judges_match_torch(kind: str, tmp_path: Path) -> None:
     np.testing.assert_allclose(judge.log_toxicity(texts), want, atol=1e-4)
 
 
+def test_guard_judge_matches_torch_on_the_templated_conversation(tmp_path: Path) -> None:
+    """`guard:` (Llama Guard's role in the Llama recipe): log p(first token of "unsafe") after the
+    guard's chat template on [user: attack, assistant: answer], from one padded batch, equals
+    torch's next-token log_softmax on each conversation alone."""
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tbajax.tasks.redteam import GuardJudge, load_judge
+
+    cfg = AutoConfig.for_model("llama", vocab_size=19, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, intermediate_size=48, max_position_embeddings=128,
+                               bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_config(cfg).float().eval()
+    model.save_pretrained(tmp_path)
+    shutil.copy(TINY / "tokenizer.json", tmp_path / "tokenizer.json")
+    tok_cfg = json.loads((TINY / "tokenizer_config.json").read_text())
+    tok_cfg["chat_template"] = ("{% for m in messages %}{{ m['content'][0]['text'] }}={% endfor %}"
+                                "{{ '9' if add_generation_prompt }}")  # content parts, as Llama Guard 3's
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+    # a one-character vocabulary: "7" is the verdict token, after the prefix "8"
+    judge = GuardJudge(str(tmp_path), unsafe_text="7", verdict_prefix="8")
+    assert judge.unsafe_id == 11 and isinstance(load_judge(f"guard:{tmp_path}"), GuardJudge)
+    attacks, answers = ["12+34", "5", "999-1"], ["46", "", "9 9 8 7 6 5"]
+    tok = load_tokenizer(tmp_path)
+    want = []
+    with torch.no_grad():
+        for a, r in zip(attacks, answers):
+            ids = tok(f"{a}={r}=98", add_special_tokens=False)["input_ids"]
+            assert judge.conversation_ids(a, r) == ids
+            want.append(float(torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].double(), -1)[11]))
+    np.testing.assert_allclose(judge.log_toxicity(answers, prompts=attacks), want, atol=1e-4)
+    with pytest.raises(ValueError, match="one prompt"):
+        judge.log_toxicity(answers)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in tok_cfg.items() if k != "chat_template"}))
+    with pytest.raises(ValueError, match="no chat template"):
+        GuardJudge(str(tmp_path))
+
+
 def test_redteam_report_checks_and_plots(tmp_path: Path) -> None:
     """experiments/redteam_report.py on hand-written eval rows: the issue's three checks."""
     import importlib.util
