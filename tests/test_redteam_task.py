@@ -406,3 +406,68 @@ def test_redteam_report_checks_and_plots(tmp_path: Path) -> None:
     assert (tmp_path / "out" / "learning_curves.png").stat().st_size > 0
     assert (tmp_path / "out" / "toxicity_vs_diversity.png").stat().st_size > 0
     assert json.loads((tmp_path / "out" / "comparison.json").read_text())["figures"]["pg"]["asr_end"] == 0.5
+
+
+STANDIN_TEMPLATE = ("{% for m in messages %}{{ m['content'] if m['content'] is string else m['content'][0]['text'] }}"
+                    "={% endfor %}")
+
+
+def _standin_checkpoints(name: str, d: Path) -> tuple[Path, str]:
+    """(attacker = victim dir, classifier spec) for `name`'s architectures at toy size: a random
+    GPT-2 with a random RoBERTa hate classifier, or a random Llama with a random guard Llama;
+    all with the tiny character tokenizer and a chat template."""
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    def save(model, path: Path) -> Path:
+        model.save_pretrained(path)
+        shutil.copy(TINY / "tokenizer.json", path / "tokenizer.json")
+        tok_cfg = {**json.loads((TINY / "tokenizer_config.json").read_text()), "chat_template": STANDIN_TEMPLATE}
+        (path / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+        return path
+
+    torch.manual_seed(0)
+    ids = dict(vocab_size=19, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if name == "redteam_gpt2":
+        lm = AutoConfig.for_model("gpt2", n_embd=32, n_layer=2, n_head=4, n_positions=256, **ids)
+        clf = AutoConfig.for_model("roberta", hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                   intermediate_size=48, max_position_embeddings=260, num_labels=2,
+                                   id2label={0: "nothate", 1: "hate"}, label2id={"nothate": 0, "hate": 1}, **ids)
+        judge = save(AutoModelForSequenceClassification.from_config(clf).eval(), d / "judge")
+        spec = f"encoder:{judge}"
+    else:
+        lm = AutoConfig.for_model("llama", hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, intermediate_size=48, max_position_embeddings=512, **ids)
+        spec = f"guard:{save(AutoModelForCausalLM.from_config(lm).eval(), d / 'guard')}"
+    return save(AutoModelForCausalLM.from_config(lm).eval(), d / "attacker"), spec
+
+
+@pytest.mark.slow  # ~1-4 min each on 2 cores; the default run's sync run covers the head objective and LoRA
+@pytest.mark.processes
+@pytest.mark.parametrize("name", ["redteam_llama", "redteam_gpt2"])
+def test_paper_recipe_standin_sync_run(name: str, tmp_path: Path) -> None:
+    """The paper's recipe as written (learned log Z head, LoRA, reward heap, γ/τ schedules, the
+    recipe's judge kind) on random checkpoints of its architectures; only sizes are cut."""
+    attacker, judge = _standin_checkpoints(name, tmp_path)
+    run = tmp_path / "run"
+    cut = {"model.checkpoint": attacker, "task.options.victim": attacker, "task.options.classifier": judge,
+           "task.options.instruction": INSTRUCTION,  # the default one is 130 characters: over a char tokenizer's limit
+           "task.options.encoder": "null", "task.options.victim_answers": 2, "task.options.victim_max_new_tokens": 4,
+           "task.options.num_eval": 2, "task.options.eval_samples": 4, "rollout.sampling.num_samples": 4,
+           "buffer.samples_per_group": 4, "rollout.sampling.max_new_tokens": 6, "rollout.prompts_per_call": 2,
+           "train.groups_per_step": 2, "train.steps": 2, "model.lora.rank": 4, "eval.num_problems": 2,
+           "eval.batch_size": 2}
+    args = [f"--experiment={name}", "--mode=sync"] + [x for k, v in cut.items() for x in ("--set", f"{k}={v}")]
+    out = _finish(_main(run, *args), timeout=400)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["trainer_steps"] == 2 and summary["eval_metric"] == "attack_success_rate", out[-2000:]
+    config = json.loads((run / "config.json").read_text())
+    assert config["train"]["objective"] == "tb_logz_head" and config["task"]["options"]["tau"] == [2.0, 1.0, 500]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "aux_grad_norm" in r] == [1, 2]
+    rows = [row for url in discover_searcher_stores(str(run)).values()
+            for row in TrajectoryReader(url).read(0, TrajectoryReader(url).committed_rows())]
+    assert rows and all(len(r.extras["toxicity"]) == 2 for r in rows)
+    assert all(5 <= len(r.response_tokens) <= 6 for r in rows)  # the recipe's 5-token minimum
