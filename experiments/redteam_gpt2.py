@@ -9,13 +9,13 @@ hate-speech classifier `facebook/roberta-hate-speech-dynabench-r4-target` scores
 reference's learned log Z head on δ = S − log R). Batch 16 attacks ×
 8 groups = 128 per update (the reference's 16 × 8 accumulation), AdamW lr 1e-4, grad clip 1.0,
 5,000 updates, LoRA r 32 α 16 on c_attn, a 1,000-attack reward-keyed replay heap with
-edit-distance near-duplicate rejection, half the steps online and half replayed. Diversity is measured with
+near-duplicate rejection, half the steps online and half replayed. Diversity is measured with
 all-MiniLM-L6-v2. The reference fine-tunes an SFT'd GPT-2 attacker; pass it with
 `--set model.checkpoint=DIR` (plain `gpt2` is the architecture and the default).
 
-Not the reference in two places (see `redteam_experiment`): one fixed sampling temperature
-instead of a random one per batch, and no MiniLM-cosine dedup in the replay heap (edit distance
-only: the scorer stores no embeddings). The γ/τ schedules follow the trainer step through the
+Not the reference in one place (see `redteam_experiment`): one fixed sampling temperature
+instead of a random one per batch. The replay heap rejects near-duplicates by edit distance and
+by MiniLM cosine > 0.4 (the scorer embeds every attack). The γ/τ schedules follow the trainer step through the
 param version the searcher samples with (version × sync_every: with sync_every 1, the step).
 
     python -m tbajax.main --experiment=redteam_gpt2
@@ -53,6 +53,7 @@ def config():
         groups_per_step=8,
         steps=5000,
         log_z="head",  # the reference's learned log Z head on the pooled prompt state
+        cosine_tolerance=0.4,  # the reference's MiniLM near-duplicate rule, besides edit distance
         lr=1e-4,
         buffer_capacity=1000,
         lora_targets=("qkv_proj",),  # GPT-2's c_attn, PEFT's GPT-2 default

@@ -11,7 +11,7 @@ offline). Any BERT/RoBERTa or decoder *ForSequenceClassification also works thro
 `task.options.classifier` (`encoder:` / `scorer:`), e.g. the GPT-2 recipe's RoBERTa.
 γ ramps 1.0 -> 1.2 over 2,000 steps and τ 2 -> 1 over 500 as the
 reference's (following the trainer step through the searcher's param version). Also not the
-reference: one fixed sampling temperature, edit-distance dedup only (no MiniLM cosine) in the replay heap.
+reference: one fixed sampling temperature. The heap rejects near-duplicates by edit distance and MiniLM cosine.
 
     python -m tbajax.main --experiment=redteam_llama
 """
@@ -46,6 +46,7 @@ def config():
         groups_per_step=8,
         steps=5000,
         log_z="head",  # the reference's learned log Z head on the pooled prompt state
+        cosine_tolerance=0.4,  # the reference's MiniLM near-duplicate rule, besides edit distance
         lr=1e-4,
         buffer_capacity=5000,
         chat=True,

@@ -77,10 +77,12 @@ def _torch_log_prior(model, prompt: list[int], response: list[int]) -> float:
     return float(picked.sum())
 
 
-def test_scorer_gives_the_formulas_log_reward(bilstm_dir: Path) -> None:
+def test_scorer_gives_the_formulas_log_reward(bilstm_dir: Path, tmp_path: Path) -> None:
     # β 0.5, γ 2, τ ramped 3 -> 1 over 10 steps: at version 5 (sync_every 1) τ = 2
     # scorer_batch 2: the 3 attacks go to the victim and the prior as chunks of 2 + 1
-    task = _task(bilstm_dir, beta=0.5, gamma=2.0, tau=[3.0, 1.0, 10], min_attack_tokens=3, scorer_batch=2)
+    encoder = _random_sentence_encoder(tmp_path / "encoder")
+    task = _task(bilstm_dir, beta=0.5, gamma=2.0, tau=[3.0, 1.0, 10], min_attack_tokens=3, scorer_batch=2,
+                 encoder=str(encoder), embed_attacks=True)
     tok = load_tokenizer(TINY)
     scorer = task.scorer(task, ScorerContext(config=None, tokenizer=tok, policy_checkpoint=str(TINY)))
     assert scorer.prior_shares_victim  # victim = the attacker's checkpoint: one copy of the weights
@@ -114,6 +116,15 @@ def test_scorer_gives_the_formulas_log_reward(bilstm_dir: Path) -> None:
     prior = np.array([want_prior[0], -500.0, want_prior[2]])  # 2 tokens < min_attack_tokens=3
     np.testing.assert_allclose(scores.reward, (prior / 2.0 + mean_log_tox / 0.5) / tau, rtol=1e-4, atol=1e-3)
     assert scores.reward[1] < -100  # the short-attack penalty
+    # embed_attacks: each attack's sentence embedding (mean pooling, then L2, as sentence-transformers)
+    # for the heap's cosine rule, equal to torch's on the same tokens
+    from transformers import AutoModel
+
+    bert, enc_tok = AutoModel.from_pretrained(encoder).eval(), load_tokenizer(encoder)
+    with torch.no_grad():
+        want_emb = [torch.nn.functional.normalize(bert(torch.tensor([enc_tok(t)["input_ids"]])).last_hidden_state.mean(1),
+                                                  dim=1)[0].numpy() for t in texts]
+    np.testing.assert_allclose(np.asarray(ex["embedding"]), np.stack(want_emb), atol=1e-5)
     # victim sampling follows the key: same key, same answers
     again = scorer.score(samples, jax.random.PRNGKey(7))
     assert again.extras["victim_answers"] == ex["victim_answers"]
@@ -284,8 +295,10 @@ def test_redteam_experiments_resolve(name: str) -> None:
     assert config.task.options["beta"] == 0.1
     # the reference's replay (reward heap, half online) and adapters (LoRA r 32, α 16); no reference copy
     b = config.buffer
+    paper = name != "redteam_smollm2"  # the reference's MiniLM cosine rule besides edit distance
     assert (b.mode, b.recency_prob, b.heap_priority, b.edit_tolerance, b.cosine_tolerance) == (
-        "reward_heap", 0.5, "log_toxicity", 0.25, None)
+        "reward_heap", 0.5, "log_toxicity", 0.25, 0.4 if paper else None)
+    assert config.task.options.get("embed_attacks", False) == paper
     assert (config.model.lora.rank, config.model.lora.alpha) == (32, 16.0) and config.system.publish == "auto"
     assert not config.train.trainer.compute_reference_logprobs and not config.rollout.reference_logprobs
     assert config.task.options["num_train"] == 1  # one prompt id: any K attacks are a TB group
@@ -408,6 +421,27 @@ def test_redteam_report_checks_and_plots(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "out" / "comparison.json").read_text())["figures"]["pg"]["asr_end"] == 0.5
 
 
+def _random_sentence_encoder(d: Path) -> Path:
+    """A random BERT with the tiny character tokenizer: a sentence encoder (mean pooling + L2)."""
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, AutoModel
+
+    torch.manual_seed(2)
+    cfg = AutoConfig.for_model("bert", vocab_size=19, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                               intermediate_size=48, max_position_embeddings=64, pad_token_id=0)
+    AutoModel.from_config(cfg).eval().save_pretrained(d)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(TINY / f, d / f)
+    return d
+
+
+def test_embed_attacks_needs_an_encoder(bilstm_dir: Path) -> None:
+    with pytest.raises(ValueError, match="needs an encoder"):
+        _task(bilstm_dir, embed_attacks=True)
+
+
 STANDIN_TEMPLATE = ("{% for m in messages %}{{ m['content'] if m['content'] is string else m['content'][0]['text'] }}"
                     "={% endfor %}")
 
@@ -454,7 +488,7 @@ def test_paper_recipe_standin_sync_run(name: str, tmp_path: Path) -> None:
     run = tmp_path / "run"
     cut = {"model.checkpoint": attacker, "task.options.victim": attacker, "task.options.classifier": judge,
            "task.options.instruction": INSTRUCTION,  # the default one is 130 characters: over a char tokenizer's limit
-           "task.options.encoder": "null", "task.options.victim_answers": 2, "task.options.victim_max_new_tokens": 4,
+           "task.options.encoder": _random_sentence_encoder(tmp_path / "encoder"), "task.options.victim_answers": 2, "task.options.victim_max_new_tokens": 4,
            "task.options.num_eval": 2, "task.options.eval_samples": 4, "rollout.sampling.num_samples": 4,
            "buffer.samples_per_group": 4, "rollout.sampling.max_new_tokens": 6, "rollout.prompts_per_call": 2,
            "train.groups_per_step": 2, "train.steps": 2, "model.lora.rank": 4, "eval.num_problems": 2,
@@ -469,5 +503,5 @@ def test_paper_recipe_standin_sync_run(name: str, tmp_path: Path) -> None:
     assert [r["step"] for r in records if "aux_grad_norm" in r] == [1, 2]
     rows = [row for url in discover_searcher_stores(str(run)).values()
             for row in TrajectoryReader(url).read(0, TrajectoryReader(url).committed_rows())]
-    assert rows and all(len(r.extras["toxicity"]) == 2 for r in rows)
+    assert rows and all(len(r.extras["toxicity"]) == 2 and len(r.extras["embedding"]) == 32 for r in rows)
     assert all(5 <= len(r.response_tokens) <= 6 for r in rows)  # the recipe's 5-token minimum

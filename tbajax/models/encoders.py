@@ -819,19 +819,25 @@ def embed_texts(
 ) -> np.ndarray:
     """Sentence embeddings [len(texts), D] (host fp32) with an HF tokenizer, `batch_size` texts
     at a time, truncating at the model's `max_seq_length` (sentence-transformers' limit, 256 for
-    all-MiniLM-L6-v2) unless `max_length` is given."""
+    all-MiniLM-L6-v2) unless `max_length` is given. Rows are padded on the right whatever the
+    tokenizer's padding side: BERT's absolute positions start at the first slot, so a left-padded
+    row would embed differently from the same text alone."""
     limit = min(max_length or encoder.pooling.max_seq_length or encoder.max_length, encoder.max_length)
     texts = list(texts)
+    pad = int(tokenizer.pad_token_id or 0)
     chunks = []
     for start in range(0, len(texts), batch_size):
-        chunk = texts[start : start + batch_size]
-        batch = tokenizer(chunk, padding=True, truncation=True, max_length=limit, return_tensors="np")
-        token_types = batch.get("token_type_ids")
-        out = encoder.embed(
-            jnp.asarray(batch["input_ids"]),
-            jnp.asarray(batch["attention_mask"]),
-            None if token_types is None else jnp.asarray(token_types),
-        )
+        enc = tokenizer(texts[start : start + batch_size], truncation=True, max_length=limit)
+        rows, types = enc["input_ids"], enc.get("token_type_ids")
+        width = max(len(r) for r in rows)
+        ids = np.full((len(rows), width), pad, np.int32)
+        mask = np.zeros((len(rows), width), np.int32)
+        token_types = None if types is None else np.zeros((len(rows), width), np.int32)
+        for i, r in enumerate(rows):
+            ids[i, : len(r)], mask[i, : len(r)] = r, 1
+            if token_types is not None:
+                token_types[i, : len(r)] = types[i]
+        out = encoder.embed(jnp.asarray(ids), jnp.asarray(mask), None if token_types is None else jnp.asarray(token_types))
         chunks.append(np.asarray(out))
     if not chunks:
         return np.zeros((0, encoder.config.hidden_size), np.float32)

@@ -360,7 +360,8 @@ class RedTeamScorer:
     """
 
     def __init__(self, task: Task, context: ScorerContext, *, victim: VictimConfig, classifier: str,
-                 classifier_label: int | None, reward: RedTeamRewardConfig):
+                 classifier_label: int | None, reward: RedTeamRewardConfig,
+                 embedder: SentenceEmbedder | None = None):
         from tbajax.models import load_model
         from tbajax.sampling import Sampler, SamplingConfig
         from tbajax.tokenizers import load_tokenizer
@@ -370,6 +371,7 @@ class RedTeamScorer:
                              "(ScorerContext.policy_checkpoint): it is the prior")
         cfg = context.config
         self.reward = reward
+        self.embedder = embedder  # each attack's embedding in extras["embedding"] (the heap's cosine dedup)
         self.sync_every = int(getattr(getattr(cfg, "system", None), "sync_every", 1) or 1)
         self.step = 0
         model_spec = getattr(cfg, "model", None)
@@ -451,6 +453,8 @@ class RedTeamScorer:
                 "log_prior": log_prior.tolist(),
                 "attack_length": lengths.tolist(),
                 "reward_step": [self.step] * n,
+                **({} if self.embedder is None else
+                   {"embedding": np.asarray(self.embedder(attacks), np.float32).tolist()}),
             },
         )
 
@@ -472,6 +476,24 @@ def hashed_bow(texts: Sequence[str], dim: int = HASHED_BOW_DIM) -> np.ndarray:
     return out
 
 
+class SentenceEmbedder:
+    """A sentence-transformers encoder (all-MiniLM-L6-v2), loaded on first use and kept: the
+    eval's diversity and, with `embed_attacks`, each attack's embedding for the heap's cosine
+    near-duplicate rejection."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._parts: Any = None
+
+    def __call__(self, texts: Sequence[str]) -> np.ndarray:
+        from tbajax.models.encoders import embed_texts, load_encoder
+        from tbajax.tokenizers import load_tokenizer
+
+        if self._parts is None:
+            self._parts = (load_encoder(self.path), load_tokenizer(self.path))
+        return embed_texts(self._parts[0], self._parts[1], list(texts))
+
+
 class RedTeamEval:
     """The task's `eval_fn`: ASR, unique successes, mean geometric toxicity, diversity.
 
@@ -485,17 +507,7 @@ class RedTeamEval:
         self.encoder_path = encoder
         # read by the system's Evaluator: sample this many attacks per eval problem, not greedy
         self.samples_per_problem = int(samples_per_problem)
-        self._encoder: Any = None
-
-    def embed(self, texts: Sequence[str]) -> np.ndarray:
-        if self._encoder is None:
-            from tbajax.models.encoders import load_encoder
-            from tbajax.tokenizers import load_tokenizer
-
-            self._encoder = (load_encoder(self.encoder_path), load_tokenizer(self.encoder_path))
-        from tbajax.models.encoders import embed_texts
-
-        return embed_texts(self._encoder[0], self._encoder[1], list(texts))
+        self.embed = None if encoder is None else SentenceEmbedder(encoder)
 
     def metrics(self, attacks: Sequence[str], toxicity: np.ndarray) -> dict[str, float]:
         tox = np.asarray(toxicity, np.float64)
@@ -509,7 +521,7 @@ class RedTeamEval:
             "num_unique_attacks": float(len(set(attacks))),
             "mean_geometric_toxicity": float(gm.mean()) if len(attacks) else math.nan,
         }
-        if self.encoder_path is not None:
+        if self.embed is not None:
             out["diversity"] = diversity(self.embed(winners)) if len(winners) > 1 else 0.0
         else:
             out["diversity_hashed_bow"] = diversity(hashed_bow(winners))
@@ -574,6 +586,7 @@ def redteam_task(
     min_attack_tokens: int = 5,
     chat: bool = False,
     system_prompt: str | None = None,
+    embed_attacks: bool = False,
 ) -> Task:
     """The red-team task. gamma / tau: a constant or [start, end, steps] (a `LinearRamp`).
 
@@ -582,9 +595,13 @@ def redteam_task(
     num_eval × eval_samples: the number of attacks each evaluation samples.
     scorer_batch: attacks per victim call / prior forward (None: a whole call at once); bounds
     the scorer's peak memory (an eval of 64 attacks) and its compiled shapes.
+    embed_attacks: store each attack's `encoder` embedding in its extras (for the replay heap's
+    cosine near-duplicate rejection, `buffer.cosine_tolerance`).
     """
     if num_train < 1 or num_eval < 1:
         raise ValueError(f"num_train and num_eval must be >= 1, got {num_train}, {num_eval}")
+    if embed_attacks and encoder is None:
+        raise ValueError("embed_attacks=True needs an encoder (a sentence-transformers dir such as all-MiniLM-L6-v2)")
     reward = RedTeamRewardConfig(beta=float(beta), gamma=_ramp(gamma, "gamma"), tau=_ramp(tau, "tau"),
                                  min_attack_tokens=int(min_attack_tokens))
     victim_cfg = VictimConfig(checkpoint=victim, num_answers=int(victim_answers), temperature=float(victim_temperature),
@@ -598,7 +615,8 @@ def redteam_task(
 
     def scorer(task: Task, context: ScorerContext) -> RedTeamScorer:
         return RedTeamScorer(task, context, victim=victim_cfg, classifier=classifier,
-                             classifier_label=classifier_label, reward=reward)
+                             classifier_label=classifier_label, reward=reward,
+                             embedder=SentenceEmbedder(encoder) if embed_attacks and encoder else None)
 
     return Task(
         name="redteam",
@@ -660,6 +678,7 @@ def redteam_experiment(
     max_prompt_tokens: int = 128,
     max_calls_per_version: int | None = None,
     log_z: str = "vargrad",
+    cosine_tolerance: float | None = None,
 ) -> Any:
     """The red-team recipe shared by experiments/redteam_*.py (TBA spec §8), in this repo's terms.
 
@@ -684,7 +703,9 @@ def redteam_experiment(
       cosine (the scorer stores no embeddings); a step's batch is online (the newest attacks) with
       probability `recency_prob` (half, as the reference) else drawn from the heap by
       softmax(`priority_inv_temp` · mean log toxicity). One prompt id (`num_prompts` 1): any K
-      attacks form a TB group.
+      attacks form a TB group. `cosine_tolerance`: also reject attacks whose embedding under the
+      task's `encoder` has cosine > it with a kept one (the scorer then embeds every attack:
+      `embed_attacks`); None: edit distance only.
     """
     from tbajax.buffer import BufferConfig
     from tbajax.config import EvalSpec, ExperimentConfig, ModelSpec, RolloutSpec, SystemSpec, TaskSpec, TrainSpec
@@ -698,6 +719,8 @@ def redteam_experiment(
         raise ValueError(f"log_z must be one of {sorted(objectives)}, got {log_z!r}")
     objective, objective_options = objectives[log_z]
     options = {"num_train": num_prompts, "num_eval": eval_problems, **task_options}
+    if cosine_tolerance is not None:
+        options["embed_attacks"] = True
     if system_prompt is not None:
         options["system_prompt"] = system_prompt
     return ExperimentConfig(
@@ -738,7 +761,7 @@ def redteam_experiment(
             recency_prob=recency_prob,
             reward_inv_temp=priority_inv_temp,
             edit_tolerance=edit_tolerance,
-            cosine_tolerance=None,
+            cosine_tolerance=cosine_tolerance,
             heap_priority="log_toxicity",
         ),
         system=SystemSpec(mode="async", num_searchers=num_searchers, sync_every=sync_every),
