@@ -35,6 +35,7 @@ TABLES: dict[str, dict[str, list[str]]] = {
                            "time_saving"],
     },
     "stores": {"rows": ["what", "size", "MB", "ms", "MB_s", "x_raw"]},
+    "redteam_trainer_memory": {"arms": ["arm", "state_mb", "rss_after_updates_mb", "first_update_s", "update_s"]},
     "stores_lora": {"rows": ["what", "size", "MB", "ms", "MB_s", "bytes_vs_full", "time_vs_full"]},
     "trainer_loop": {"rows": ["loop", "steps", "vs_serial", "idle_share", "idle_bound", "steps_per_s", "step_ms", "prep_ms"]},
     "sampler_quick": {"rows": ["model", "batch", "prompt_len", "new_tokens", "ours_tok_s", "ours_decode_tok_s",
