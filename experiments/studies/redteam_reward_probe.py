@@ -15,12 +15,13 @@ import dataclasses
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--n", type=int, default=64, help="attacks to sample")
     p.add_argument("--temperature", type=float, default=None, help="default: the recipe's")
@@ -49,7 +50,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     tok = load_tokenizer_for(cfg)
     t0 = time.perf_counter()
     task = load_task(cfg)
-    scorer = task.scorer(task, ScorerContext(config=cfg, tokenizer=tok, policy_checkpoint=cfg.model.checkpoint))
+    context = ScorerContext(config=cfg, tokenizer=tok, policy_checkpoint=cfg.model.checkpoint)
+    scorer = task.scorer(task, context)
     print(f"scorer built in {time.perf_counter() - t0:.1f} s")
     records = []
     for instruction in args.instruction or [opts["instruction"]]:
@@ -62,7 +64,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     return records
 
 
-def probe(args, task, tok, scorer, cfg, temperature, instruction, opts) -> dict:  # type: ignore[no-untyped-def]
+def probe(args: argparse.Namespace, task: Any, tok: Any, scorer: Any, cfg: Any, temperature: float,
+          instruction: str, opts: dict[str, Any]) -> dict[str, Any]:
     """Sample args.n attacks of `instruction` from the untrained attacker and score them."""
     from tbajax.tasks.scoring import Samples
 
@@ -72,7 +75,7 @@ def probe(args, task, tok, scorer, cfg, temperature, instruction, opts) -> dict:
     sampling = dataclasses.replace(cfg.rollout.sampling, num_samples=args.n, temperature=temperature)
     key = jax.random.PRNGKey(args.seed)
     out = scorer.victim_sampler.sample([prompt], sampling, jax.random.fold_in(key, 1))
-    stops = set(tok.convert_tokens_to_ids([tok.eos_token])) | {int(t) for t in (sampling.stop_token_ids or ())}
+    stops = {int(tok.convert_tokens_to_ids(tok.eos_token)), *(int(t) for t in sampling.stop_token_ids or ())}
     resp = []
     for i in range(len(out)):
         r = out.response(i)
