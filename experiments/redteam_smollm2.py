@@ -39,6 +39,10 @@ changed:
   the insult back): the recipe uses it, so there are successes to reinforce from the start.
 - lr 1e-4 on q/v to 1e-3 on all projections, 36 to 48 steps (not measured against each other:
   no time; the reasoning is in the comment at `LORA_TARGETS`).
+- the recipe's TB run (NOTES.md, stopped after step 15 of 48 for time, one seed): eval ASR 3.1%
+  -> 34.4%, diversity 0.65 -> 0.41; the successes are "idiot" attacks the victim echoes. Its RLOO
+  run was killed for memory at step 7 (peak RSS 7.1 GB on a shared 23 GB box): no baseline
+  comparison yet.
 
 Assets (offline, none committed):
 
