@@ -5,6 +5,7 @@ per-token versions checked against a step-by-step reference decode, and a sharde
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -157,3 +158,30 @@ def test_sharded_engine_matches_single_device(tiny_checkpoint, llama):
     engine, groups = _run_engine(sampler, CFG, key, PROMPTS[:4], slots=8, chunk=4)
     assert engine._cache.k.sharding.spec[1] == "data" and len(engine._cache.k.sharding.device_set) == 8
     _assert_same(single, groups, CFG.num_samples)
+
+
+@pytest.mark.processes
+def test_async_run_with_the_continuous_engine(tmp_path):
+    """The tiny default experiment, async, its searcher on the continuous engine: the trainer
+    trains on its groups, every row's token versions are stored, the searcher reports occupancy."""
+    from tbajax.stores import TrajectoryReader, trajectory_store_url
+    from tbajax.system.metrics import read_metrics
+    from tests.test_system import _finish, _main
+
+    run = tmp_path / "run"
+    out = _finish(_main(run, "--set", "train.steps=4", "--set", "system.sync_every=2",
+                        "--set", "rollout.engine=\"continuous\"", "--set", "rollout.decode_slots=16",
+                        "--set", "rollout.decode_chunk=4"), timeout=180)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["trainer_steps"] == 4, out
+    searcher = [r for r in read_metrics(run, "searcher-0") if "slot_occupancy" in r]
+    assert searcher and all(0 < r["slot_occupancy"] <= 1 for r in searcher)
+    reader = TrajectoryReader(trajectory_store_url(str(run), 0))
+    rows = reader.read(0, reader.committed_rows())
+    k = 8
+    assert len(rows) % k == 0 and len(rows) >= 4 * k
+    groups = [r.group_id for r in rows]
+    assert all(len(set(groups[i:i + k])) == 1 for i in range(0, len(rows), k))  # a group's K rows together
+    assert len(set(groups)) == len(rows) // k
+    for r in rows:
+        assert len(r.token_versions) == len(r.response_tokens) and r.policy_version == r.token_versions.min()
