@@ -159,11 +159,14 @@ def admit(
 
 
 def decode_chunk(
-    model: CausalLM, cache: KVCache, state: SlotState, knobs: core.Knobs, spec: core.DecodeSpec, *, chunk: int
+    model: CausalLM, cache: KVCache, state: SlotState, knobs: core.Knobs, spec: core.DecodeSpec,
+    refill_at: Array, *, chunk: int
 ) -> tuple[KVCache, SlotState, ChunkOut]:
-    """Up to `chunk` decode steps over every slot (exits early once no slot is live). Slots that
-    are not live still run (their writes land in their own row, which the next admission resets)
-    but emit nothing."""
+    """Up to `chunk` decode steps over every slot; exits early once no slot is live, or after at
+    least one step once `refill_at` (a traced int: K while prompts wait, else more than the
+    slots) slots are not live, so the host can refill them without waiting out the chunk. Slots
+    that are not live still run (their writes land in their own row, which the next admission
+    resets) but emit nothing."""
     n = state.prev.shape[0]
     ring = cache.slots
     ones = jnp.ones((n, 1), bool)
@@ -175,7 +178,8 @@ def decode_chunk(
 
     def cond(carry: tuple[Array, KVCache, SlotState, ChunkOut]) -> Array:
         c, _, st, _ = carry
-        return (c < chunk) & jnp.any(st.live)
+        free = jnp.sum(~st.live, dtype=jnp.int32)
+        return (c < chunk) & jnp.any(st.live) & ((c == 0) | (free < refill_at))
 
     def body(carry: tuple[Array, KVCache, SlotState, ChunkOut]) -> tuple[Array, KVCache, SlotState, ChunkOut]:
         c, cache, st, out = carry
@@ -245,7 +249,7 @@ class _Request:
 @dataclasses.dataclass
 class EngineStats:
     chunks: int = 0
-    decode_steps: int = 0  # decode steps run (a chunk may exit early when no slot is live)
+    decode_steps: int = 0  # decode steps run (a chunk exits early when no slot is live or K are free)
     slot_steps_live: int = 0  # sum over steps of live slots
     admitted: int = 0
     swaps: int = 0
@@ -398,6 +402,7 @@ class ContinuousEngine:
     def step(self) -> list[Completed]:
         """Admit queued prompts into free slots, run one decode chunk, harvest; return the groups
         whose K samples have all ended (in completion order)."""
+        k = self.config.num_samples
         admitted = self._admit()
         if not self.in_flight:
             return self._harvest_admitted(admitted)
@@ -407,6 +412,7 @@ class ContinuousEngine:
                               ("spec", self.spec))),
             lambda: _jit_chunk(self.sampler._policy, self.spec, self.chunk),
             self.sampler._policy.leaves, self._cache, self._state, self.knobs,
+            self.sampler._put(np.int32(k if self._queue else self.slots + 1), ()),
         )
         self._cache, self._state = cache, state
         host_out, live, finished = jax.device_get((out, state.live, state.finished))
@@ -521,7 +527,7 @@ def _jit_admit(params: Any, spec: core.DecodeSpec, num_samples: int) -> Any:
 
 
 def _jit_chunk(params: Any, spec: core.DecodeSpec, chunk: int) -> Any:
-    def fn(leaves, cache, state, knobs):  # type: ignore[no-untyped-def]
-        return decode_chunk(params.model(leaves), cache, state, knobs, spec, chunk=chunk)
+    def fn(leaves, cache, state, knobs, refill_at):  # type: ignore[no-untyped-def]
+        return decode_chunk(params.model(leaves), cache, state, knobs, spec, refill_at, chunk=chunk)
 
     return jax.jit(fn, donate_argnums=(1, 2))
