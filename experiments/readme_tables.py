@@ -39,6 +39,13 @@ TABLES: dict[str, dict[str, list[str]]] = {
     "trainer_loop": {"rows": ["loop", "steps", "vs_serial", "idle_share", "idle_bound", "steps_per_s", "step_ms", "prep_ms"]},
     "sampler_quick": {"rows": ["model", "batch", "prompt_len", "new_tokens", "ours_tok_s", "ours_decode_tok_s",
                                "torch_tok_s", "ratio", "roofline_frac"]},
+    "continuous_batching": {
+        "rows": ["engine", "samples", "tokens", "seconds", "samples_per_s", "tokens_per_s", "slot_occupancy",
+                 "vs_static"],
+        "workload": ["prompts", "num_samples", "median_len", "max_len", "decode_slots", "decode_chunk"],
+        "swap": ["load_s", "swap_s", "decode_step_s", "publish_to_swapped_s", "publish_to_first_token_est_s",
+                 "publish_to_first_chunk_done_s"],
+    },
     "packed_groups": {"results": ["layout", "tokens_in_step", "step_s", "speedup", "token_ratio", "loss_rel_diff"]},
     "chaos": {"total": ["scenarios", "scenarios_sane", "kills_survived", "rows_committed", "rows_read_back",
                         "torn_rows", "duplicated_rows", "row_count_ever_went_down", "versions_monotone"]},
@@ -48,7 +55,8 @@ TABLES: dict[str, dict[str, list[str]]] = {
 # Absolute times and rates: shown only when the file records the machine's matmul rate (machines of
 # one kind differ ~3x in speed); ratios measured in one run are shown always.
 ABSOLUTE = {"tbajax_tok_s", "torch_tok_s", "step_s", "best_step_s", "ms", "MB_s", "ours_tok_s",
-            "ours_decode_tok_s", "wall_time_s"}
+            "ours_decode_tok_s", "wall_time_s", "seconds", "samples_per_s", "tokens_per_s", "load_s", "swap_s",
+            "decode_step_s", "publish_to_swapped_s", "publish_to_first_token_est_s", "publish_to_first_chunk_done_s"}
 
 
 def _fmt(v: Any) -> str:

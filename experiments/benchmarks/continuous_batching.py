@@ -160,11 +160,13 @@ def main(argv: list[str] | None = None) -> None:
         warm_cont = time.perf_counter() - t0
         same = all(np.array_equal(a, b) for a, b in zip(ref["tokens"], got["tokens"]))
         assert [len(t) for t in got["tokens"]] == lengths.tolist() == [len(t) for t in ref["tokens"]]
+        print(f"warm-up (compiles): static {warm_static:.1f} s, continuous {warm_cont:.1f} s", flush=True)
         best: dict[str, dict[str, Any]] = {}
         for _ in range(args.repeats):  # alternate, keep the best of each (a shared machine)
             for name, fn in (("static", lambda: run_static(sampler, cfg, prompts, lengths, key, per_call)),
                              ("continuous", lambda: run_continuous(engine, prompts, lengths, key, per_call))):
                 r = fn()
+                print(f"{name}: {r['seconds']:.1f} s", flush=True)
                 if name not in best or r["seconds"] < best[name]["seconds"]:
                     best[name] = r
         swap = measure_swap(engine, model, prompts, lengths, key,
