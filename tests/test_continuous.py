@@ -103,13 +103,19 @@ def _reference_decode(models, switch_at, prompt, keys, cfg, new_tokens):
     logits = models[0].logits(hidden[:, -1])
     spec = core.DecodeSpec(new_tokens, cfg.top_k, cfg.top_p < 1, False, (), 0)
     knobs = core.Knobs(jnp.float32(cfg.temperature), jnp.float32(cfg.top_p), jnp.int32(0))
+    graphdef = nnx.graphdef(models[0])
+
+    @jax.jit
+    def one_step(state, tok, position, cache):  # one compiled step for both param versions
+        model = nnx.merge(graphdef, state)
+        hidden, cache = model.hidden_states(tok[:, None], position, jnp.ones((k, 1), bool), cache)
+        return model.logits(hidden[:, 0]), cache
+
     out_t, out_lp = [], []
     for s in range(new_tokens):
         if s:
-            model = models[int(s >= switch_at)]
-            hidden, cache = model.hidden_states(out_t[-1][:, None], jnp.full((k, 1), p + s - 1), jnp.ones((k, 1)),
-                                                cache)
-            logits = model.logits(hidden[:, 0])
+            state = nnx.state(models[int(s >= switch_at)])
+            logits, cache = one_step(state, out_t[-1], jnp.full((k, 1), p + s - 1, jnp.int32), cache)
         tok, lp = core.pick_tokens(logits, step_keys(keys, s), jnp.int32(s), knobs=knobs, spec=spec)
         out_t.append(tok)
         out_lp.append(lp)
@@ -180,6 +186,7 @@ def test_async_run_with_the_continuous_engine(tmp_path):
         assert len(r.token_versions) == len(r.response_tokens) and r.policy_version == r.token_versions.min()
 
 
+@pytest.mark.slow  # two searcher stacks; the async end-to-end run below covers this path by default
 def test_rollouts_generate_continuous_equals_static():
     """`Rollouts.generate` through the engine: the same rows as the static path (tokens, behaviour
     and reference log-probs, rewards, group ids, versions) on the tiny default experiment."""

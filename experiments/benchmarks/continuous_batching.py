@@ -1,8 +1,8 @@
 """Continuous batching vs static buckets on a mixed-length workload, and the in-flight swap latency.
 
 Workload: a random-init Llama (the sampler benchmark's 10M architecture), prompts of random
-lengths, K samples each, and response lengths drawn geometric (median ~`median`, capped at `cap`,
-so the longest is ~cap/median times the median). Both engines generate exactly those lengths:
+lengths, K samples each, and response lengths drawn log-normal (median `median`, the longest ~cap/median = 16 times the
+median, capped at `cap`). Both engines generate exactly those lengths:
 sampling runs with no stop ids and each sample's new-token cap is its drawn length
 (`Sampler.sample(max_new_per_row=...)` / `ContinuousEngine.submit(max_new_per_sample=...)`), and
 with the same per-sample keys both produce the same tokens (checked). Static = the searcher's
@@ -47,29 +47,33 @@ from tbajax.system.publishing import SearcherParams  # noqa: E402
 
 
 def workload(n_prompts: int, k: int, median: int, cap: int, vocab: int, seed: int = 0) -> tuple[list, np.ndarray]:
-    """Prompts (8..40 tokens) and [n_prompts * K] response lengths, geometric with the given
-    median, capped (prompt-major, as the samplers order rows)."""
+    """Prompts (8..40 tokens) and [n_prompts * K] response lengths (prompt-major, as the samplers
+    order rows): log-normal with the given median and a spread that puts the longest of n draws at
+    ~cap/median times the median (a geometric tail is too light: its longest of 512 is ~9x), capped."""
     rng = np.random.default_rng(seed)
     prompts = [[1, *rng.integers(3, vocab, rng.integers(7, 40)).tolist()] for _ in range(n_prompts)]
-    p = 1 - 0.5 ** (1 / median)  # P(L <= median) = 1/2
-    lengths = np.minimum(rng.geometric(p, n_prompts * k), cap).astype(np.int32)
-    return prompts, lengths
+    n = n_prompts * k
+    top_z = np.sqrt(2 * np.log(n)) - 0.75  # ~ the largest of n standard normals
+    sigma = np.log(cap / median) / top_z
+    lengths = np.exp(np.log(median) + sigma * rng.standard_normal(n))
+    return prompts, np.clip(np.round(lengths), 1, cap).astype(np.int32)
 
 
 def run_static(sampler: Sampler, cfg: SamplingConfig, prompts: list, lengths: np.ndarray, key: Any,
                per_call: int) -> dict[str, Any]:
     k = cfg.num_samples
     t0 = time.perf_counter()
-    tokens, rows, steps = [], 0, 0
+    tokens, logprobs, rows, steps = [], [], 0, 0
     for start in range(0, len(prompts), per_call):
         batch = prompts[start:start + per_call]
         caps = lengths[start * k:(start + len(batch)) * k]
         out = sampler.sample(batch, cfg, jax.random.fold_in(key, start), max_new_per_row=caps)
         tokens += [out.response(i) for i in range(len(out))]
+        logprobs += [out.logprobs[i, : out.length[i]] for i in range(len(out))]
         rows += len(out)
         steps += len(out) * int(out.length.max())  # every row of the call runs to its longest
     seconds = time.perf_counter() - t0
-    return {"seconds": seconds, "tokens": tokens, "occupancy": float(lengths.sum()) / steps}
+    return {"seconds": seconds, "tokens": tokens, "logprobs": logprobs, "occupancy": float(lengths.sum()) / steps}
 
 
 def run_continuous(engine: ContinuousEngine, prompts: list, lengths: np.ndarray, key: Any,
@@ -86,7 +90,25 @@ def run_continuous(engine: ContinuousEngine, prompts: list, lengths: np.ndarray,
     live = engine.stats.slot_steps_live - before[0]
     steps = engine.stats.decode_steps - before[1]
     return {"seconds": seconds, "tokens": [t for g in groups for t in g.tokens],
+            "logprobs": [lp for g in groups for lp in g.logprobs],
             "occupancy": live / max(1, steps * engine.slots)}
+
+
+def compare(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """How far the two engines' samples agree: identical samples, and for the others where they
+    first differ and the largest log-prob difference before that (float rounding of a different
+    batch layout can move a near-uniform random model's draw across a CDF boundary; the tokens
+    after a flip then differ as a different continuation)."""
+    identical, first, before = 0, [], 0.0
+    for ta, tb, la, lb in zip(a["tokens"], b["tokens"], a["logprobs"], b["logprobs"]):
+        diff = np.flatnonzero(ta != tb)
+        end = int(diff[0]) if len(diff) else len(ta)
+        identical += not len(diff)
+        if len(diff):
+            first.append(end)
+        before = max(before, float(np.abs(la[: end + 1] - lb[: end + 1]).max()))  # the flip's own lp too
+    return {"identical_samples": identical, "samples": len(a["tokens"]),
+            "first_difference_positions": first, "max_logprob_diff_up_to_first_difference": before}
 
 
 def measure_swap(engine: ContinuousEngine, model: Any, prompts: list, lengths: np.ndarray, key: Any,
@@ -137,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a smaller workload (about a minute)")
     ap.add_argument("--json", default=None, help="write the figures here")
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=1, help="timed runs per engine after the warm-up")
     args = ap.parse_args(argv)
     if args.quick:
         n_prompts, k, median, cap, per_call, chunk = 32, 4, 8, 128, 8, 16
@@ -158,7 +180,8 @@ def main(argv: list[str] | None = None) -> None:
         t0 = time.perf_counter()
         got = run_continuous(engine, prompts, lengths, key, per_call)
         warm_cont = time.perf_counter() - t0
-        same = all(np.array_equal(a, b) for a, b in zip(ref["tokens"], got["tokens"]))
+        agreement = compare(ref, got)
+        same = agreement["identical_samples"] == len(lengths)
         assert [len(t) for t in got["tokens"]] == lengths.tolist() == [len(t) for t in ref["tokens"]]
         print(f"warm-up (compiles): static {warm_static:.1f} s, continuous {warm_cont:.1f} s", flush=True)
         best: dict[str, dict[str, Any]] = {}
@@ -178,9 +201,11 @@ def main(argv: list[str] | None = None) -> None:
                      "samples_per_s": samples / r["seconds"], "tokens_per_s": tokens / r["seconds"],
                      "slot_occupancy": r["occupancy"],
                      "vs_static": best["static"]["seconds"] / r["seconds"]})
-    print(f"\n10M Llama, {n_prompts} prompts x K={k}, response lengths geometric median "
+    print(f"\n10M Llama, {n_prompts} prompts x K={k}, response lengths log-normal median "
           f"{int(np.median(lengths))} max {int(lengths.max())} (cap {cap}); static calls of {per_call} "
-          f"prompts, continuous {per_call * k} slots x chunk {chunk}; same tokens in both: {same}")
+          f"prompts, continuous {per_call * k} slots x chunk {chunk}; identical samples in both: "
+          f"{agreement['identical_samples']}/{len(lengths)} (max |log-prob diff| up to the first difference "
+          f"{agreement['max_logprob_diff_up_to_first_difference']:.2g})")
     print(f"machine: {info['cpu_count']} CPUs, matmul {info['matmul_gflops']:.1f} GFLOP/s, "
           f"load average {info['load_average_1m']:.1f} (before) / {os.getloadavg()[0]:.1f} (after)")
     print_table(rows, ["engine", "samples", "tokens", "seconds", "samples_per_s", "tokens_per_s",
@@ -193,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
         "workload": {"model": "10M", "prompts": n_prompts, "num_samples": k, "median_len": float(np.median(lengths)),
                      "max_len": int(lengths.max()), "cap": cap, "mean_len": float(lengths.mean()),
                      "prompts_per_call": per_call, "decode_slots": per_call * k, "decode_chunk": chunk},
-        "same_tokens": same, "warmup_s": {"static": warm_static, "continuous": warm_cont},
+        "same_tokens": same, "agreement": agreement, "warmup_s": {"static": warm_static, "continuous": warm_cont},
         "rows": rows, "swap": swap,
     })
 
