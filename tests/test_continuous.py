@@ -16,7 +16,7 @@ from flax import nnx
 from tbajax.models import KVCache, load_model, positions_from_mask
 from tbajax.sampling import Sampler, SamplingConfig
 from tbajax.sampling.continuous import ContinuousEngine, request_keys, ring_sources
-from tbajax.sampling.step import sample_keys, step_keys
+from tbajax.sampling.step import step_keys
 from tbajax.sampling import core
 from tbajax.sharding import MeshConfig, make_mesh
 
@@ -195,8 +195,8 @@ def test_rollouts_generate_continuous_equals_static():
 
     base = load_experiment("tiny_arithmetic")
     base = dataclasses.replace(base, rollout=dataclasses.replace(base.rollout, reference_logprobs=True))
-    cont = dataclasses.replace(base, rollout=dataclasses.replace(base.rollout, engine="continuous", decode_slots=16,
-                                                                 decode_chunk=3))
+    cont = dataclasses.replace(base, rollout=dataclasses.replace(base.rollout, engine="continuous",
+                                                                 decode_slots=16, decode_chunk=3))
     static_r = build_rollouts(base, 0)
     cont_r = build_rollouts(cont, 0)
     problems = static_r.task.load("train")[:5]

@@ -1,21 +1,24 @@
 """Continuous batching vs static buckets on a mixed-length workload, and the in-flight swap latency.
 
 Workload: a random-init Llama (the sampler benchmark's 10M architecture), prompts of random
-lengths, K samples each, and response lengths drawn log-normal (median `median`, the longest ~cap/median = 16 times the
-median, capped at `cap`). Both engines generate exactly those lengths:
+lengths, K samples each, and response lengths drawn log-normal (median `median`, the longest
+~cap/median = 16 times the median, capped at `cap`). Both engines generate exactly those lengths:
 sampling runs with no stop ids and each sample's new-token cap is its drawn length
 (`Sampler.sample(max_new_per_row=...)` / `ContinuousEngine.submit(max_new_per_sample=...)`), and
-with the same per-sample keys both produce the same tokens (checked). Static = the searcher's
-static path: `Sampler.sample` on `prompts_per_call` prompts at a time, each call decoding until its
-longest sample ends. Continuous = `ContinuousEngine` with as many slots as a static call has rows.
+with the same per-sample keys both produce the same tokens (checked: `agreement` in the JSON).
+Static = the searcher's static path: `Sampler.sample` on `prompts_per_call` prompts at a time,
+each call decoding until its longest sample ends. Continuous = `ContinuousEngine` with as many slots as a static call has rows.
 Both are warmed up on the same workload first (every program compiled), then timed alternately.
+`agreement.max_logprob_diff_up_to_first_difference` includes the first differing token itself
+(two different tokens' log-probs), so it is large whenever any sample diverged.
 
 Swap: a real param store in a temp dir; mid-run the benchmark publishes new params, the engine
 loop notices them, loads, swaps between chunks and goes on. Reported: publish -> swapped in,
 publish -> end of the first chunk with new-version tokens, one decode step, one param load.
 
     python experiments/benchmarks/continuous_batching.py --quick
-    python experiments/benchmarks/continuous_batching.py --json experiments/results/benchmarks/continuous_batching.json
+    python experiments/benchmarks/continuous_batching.py \
+        --json experiments/results/benchmarks/continuous_batching.json
 """
 
 from __future__ import annotations
@@ -46,7 +49,9 @@ from tbajax.stores import ParamPublisher, ParamReader, param_store_url  # noqa: 
 from tbajax.system.publishing import SearcherParams  # noqa: E402
 
 
-def workload(n_prompts: int, k: int, median: int, cap: int, vocab: int, seed: int = 0) -> tuple[list, np.ndarray]:
+def workload(
+    n_prompts: int, k: int, median: int, cap: int, vocab: int, seed: int = 0
+) -> tuple[list, np.ndarray]:
     """Prompts (8..40 tokens) and [n_prompts * K] response lengths (prompt-major, as the samplers
     order rows): log-normal with the given median and a spread that puts the longest of n draws at
     ~cap/median times the median (a geometric tail is too light: its longest of 512 is ~9x), capped."""
@@ -73,7 +78,8 @@ def run_static(sampler: Sampler, cfg: SamplingConfig, prompts: list, lengths: np
         rows += len(out)
         steps += len(out) * int(out.length.max())  # every row of the call runs to its longest
     seconds = time.perf_counter() - t0
-    return {"seconds": seconds, "tokens": tokens, "logprobs": logprobs, "occupancy": float(lengths.sum()) / steps}
+    return {"seconds": seconds, "tokens": tokens, "logprobs": logprobs,
+            "occupancy": float(lengths.sum()) / steps}
 
 
 def run_continuous(engine: ContinuousEngine, prompts: list, lengths: np.ndarray, key: Any,
@@ -147,7 +153,9 @@ def measure_swap(engine: ContinuousEngine, model: Any, prompts: list, lengths: n
         del done
     publisher.close()
     step_s = float(np.median(chunk_s[1:])) / engine.chunk  # full chunks (the tail ones are shorter)
-    assert published is not None and swapped is not None and first is not None, (len(chunk_s), published, swapped)
+    if published is None or swapped is None or first is None:
+        raise RuntimeError(f"the run ended before the swap was used ({len(chunk_s)} chunks): "
+                           "give it more prompts")
     return {"load_s": load_s, "swap_s": engine.stats.last_swap_s, "decode_step_s": step_s,
             "chunk_s": float(np.median(chunk_s[1:])),
             "publish_to_swapped_s": swapped - published,
@@ -215,10 +223,12 @@ def main(argv: list[str] | None = None) -> None:
     write_json(args.json, {
         "benchmark": "continuous_batching", "quick": args.quick, "machine": info,
         "load_average_1m_after": os.getloadavg()[0],
-        "workload": {"model": "10M", "prompts": n_prompts, "num_samples": k, "median_len": float(np.median(lengths)),
+        "workload": {"model": "10M", "prompts": n_prompts, "num_samples": k,
+                     "median_len": float(np.median(lengths)),
                      "max_len": int(lengths.max()), "cap": cap, "mean_len": float(lengths.mean()),
                      "prompts_per_call": per_call, "decode_slots": per_call * k, "decode_chunk": chunk},
-        "same_tokens": same, "agreement": agreement, "warmup_s": {"static": warm_static, "continuous": warm_cont},
+        "same_tokens": same, "agreement": agreement,
+        "warmup_s": {"static": warm_static, "continuous": warm_cont},
         "rows": rows, "swap": swap,
     })
 

@@ -49,7 +49,7 @@ from jax.sharding import PartitionSpec as P
 from tbajax.models import CausalLM, KVCache, positions_from_mask
 from tbajax.sampling import core
 from tbajax.sampling.config import SamplingConfig
-from tbajax.sampling.sampler import Sampler, batch_bucket, left_pad, length_bucket, next_pow2
+from tbajax.sampling.sampler import Sampler, left_pad, length_bucket, next_pow2
 from tbajax.sampling.step import step_keys
 from tbajax.sharding import constrain
 
@@ -469,7 +469,8 @@ class ContinuousEngine:
             ("admit", shape),
             lambda: _jit_admit(self.sampler._policy, self.spec, k),
             self.sampler._policy.leaves, self._cache, self._state,
-            put(tokens, ()), put(mask, ()), put(slots, ()), jax.device_put(keys, NamedSharding(self.sampler.mesh, P())),
+            put(tokens, ()), put(mask, ()), put(slots, ()),
+            jax.device_put(keys, NamedSharding(self.sampler.mesh, P())),
             put(limit, ()), self.knobs,
         )
         for i, r in enumerate(rids):

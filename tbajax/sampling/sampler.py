@@ -277,7 +277,8 @@ class Sampler:
         return [host[i, : len(r)].astype(np.float32) for i, r in enumerate(responses)]
 
     def _score_reference(
-        self, tokens: np.ndarray, mask: np.ndarray, response: jax.Array, resp_mask: jax.Array, temperature: Any
+        self, tokens: np.ndarray, mask: np.ndarray, response: jax.Array, resp_mask: jax.Array,
+        temperature: Any,
     ) -> jax.Array:
         """Reference log-probs [N, R] of device `response` after the left-padded host prompts."""
         assert self._reference is not None

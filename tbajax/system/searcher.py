@@ -234,8 +234,8 @@ class Rollouts:
         )
 
     def trajectories(
-        self, groups: Sequence[Completed], problems: Sequence[Problem], key: jax.Array, *, first_group_id: int,
-        split: str = "train",
+        self, groups: Sequence[Completed], problems: Sequence[Problem], key: jax.Array, *,
+        first_group_id: int, split: str = "train",
     ) -> list[Trajectory]:
         """Score finished continuous-engine groups (one scorer call; reference log-probs when
         configured) into rows; group g gets id first_group_id + g. policy_version of a sample is
@@ -268,8 +268,8 @@ class Rollouts:
             set_version(version)
 
     def _rows(
-        self, samples: Samples, scores: Scores, *, logprobs: Sequence[np.ndarray], versions: Sequence[np.ndarray],
-        reference: Sequence[np.ndarray] | None, group_ids: Sequence[int],
+        self, samples: Samples, scores: Scores, *, logprobs: Sequence[np.ndarray],
+        versions: Sequence[np.ndarray], reference: Sequence[np.ndarray] | None, group_ids: Sequence[int],
     ) -> list[Trajectory]:
         now = time.time()
         rows = []
@@ -487,7 +487,8 @@ def _continuous_loop(
                 except ParamVersionError as e:  # collected between pointer read and lease: take the next
                     retry_s = min(5.0, 2 * retry_s or 0.1)
                     retry_at = time.time() + retry_s
-                    log.warning("searcher %d: %s; retrying with the newest version in %.1f s", searcher_id, e, retry_s)
+                    log.warning("searcher %d: %s; retrying with the newest version in %.1f s",
+                                searcher_id, e, retry_s)
                 else:
                     retry_s = 0.0
                     swap_s = engine.update_params(params, latest)
@@ -498,7 +499,8 @@ def _continuous_loop(
             while not paused and engine.pending < depth:
                 for p in rollouts.take_fitting(stream, 1):
                     problems_of[seq] = p
-                    engine.submit(rollouts.encode(p), request_keys(jax.random.fold_in(key, seq), 0, k), tag=seq)
+                    keys = request_keys(jax.random.fold_in(key, seq), 0, k)
+                    engine.submit(rollouts.encode(p), keys, tag=seq)
                     seq += 1
                     submitted_this_version += 1
                 paused = lead_limit is not None and submitted_this_version >= lead_limit * ppc
