@@ -42,6 +42,13 @@ TABLES: dict[str, dict[str, list[str]]] = {
                                "torch_tok_s", "ratio", "roofline_frac"]},
     "redteam_trainer_memory": {"arms": ["arm", "rss_after_load_mb", "state_mb", "rss_after_updates_mb", "update_s"],
                                "ratios_after_over_before": ["rss_after_updates_mb", "state_mb", "update_s"]},
+    "continuous_batching": {
+        "rows": ["engine", "samples", "tokens", "seconds", "samples_per_s", "tokens_per_s", "slot_occupancy",
+                 "vs_static"],
+        "workload": ["prompts", "num_samples", "median_len", "max_len", "decode_slots", "decode_chunk"],
+        "swap": ["load_s", "swap_s", "decode_step_s", "publish_to_swapped_s", "publish_to_first_token_est_s",
+                 "publish_to_first_chunk_done_s"],
+    },
     "packed_groups": {"results": ["layout", "tokens_in_step", "step_s", "speedup", "token_ratio", "loss_rel_diff"]},
     "chaos": {"total": ["scenarios", "scenarios_sane", "kills_survived", "rows_committed", "rows_read_back",
                         "torn_rows", "duplicated_rows", "row_count_ever_went_down", "versions_monotone"]},
@@ -51,7 +58,8 @@ TABLES: dict[str, dict[str, list[str]]] = {
 # Absolute times and rates: shown only when the file records the machine's matmul rate (machines of
 # one kind differ ~3x in speed); ratios measured in one run are shown always.
 ABSOLUTE = {"update_s", "tbajax_tok_s", "torch_tok_s", "step_s", "best_step_s", "ms", "MB_s", "ours_tok_s",
-            "ours_decode_tok_s", "wall_time_s"}
+            "ours_decode_tok_s", "wall_time_s", "seconds", "samples_per_s", "tokens_per_s", "load_s", "swap_s",
+            "decode_step_s", "publish_to_swapped_s", "publish_to_first_token_est_s", "publish_to_first_chunk_done_s"}
 
 
 def _fmt(v: Any) -> str:

@@ -68,6 +68,14 @@ class RolloutSpec:
       share devices with the trainer (a CPU, one GPU), where generating far ahead only steals time.
     fail_fast_grades: a searcher exits with the grader's first error when this many consecutive
       grades all failed (ERROR/TIMEOUT): a broken reward function, not a hard problem.
+    engine: "static" decodes each call's prompts as one bucket until its longest sample ends;
+      "continuous" keeps `decode_slots` samples decoding in compiled chunks of `decode_chunk`
+      steps, refills a slot as soon as its sample ends, sends each prompt's K samples to the
+      scorer and the store as soon as they are all done (in stream order), and swaps newly
+      published params in between chunks (samples in flight carry tokens of both versions:
+      `Trajectory.token_versions`). See tbajax/sampling/continuous.py.
+    decode_slots: samples decoded at once (continuous; >= sampling.num_samples, a multiple of
+      the searcher mesh's batch shards). decode_chunk: decode steps between harvests / swaps.
     """
 
     prompts_per_call: int = 8
@@ -78,6 +86,9 @@ class RolloutSpec:
     max_calls_per_version: int | None = None
     reference_logprobs: bool = False
     fail_fast_grades: int = 64
+    engine: Literal["static", "continuous"] = "static"
+    decode_slots: int = 64
+    decode_chunk: int = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,6 +266,12 @@ class ExperimentConfig:
                 "fine-tuning): set model.lora (e.g. model.lora.rank=8) or system.publish=auto"
             )
         self._check_ranges()
+        r = self.rollout
+        if r.engine == "continuous" and r.decode_slots < r.sampling.num_samples:
+            raise ConfigError(
+                f"rollout.decode_slots={r.decode_slots} cannot hold one prompt's "
+                f"rollout.sampling.num_samples={r.sampling.num_samples} samples: raise rollout.decode_slots"
+            )
         self._check_recency_supply()
         self._check_trainer_processes()
         if (self.train.groups_per_step * k) % self.train.trainer.num_microbatches:
@@ -346,6 +363,8 @@ _RANGES: tuple[tuple[str, tuple[float, bool], bool], ...] = (
     ("rollout.reward_timeout_s", (0, True), False),
     ("rollout.max_calls_per_version", (1, False), True),
     ("rollout.fail_fast_grades", (1, False), False),
+    ("rollout.decode_slots", (1, False), False),
+    ("rollout.decode_chunk", (1, False), False),
     ("train.steps", (1, False), False),
     ("train.groups_per_step", (1, False), False),
     ("train.length_bucket", (1, False), False),

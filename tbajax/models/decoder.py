@@ -58,7 +58,9 @@ class KVCache:
     """Preallocated keys/values for every layer, plus which slots hold real tokens.
 
     All rows share the write position `index` (prompts are left-padded), so one
-    `dynamic_update_slice` per layer writes the whole batch in place.
+    `dynamic_update_slice` per layer writes the whole batch in place. The continuous-batching
+    engine (`tbajax.sampling.continuous`) uses it as a ring: index advances mod `slots` and each
+    row's history is wherever it was written (single-token steps attend by `valid` alone).
     """
 
     k: Array  # [layers, batch, kv_heads, slots, head_dim]: heads-major, read in place by attention
@@ -187,8 +189,14 @@ class CausalLM(nnx.Module):
             x, _ = jax.lax.scan(body, x, params)
         else:
             valid = jax.lax.dynamic_update_slice(cache.valid, attention_mask, (0, cache.index))
-            q_slot = cache.index + jnp.arange(t)
-            mask = (jnp.arange(cache.slots)[None, :] <= q_slot[:, None])[None] & valid[:, None, :]
+            if t == 1:
+                # one new token attends to every valid slot: the same as the causal mask for a
+                # linear cache (no later slot is valid yet), and right for a ring cache whose
+                # older history sits at higher slots (continuous batching)
+                mask = valid[:, None, :]
+            else:
+                q_slot = cache.index + jnp.arange(t)
+                mask = (jnp.arange(cache.slots)[None, :] <= q_slot[:, None])[None] & valid[:, None, :]
 
             def body(carry: tuple[Array, Array, Array], xs: Any) -> tuple[Any, None]:
                 h, ck, cv = carry

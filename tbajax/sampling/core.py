@@ -11,6 +11,7 @@ token j of a row sits at position `prompt_len + j` and cache slot `P + j`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
@@ -18,7 +19,7 @@ import jax.numpy as jnp
 
 from tbajax.batch import token_logprobs
 from tbajax.models import CausalLM, KVCache, ModelConfig, positions_from_mask
-from tbajax.sampling.step import sample_logits
+from tbajax.sampling.step import sample_keys, sample_logits, step_keys
 from tbajax.sharding import constrain
 
 Array = jax.Array
@@ -108,34 +109,28 @@ def decode(
     key: Array,
     knobs: Knobs,
     spec: DecodeSpec,
+    limit: Array | None = None,
 ) -> tuple[DecodeOut, KVCache]:
     """Sample up to max_new_tokens per row inside one `lax.while_loop` that exits as soon as every
     row is done. Inactive rows (batch padding) start done and emit only padding. The cache comes
-    back (pass it donated: the loop then updates it in place and the caller can reuse it)."""
+    back (pass it donated: the loop then updates it in place and the caller can reuse it).
+
+    Row r's step-s draw uses fold_in(fold_in(key, r), s) (`step.step_keys`), so a sample's tokens
+    depend only on its key, not on the batch it is in. limit: optional [N] int32 per-row cap on new
+    tokens (<= max_new_tokens; a row at its cap is done, not finished)."""
     n, vocab = first_logits.shape
     rows = jnp.arange(n, dtype=jnp.int32)
-    stop_ids = jnp.asarray(spec.stop_token_ids, jnp.int32).reshape(-1)
-    stop_vocab = jnp.zeros((vocab,), bool).at[stop_ids].set(True)
-    top_p = knobs.top_p if spec.use_top_p else None
-
-    def pick(logits: Array, step: Array) -> tuple[Array, Array]:
-        return sample_logits(
-            jax.random.fold_in(key, step),
-            logits,
-            temperature=knobs.temperature,
-            top_k=spec.top_k,
-            top_p=top_p,
-            greedy=spec.greedy,
-            banned=stop_vocab & (step < knobs.min_new_tokens),
-            row_ids=rows,
-        )
+    keys = sample_keys(key, rows)
+    if limit is None:
+        limit = jnp.full((n,), spec.max_new_tokens, jnp.int32)
+    pick = functools.partial(pick_tokens, knobs=knobs, spec=spec)
 
     def emit(out: DecodeOut, tok: Array, lp: Array, step: Array) -> tuple[DecodeOut, Array]:
         """Write step's token (pad for done rows); return the new outputs and the written token."""
-        done = out.finished | ~active
+        done = out.finished | ~active | (out.lengths >= limit)
         tok = jnp.where(done, spec.pad_token_id, tok)
         lp = jnp.where(done, 0.0, lp)
-        stopped = ~done & (tok[:, None] == stop_ids[None, :]).any(-1)
+        stopped = ~done & is_stop(tok, spec)
         out = DecodeOut(
             tokens=jax.lax.dynamic_update_slice(out.tokens, tok[:, None], (0, step)),
             logprobs=jax.lax.dynamic_update_slice(out.logprobs, lp[:, None], (0, step)),
@@ -145,7 +140,7 @@ def decode(
         return out, tok
 
     def all_done(out: DecodeOut) -> Array:
-        return jnp.all(out.finished | ~active)
+        return jnp.all(out.finished | ~active | (out.lengths >= limit))
 
     empty = DecodeOut(
         tokens=constrain(
@@ -156,7 +151,7 @@ def decode(
         finished=jnp.zeros((n,), bool),
     )
     step0 = jnp.zeros((), jnp.int32)
-    out, tok = emit(empty, *pick(first_logits, step0), step0)
+    out, tok = emit(empty, *pick(first_logits, step_keys(keys, step0), step0), step0)
     ones = jnp.ones((n, 1), bool)
 
     def cond(carry: tuple[Array, KVCache, Array, DecodeOut]) -> Array:
@@ -168,11 +163,39 @@ def decode(
         positions = (prompt_len + step - 1)[:, None]
         hidden, cache = model.hidden_states(prev[:, None], positions, ones, cache)
         logits = model.logits(hidden[:, 0])
-        out, tok = emit(out, *pick(logits, step), step)
+        out, tok = emit(out, *pick(logits, step_keys(keys, step), step), step)
         return step + 1, cache, tok, out
 
     _, cache, _, out = jax.lax.while_loop(cond, body, (step0 + 1, cache, tok, out))
     return out._replace(finished=out.finished & active), cache
+
+
+def is_stop(tokens: Array, spec: DecodeSpec) -> Array:
+    """[N] bool: which tokens are stop ids."""
+    stop_ids = jnp.asarray(spec.stop_token_ids, jnp.int32).reshape(-1)
+    return (tokens[:, None] == stop_ids[None, :]).any(-1)
+
+
+def pick_tokens(
+    logits: Array, keys: Array, steps: Array, *, knobs: Knobs, spec: DecodeSpec
+) -> tuple[Array, Array]:
+    """One token per row from its step key (`step.step_keys`); stop ids are banned while a row's
+    step (tokens generated before this one; [N] or a scalar) is below min_new_tokens."""
+    vocab = logits.shape[-1]
+    stop_ids = jnp.asarray(spec.stop_token_ids, jnp.int32).reshape(-1)
+    stop_vocab = jnp.zeros((vocab,), bool).at[stop_ids].set(True)
+    early = jnp.asarray(steps < knobs.min_new_tokens)
+    banned = stop_vocab & (early[:, None] if early.ndim else early)
+    return sample_logits(
+        None,
+        logits,
+        temperature=knobs.temperature,
+        top_k=spec.top_k,
+        top_p=knobs.top_p if spec.use_top_p else None,
+        greedy=spec.greedy,
+        banned=banned,
+        keys=keys,
+    )
 
 
 def score(

@@ -158,8 +158,14 @@ class Sampler:
         key: jax.Array,
         *,
         reference_logprobs: bool = False,
+        max_new_per_row: Sequence[int] | np.ndarray | None = None,
     ) -> SampleOutput:
         """K = config.num_samples samples for each prompt (token id lists, unpadded).
+
+        Sample row r (= prompt * K + k) draws its step s from fold_in(fold_in(key, r), s): its
+        tokens depend only on that key (`tbajax.sampling.continuous` reproduces them).
+        max_new_per_row: optional [prompts * K] cap on each row's new tokens (<= max_new_tokens),
+        e.g. to give a benchmark a fixed length mix; a row at its cap is not `finished`.
 
         Rows come back prompt-major (row = prompt * K + k). Bad input (empty or too long prompts,
         ids outside the vocabulary, a missing reference model) raises ValueError before any
@@ -184,6 +190,15 @@ class Sampler:
         tokens, mask = left_pad(prompt_arrays, b, p_len, pad)
         n = b * k
         active = np.arange(n) < n_prompts * k
+        limit = np.full(n, config.max_new_tokens, np.int32)
+        if max_new_per_row is not None:
+            caps = np.asarray(max_new_per_row)
+            if caps.shape != (n_prompts * k,) or caps.min() < 1 or caps.max() > config.max_new_tokens:
+                raise ValueError(
+                    f"max_new_per_row needs {n_prompts * k} entries (prompts x K) in [1, "
+                    f"max_new_tokens={config.max_new_tokens}], got shape {caps.shape}"
+                )
+            limit[: n_prompts * k] = caps
 
         spec = core.DecodeSpec(
             max_new_tokens=config.max_new_tokens,
@@ -209,21 +224,13 @@ class Sampler:
             self._put(active, ("batch",)),
             self._put_key(key),
             knobs,
+            self._put(limit, ("batch",)),
         )
         ref = None
         if reference_logprobs:
-            assert self._reference is not None
             resp_mask = jnp.arange(config.max_new_tokens)[None, :] < out.lengths[:, None]
-            chunk = score_chunk(n, p_len + config.max_new_tokens, cfg.vocab_size, self.batch_shards)
-            ref = self._run(
-                ("score", (("rows", n), ("prompt_len", p_len),
-                           ("response_len", config.max_new_tokens), ("chunk", chunk))),
-                lambda: _jit_score(self._reference, chunk),
-                self._reference.leaves,
-                self._put(np.repeat(tokens, k, axis=0), ("batch", "length")),
-                self._put(np.repeat(mask, k, axis=0), ("batch", "length")),
-                out.tokens,
-                resp_mask,
+            ref = self._score_reference(
+                np.repeat(tokens, k, axis=0), np.repeat(mask, k, axis=0), out.tokens, resp_mask,
                 knobs.temperature,
             )
         real = n_prompts * k
@@ -235,6 +242,58 @@ class Sampler:
             finished=np.asarray(host.finished[:real]),
             logprobs=np.asarray(host.logprobs[:real]),
             reference_logprobs=None if ref is None else np.asarray(jax.device_get(ref))[:real],
+        )
+
+    def reference_logprobs(
+        self,
+        prompts: Sequence[np.ndarray],
+        responses: Sequence[np.ndarray],
+        config: SamplingConfig,
+    ) -> list[np.ndarray]:
+        """Per-token log-probs of each (prompt, response) under the reference at the sampling
+        temperature, as `sample(..., reference_logprobs=True)` computes them (the continuous engine
+        scores its finished groups with this)."""
+        if self._reference is None:
+            raise ValueError(
+                "reference log-probs need a reference model: Sampler(..., reference=model) "
+                "or sampler.set_reference(model)"
+            )
+        if len(prompts) != len(responses) or not prompts:
+            raise ValueError(f"need one response per prompt, got {len(prompts)} and {len(responses)}")
+        pad = config.pad_token_id if config.pad_token_id is not None else (self.config.pad_token_id or 0)
+        rows = batch_bucket(len(prompts), 1, self.batch_shards)
+        p_len = length_bucket(max(len(p) for p in prompts), self.max_cache_length - config.max_new_tokens,
+                              self.min_prompt_bucket)
+        tokens, mask = left_pad(prompts, rows, p_len, pad)
+        resp = np.full((rows, config.max_new_tokens), pad, np.int32)
+        resp_mask = np.zeros((rows, config.max_new_tokens), bool)
+        for i, r in enumerate(responses):
+            resp[i, : len(r)] = r
+            resp_mask[i, : len(r)] = True
+        temperature = self._put(np.float32(config.logprob_temperature), ())
+        ref = self._score_reference(tokens, mask, self._put(resp, ("batch", "length")),
+                                    self._put(resp_mask, ("batch", "length")), temperature)
+        host = np.asarray(jax.device_get(ref))
+        return [host[i, : len(r)].astype(np.float32) for i, r in enumerate(responses)]
+
+    def _score_reference(
+        self, tokens: np.ndarray, mask: np.ndarray, response: jax.Array, resp_mask: jax.Array,
+        temperature: Any,
+    ) -> jax.Array:
+        """Reference log-probs [N, R] of device `response` after the left-padded host prompts."""
+        assert self._reference is not None
+        n, p_len = tokens.shape
+        r = response.shape[1]
+        chunk = score_chunk(n, p_len + r, self.config.vocab_size, self.batch_shards)
+        return self._run(
+            ("score", (("rows", n), ("prompt_len", p_len), ("response_len", r), ("chunk", chunk))),
+            lambda: _jit_score(self._reference, chunk),
+            self._reference.leaves,
+            self._put(tokens, ("batch", "length")),
+            self._put(mask, ("batch", "length")),
+            response,
+            resp_mask,
+            temperature,
         )
 
     # -- helpers ---------------------------------------------------------------------------
@@ -409,10 +468,10 @@ def _place(leaves: list[Any], shardings: list[Any]) -> list[jax.Array]:
 def _jit_generate(params: _Params, num_samples: int, spec: core.DecodeSpec) -> Any:
     """Prefill + decode as one program; the cache is donated and comes back updated in place."""
 
-    def fn(leaves, cache, tokens, mask, active, key, knobs):  # type: ignore[no-untyped-def]
+    def fn(leaves, cache, tokens, mask, active, key, knobs, limit):  # type: ignore[no-untyped-def]
         model = params.model(leaves)
         cache, first_logits, prompt_len = core.prefill(model, cache, tokens, mask, num_samples=num_samples)
-        return core.decode(model, cache, first_logits, prompt_len, active, key, knobs, spec)
+        return core.decode(model, cache, first_logits, prompt_len, active, key, knobs, spec, limit)
 
     return jax.jit(fn, donate_argnums=(1,))
 

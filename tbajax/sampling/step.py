@@ -1,8 +1,11 @@
 """One sampling step on a batch of logits: pure, jit-able, testable on hand-made logits.
 
-Randomness is per row: row r draws one uniform from `fold_in(key, row_ids[r])` and inverts the
-CDF, so a sample does not depend on how many other rows share the batch (padding a batch to a
-bucket or splitting it over devices leaves every row's draw unchanged).
+Randomness is per row: row r draws one uniform from its own key (`keys[r]`, or
+`fold_in(key, row_ids[r])`) and inverts the CDF, so a sample does not depend on how many other rows
+share the batch (padding a batch to a bucket or splitting it over devices leaves every row's draw
+unchanged). The samplers give every sample its own key and draw its step s from
+`fold_in(sample_key, s)` (`step_keys`), so a sample's tokens do not depend on which slot or batch
+it was decoded in either (static buckets and continuous batching agree).
 """
 
 from __future__ import annotations
@@ -12,6 +15,17 @@ import jax.numpy as jnp
 
 Array = jax.Array
 _NEG_INF = -jnp.inf
+
+
+def sample_keys(key: Array, rows: Array) -> Array:
+    """One key per sample: fold_in(call key, row)."""
+    return jax.vmap(lambda r: jax.random.fold_in(key, r))(rows)
+
+
+def step_keys(keys: Array, steps: Array) -> Array:
+    """Each sample's key for its step: fold_in(sample key, step); steps [B] or a scalar."""
+    steps = jnp.broadcast_to(jnp.asarray(steps, jnp.int32), keys.shape[:1])
+    return jax.vmap(jax.random.fold_in)(keys, steps)
 
 
 def top_p_filter(sorted_logits: Array, top_p: float | Array) -> Array:
@@ -61,7 +75,7 @@ def _inverse_cdf_sample(keys: Array, logits: Array) -> Array:
 
 
 def sample_logits(
-    key: Array,
+    key: Array | None,
     logits: Array,
     *,
     temperature: float | Array = 1.0,
@@ -70,6 +84,7 @@ def sample_logits(
     greedy: bool = False,
     banned: Array | None = None,
     row_ids: Array | None = None,
+    keys: Array | None = None,
 ) -> tuple[Array, Array]:
     """Draw one token per row; return (tokens [B] int32, log-probs [B] f32).
 
@@ -77,6 +92,7 @@ def sample_logits(
     top_k: static; 0 = off. top_p: None or 1.0 = off (a traced value always applies the filter).
     greedy: argmax of the (banned-masked) logits.
     banned: [V] or [B, V] bool, tokens that may not be drawn (e.g. stop ids before min_new_tokens).
+    keys: [B] per-row keys used as given (then `key` and `row_ids` are ignored; pass key=None).
     The returned log-prob is log softmax(logits / T) at the drawn token: the full tempered
     distribution, not the truncated one that top-k / top-p / `banned` sampled from.
     """
@@ -88,9 +104,10 @@ def sample_logits(
     if greedy:
         tokens = jnp.argmax(scaled, axis=-1)
     else:
-        if row_ids is None:
-            row_ids = jnp.arange(b)
-        keys = jax.vmap(lambda r: jax.random.fold_in(key, r))(row_ids)
+        if keys is None:
+            if key is None:
+                raise ValueError("sample_logits needs a key (or per-row keys=)")
+            keys = sample_keys(key, jnp.arange(b) if row_ids is None else row_ids)
         use_top_p = top_p is not None and not (isinstance(top_p, (int, float)) and top_p >= 1.0)
         if top_k and top_k < v:
             vals, idx = jax.lax.top_k(scaled, top_k)

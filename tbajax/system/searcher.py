@@ -9,6 +9,7 @@ asynchronous searcher process and the synchronous mode.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -22,6 +23,7 @@ from flax import nnx
 from tbajax.config import ExperimentConfig
 from tbajax.models import CausalLM, load_model
 from tbajax.sampling import Sampler, SampleOutput, SamplingConfig
+from tbajax.sampling.continuous import Completed, ContinuousEngine, request_keys
 from tbajax.sharding import make_mesh
 from tbajax.stores import ParamReader, ParamVersionError, TrajectoryWriter, param_store_url, trajectory_store_url
 from tbajax.system import rundir
@@ -117,6 +119,17 @@ class Rollouts:
         self.stop_ids = set(
             sampling.stop_token_ids if sampling.stop_token_ids is not None else model.config.eos_token_ids
         )
+        self._engine: ContinuousEngine | None = None
+
+    @property
+    def engine(self) -> ContinuousEngine | None:
+        """The continuous-batching engine (rollout.engine=continuous; built on first use, so an
+        evaluation-only Rollouts allocates no decode slots), else None."""
+        r = self.config.rollout
+        if r.engine == "continuous" and self._engine is None:
+            self._engine = ContinuousEngine(self.sampler, r.sampling, slots=r.decode_slots, chunk=r.decode_chunk,
+                                            max_prompt_tokens=r.max_prompt_tokens)
+        return self._engine
 
     def encode(self, problem: Problem, split: str = "train") -> np.ndarray:
         key = (split, problem.id)
@@ -195,36 +208,90 @@ class Rollouts:
     def generate(
         self, problems: Sequence[Problem], key: jax.Array, *, version: int, first_group_id: int
     ) -> list[Trajectory]:
-        """K' scored samples for each problem; rows of one problem share one group id."""
-        set_version = getattr(self.scorer, "set_policy_version", None)
-        if set_version is not None:  # scorers with schedules (red-teaming's γ/τ) follow the policy
-            set_version(version)
+        """K' scored samples for each problem; rows of one problem share one group id. With
+        rollout.engine=continuous the problems go through the engine's slots (the same samples
+        as the static sampler for the same key: per-sample keys fold_in(key, row))."""
+        if self.engine is not None:
+            k = self.config.rollout.sampling.num_samples
+            self.engine.version = version
+            for pi, p in enumerate(problems):
+                self.engine.submit(self.encode(p), request_keys(key, pi * k, k), tag=pi)
+            groups = sorted(self.engine.run(), key=lambda g: g.tag)
+            return self.trajectories(groups, [problems[g.tag] for g in groups], key,
+                                     first_group_id=first_group_id)
+        self._set_scorer_version(version)
         out, samples, scores = self.sample_and_score(
             problems, self.config.rollout.sampling, key, reference=self.reference_logprobs
         )
+        n = len(samples)
+        return self._rows(
+            samples, scores,
+            logprobs=[out.logprobs[i, : len(samples.response_tokens[i])] for i in range(n)],
+            versions=[np.full(len(samples.response_tokens[i]), version, np.int32) for i in range(n)],
+            reference=None if out.reference_logprobs is None else
+            [out.reference_logprobs[i, : len(samples.response_tokens[i])] for i in range(n)],
+            group_ids=[first_group_id + int(out.prompt_index[i]) for i in range(n)],
+        )
+
+    def trajectories(
+        self, groups: Sequence[Completed], problems: Sequence[Problem], key: jax.Array, *,
+        first_group_id: int, split: str = "train",
+    ) -> list[Trajectory]:
+        """Score finished continuous-engine groups (one scorer call; reference log-probs when
+        configured) into rows; group g gets id first_group_id + g. policy_version of a sample is
+        the version of its first (oldest) token."""
+        k = self.config.rollout.sampling.num_samples
+        idx = [(g, j) for g in range(len(groups)) for j in range(k)]
+        responses = [groups[g].tokens[j] for g, j in idx]
+        samples = Samples(
+            problems=[problems[g] for g, _ in idx],
+            prompt_tokens=[groups[g].prompt for g, _ in idx],
+            response_tokens=responses,
+            texts=[self.decode(r) for r in responses],
+            finished=np.array([groups[g].finished[j] for g, j in idx], bool),
+            split=split,
+        )
+        versions = [groups[g].token_versions[j] for g, j in idx]
+        self._set_scorer_version(int(min(int(v.min()) for v in versions)))
+        scores = self.score(samples, jax.random.fold_in(key, _SCORER_STREAM))
+        reference = None
+        if self.reference_logprobs:
+            reference = self.sampler.reference_logprobs(samples.prompt_tokens, responses,
+                                                        self.config.rollout.sampling)
+        return self._rows(samples, scores, logprobs=[groups[g].logprobs[j] for g, j in idx],
+                          versions=versions, reference=reference,
+                          group_ids=[first_group_id + g for g, _ in idx])
+
+    def _set_scorer_version(self, version: int) -> None:
+        set_version = getattr(self.scorer, "set_policy_version", None)
+        if set_version is not None:  # scorers with schedules (red-teaming's γ/τ) follow the policy
+            set_version(version)
+
+    def _rows(
+        self, samples: Samples, scores: Scores, *, logprobs: Sequence[np.ndarray],
+        versions: Sequence[np.ndarray], reference: Sequence[np.ndarray] | None, group_ids: Sequence[int],
+    ) -> list[Trajectory]:
         now = time.time()
         rows = []
         for i in range(len(samples)):
-            pi = int(out.prompt_index[i])
             resp = samples.response_tokens[i]
+            v = np.asarray(versions[i], np.int32)
             rows.append(
                 Trajectory(
-                    prompt_id=problems[pi].id,
-                    group_id=first_group_id + pi,
+                    prompt_id=samples.problems[i].id,
+                    group_id=group_ids[i],
                     prompt_tokens=samples.prompt_tokens[i],
                     response_tokens=resp,
-                    behavior_logprobs=np.asarray(out.logprobs[i, : len(resp)], np.float32),
+                    behavior_logprobs=np.asarray(logprobs[i], np.float32),
                     reward=float(scores.reward[i]),
                     reward_status=RewardStatus(int(scores.status[i])),
                     extras=scores.extras_of(i) or None,
-                    finished=bool(out.finished[i]),
-                    policy_version=version,
-                    token_versions=np.full(len(resp), version, np.int32),  # one version per call
+                    finished=bool(samples.finished[i]),
+                    policy_version=int(v.min()),  # the oldest version: its first token
+                    token_versions=v,
                     searcher_id=self.searcher_id,
                     wall_time=now,
-                    reference_logprobs=None
-                    if out.reference_logprobs is None
-                    else np.asarray(out.reference_logprobs[i, : len(resp)], np.float32),
+                    reference_logprobs=None if reference is None else np.asarray(reference[i], np.float32),
                 )
             )
         return rows
@@ -310,6 +377,10 @@ def run_searcher(run_dir: Path, searcher_id: int, store_url: str | None = None) 
     calls = tokens = samples = 0
     t_start = time.time()
     log.info("searcher %d: %d train problems in its shard, resuming after %d rows", searcher_id, len(stream.indices), committed)
+    if rollouts.engine is not None:
+        _continuous_loop(config, run_dir, searcher_id, rollouts, stream, writer, params_reader, resident,
+                         metrics, stop, key, committed)
+        return
     calls_this_version = 0
     lead_limit = config.rollout.max_calls_per_version
     retry_s = 0.0  # backoff of ParamVersionError retries
@@ -365,6 +436,123 @@ def run_searcher(run_dir: Path, searcher_id: int, store_url: str | None = None) 
     if rollouts.reward_pool is not None:
         rollouts.reward_pool.close()
     log.info("searcher %d: stopping after %d calls, %d samples", searcher_id, calls, samples)
+
+
+def _continuous_loop(
+    config: ExperimentConfig, run_dir: Path, searcher_id: int, rollouts: Rollouts, stream: PromptStream,
+    writer: TrajectoryWriter, params_reader: ParamReader, resident: SearcherParams, metrics: MetricsWriter,
+    stop: Any, key: jax.Array, committed: int,
+) -> None:
+    """rollout.engine=continuous: prompts stream into the engine's slots; between decode chunks
+    finished groups are scored and committed, and newly published params (loaded in a background
+    thread while decoding goes on) are swapped in without dropping samples in flight.
+
+    Groups are committed in stream order (a group that ends before an earlier one waits for it),
+    so the store always holds a prefix of the stream and a restart resumes at committed // K, as
+    the static loop does. Problem n of the stream (counted over the whole run) samples with
+    fold_in(key, n), so a resumed searcher redraws exactly what it would have drawn."""
+    import concurrent.futures
+
+    engine = rollouts.engine
+    assert engine is not None
+    k = config.rollout.sampling.num_samples
+    lead_limit = config.rollout.max_calls_per_version
+    ppc = config.rollout.prompts_per_call
+    depth = max(1, engine.slots // k)  # queued prompts kept ready for the next refill
+    seq = committed // k  # stream index of the next problem to submit
+    next_commit = seq
+    problems_of: dict[int, Problem] = {}
+    ready: dict[int, list[Trajectory]] = {}
+    version = 0
+    loads = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"param-load-{searcher_id}")
+    loading: tuple[int, concurrent.futures.Future[Any], float] | None = None
+    retry_at = 0.0
+    retry_s = 0.0
+    submitted_this_version = 0
+    groups_done = samples = 0
+    t_start = time.time()
+    t_flush = time.time()
+    try:
+        while not stop():
+            now = time.time()
+            if loading is None and now >= retry_at:
+                latest = params_reader.latest_version()
+                if latest is not None and latest > version:
+                    loading = (latest, loads.submit(resident.load, params_reader, latest), now)
+            if loading is not None and loading[1].done():
+                latest, future, t0 = loading
+                loading = None
+                try:
+                    params = future.result()
+                except ParamVersionError as e:  # collected between pointer read and lease: take the next
+                    retry_s = min(5.0, 2 * retry_s or 0.1)
+                    retry_at = time.time() + retry_s
+                    log.warning("searcher %d: %s; retrying with the newest version in %.1f s",
+                                searcher_id, e, retry_s)
+                else:
+                    retry_s = 0.0
+                    swap_s = engine.update_params(params, latest)
+                    log.info("searcher %d: params version %d loaded in %.2fs (decoding went on), swapped in "
+                             "%.3fs", searcher_id, latest, time.time() - t0 - swap_s, swap_s)
+                    version, submitted_this_version = latest, 0
+            paused = lead_limit is not None and submitted_this_version >= lead_limit * ppc
+            while not paused and engine.pending < depth:
+                for p in rollouts.take_fitting(stream, 1):
+                    problems_of[seq] = p
+                    keys = request_keys(jax.random.fold_in(key, seq), 0, k)
+                    engine.submit(rollouts.encode(p), keys, tag=seq)
+                    seq += 1
+                    submitted_this_version += 1
+                paused = lead_limit is not None and submitted_this_version >= lead_limit * ppc
+            if engine.idle:
+                time.sleep(0.02)  # paused (far enough ahead of the trainer) and nothing in flight
+                continue
+            finished = engine.step()
+            if finished:
+                rows = rollouts.trajectories(finished, [problems_of[g.tag] for g in finished],
+                                             jax.random.fold_in(key, finished[0].tag), first_group_id=0)
+                by_group: dict[int, list[Trajectory]] = {}
+                for g, r in zip((g.tag for g in finished for _ in range(k)), rows):
+                    by_group.setdefault(g, []).append(r)
+                ready.update(by_group)
+                if rollouts.grades.all_failed():
+                    stop_failing_grader(rollouts, searcher_id)
+            out: list[Trajectory] = []
+            while next_commit in ready:  # the store keeps a prefix of the stream (resume)
+                base = (searcher_id << 40) + writer.committed_rows() + len(out) // k
+                out.extend(dataclasses.replace(r, group_id=base) for r in ready.pop(next_commit))
+                del problems_of[next_commit]
+                next_commit += 1
+            if not out:
+                continue
+            writer.append(out)
+            groups_done += len(out) // k
+            samples += len(out)
+            new_tokens = int(sum(len(r.response_tokens) for r in out))
+            elapsed = time.time() - t_flush
+            t_flush = time.time()
+            status = {
+                "version": version,
+                "calls": groups_done // ppc,
+                "samples": samples,
+                "tokens_per_s": new_tokens / max(elapsed, 1e-9),
+                "reward_mean": float(np.mean([r.reward for r in out])),
+                "busy_s": time.time() - t_start,
+            }
+            rundir.write_status(run_dir, f"searcher-{searcher_id}", status)
+            metrics.write(writer.committed_rows(), {
+                **status, "generate_s": elapsed, "slot_occupancy": engine.stats.occupancy(engine.slots),
+                "swap_s": engine.stats.last_swap_s, "in_flight": engine.in_flight,
+                "mixed_version_samples": sum(r.mixed_versions for r in out),
+                "failed_grades": sum(r.reward_status >= RewardStatus.TIMEOUT for r in out)})
+    finally:
+        loads.shutdown(wait=True, cancel_futures=True)
+        metrics.close()
+        params_reader.close()
+        if rollouts.reward_pool is not None:
+            rollouts.reward_pool.close()
+    log.info("searcher %d: stopping after %d groups, %d samples (%d in flight dropped: not committed)",
+             searcher_id, groups_done, samples, engine.in_flight)
 
 
 EXIT_GRADER_FAILING = 3

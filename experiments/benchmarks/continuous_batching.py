@@ -1,0 +1,237 @@
+"""Continuous batching vs static buckets on a mixed-length workload, and the in-flight swap latency.
+
+Workload: a random-init Llama (the sampler benchmark's 10M architecture), prompts of random
+lengths, K samples each, and response lengths drawn log-normal (median `median`, the longest
+~cap/median = 16 times the median, capped at `cap`). Both engines generate exactly those lengths:
+sampling runs with no stop ids and each sample's new-token cap is its drawn length
+(`Sampler.sample(max_new_per_row=...)` / `ContinuousEngine.submit(max_new_per_sample=...)`), and
+with the same per-sample keys both produce the same tokens (checked: `agreement` in the JSON).
+Static = the searcher's static path: `Sampler.sample` on `prompts_per_call` prompts at a time,
+each call decoding until its longest sample ends. Continuous = `ContinuousEngine` with as many slots as a static call has rows.
+Both are warmed up on the same workload first (every program compiled), then timed alternately.
+`agreement.max_logprob_diff_up_to_first_difference` includes the first differing token itself
+(two different tokens' log-probs), so it is large whenever any sample diverged.
+
+Swap: a real param store in a temp dir; mid-run the benchmark publishes new params, the engine
+loop notices them, loads, swaps between chunks and goes on. Reported: publish -> swapped in,
+publish -> end of the first chunk with new-version tokens, one decode step, one param load.
+
+    python experiments/benchmarks/continuous_batching.py --quick
+    python experiments/benchmarks/continuous_batching.py \
+        --json experiments/results/benchmarks/continuous_batching.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import jax  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from experiments.benchmarks.common import machine, print_table, write_json  # noqa: E402
+from experiments.benchmarks.sampler import SIZES, build_random_llama  # noqa: E402
+from tbajax.models import load_model  # noqa: E402
+from tbajax.sampling import Sampler, SamplingConfig  # noqa: E402
+from tbajax.sampling.continuous import ContinuousEngine, request_keys  # noqa: E402
+from tbajax.stores import ParamPublisher, ParamReader, param_store_url  # noqa: E402
+from tbajax.system.publishing import SearcherParams  # noqa: E402
+
+
+def workload(
+    n_prompts: int, k: int, median: int, cap: int, vocab: int, seed: int = 0
+) -> tuple[list, np.ndarray]:
+    """Prompts (8..40 tokens) and [n_prompts * K] response lengths (prompt-major, as the samplers
+    order rows): log-normal with the given median and a spread that puts the longest of n draws at
+    ~cap/median times the median (a geometric tail is too light: its longest of 512 is ~9x), capped."""
+    rng = np.random.default_rng(seed)
+    prompts = [[1, *rng.integers(3, vocab, rng.integers(7, 40)).tolist()] for _ in range(n_prompts)]
+    n = n_prompts * k
+    top_z = np.sqrt(2 * np.log(n)) - 0.75  # ~ the largest of n standard normals
+    sigma = np.log(cap / median) / top_z
+    lengths = np.exp(np.log(median) + sigma * rng.standard_normal(n))
+    return prompts, np.clip(np.round(lengths), 1, cap).astype(np.int32)
+
+
+def run_static(sampler: Sampler, cfg: SamplingConfig, prompts: list, lengths: np.ndarray, key: Any,
+               per_call: int) -> dict[str, Any]:
+    k = cfg.num_samples
+    t0 = time.perf_counter()
+    tokens, logprobs, rows, steps = [], [], 0, 0
+    for start in range(0, len(prompts), per_call):
+        batch = prompts[start:start + per_call]
+        caps = lengths[start * k:(start + len(batch)) * k]
+        out = sampler.sample(batch, cfg, jax.random.fold_in(key, start), max_new_per_row=caps)
+        tokens += [out.response(i) for i in range(len(out))]
+        logprobs += [out.logprobs[i, : out.length[i]] for i in range(len(out))]
+        rows += len(out)
+        steps += len(out) * int(out.length.max())  # every row of the call runs to its longest
+    seconds = time.perf_counter() - t0
+    return {"seconds": seconds, "tokens": tokens, "logprobs": logprobs,
+            "occupancy": float(lengths.sum()) / steps}
+
+
+def run_continuous(engine: ContinuousEngine, prompts: list, lengths: np.ndarray, key: Any,
+                   per_call: int) -> dict[str, Any]:
+    k = engine.config.num_samples
+    before = engine.stats.slot_steps_live, engine.stats.decode_steps
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts):  # the static run's keys: call key fold_in(key, start), row in call
+        start = i - i % per_call
+        engine.submit(p, request_keys(jax.random.fold_in(key, start), (i - start) * k, k), tag=i,
+                      max_new_per_sample=lengths[i * k:(i + 1) * k])
+    groups = sorted(engine.run(), key=lambda g: g.tag)
+    seconds = time.perf_counter() - t0
+    live = engine.stats.slot_steps_live - before[0]
+    steps = engine.stats.decode_steps - before[1]
+    return {"seconds": seconds, "tokens": [t for g in groups for t in g.tokens],
+            "logprobs": [lp for g in groups for lp in g.logprobs],
+            "occupancy": live / max(1, steps * engine.slots)}
+
+
+def compare(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """How far the two engines' samples agree: identical samples, and for the others where they
+    first differ and the largest log-prob difference before that (float rounding of a different
+    batch layout can move a near-uniform random model's draw across a CDF boundary; the tokens
+    after a flip then differ as a different continuation)."""
+    identical, first, before = 0, [], 0.0
+    for ta, tb, la, lb in zip(a["tokens"], b["tokens"], a["logprobs"], b["logprobs"]):
+        diff = np.flatnonzero(ta != tb)
+        end = int(diff[0]) if len(diff) else len(ta)
+        identical += not len(diff)
+        if len(diff):
+            first.append(end)
+        before = max(before, float(np.abs(la[: end + 1] - lb[: end + 1]).max()))  # the flip's own lp too
+    return {"identical_samples": identical, "samples": len(a["tokens"]),
+            "first_difference_positions": first, "max_logprob_diff_up_to_first_difference": before}
+
+
+def measure_swap(engine: ContinuousEngine, model: Any, prompts: list, lengths: np.ndarray, key: Any,
+                 directory: Path) -> dict[str, float]:
+    """Publish new params while the engine decodes; time how long until they are used."""
+    k = engine.config.num_samples
+    state = nnx.state(model, nnx.Param)
+    url = param_store_url(directory)
+    publisher = ParamPublisher(url, "bench", dtype="float32", keep=2)
+    reader = ParamReader(url, "bench-searcher")
+    resident = SearcherParams(state, engine.sampler.mesh)
+    engine.version = publisher.publish(nnx.to_pure_dict(state))  # what the engine runs now
+    t0 = time.perf_counter()
+    jax.block_until_ready(resident.load(reader, engine.version))
+    load_s = time.perf_counter() - t0
+    for i, p in enumerate(prompts):
+        engine.submit(p, request_keys(jax.random.fold_in(key, 10_000 + i), 0, k), tag=i,
+                      max_new_per_sample=lengths[i * k:(i + 1) * k])
+    chunk_s: list[float] = []
+    published = swapped = first = None
+    new = jax.tree.map(lambda x: x * 1.01, nnx.to_pure_dict(state))
+    while not engine.idle:
+        if published is None and len(chunk_s) == 2:
+            publisher.publish(new)
+            published = time.perf_counter()
+        if published is not None and swapped is None:
+            latest = reader.latest_version()
+            if latest is not None and latest > engine.version:
+                engine.update_params(resident.load(reader, latest), latest)
+                swapped = time.perf_counter()
+        t = time.perf_counter()
+        done = engine.step()
+        chunk_s.append(time.perf_counter() - t)
+        if swapped is not None and first is None:
+            first = time.perf_counter()
+        del done
+    publisher.close()
+    step_s = float(np.median(chunk_s[1:])) / engine.chunk  # full chunks (the tail ones are shorter)
+    if published is None or swapped is None or first is None:
+        raise RuntimeError(f"the run ended before the swap was used ({len(chunk_s)} chunks): "
+                           "give it more prompts")
+    return {"load_s": load_s, "swap_s": engine.stats.last_swap_s, "decode_step_s": step_s,
+            "chunk_s": float(np.median(chunk_s[1:])),
+            "publish_to_swapped_s": swapped - published,
+            "publish_to_first_chunk_done_s": first - published,
+            "publish_to_first_token_est_s": swapped - published + step_s}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="a smaller workload (about a minute)")
+    ap.add_argument("--json", default=None, help="write the figures here")
+    ap.add_argument("--repeats", type=int, default=1, help="timed runs per engine after the warm-up")
+    args = ap.parse_args(argv)
+    if args.quick:
+        n_prompts, k, median, cap, per_call, chunk = 32, 4, 8, 128, 8, 16
+    else:
+        n_prompts, k, median, cap, per_call, chunk = 128, 4, 16, 256, 16, 16
+    info = machine()
+    arch = SIZES["10M"]
+    prompts, lengths = workload(n_prompts, k, median, cap, arch["vocab_size"])
+    with tempfile.TemporaryDirectory() as tmp:
+        model = load_model(build_random_llama(Path(tmp) / "ckpt", arch))
+        cfg = SamplingConfig(max_new_tokens=cap, num_samples=k, temperature=1.0, stop_token_ids=())
+        sampler = Sampler(model, max_cache_length=64 + cap)
+        engine = ContinuousEngine(sampler, cfg, slots=per_call * k, chunk=chunk, max_prompt_tokens=64)
+        key = jax.random.key(0)
+        t0 = time.perf_counter()
+        ref = run_static(sampler, cfg, prompts, lengths, key, per_call)  # warm-up: compiles
+        warm_static = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        got = run_continuous(engine, prompts, lengths, key, per_call)
+        warm_cont = time.perf_counter() - t0
+        agreement = compare(ref, got)
+        same = agreement["identical_samples"] == len(lengths)
+        assert [len(t) for t in got["tokens"]] == lengths.tolist() == [len(t) for t in ref["tokens"]]
+        print(f"warm-up (compiles): static {warm_static:.1f} s, continuous {warm_cont:.1f} s", flush=True)
+        best: dict[str, dict[str, Any]] = {}
+        for _ in range(args.repeats):  # alternate, keep the best of each (a shared machine)
+            for name, fn in (("static", lambda: run_static(sampler, cfg, prompts, lengths, key, per_call)),
+                             ("continuous", lambda: run_continuous(engine, prompts, lengths, key, per_call))):
+                r = fn()
+                print(f"{name}: {r['seconds']:.1f} s", flush=True)
+                if name not in best or r["seconds"] < best[name]["seconds"]:
+                    best[name] = r
+        swap = measure_swap(engine, model, prompts, lengths, key,
+                            Path(tmp) / "store")
+    samples, tokens = len(lengths), int(lengths.sum())
+    rows = []
+    for name, r in best.items():
+        rows.append({"engine": name, "samples": samples, "tokens": tokens, "seconds": r["seconds"],
+                     "samples_per_s": samples / r["seconds"], "tokens_per_s": tokens / r["seconds"],
+                     "slot_occupancy": r["occupancy"],
+                     "vs_static": best["static"]["seconds"] / r["seconds"]})
+    print(f"\n10M Llama, {n_prompts} prompts x K={k}, response lengths log-normal median "
+          f"{int(np.median(lengths))} max {int(lengths.max())} (cap {cap}); static calls of {per_call} "
+          f"prompts, continuous {per_call * k} slots x chunk {chunk}; identical samples in both: "
+          f"{agreement['identical_samples']}/{len(lengths)} (max |log-prob diff| up to the first difference "
+          f"{agreement['max_logprob_diff_up_to_first_difference']:.2g})")
+    print(f"machine: {info['cpu_count']} CPUs, matmul {info['matmul_gflops']:.1f} GFLOP/s, "
+          f"load average {info['load_average_1m']:.1f} (before) / {os.getloadavg()[0]:.1f} (after)")
+    print_table(rows, ["engine", "samples", "tokens", "seconds", "samples_per_s", "tokens_per_s",
+                       "slot_occupancy", "vs_static"])
+    print("\nin-flight swap (ms):")
+    print_table([{k2: 1e3 * v for k2, v in swap.items()}], list(swap))
+    write_json(args.json, {
+        "benchmark": "continuous_batching", "quick": args.quick, "machine": info,
+        "load_average_1m_after": os.getloadavg()[0],
+        "workload": {"model": "10M", "prompts": n_prompts, "num_samples": k,
+                     "median_len": float(np.median(lengths)),
+                     "max_len": int(lengths.max()), "cap": cap, "mean_len": float(lengths.mean()),
+                     "prompts_per_call": per_call, "decode_slots": per_call * k, "decode_chunk": chunk},
+        "same_tokens": same, "agreement": agreement,
+        "warmup_s": {"static": warm_static, "continuous": warm_cont},
+        "rows": rows, "swap": swap,
+    })
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,534 @@
+"""Continuous batching with in-flight weight updates: a fixed set of decode slots that never drains.
+
+The static sampler (`Sampler.sample`) decodes a whole bucket until its longest row ends, so with
+mixed response lengths most rows idle most of the time. Here a fixed number of decode *slots*
+runs a compiled chunk of C decode steps at a time; between chunks the host harvests the rows that
+ended and refills their slots with the next (prompt, sample) at once, and may swap the params.
+
+Cache layout (one shared write index, as `KVCache` has): the cache is a **ring** of
+S = P_max + max_new_tokens slots whose write index advances mod S with every decode step. A
+newcomer's prompt is prefilled on its own (positions 0..len-1, RoPE applied before caching) and
+its keys/values are written into its row at the P_bucket slots that end at the current index,
+`valid` set for its real prompt tokens only; its generated tokens then follow at the ring index.
+A single-token step attends to every valid slot of its row (`CausalLM.hidden_states`), and
+attention is order-invariant given the mask, so a row's logits are those of a linear cache. A row
+writes at most P_bucket + max_new - 1 slots before it ends, fewer than S, so the ring never
+overwrites live history.
+
+Randomness: every sample has its own key and draws its step-s token from fold_in(key, s), exactly
+as the static sampler's row keys do, so for the same per-sample keys both engines give the same
+tokens and log-probs whatever slot or batch a sample lands in.
+
+In-flight weight updates: params are program arguments, so `update_params` between chunks swaps
+them without a recompile and without dropping the sequences in flight. Their cached keys/values
+from the old version are kept (recomputing them would cost a prefill of every live row); each
+token records the version whose forward produced its logits (`token_versions`), so a sample that
+straddles a swap carries tokens of both versions, and its log-probs are those the model that
+sampled each token assigned (with the old version's cache for the earlier history).
+
+Programs: one prefill+admit program per (admitted prompts, prompt-length) bucket and ONE decode
+chunk program, whose shapes depend only on (slots, S, C): a new prompt-length bucket never
+recompiles the decode chunk, and how full the slots are is a mask, not a shape.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import time
+from collections.abc import Hashable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from tbajax.models import CausalLM, KVCache, positions_from_mask
+from tbajax.sampling import core
+from tbajax.sampling.config import SamplingConfig
+from tbajax.sampling.sampler import Sampler, left_pad, length_bucket, next_pow2
+from tbajax.sampling.step import step_keys
+from tbajax.sharding import constrain
+
+log = logging.getLogger(__name__)
+
+Array = jax.Array
+_CACHE_AXES = ("layers", "batch", "kv_heads", "length", "head_dim")
+
+
+class SlotState(NamedTuple):
+    """Per-slot decode state on the device (slots that hold no sample have live=False)."""
+
+    prev: Array  # [N] int32: the last sampled token, the next step's input
+    position: Array  # [N] int32: position id of `prev`
+    count: Array  # [N] int32: tokens generated so far (the next draw's step)
+    live: Array  # [N] bool: still generating
+    finished: Array  # [N] bool: ended by a stop token
+    keys: Array  # [N] per-sample PRNG keys
+    limit: Array  # [N] int32: cap on new tokens
+
+
+class ChunkOut(NamedTuple):
+    tokens: Array  # [N, C] int32, pad where not emitted
+    logprobs: Array  # [N, C] f32, 0 where not emitted
+    emitted: Array  # [N, C] bool
+
+
+class AdmitOut(NamedTuple):
+    tokens: Array  # [B*K] int32: each admitted sample's first token (step 0)
+    logprobs: Array  # [B*K] f32
+
+
+# ----------------------------------------------------------------------------- pure programs
+
+
+def init_state(rows: int, key: Array) -> SlotState:
+    """All slots empty (`key` only gives the key array its type)."""
+    zeros = jnp.zeros((rows,), jnp.int32)
+    return SlotState(
+        prev=zeros, position=zeros, count=zeros,
+        live=jnp.zeros((rows,), bool), finished=jnp.zeros((rows,), bool),
+        keys=jnp.broadcast_to(key, (rows,)), limit=zeros,
+    )
+
+
+def ring_sources(index: Array, ring: int, prompt_slots: int) -> Array:
+    """[ring] prompt column each ring slot takes so the prompt's P columns end at slot index - 1
+    (mod ring); >= P for slots that get no prompt column."""
+    return jnp.mod(jnp.arange(ring) - index + prompt_slots, ring)
+
+
+def admit(
+    model: CausalLM,
+    cache: KVCache,
+    state: SlotState,
+    tokens: Array,
+    mask: Array,
+    slots: Array,
+    keys: Array,
+    limit: Array,
+    knobs: core.Knobs,
+    spec: core.DecodeSpec,
+    *,
+    num_samples: int,
+) -> tuple[KVCache, SlotState, AdmitOut]:
+    """Prefill B left-padded prompts [B, P] and place each one's keys/values, K times, into the
+    cache rows `slots` [B*K] (prompt-major; an index >= the slot count drops that row), ending at
+    the ring index; sample each sample's first token from its key (step 0)."""
+    cfg = model.config
+    b, p = tokens.shape
+    ring = cache.slots
+    mask = mask.astype(bool)
+    small = KVCache.init(cfg, b, p, cache.k.dtype)
+    hidden, small = model.hidden_states(tokens, positions_from_mask(mask), mask, small)
+    logits = jnp.repeat(model.logits(hidden[:, -1]), num_samples, axis=0)
+    src = ring_sources(cache.index, ring, p)
+    take = jnp.minimum(src, p - 1)
+    placed = src < p
+
+    def rows_of(x: Array) -> Array:  # [L, B, kv, P, d] -> [L, B*K, kv, S, d] in ring order
+        return jnp.repeat(jnp.take(x, take, axis=3), num_samples, axis=1)
+
+    valid = jnp.repeat(jnp.take(mask, take, axis=1) & placed[None, :], num_samples, axis=0)
+    cache = KVCache(
+        k=constrain(cache.k.at[:, slots].set(rows_of(small.k), mode="drop"), _CACHE_AXES),
+        v=constrain(cache.v.at[:, slots].set(rows_of(small.v), mode="drop"), _CACHE_AXES),
+        valid=constrain(cache.valid.at[slots].set(valid, mode="drop"), ("batch", "length")),
+        index=cache.index,
+    )
+    tok, lp = core.pick_tokens(logits, step_keys(keys, 0), jnp.zeros((), jnp.int32), knobs=knobs, spec=spec)
+    stopped = core.is_stop(tok, spec)
+    prompt_len = jnp.repeat(mask.sum(-1, dtype=jnp.int32), num_samples)
+
+    def put(buf: Array, x: Array) -> Array:
+        return constrain(buf.at[slots].set(x, mode="drop"), ("batch",))
+
+    state = SlotState(
+        prev=put(state.prev, tok),
+        position=put(state.position, prompt_len),
+        count=put(state.count, jnp.ones_like(tok)),
+        live=put(state.live, ~stopped & (limit > 1)),
+        finished=put(state.finished, stopped),
+        keys=state.keys.at[slots].set(keys, mode="drop"),
+        limit=put(state.limit, limit),
+    )
+    return cache, state, AdmitOut(tok, lp)
+
+
+def decode_chunk(
+    model: CausalLM, cache: KVCache, state: SlotState, knobs: core.Knobs, spec: core.DecodeSpec,
+    refill_at: Array, *, chunk: int
+) -> tuple[KVCache, SlotState, ChunkOut]:
+    """Up to `chunk` decode steps over every slot; exits early once no slot is live, or after at
+    least one step once `refill_at` (a traced int: K while prompts wait, else more than the
+    slots) slots are not live, so the host can refill them without waiting out the chunk. Slots
+    that are not live still run (their writes land in their own row, which the next admission
+    resets) but emit nothing."""
+    n = state.prev.shape[0]
+    ring = cache.slots
+    ones = jnp.ones((n, 1), bool)
+    out = ChunkOut(
+        tokens=constrain(jnp.full((n, chunk), spec.pad_token_id, jnp.int32), ("batch", "length")),
+        logprobs=constrain(jnp.zeros((n, chunk), jnp.float32), ("batch", "length")),
+        emitted=constrain(jnp.zeros((n, chunk), bool), ("batch", "length")),
+    )
+
+    def cond(carry: tuple[Array, KVCache, SlotState, ChunkOut]) -> Array:
+        c, _, st, _ = carry
+        free = jnp.sum(~st.live, dtype=jnp.int32)
+        return (c < chunk) & jnp.any(st.live) & ((c == 0) | (free < refill_at))
+
+    def body(carry: tuple[Array, KVCache, SlotState, ChunkOut]) -> tuple[Array, KVCache, SlotState, ChunkOut]:
+        c, cache, st, out = carry
+        hidden, cache = model.hidden_states(st.prev[:, None], st.position[:, None], ones, cache)
+        cache = dataclasses.replace(cache, index=jnp.mod(cache.index, ring))
+        logits = model.logits(hidden[:, 0])
+        tok, lp = core.pick_tokens(logits, step_keys(st.keys, st.count), st.count, knobs=knobs, spec=spec)
+        live = st.live
+        tok = jnp.where(live, tok, spec.pad_token_id)
+        lp = jnp.where(live, lp, 0.0)
+        stopped = live & core.is_stop(tok, spec)
+        count = st.count + live.astype(jnp.int32)
+        out = ChunkOut(
+            tokens=jax.lax.dynamic_update_slice(out.tokens, tok[:, None], (0, c)),
+            logprobs=jax.lax.dynamic_update_slice(out.logprobs, lp[:, None], (0, c)),
+            emitted=jax.lax.dynamic_update_slice(out.emitted, live[:, None], (0, c)),
+        )
+        st = st._replace(
+            prev=jnp.where(live, tok, st.prev),
+            position=st.position + live.astype(jnp.int32),
+            count=count,
+            live=live & ~stopped & (count < st.limit),
+            finished=st.finished | stopped,
+        )
+        return c + 1, cache, st, out
+
+    _, cache, state, out = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), cache, state, out))
+    return cache, state, out
+
+
+# ----------------------------------------------------------------------------- the host edge
+
+
+@dataclasses.dataclass(frozen=True)
+class Completed:
+    """One prompt's K samples, all ended. token_versions[k][t]: the param version whose forward
+    produced response token t of sample k."""
+
+    tag: Hashable
+    prompt: np.ndarray
+    tokens: list[np.ndarray]
+    logprobs: list[np.ndarray]
+    token_versions: list[np.ndarray]
+    finished: np.ndarray  # [K] bool: ended by a stop token
+
+
+@dataclasses.dataclass
+class _Live:
+    """Host record of one sample in a slot."""
+
+    request: int
+    k: int
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class _Request:
+    tag: Hashable
+    prompt: np.ndarray
+    keys: Any  # [K] typed PRNG keys
+    limit: np.ndarray  # [K] int32
+    done: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, bool]] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class EngineStats:
+    chunks: int = 0
+    decode_steps: int = 0  # decode steps run (a chunk exits early when no slot is live or K are free)
+    slot_steps_live: int = 0  # sum over steps of live slots
+    admitted: int = 0
+    swaps: int = 0
+    last_swap_s: float = 0.0
+
+    def occupancy(self, slots: int) -> float:
+        """Share of decode slot-steps that generated a token."""
+        return self.slot_steps_live / max(1, self.decode_steps * slots)
+
+
+def request_keys(call_key: jax.Array, first_row: int, num_samples: int) -> jax.Array:
+    """The K per-sample keys the static sampler gives rows first_row .. first_row + K - 1 of a call
+    with `call_key`: fold_in(call_key, row)."""
+    if not jnp.issubdtype(call_key.dtype, jax.dtypes.prng_key):
+        call_key = jax.random.wrap_key_data(jnp.asarray(call_key, jnp.uint32))
+    rows = jnp.arange(first_row, first_row + num_samples, dtype=jnp.int32)
+    return jax.vmap(lambda r: jax.random.fold_in(call_key, r))(rows)
+
+
+class ContinuousEngine:
+    """Continuous batching over a `Sampler`'s model, params, mesh and compiled-program cache.
+
+    slots: decode slots (a multiple of the mesh's batch shards and >= K); chunk: decode steps per
+    compiled chunk; max_prompt_tokens: the longest prompt to admit (sets the ring size). The
+    sampler's `update_params` (or this engine's, which also sets the version) swaps the policy for
+    the next chunk.
+    """
+
+    def __init__(
+        self,
+        sampler: Sampler,
+        config: SamplingConfig,
+        *,
+        slots: int,
+        chunk: int,
+        max_prompt_tokens: int | None = None,
+        version: int = 0,
+    ):
+        cfg = sampler.config
+        k = config.num_samples
+        if chunk < 1:
+            raise ValueError(f"decode chunk must be >= 1 step, got {chunk}")
+        if slots < k or slots % sampler.batch_shards:
+            raise ValueError(
+                f"decode slots={slots} must be >= num_samples={k} and a multiple of the mesh's "
+                f"{sampler.batch_shards} batch shards; raise rollout.decode_slots"
+            )
+        limit = sampler.max_cache_length - config.max_new_tokens
+        if limit < 1:
+            raise ValueError(
+                f"max_new_tokens={config.max_new_tokens} leaves no room for a prompt in the sampler's "
+                f"cache of {sampler.max_cache_length}; raise Sampler(max_cache_length=...)"
+            )
+        self.max_prompt = min(max_prompt_tokens or limit, limit)
+        self.sampler = sampler
+        self.config = config
+        self.slots = slots
+        self.chunk = chunk
+        self.pad = config.pad_token_id if config.pad_token_id is not None else (cfg.pad_token_id or 0)
+        stops = config.stop_token_ids if config.stop_token_ids is not None else cfg.eos_token_ids
+        sampler._check_prompts([[0]], config, self.pad, stops)  # vocab checks of pad/stops/top_k
+        self.spec = core.DecodeSpec(
+            max_new_tokens=config.max_new_tokens, top_k=config.top_k, use_top_p=config.top_p < 1.0,
+            greedy=config.is_greedy, stop_token_ids=tuple(stops), pad_token_id=self.pad,
+        )
+        self.knobs = core.Knobs(
+            temperature=sampler._put(np.float32(config.logprob_temperature), ()),
+            top_p=sampler._put(np.float32(config.top_p), ()),
+            min_new_tokens=sampler._put(np.int32(config.min_new_tokens), ()),
+        )
+        p_max = length_bucket(self.max_prompt, limit, sampler.min_prompt_bucket)
+        self.ring = p_max + config.max_new_tokens
+        self.version = version
+        self.stats = EngineStats()
+        self._queue: collections.deque[int] = collections.deque()
+        self._requests: dict[int, _Request] = {}
+        self._next_id = 0
+        self._slot: list[_Live | None] = [None] * slots
+        self._cache = sampler._run(
+            ("cache", (("rows", slots), ("slots", self.ring))),
+            lambda: jax.jit(lambda: core.init_cache(cfg, slots, self.ring)),
+        )
+        proto = request_keys(jax.random.PRNGKey(0), 0, 1)[0]
+        self._state = sampler._run(
+            ("slot_state", (("rows", slots),)),
+            lambda: jax.jit(lambda key: _constrain_state(init_state(slots, key))),
+            proto,
+        )
+
+    # -- inputs ------------------------------------------------------------------------------
+
+    def submit(
+        self, prompt: Sequence[int] | np.ndarray, keys: jax.Array, tag: Hashable = None,
+        max_new_per_sample: Sequence[int] | np.ndarray | None = None,
+    ) -> None:
+        """Queue one prompt for K samples with per-sample keys [K] (`request_keys`); `tag` comes
+        back with its `Completed` group. max_new_per_sample: optional [K] caps on new tokens."""
+        k = self.config.num_samples
+        (arr,) = self.sampler._check_prompts([prompt], self.config, self.pad, self.spec.stop_token_ids)
+        if len(arr) > self.max_prompt:
+            raise ValueError(f"prompt has {len(arr)} tokens, the engine admits at most {self.max_prompt}")
+        if keys.shape[:1] != (k,):
+            raise ValueError(f"need {k} per-sample keys (num_samples), got shape {keys.shape}")
+        limit = np.full(k, self.config.max_new_tokens, np.int32)
+        if max_new_per_sample is not None:
+            caps = np.asarray(max_new_per_sample)
+            if caps.shape != (k,) or caps.min() < 1 or caps.max() > self.config.max_new_tokens:
+                raise ValueError(f"max_new_per_sample needs {k} entries in [1, {self.config.max_new_tokens}]")
+            limit = caps.astype(np.int32)
+        rid = self._next_id
+        self._next_id += 1
+        self._requests[rid] = _Request(tag, arr, keys, limit)
+        self._queue.append(rid)
+
+    def update_params(self, model_or_state: Any, version: int) -> float:
+        """Swap the policy for the next chunk (samples in flight keep their cache); returns the
+        seconds the swap took (placing the params on the mesh)."""
+        t0 = time.perf_counter()
+        self.sampler.update_params(model_or_state)
+        self.version = version
+        seconds = time.perf_counter() - t0
+        self.stats.swaps += 1
+        self.stats.last_swap_s = seconds
+        log.info("continuous engine: params version %d swapped in between chunks in %.3f s "
+                 "(%d samples in flight keep their cache)", version, seconds, self.in_flight)
+        return seconds
+
+    # -- state -------------------------------------------------------------------------------
+
+    @property
+    def pending(self) -> int:
+        """Prompts queued, not yet admitted."""
+        return len(self._queue)
+
+    @property
+    def in_flight(self) -> int:
+        """Samples in slots."""
+        return sum(s is not None for s in self._slot)
+
+    @property
+    def free_slots(self) -> int:
+        return self.slots - self.in_flight
+
+    @property
+    def idle(self) -> bool:
+        return not self._queue and not self.in_flight
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def step(self) -> list[Completed]:
+        """Admit queued prompts into free slots, run one decode chunk, harvest; return the groups
+        whose K samples have all ended (in completion order)."""
+        k = self.config.num_samples
+        admitted = self._admit()
+        if not self.in_flight:
+            return self._harvest_admitted(admitted)
+        version = self.version
+        cache, state, out = self.sampler._run(
+            ("decode_chunk", (("slots", self.slots), ("ring", self.ring), ("chunk", self.chunk),
+                              ("spec", self.spec))),
+            lambda: _jit_chunk(self.sampler._policy, self.spec, self.chunk),
+            self.sampler._policy.leaves, self._cache, self._state, self.knobs,
+            self.sampler._put(np.int32(k if self._queue else self.slots + 1), ()),
+        )
+        self._cache, self._state = cache, state
+        host_out, live, finished = jax.device_get((out, state.live, state.finished))
+        done = self._harvest_admitted(admitted)
+        self.stats.chunks += 1
+        self.stats.decode_steps += int(host_out.emitted.any(0).sum())  # the loop runs while any is live
+        self.stats.slot_steps_live += int(host_out.emitted.sum())
+        for s, rec in enumerate(self._slot):
+            if rec is None:
+                continue
+            row = host_out.emitted[s]
+            if row.any():
+                rec.tokens.extend(host_out.tokens[s][row].tolist())
+                rec.logprobs.extend(host_out.logprobs[s][row].tolist())
+                rec.versions.extend([version] * int(row.sum()))
+            if not live[s]:
+                done.extend(self._end(s, bool(finished[s])))
+        return done
+
+    def run(self) -> list[Completed]:
+        """Step until every submitted prompt is done (for tests and benchmarks)."""
+        out: list[Completed] = []
+        while not self.idle:
+            out.extend(self.step())
+        return out
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _admit(self) -> list[tuple[list[int], Any, int]]:
+        """Admit as many queued prompts as free slots allow; returns (slots, AdmitOut) per batch
+        for the first tokens (fetched with the next chunk's outputs)."""
+        k = self.config.num_samples
+        take = min(len(self._queue), self.free_slots // k)
+        if take == 0:
+            return []
+        rids = [self._queue.popleft() for _ in range(take)]
+        free = [s for s, rec in enumerate(self._slot) if rec is None]
+        b = min(next_pow2(take), max(1, self.slots // k))
+        b = max(b, take)
+        prompts = [self._requests[r].prompt for r in rids]
+        limit_len = self.sampler.max_cache_length - self.config.max_new_tokens
+        p_len = length_bucket(max(len(p) for p in prompts), limit_len, self.sampler.min_prompt_bucket)
+        tokens, mask = left_pad(prompts, b, p_len, self.pad)
+        slots = np.full(b * k, self.slots, np.int32)  # out of range: dropped
+        slots[: take * k] = free[: take * k]
+        keys = jnp.concatenate([self._requests[r].keys for r in rids]
+                               + [self._requests[rids[0]].keys] * (b - take))
+        limit = np.concatenate([self._requests[r].limit for r in rids]
+                               + [np.ones(k, np.int32)] * (b - take))
+        shape = (("batch", b), ("prompt_len", p_len), ("num_samples", k), ("ring", self.ring),
+                 ("slots", self.slots), ("spec", self.spec))
+        put = self.sampler._put
+        self._cache, self._state, first = self.sampler._run(
+            ("admit", shape),
+            lambda: _jit_admit(self.sampler._policy, self.spec, k),
+            self.sampler._policy.leaves, self._cache, self._state,
+            put(tokens, ()), put(mask, ()), put(slots, ()),
+            jax.device_put(keys, NamedSharding(self.sampler.mesh, P())),
+            put(limit, ()), self.knobs,
+        )
+        for i, r in enumerate(rids):
+            for j in range(k):
+                self._slot[int(slots[i * k + j])] = _Live(r, j)
+        self.stats.admitted += take
+        return [(list(slots[: take * k]), first, self.version)]
+
+    def _harvest_admitted(self, admitted: list[tuple[list[int], Any, int]]) -> list[Completed]:
+        """Record each admitted sample's first token; samples that ended at it (a stop token or a
+        cap of 1) are freed here."""
+        done: list[Completed] = []
+        for slots, first, version in admitted:
+            tok, lp = jax.device_get((first.tokens, first.logprobs))
+            for i, s in enumerate(slots):
+                rec = self._slot[s]
+                assert rec is not None
+                rec.tokens.append(int(tok[i]))
+                rec.logprobs.append(float(lp[i]))
+                rec.versions.append(version)
+                stopped = int(tok[i]) in self.spec.stop_token_ids
+                if stopped or self._requests[rec.request].limit[rec.k] <= 1:
+                    done.extend(self._end(s, stopped))
+        return done
+
+    def _end(self, slot: int, finished: bool) -> list[Completed]:
+        rec = self._slot[slot]
+        assert rec is not None
+        self._slot[slot] = None
+        req = self._requests[rec.request]
+        req.done[rec.k] = (np.asarray(rec.tokens, np.int32), np.asarray(rec.logprobs, np.float32),
+                           np.asarray(rec.versions, np.int32), finished)
+        if len(req.done) < self.config.num_samples:
+            return []
+        del self._requests[rec.request]
+        ks = range(self.config.num_samples)
+        return [Completed(
+            tag=req.tag, prompt=req.prompt,
+            tokens=[req.done[j][0] for j in ks], logprobs=[req.done[j][1] for j in ks],
+            token_versions=[req.done[j][2] for j in ks],
+            finished=np.array([req.done[j][3] for j in ks], bool),
+        )]
+
+
+def _constrain_state(state: SlotState) -> SlotState:
+    return SlotState(*(x if i == 5 else constrain(x, ("batch",)) for i, x in enumerate(state)))
+
+
+def _jit_admit(params: Any, spec: core.DecodeSpec, num_samples: int) -> Any:
+    def fn(leaves, cache, state, tokens, mask, slots, keys, limit, knobs):  # type: ignore[no-untyped-def]
+        return admit(params.model(leaves), cache, state, tokens, mask, slots, keys, limit, knobs, spec,
+                     num_samples=num_samples)
+
+    return jax.jit(fn, donate_argnums=(1, 2))
+
+
+def _jit_chunk(params: Any, spec: core.DecodeSpec, chunk: int) -> Any:
+    def fn(leaves, cache, state, knobs, refill_at):  # type: ignore[no-untyped-def]
+        return decode_chunk(params.model(leaves), cache, state, knobs, spec, refill_at, chunk=chunk)
+
+    return jax.jit(fn, donate_argnums=(1, 2))
