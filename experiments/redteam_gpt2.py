@@ -13,8 +13,8 @@ near-duplicate rejection, half the steps online and half replayed. Diversity is 
 all-MiniLM-L6-v2. The reference fine-tunes an SFT'd GPT-2 attacker; pass it with
 `--set model.checkpoint=DIR` (plain `gpt2` is the architecture and the default).
 
-Not the reference in one place (see `redteam_experiment`): one fixed sampling temperature
-instead of a random one per batch. The replay heap rejects near-duplicates by edit distance and
+Sampling temperature per call: uniform in [0.5, 2] half the time, else 1 (the reference's
+exploration; the trainer scores untempered log-probs). The replay heap rejects near-duplicates by edit distance and
 by MiniLM cosine > 0.4 (the scorer embeds every attack). The γ/τ schedules follow the trainer step through the
 param version the searcher samples with (version × sync_every: with sync_every 1, the step).
 
@@ -54,6 +54,7 @@ def config():
         steps=5000,
         log_z="head",  # the reference's learned log Z head on the pooled prompt state
         cosine_tolerance=0.4,  # the reference's MiniLM near-duplicate rule, besides edit distance
+        random_temperature=(0.5, 2.0, 0.5),  # the reference's: uniform in [0.5, 2] half the calls, else 1
         lr=1e-4,
         buffer_capacity=1000,
         lora_targets=("qkv_proj",),  # GPT-2's c_attn, PEFT's GPT-2 default

@@ -10,8 +10,8 @@ checkpoint; its prompt defaults follow the model card and are not checked agains
 offline). Any BERT/RoBERTa or decoder *ForSequenceClassification also works through
 `task.options.classifier` (`encoder:` / `scorer:`), e.g. the GPT-2 recipe's RoBERTa.
 γ ramps 1.0 -> 1.2 over 2,000 steps and τ 2 -> 1 over 500 as the
-reference's (following the trainer step through the searcher's param version). Also not the
-reference: one fixed sampling temperature. The heap rejects near-duplicates by edit distance and MiniLM cosine.
+reference's (following the trainer step through the searcher's param version); a random
+sampling temperature per call as the reference's. The heap rejects near-duplicates by edit distance and MiniLM cosine.
 
     python -m tbajax.main --experiment=redteam_llama
 """
@@ -47,6 +47,7 @@ def config():
         steps=5000,
         log_z="head",  # the reference's learned log Z head on the pooled prompt state
         cosine_tolerance=0.4,  # the reference's MiniLM near-duplicate rule, besides edit distance
+        random_temperature=(0.5, 2.0, 0.5),  # the reference's: uniform in [0.5, 2] half the calls, else 1
         lr=1e-4,
         buffer_capacity=5000,
         chat=True,

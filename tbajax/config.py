@@ -76,6 +76,11 @@ class RolloutSpec:
       `Trajectory.token_versions`). See tbajax/sampling/continuous.py.
     decode_slots: samples decoded at once (continuous; >= sampling.num_samples, a multiple of
       the searcher mesh's batch shards). decode_chunk: decode steps between harvests / swaps.
+    random_temperature: (low, high, prob): each generation call samples at a temperature drawn
+      uniform in [low, high] with probability prob, else at `sampling.temperature` (the
+      red-teaming reference's exploration: [0.5, 2.0] half the time, else 1.0). Only to explore:
+      needs train.exploration_temperature=true (the trainer scores at its own temperature) and
+      the static engine. The temperature is a traced knob: no recompiles.
     """
 
     prompts_per_call: int = 8
@@ -89,6 +94,18 @@ class RolloutSpec:
     engine: Literal["static", "continuous"] = "static"
     decode_slots: int = 64
     decode_chunk: int = 16
+    random_temperature: tuple[float, float, float] | None = None
+
+    def __post_init__(self) -> None:
+        if self.random_temperature is not None:
+            t = tuple(float(x) for x in self.random_temperature)
+            if len(t) != 3 or not (0 < t[0] <= t[1] and 0 <= t[2] <= 1):
+                raise ConfigError(f"rollout.random_temperature={self.random_temperature!r} must be "
+                                  "[low, high, prob] with 0 < low <= high and prob in [0, 1]")
+            if self.engine != "static":
+                raise ConfigError("rollout.random_temperature draws one temperature per generation call: "
+                                  "use rollout.engine=static (the continuous engine has no calls)")
+            object.__setattr__(self, "random_temperature", t)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,6 +261,9 @@ class ExperimentConfig:
                 f"cannot fill groups of buffer.samples_per_group={k}"
             )
         t_sample, t_train = self.rollout.sampling.temperature, self.train.trainer.temperature
+        if self.rollout.random_temperature is not None and not self.train.exploration_temperature:
+            raise ConfigError("rollout.random_temperature samples at other temperatures than the trainer "
+                              "scores: set train.exploration_temperature=true (TB only needs full support)")
         if t_sample > 0 and t_sample != t_train and not self.train.exploration_temperature:
             raise ConfigError(
                 f"train.trainer.temperature={t_train} must equal rollout.sampling.temperature={t_sample}: "

@@ -275,6 +275,35 @@ def test_exploration_temperature_is_an_explicit_opt_out() -> None:
     assert cfg.train.trainer.temperature == 1.0 and cfg.rollout.sampling.temperature == 1.5
 
 
+def test_random_temperature_per_call_is_checked_and_follows_the_rule() -> None:
+    """rollout.random_temperature: per call, uniform in [low, high] with probability prob, else the
+    configured temperature; only with exploration_temperature and the static engine."""
+    import types
+
+    import jax
+
+    from tbajax.config import ConfigError, ExperimentConfig, RolloutSpec, TrainSpec
+    from tbajax.sampling import SamplingConfig
+    from tbajax.system.searcher import Rollouts
+
+    rollout = RolloutSpec(sampling=SamplingConfig(temperature=1.0, num_samples=20), random_temperature=[0.5, 2.0, 0.5])
+    with pytest.raises(ConfigError, match="exploration_temperature"):
+        ExperimentConfig(name="x", rollout=rollout)
+    for bad in ([2.0, 0.5, 0.5], [0.5, 2.0, 1.5], [0.5, 2.0]):
+        with pytest.raises(ConfigError, match="random_temperature"):
+            RolloutSpec(random_temperature=bad)
+    with pytest.raises(ConfigError, match="engine=static"):
+        RolloutSpec(random_temperature=[0.5, 2.0, 0.5], engine="continuous")
+    cfg = ExperimentConfig(name="x", rollout=rollout, train=TrainSpec(exploration_temperature=True))
+    assert ExperimentConfig.from_dict(json.loads(cfg.to_json())) == cfg
+    temps = np.array([Rollouts.call_sampling(types.SimpleNamespace(config=cfg), jax.random.PRNGKey(i)).temperature
+                      for i in range(400)])
+    hot = temps != 1.0
+    assert 0.4 < hot.mean() < 0.6 and np.all((temps[hot] >= 0.5) & (temps[hot] <= 2.0))
+    assert np.std(temps[hot]) > 0.3  # spread over the interval, not one value
+    assert Rollouts.call_sampling(types.SimpleNamespace(config=cfg), jax.random.PRNGKey(3)).temperature == temps[3]
+
+
 @pytest.mark.parametrize("name", ["redteam_gpt2", "redteam_llama", "redteam_smollm2"])
 def test_redteam_experiments_resolve(name: str) -> None:
     from tbajax.config import ExperimentConfig
@@ -299,6 +328,7 @@ def test_redteam_experiments_resolve(name: str) -> None:
     assert (b.mode, b.recency_prob, b.heap_priority, b.edit_tolerance, b.cosine_tolerance) == (
         "reward_heap", 0.5, "log_toxicity", 0.25, 0.4 if paper else None)
     assert config.task.options.get("embed_attacks", False) == paper
+    assert config.rollout.random_temperature == ((0.5, 2.0, 0.5) if paper else None)
     assert (config.model.lora.rank, config.model.lora.alpha) == (32, 16.0) and config.system.publish == "auto"
     assert not config.train.trainer.compute_reference_logprobs and not config.rollout.reference_logprobs
     assert config.task.options["num_train"] == 1  # one prompt id: any K attacks are a TB group

@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 
 _SCORER_STREAM = 0x5C0BE  # the scorer's randomness (e.g. a victim LM's samples) is its own stream
+_TEMPERATURE_STREAM = 0x7E3B  # rollout.random_temperature's draw per call
 
 
 class PromptTooLongError(ValueError):
@@ -205,6 +206,18 @@ class Rollouts:
         )
         return out, samples, self.score(samples, jax.random.fold_in(key, _SCORER_STREAM))
 
+    def call_sampling(self, key: jax.Array) -> SamplingConfig:
+        """This call's sampling config: `rollout.sampling`, at a temperature drawn from `key` when
+        `rollout.random_temperature` is set (the red-teaming reference's exploration)."""
+        sampling, rule = self.config.rollout.sampling, self.config.rollout.random_temperature
+        if rule is None:
+            return sampling
+        low, high, prob = rule
+        coin, draw = jax.random.split(jax.random.fold_in(key, _TEMPERATURE_STREAM))
+        if not bool(jax.random.bernoulli(coin, prob)):
+            return sampling
+        return dataclasses.replace(sampling, temperature=float(jax.random.uniform(draw, (), minval=low, maxval=high)))
+
     def generate(
         self, problems: Sequence[Problem], key: jax.Array, *, version: int, first_group_id: int
     ) -> list[Trajectory]:
@@ -221,7 +234,7 @@ class Rollouts:
                                      first_group_id=first_group_id)
         self._set_scorer_version(version)
         out, samples, scores = self.sample_and_score(
-            problems, self.config.rollout.sampling, key, reference=self.reference_logprobs
+            problems, self.call_sampling(key), key, reference=self.reference_logprobs
         )
         n = len(samples)
         return self._rows(

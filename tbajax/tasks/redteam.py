@@ -679,6 +679,7 @@ def redteam_experiment(
     max_calls_per_version: int | None = None,
     log_z: str = "vargrad",
     cosine_tolerance: float | None = None,
+    random_temperature: tuple[float, float, float] | None = None,
 ) -> Any:
     """The red-team recipe shared by experiments/redteam_*.py (TBA spec §8), in this repo's terms.
 
@@ -695,8 +696,9 @@ def redteam_experiment(
     - Attacks: `min_new_tokens`..`max_new_tokens` tokens (5–20: no EOS first, nothing shorter
       than the prior's 5-token rule). Sampling at `sampling_temperature`; a value other than 1
       samples hotter/colder only to explore (`train.exploration_temperature`), the trainer scores
-      untempered log-probs. (The reference draws a random temperature per batch; a searcher
-      samples at one fixed temperature.)
+      untempered log-probs. `random_temperature` (low, high, prob): the reference's per-batch
+      draw, uniform in [low, high] with probability prob, else `sampling_temperature`
+      (`rollout.random_temperature`).
     - Replay: the reference's reward-keyed heap (`buffer.mode="reward_heap"`,
       `tbajax.buffer.heap_buffer`): `buffer_capacity` unique attacks by log R, near-duplicates
       (edit distance of the tokens < `edit_tolerance`·(len₁ + len₂)) rejected, no embedding
@@ -737,6 +739,7 @@ def redteam_experiment(
             max_prompt_tokens=max_prompt_tokens,
             reference_logprobs=False,
             max_calls_per_version=max_calls_per_version,
+            random_temperature=random_temperature,
         ),
         train=TrainSpec(
             steps=steps,
@@ -752,7 +755,7 @@ def redteam_experiment(
                 compute_dtype=compute_dtype,
             ),
             checkpoint_every=checkpoint_every,
-            exploration_temperature=sampling_temperature != 1.0,
+            exploration_temperature=sampling_temperature != 1.0 or random_temperature is not None,
         ),
         buffer=BufferConfig(
             mode="reward_heap",
