@@ -54,8 +54,10 @@ def import_ray():  # -> the ray module
 
 
 def actor_options(spec: RaySpec, kind: str, *, max_restarts: int) -> dict[str, Any]:
-    """Ray actor options of one role ("trainer" or "searcher"): its resources, node labels, and
-    Ray's fault tolerance (restart the actor, re-run its task on the new one)."""
+    """Ray actor options of one role ("trainer", "searcher" or "evaluator"): its resources, node
+    labels, and Ray's fault tolerance (restart the actor, re-run its task on the new one). The
+    evaluator (eval.mode=process) samples like a searcher, so it asks for a searcher's resources."""
+    kind = "searcher" if kind == "evaluator" else kind
     options: dict[str, Any] = {
         "num_cpus": getattr(spec, f"{kind}_cpus"),
         "num_gpus": getattr(spec, f"{kind}_gpus"),
