@@ -291,8 +291,8 @@ def test_a_restarted_evaluator_resumes_after_its_records_and_reports_lost_versio
     rundir.write_json_atomic(run / "config.json", config.to_dict())
     params = nnx.to_pure_dict(nnx.state(load_model(config.model.checkpoint), nnx.Param))
     pub = ParamPublisher(param_store_url(run), "run-r", dtype=None, keep=1)
-    for step in (1, 2, 3, 4):  # version == step
-        pub.publish(params, {"kind": "full"}, step=step, pin=eval_pin(float(step), final=step == 4))
+    for step in (1, 2, 3, 4):  # version == step; steps 2-4 are eval steps
+        pub.publish(params, {"kind": "full"}, step=step, pin=eval_pin(float(step), final=step == 4) if step > 1 else None)
     pub.close()
     shutil.rmtree(run / "params" / "4")  # a version lost (deleted by hand) despite its pin
     before = [{"role": "evaluator", "step": 0, "version": 0, "eval_score": 0.25, "time": 1.0},
