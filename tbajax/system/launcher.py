@@ -490,9 +490,12 @@ class _Progress:
         gen = sum(s.get("tokens_per_s", 0.0) for k, s in status.items() if k.startswith("searcher"))
         samples = sum(s.get("samples", 0) for k, s in status.items() if k.startswith("searcher"))
         self.bar.n = int(t.get("step", 0))
+        # eval.mode=process: the newest evaluation is the evaluator's
+        score = t.get("eval_score")
+        score = status.get("evaluator", {}).get("eval_score") if score is None else score
         self.bar.set_postfix_str(
             f"{t.get('phase', 'starting')} reward={t.get('reward_mean', float('nan')):.3f} "
-            f"eval={t.get('eval_score', float('nan')):.3f} buffer={t.get('buffer_rows', 0)} "
+            f"eval={float('nan') if score is None else score:.3f} buffer={t.get('buffer_rows', 0)} "
             f"lag={t.get('policy_lag', float('nan')):.1f} samples={samples} gen={gen:,.0f}tok/s",
             refresh=False,
         )

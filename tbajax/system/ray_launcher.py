@@ -1,4 +1,5 @@
-"""`--launcher=ray`: the trainer and each searcher as Ray actors, placed by declared resources.
+"""`--launcher=ray`: the trainer and each searcher as Ray actors, placed by declared resources
+(the evaluator of eval.mode=process too, with a searcher's resources and restart budget).
 
 Each actor runs its role exactly as the process launcher does, as `python -m tbajax.main
 --role=... --run-dir=...` in a process group of its own (so its reward workers and graders die

@@ -390,7 +390,7 @@ def _note_eval_backlog(publisher: ParamPublisher, step: int) -> None:
 
 
 def wait_for_eval(run_dir: Path, version: int, timeout_s: float, stop: Callable[[], bool],
-                  poll_s: float = 0.5) -> Mapping[str, Any] | None:
+                  poll_s: float = 1.0) -> Mapping[str, Any] | None:
     """The evaluator's record of `version`, waiting for it while the evaluator makes progress:
     None once it has written nothing new for `timeout_s` (or a stop was requested)."""
     seen, last_progress = -1, time.time()
