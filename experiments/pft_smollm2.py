@@ -127,7 +127,8 @@ def config() -> ExperimentConfig:
         buffer=BufferConfig(samples_per_group=K, capacity_per_prompt=32, recency_prob=0.5, reward_inv_temp=1.0),
         system=SystemSpec(mode="async", num_searchers=1, sync_every=2),
         # the evaluator role evaluates (win rate, KL) in its own process while the trainer trains
-        eval=EvalSpec(every=EVAL_EVERY, num_problems=64, batch_size=32, max_new_tokens=NEW_TOKENS, mode="process"),
+        eval=EvalSpec(every=EVAL_EVERY, num_problems=64, batch_size=32, max_new_tokens=NEW_TOKENS,
+                      mode="process"),
     )
 
 

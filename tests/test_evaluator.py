@@ -81,13 +81,15 @@ def test_a_restarted_evaluator_skips_what_its_records_hold():
     ]
     done = evaluated_versions(records)
     assert done == {0, 4, 8}
-    requests = [EvalRequest(4, 3, 0, 0, False), EvalRequest(12, 9, 0, 0, False), EvalRequest(15, 12, 0, 0, True)]
+    requests = [EvalRequest(4, 3, 0, 0, False), EvalRequest(12, 9, 0, 0, False),
+                EvalRequest(15, 12, 0, 0, True)]
     todo, finished = split_requests(requests, done)
     assert [r.version for r in todo] == [12, 15] and [r.version for r in finished] == [4]
 
 
 def test_missing_eval_steps_and_the_final_record():
-    records = [{"step": 0, "eval_score": 0.1}, {"step": 3, "eval_score": 0.2}, {"step": 6, "event": "eval_missing"}]
+    records = [{"step": 0, "eval_score": 0.1}, {"step": 3, "eval_score": 0.2},
+               {"step": 6, "event": "eval_missing"}]
     assert missing_eval_steps([0, 3, 6, 9], records) == [6, 9]
     evaluator = [{"role": "evaluator", "step": 6, "version": 7, "eval_score": 0.5, "eval_s": 1.0,
                   "eval_backlog": 0, "eval_metric": "accuracy", "eval_accuracy": 0.5}]
@@ -120,7 +122,7 @@ def test_eval_records_merge_the_trainers_and_the_evaluators(tmp_path):
         {"role": "searcher-0", "step": 64, "time": 1.5, "reward_mean": 0.2},
         {"role": "trainer", "step": 1, "time": 2.0, "loss": 1.0},
         {"role": "evaluator", "step": 3, "time": 4.0, "eval_score": 0.3, "version": 3},
-        {"role": "evaluator", "step": 3, "time": 5.0, "eval_score": 0.35, "version": 3},  # re-run after a crash
+        {"role": "evaluator", "step": 3, "time": 5.0, "eval_score": 0.35, "version": 3},  # re-run (a crash)
     ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     assert [(r["step"], r["eval_score"]) for r in eval_records(tmp_path)] == [(0, 0.1), (3, 0.35)]
@@ -149,7 +151,8 @@ def test_the_launcher_starts_an_evaluator_only_for_eval_mode_process(tmp_path):
     assert [r for r, _, _ in role_commands(_config("eval.mode=process", "system.mode=sync"), tmp_path,
                                            resume=False)] == ["trainer"]
     # split devices: the evaluator gets the GPU after the searchers'
-    split = _config("eval.mode=process", "system.num_searchers=2", "system.devices=split", "system.trainer_devices=2")
+    split = _config("eval.mode=process", "system.num_searchers=2", "system.devices=split",
+                    "system.trainer_devices=2")
     (_, index, args), = [c for c in role_commands(split, tmp_path, resume=True) if c[0] == "evaluator"]
     assert "--role=evaluator" in args and "--resume" in args
     assert child_env(split, "evaluator", index)["CUDA_VISIBLE_DEVICES"] == "4"
@@ -203,8 +206,8 @@ def test_background_publish_pins_and_a_resume_drops_rolled_back_pins(tmp_path, c
     pub = ParamPublisher(url, "run-q", dtype=None, keep=1)
     publishing = BackgroundPublish(pub, threaded=True)
     for step in (1, 2, 3, 4):
-        publishing.publish(_params(float(step)), step=step, pin=eval_pin(float(step), final=False) if step % 2 == 0
-                           else None)
+        pin = eval_pin(float(step), final=False) if step % 2 == 0 else None
+        publishing.publish(_params(float(step)), step=step, pin=pin)
     publishing.close()
     pub.wait()
     assert [(r.step, r.version) for r in eval_requests(pub.pins())] == [(2, 2), (4, 4)]
@@ -237,8 +240,8 @@ def test_wait_for_eval_returns_the_record_or_gives_up_without_progress(tmp_path)
 
 # --- real processes -------------------------------------------------------------------------------
 
-SMALL = ["--set", "eval.num_problems=16", "--set", "eval.batch_size=16", "--set", "rollout.prompts_per_call=4",
-         "--set", "train.groups_per_step=4", "--set", "train.log_every=1"]
+SMALL = [arg for kv in ("eval.num_problems=16", "eval.batch_size=16", "rollout.prompts_per_call=4",
+                        "train.groups_per_step=4", "train.log_every=1") for arg in ("--set", kv)]
 
 
 def _env() -> dict[str, str]:
@@ -274,7 +277,8 @@ def test_trainer_and_evaluator_processes_give_eval_records_at_the_eval_steps(tmp
     assert summary["eval_steps_missing"] == []
     assert list((run / "params" / "pins").iterdir()) == []  # every pin released
     assert (run / "plots" / "learning_curve.png").exists()
-    assert "waiting for the evaluator's final evaluation (step 6" in (run / "logs" / "trainer.log").read_text()
+    trainer_log = (run / "logs" / "trainer.log").read_text()
+    assert "waiting for the evaluator's final evaluation (step 6" in trainer_log
 
 
 @pytest.mark.processes
@@ -292,7 +296,8 @@ def test_a_restarted_evaluator_resumes_after_its_records_and_reports_lost_versio
     params = nnx.to_pure_dict(nnx.state(load_model(config.model.checkpoint), nnx.Param))
     pub = ParamPublisher(param_store_url(run), "run-r", dtype=None, keep=1)
     for step in (1, 2, 3, 4):  # version == step; steps 2-4 are eval steps
-        pub.publish(params, {"kind": "full"}, step=step, pin=eval_pin(float(step), final=step == 4) if step > 1 else None)
+        pin = eval_pin(float(step), final=step == 4) if step > 1 else None
+        pub.publish(params, {"kind": "full"}, step=step, pin=pin)
     pub.close()
     shutil.rmtree(run / "params" / "4")  # a version lost (deleted by hand) despite its pin
     before = [{"role": "evaluator", "step": 0, "version": 0, "eval_score": 0.25, "time": 1.0},
@@ -312,7 +317,8 @@ def test_a_restarted_evaluator_resumes_after_its_records_and_reports_lost_versio
         out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, out[-3000:]
     mine = [r for r in read_metrics(run, "evaluator") if r["time"] > 10]
-    assert [(r["step"], r["version"]) for r in mine if "eval_score" in r] == [(3, 3)]  # nothing evaluated twice
+    # nothing evaluated twice
+    assert [(r["step"], r["version"]) for r in mine if "eval_score" in r] == [(3, 3)]
     (lost,) = [r for r in mine if r.get("event") == "eval_missing"]
     assert (lost["step"], lost["version"], lost["eval_missing_total"]) == (4, 4, 1)
     assert "eval of step 4 skipped: its param version 4 is gone from the store" in out

@@ -35,9 +35,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 def run(mode: str, run_dir: Path, args: argparse.Namespace) -> dict:
     cmd = [
-        sys.executable, "-m", "tbajax.main", f"--experiment={args.experiment}", f"--run-dir={run_dir}", "--quiet",
-        "--set", f"train.steps={args.steps}", "--set", f"eval.every={args.eval_every}",
-        "--set", f"eval.mode={mode}", "--set", "train.log_every=1", "--set", f"train.checkpoint_every={args.steps}",
+        sys.executable, "-m", "tbajax.main", f"--experiment={args.experiment}", f"--run-dir={run_dir}",
+        "--quiet", "--set", f"train.steps={args.steps}", "--set", f"eval.every={args.eval_every}",
+        "--set", f"eval.mode={mode}", "--set", "train.log_every=1",
+        "--set", f"train.checkpoint_every={args.steps}",
     ]
     for item in args.set:
         cmd += ["--set", item]
@@ -81,13 +82,14 @@ def main() -> None:
     inline, process = rows
     ratios = {k: process[k] / inline[k] for k in ("launcher_wall_s", "loop_wall_s", "trainer_wall_s")
               if inline[k] > 0}
-    print_table(rows, ["mode", "launcher_wall_s", "loop_wall_s", "trainer_wall_s", "trainer_wait_s", "eval_wait_s",
-                       "eval_score_start", "eval_score_end"])
+    print_table(rows, ["mode", "launcher_wall_s", "loop_wall_s", "trainer_wall_s", "trainer_wait_s",
+                       "eval_wait_s", "eval_score_start", "eval_score_end"])
     print("process / inline: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
     print(f"machine: {info['cpu_count']} CPUs, {info['matmul_gflops']:.1f} GFLOP/s fp32 matmul, "
           f"load {info['load_average_1m']}")
     write_json(args.json, {"experiment": args.experiment, "steps": args.steps, "eval_every": args.eval_every,
-                           "overrides": args.set, "runs": rows, "process_over_inline": ratios, "machine": info})
+                           "overrides": args.set, "runs": rows, "process_over_inline": ratios,
+                           "machine": info})
 
 
 if __name__ == "__main__":

@@ -62,18 +62,20 @@ def eval_requests(pins: Iterable[Mapping[str, Any]]) -> list[EvalRequest]:
             continue
         if not isinstance(p.get("step"), int):
             raise ValueError(f"eval pin of version {p.get('version')} has no step ({dict(p)!r}); delete it")
-        out.append(EvalRequest(int(p["version"]), int(p["step"]), float(p.get("time", 0.0)),
-                               None if p.get("elapsed_s") is None else float(p["elapsed_s"]), bool(p.get("final"))))
+        elapsed = None if p.get("elapsed_s") is None else float(p["elapsed_s"])
+        out.append(EvalRequest(int(p["version"]), int(p["step"]), float(p.get("time", 0.0)), elapsed,
+                               bool(p.get("final"))))
     return sorted(out, key=lambda r: r.version)
 
 
 def evaluated_versions(records: Iterable[Mapping[str, Any]]) -> set[int]:
     """Versions the evaluator has a result for (or reported missing), from its own records."""
-    return {int(r["version"]) for r in records
-            if r.get("role") == "evaluator" and "version" in r and ("eval_score" in r or r.get("event") == "eval_missing")}
+    return {int(r["version"]) for r in records if r.get("role") == "evaluator" and "version" in r
+            and ("eval_score" in r or r.get("event") == "eval_missing")}
 
 
-def split_requests(requests: Sequence[EvalRequest], done: set[int]) -> tuple[list[EvalRequest], list[EvalRequest]]:
+def split_requests(requests: Sequence[EvalRequest],
+                   done: set[int]) -> tuple[list[EvalRequest], list[EvalRequest]]:
     """(still to evaluate, already evaluated: only their pins are left to delete)."""
     return [r for r in requests if r.version not in done], [r for r in requests if r.version in done]
 
@@ -122,7 +124,8 @@ def run_evaluator(run_dir: Path, store_url: str | None = None) -> None:
     config = rundir.load_config(run_dir)
     if config.eval.mode != "process" or config.system.mode != "async":
         raise ConfigError(f"--role=evaluator runs eval.mode=process in async mode; this run has eval.mode="
-                          f"{config.eval.mode!r}, system.mode={config.system.mode!r} (its trainer evaluates inline)")
+                          f"{config.eval.mode!r}, system.mode={config.system.mode!r} "
+                          "(its trainer evaluates inline)")
     store = store_url or str(run_dir)
     stop = rundir.StopFlag(run_dir)
     mesh = make_mesh(config.system.searcher_mesh)
@@ -182,8 +185,8 @@ def run_evaluator(run_dir: Path, store_url: str | None = None) -> None:
                 reader.unpin(req.version)
                 continue
             if stored_step is not None and stored_step != req.step:
-                raise ParamStoreError(f"param version {req.version} holds the params of step {stored_step}, its "
-                                      f"eval pin says step {req.step}: the store is inconsistent")
+                raise ParamStoreError(f"param version {req.version} holds the params of step {stored_step}, "
+                                      f"its eval pin says step {req.step}: the store is inconsistent")
             out = evaluator.run_params(params)
             record(req.step, req.version, out, t0, elapsed_s=req.elapsed_s, params_time=req.time,
                    eval_backlog=len(todo) - 1, final=req.final)

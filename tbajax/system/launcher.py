@@ -433,7 +433,7 @@ class Supervisor:
         idle = now - self.last_progress
         phase = trainer.get("phase")
         if phase == "waiting for the evaluator":
-            return None  # bounded by the trainer itself (eval.wait_timeout_s, counted from the evaluator's progress)
+            return None  # the trainer bounds it (eval.wait_timeout_s, counted from the evaluator's progress)
         if phase != "waiting for data":
             return (f"the trainer has not advanced past step {step} for {idle:.0f} s (phase: {phase or 'starting'}); "
                     f"it looks hung (system.stall_timeout_s={timeout:g}). See {self.trainer.log_path}")

@@ -143,7 +143,7 @@ def drop_superseded(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r, k in zip(records, keep) if k]
 
 
-EVAL_ROLES = ("trainer", "evaluator")  # inline evaluation is in the trainer's records, eval.mode=process's its own
+EVAL_ROLES = ("trainer", "evaluator")  # eval.mode=inline writes trainer records, eval.mode=process its own
 
 
 def eval_records(run_dir: str | Path, key: str = "eval_score") -> list[dict[str, Any]]:

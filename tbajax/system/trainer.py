@@ -247,7 +247,8 @@ def run_trainer(run_dir: Path, *, resume: bool = False, store_url: str | None = 
             _checkpoint(checkpoints, learner, buffer, summary_start, counters)
 
     def pauses_after(step: int) -> bool:  # eval.mode=process: evaluation reads published params, no pause
-        return (evaluator is not None and is_eval_step(config, step)) or step % config.train.checkpoint_every == 0
+        evaluates = evaluator is not None and is_eval_step(config, step)
+        return evaluates or step % config.train.checkpoint_every == 0
 
     def on_stall(error: BufferEmptyError) -> None:
         write_status(run_dir, "trainer", {**last, "step": loop.step, "phase": "waiting for data",
@@ -281,8 +282,9 @@ def run_trainer(run_dir: Path, *, resume: bool = False, store_url: str | None = 
         # of a finished run, or one that changed train.steps, has not pinned them in this session)
         final_pin = pinned.get(learner.step)
         if final_pin is None:
-            final_pin = version = publisher.publish(*params_to_publish(config, learner.trainer), step=learner.step,
-                                                    pin=eval_pin(counters.elapsed(), final=True))
+            pin = eval_pin(counters.elapsed(), final=True)
+            final_pin = version = publisher.publish(*params_to_publish(config, learner.trainer),
+                                                    step=learner.step, pin=pin)
     if learner.step % config.system.sync_every and final_pin is None:
         version = publisher.publish(*params_to_publish(config, learner.trainer), step=learner.step)
     publisher.close()
@@ -298,7 +300,8 @@ def run_trainer(run_dir: Path, *, resume: bool = False, store_url: str | None = 
     process_evals: dict[str, Any] = {}
     if evaluator is None:
         write_status(run_dir, "trainer", {**last, "step": learner.step, "phase": "waiting for the evaluator"})
-        summary_start, final, process_evals = _evaluator_results(config, run_dir, final_pin, learner.step, stop)
+        summary_start, final, process_evals = _evaluator_results(config, run_dir, final_pin, learner.step,
+                                                                 stop)
         metric = process_evals.pop("eval_metric")
     else:
         metric = evaluator.metric
@@ -374,7 +377,8 @@ def drop_rolled_back_pins(publisher: ParamPublisher, step: int) -> None:
     for r in eval_requests(publisher.pins()):
         if r.step > step:
             publisher.unpin(r.version)
-            log.info("resume: dropped the eval request of rolled-back step %d (version %d)", r.step, r.version)
+            log.info("resume: dropped the eval request of rolled-back step %d (version %d)", r.step,
+                     r.version)
 
 
 _BACKLOG_WARN = 3  # eval versions waiting for the evaluator before the trainer says it falls behind
@@ -384,8 +388,9 @@ def _note_eval_backlog(publisher: ParamPublisher, step: int) -> None:
     """Warn when the evaluator falls behind: every waiting eval version stays on disk."""
     waiting = [r for r in publisher.pins() if r.get("purpose") == PIN_PURPOSE]
     if len(waiting) > _BACKLOG_WARN:
-        log.warning("step %d: %d eval versions wait for the evaluator (steps %s); each stays in the param store "
-                    "until evaluated: evaluate less often (eval.every) or on fewer problems (eval.num_problems)",
+        log.warning("step %d: %d eval versions wait for the evaluator (steps %s); each stays in the param "
+                    "store until evaluated: evaluate less often (eval.every) or on fewer problems "
+                    "(eval.num_problems)",
                     step, len(waiting), [r["step"] for r in waiting])
 
 
@@ -560,7 +565,8 @@ class StepLoop:
                  counters: RunCounters, *, version: int, publish: Callable[[int], int],
                  on_step: Callable[[int, dict[str, Any]], None], pauses_after: Callable[[int], bool] = lambda s: False,
                  stop: Callable[[], bool] = lambda: False, on_stall: Callable[[BufferEmptyError], None] | None = None,
-                 agreement: StepAgreement | None = None, publishes_after: Callable[[int], bool] = lambda s: False):
+                 agreement: StepAgreement | None = None,
+                 publishes_after: Callable[[int], bool] = lambda s: False):
         self.config = config
         self.learner = learner
         self.buffer = buffer
