@@ -137,9 +137,9 @@ def run_evaluator(run_dir: Path, store_url: str | None = None) -> None:
     resident = SearcherParams(initial, mesh, config.model.lora)
     reader = ParamReader(param_store_url(store), "evaluator")
     metrics = MetricsWriter(run_dir, "evaluator")
-    done = evaluated_versions(read_metrics(run_dir, "evaluator", superseded=True))
-    counts = {"evaluated": 0, "missing": sum(1 for r in read_metrics(run_dir, "evaluator", superseded=True)
-                                             if r.get("event") == "eval_missing")}
+    mine = read_metrics(run_dir, "evaluator", superseded=True)  # before a restart too: never evaluated twice
+    done = evaluated_versions(mine)
+    counts = {"evaluated": 0, "missing": sum(1 for r in mine if r.get("event") == "eval_missing")}
     log.info("evaluator: %d eval problems, %s; %d versions already evaluated", len(evaluator.problems),
              evaluator.metric, len(done))
 
