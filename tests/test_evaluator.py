@@ -83,8 +83,11 @@ def test_a_restarted_evaluator_skips_what_its_records_hold():
     assert done == {0, 4, 8}
     requests = [EvalRequest(4, 3, 0, 0, False), EvalRequest(12, 9, 0, 0, False),
                 EvalRequest(15, 12, 0, 0, True)]
-    todo, finished = split_requests(requests, done)
+    todo, finished = split_requests(requests, done, latest=15)
     assert [r.version for r in todo] == [12, 15] and [r.version for r in finished] == [4]
+    # a pin lands just before its version's pointer: a version above the pointer waits, it is not missing
+    assert [r.version for r in split_requests(requests, done, latest=14)[0]] == [12]
+    assert split_requests(requests, done, latest=None)[0] == []
 
 
 def test_missing_eval_steps_and_the_final_record():

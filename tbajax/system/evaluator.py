@@ -74,10 +74,13 @@ def evaluated_versions(records: Iterable[Mapping[str, Any]]) -> set[int]:
             and ("eval_score" in r or r.get("event") == "eval_missing")}
 
 
-def split_requests(requests: Sequence[EvalRequest],
-                   done: set[int]) -> tuple[list[EvalRequest], list[EvalRequest]]:
-    """(still to evaluate, already evaluated: only their pins are left to delete)."""
-    return [r for r in requests if r.version not in done], [r for r in requests if r.version in done]
+def split_requests(requests: Sequence[EvalRequest], done: set[int],
+                   latest: int | None) -> tuple[list[EvalRequest], list[EvalRequest]]:
+    """(to evaluate now, already evaluated: only their pins are left to delete). A pin is written
+    just before its version's pointer, so a version above `latest` (the pointer's) is not
+    published yet: it waits, it is not missing."""
+    ready = [r for r in requests if r.version not in done and latest is not None and r.version <= latest]
+    return ready, [r for r in requests if r.version in done]
 
 
 def eval_steps(every: int, last_step: int) -> list[int]:
@@ -162,7 +165,8 @@ def run_evaluator(run_dir: Path, store_url: str | None = None) -> None:
             record(0, 0, evaluator.run_params(initial), t0, elapsed_s=0.0, params_time=t0)
             done.add(0)
         while not stop():
-            todo, finished = split_requests(eval_requests(reader.pins()), done)
+            pins = eval_requests(reader.pins())  # before the pointer: a pin is written before it
+            todo, finished = split_requests(pins, done, reader.latest_version())
             for r in finished:  # evaluated before a restart, unpinned not yet
                 reader.unpin(r.version)
             if not todo:
