@@ -126,7 +126,9 @@ def config() -> ExperimentConfig:
         ),
         buffer=BufferConfig(samples_per_group=K, capacity_per_prompt=32, recency_prob=0.5, reward_inv_temp=1.0),
         system=SystemSpec(mode="async", num_searchers=1, sync_every=2),
-        eval=EvalSpec(every=EVAL_EVERY, num_problems=64, batch_size=32, max_new_tokens=NEW_TOKENS),
+        # the evaluator role evaluates (win rate, KL) in its own process while the trainer trains
+        eval=EvalSpec(every=EVAL_EVERY, num_problems=64, batch_size=32, max_new_tokens=NEW_TOKENS,
+                      mode="process"),
     )
 
 
@@ -333,16 +335,19 @@ def report(run_dir: Path, out_dir: Path, params_dir: Path | None, kl_rows: int) 
     import json
     import shutil
 
-    from tbajax.system.metrics import plot_learning_curve, read_metrics
+    from tbajax.system.metrics import eval_records, plot_learning_curve
 
     out_dir.mkdir(parents=True, exist_ok=True)
     for name in ("config.json", "summary.json", "metrics.jsonl"):
         shutil.copy(run_dir / name, out_dir / name)
-    shutil.copy(run_dir / "logs" / "trainer.log", out_dir / "trainer.log")
+    for role in ("trainer", "evaluator"):  # eval.mode=process: the evaluations are in the evaluator's log
+        if (run_dir / "logs" / f"{role}.log").exists():
+            shutil.copy(run_dir / "logs" / f"{role}.log", out_dir / f"{role}.log")
     cfg = json.loads((run_dir / "config.json").read_text())
     # rows carry the *param-store* version they were sampled with; the trainer publishes one
     # every sync_every steps and logs the current version with each step
-    evals = [{**r, "version": int(r.get("version", 0))} for r in read_metrics(run_dir, "trainer") if "eval_win_rate" in r]
+    # eval.mode=process: the evaluator's records name the version they evaluated
+    evals = [{**r, "version": int(r.get("version", 0))} for r in eval_records(run_dir, "eval_win_rate")]
     rows = _rows_by_version(run_dir)
     sampled = sampled_kl_by_version(rows)
     full: list[dict] = []

@@ -27,11 +27,12 @@ KEYS = ("eval_attack_success_rate", "eval_num_unique_successful", "eval_diversit
 
 
 def eval_rows(run: Path) -> list[dict[str, Any]]:
-    """The trainer's eval records of a run, in step order (a resumed step keeps its last record)."""
+    """The eval records of a run, the trainer's (eval.mode=inline) or the evaluator role's
+    (eval.mode=process), in step order (a resumed step keeps its last record)."""
     by_step: dict[int, dict[str, Any]] = {}
     for line in (run / "metrics.jsonl").read_text().splitlines():
         r = json.loads(line)
-        if r.get("role", "trainer") == "trainer" and "eval_attack_success_rate" in r:
+        if r.get("role", "trainer") in ("trainer", "evaluator") and "eval_attack_success_rate" in r:
             by_step[int(r["step"])] = r
     if not by_step:
         raise ValueError(f"{run}/metrics.jsonl has no red-team eval rows (eval_attack_success_rate)")

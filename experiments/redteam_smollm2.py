@@ -131,6 +131,8 @@ def config():
         compute_dtype="float32",  # bf16 matmuls are slow on CPU
         eval_every=16,
         eval_problems=1,
+        # the evaluator role scores its 64 attacks (victim + classifier) while the trainer trains
+        eval_mode="process",
         checkpoint_every=16,  # a run the OOM killer stops can --resume (the 2026-12-01 TB run could not)
         max_calls_per_version=2,  # sharing 2 cores: do not generate far ahead of the trainer
     )

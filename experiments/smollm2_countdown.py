@@ -95,8 +95,9 @@ def config() -> ExperimentConfig:
         # no dedup: the few correct answers to a puzzle are the same short token sequence
         buffer=BufferConfig(samples_per_group=K, capacity_per_prompt=32, recency_prob=0.95, dedup=False),
         system=SystemSpec(mode="async", num_searchers=1, sync_every=2),
-        # greedy evaluation prefills every prompt once (~1 min per 128 on 2 cores), so sparingly
-        eval=EvalSpec(every=50, num_problems=128, batch_size=64),
+        # greedy evaluation prefills every prompt once (~1 min per 128 on 2 cores), so sparingly, and
+        # in the evaluator role's own process: training goes on meanwhile
+        eval=EvalSpec(every=50, num_problems=128, batch_size=64, mode="process"),
     )
 
 

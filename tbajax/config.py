@@ -232,12 +232,26 @@ class SystemSpec:
 
 @dataclasses.dataclass(frozen=True)
 class EvalSpec:
-    """Greedy held-out accuracy, run by the trainer every `every` steps (0 = start and end only)."""
+    """Greedy held-out accuracy every `every` trainer steps (0 = start and end only).
+
+    mode: who evaluates. "inline": the trainer, between updates (training waits for it; nothing
+      else to run: right for tiny runs, where a second model process costs more than it saves).
+      "process": the evaluator role, a separate process (`--role=evaluator`, started and
+      supervised by the launcher beside the searchers) that loads the params the trainer
+      publishes, and pins, at every eval step, and evaluates them while training goes on; its
+      records (role "evaluator") name the step and version they evaluated. Sync mode (one
+      process) always evaluates inline and says so in its log.
+    wait_timeout_s: "process" mode: after its last step the trainer waits for the evaluator to
+      finish the final evaluation before writing summary.json; it gives up (and says so in the
+      log and the summary) once the evaluator has written no new result for this long.
+    """
 
     every: int = 0
     num_problems: int = 200
     max_new_tokens: int | None = None  # None = rollout.sampling.max_new_tokens
     batch_size: int = 64
+    mode: Literal["inline", "process"] = "inline"
+    wait_timeout_s: float = 900.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -413,6 +427,7 @@ _RANGES: tuple[tuple[str, tuple[float, bool], bool], ...] = (
     ("eval.num_problems", (1, False), False),
     ("eval.max_new_tokens", (1, False), True),
     ("eval.batch_size", (1, False), False),
+    ("eval.wait_timeout_s", (0, True), False),
 )
 
 # Keys `--resume` may change: how long to train and how often to evaluate, checkpoint and log,
@@ -434,6 +449,7 @@ RESUME_SAFE_KEYS: tuple[str, ...] = (
     "eval.num_problems",
     "eval.batch_size",
     "eval.max_new_tokens",
+    "eval.wait_timeout_s",
     "system.max_searcher_restarts",
     "system.max_trainer_restarts",
     "system.restart_window_s",

@@ -1,7 +1,7 @@
 """Command line: `python -m tbajax.main [--experiment=NAME] [--set key=value ...]`.
 
 With no arguments it runs the embedded default experiment (a tiny arithmetic policy trained with
-TBA on CPU, offline). `--role=trainer|searcher` runs one role alone, so a scheduler can place the
+TBA on CPU, offline). `--role=trainer|searcher|evaluator` runs one role alone, so a scheduler can place the
 roles on different hosts that share the run directory (or a bucket URL via --store).
 """
 
@@ -89,8 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--run-dir", type=Path, help="where everything of the run is written (default: runs/<experiment>-<time>)")
     ap.add_argument("--store", help="URL of the stores (file://, gs://, s3://); default: the run dir")
     ap.add_argument("--resume", action="store_true", help="continue the run in --run-dir after a crash")
-    ap.add_argument("--role", choices=["launcher", "trainer", "searcher"], default="launcher",
-                    help="run one role alone (default: launch trainer + searchers as processes)")
+    ap.add_argument("--role", choices=["launcher", "trainer", "searcher", "evaluator"], default="launcher",
+                    help="run one role alone (default: launch trainer + searchers (+ the evaluator with "
+                         "eval.mode=process) as processes)")
     ap.add_argument("--searcher-id", type=int, default=0)
     ap.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -210,6 +211,13 @@ def _run(args: argparse.Namespace) -> int:
 
         run_searcher(run_dir, args.searcher_id, store_url=args.store)
         return 0
+    if args.role == "evaluator":
+        if given_config:
+            _write_or_check_config(run_dir, config)
+        from tbajax.system.evaluator import run_evaluator
+
+        run_evaluator(run_dir, store_url=args.store)
+        return 0
 
     from tbajax.config import ConfigError
     from tbajax.system.launcher import launch, read_summary, resume_command
@@ -221,10 +229,15 @@ def _run(args: argparse.Namespace) -> int:
             f"system.trainer_processes={config.system.trainer_processes}: --launcher=ray starts the trainer as one "
             "actor; start a multi-process trainer with the process launcher (one machine) or one "
             "`--role=trainer --coordinator-address=...` per host (see the README's multi-host section)")
+    evaluator = config.system.mode == "async" and config.eval.mode == "process"
     print(f"tbajax: experiment {config.name!r} ({config.system.mode}, objective {config.train.objective}, "
           f"{config.system.num_searchers if config.system.mode == 'async' else 0} searcher "
-          f"{'Ray actors' if args.launcher == 'ray' else 'processes'}) -> {run_dir}",
+          f"{'Ray actors' if args.launcher == 'ray' else 'processes'}"
+          f"{' + an evaluator' if evaluator else ', evaluation inline in the trainer'}) -> {run_dir}",
           flush=True)
+    if config.system.mode == "sync" and config.eval.mode == "process":
+        print("note: eval.mode=process needs async mode; this sync run evaluates inline, in its one process",
+              flush=True)
     session_start = time.time() - 1.0  # file times can be coarser than time.time()
     if args.launcher == "ray":
         from tbajax.system import ray_launcher

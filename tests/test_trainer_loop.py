@@ -156,7 +156,8 @@ class HostPublisher:
         self.next_version = 1
         self.versions: dict[int, tuple[int, list[np.ndarray]]] = {}
 
-    def publish(self, params, meta=None, *, step: int, wait: bool = True) -> int:
+    def publish(self, params, meta=None, *, step: int, wait: bool = True, pin=None) -> int:
+        assert pin is None  # eval.mode=inline: nothing is pinned for an evaluator
         v, self.next_version = self.next_version, self.next_version + 1
         self.versions[v] = (step, [np.array(x) for x in jax.tree.leaves(params)])
         return v

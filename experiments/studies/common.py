@@ -28,7 +28,7 @@ import numpy as np
 from tbajax.config import ExperimentConfig, apply_overrides
 from tbajax.main import load_experiment
 from tbajax.system.launcher import launch, read_summary
-from tbajax.system.metrics import read_metrics
+from tbajax.system.metrics import eval_records, read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "experiments" / "results"
@@ -163,7 +163,7 @@ def run_arm(experiment: str, arm: Arm, common: Sequence[str], runs_dir: Path, *,
 
 def collect(arm: Arm, run_dir: Path, summary: dict[str, Any]) -> ArmResult:
     records = read_metrics(run_dir, "trainer")
-    evals = [r for r in records if "eval_score" in r]
+    evals = eval_records(run_dir)  # the trainer's (eval.mode=inline) or the evaluator role's
     curve = tuple((int(r["step"]), float(r.get("elapsed_s", 0.0)), float(r["eval_score"])) for r in evals)
     steps = [r for r in records if "step_time_s" in r]
     return ArmResult(

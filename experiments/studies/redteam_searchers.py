@@ -79,9 +79,9 @@ def diversity_key(end: dict[str, Any]) -> str:
 
 
 def last_record(run_dir: Path, key: str) -> dict[str, Any]:
-    from tbajax.system.metrics import read_metrics
+    from tbajax.system.metrics import eval_records
 
-    rows = [r for r in read_metrics(run_dir, "trainer") if key in r]
+    rows = eval_records(run_dir, key)  # the trainer's (eval.mode=inline) or the evaluator role's
     return rows[-1] if rows else {}
 
 

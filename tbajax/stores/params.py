@@ -11,6 +11,8 @@ Layout of ``<run>/params/``:
                             exactly when it has this marker
     latest.json             {"format", "run_id", "version", "step", "dtype", "time"}: newest complete version
     readers/<id>.json       {"version", "time", "pid", "host"}: a searcher's lease while it loads a version
+    pins/<v>.json           {"version", "step", "time", ...}: a version kept until its reader unpins it
+                            (the trainer pins the versions of its eval steps for the evaluator)
 
 One flat file per version, not a general checkpoint format: a publish is one sequential write and
 one fsync, a load one sequential read, so both run at the disk's (or page cache's) speed; orbax
@@ -33,7 +35,11 @@ What keeps a publish at the speed of a plain write + fsync of the same bytes:
 The pointer is replaced only after a version is complete, in one atomic single-key write, so a
 searcher never sees an incomplete version as latest. Versions only grow: a restarted trainer
 continues above both the pointer and every directory on disk. Garbage collection keeps the last
-`keep` complete versions and every version under a live lease.
+`keep` complete versions, every version under a live lease, and every pinned version. A lease
+lives while its reader loads (it times out); a pin is durable until `unpin`: it is how a version
+that a slower reader must still see (an eval step's params for the evaluator role) outlives the
+`keep` newer versions published meanwhile. The manifest records the trainer step of each version
+(`version_step`), so a reader names the step whose params it used without trusting the pointer.
 
 The lease closes the race "searcher reads the pointer, trainer deletes that version" except
 when `keep` newer versions get published between a searcher's pointer read and its lease write
@@ -85,6 +91,7 @@ from tbajax.stores.urls import (
 FORMAT = "tbajax.params.v1"
 LATEST_KEY = "latest.json"
 READERS_DIR = "readers"
+PINS_DIR = "pins"
 COMMIT_MARKER = "commit_success.txt"
 DATA_FILE = "params.bin"
 VERSION_FORMAT = "tbajax.params.flat.v1"
@@ -168,16 +175,19 @@ def abstract_target(target: Any, shardings: Any = None) -> Any:
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def layout(names: list[str], arrays: list[Any], meta: dict[str, Any] | None = None) -> dict[str, Any]:
+def layout(names: list[str], arrays: list[Any], meta: dict[str, Any] | None = None,
+           step: int | None = None) -> dict[str, Any]:
     """The manifest of a version: each leaf's path, shape, dtype and aligned offset in params.bin,
-    and the publisher's `meta` (JSON; {} when none). `arrays` need only .shape and .dtype."""
+    the publisher's `meta` (JSON; {} when none) and the trainer `step` whose params these are
+    (None: not said). `arrays` need only .shape and .dtype."""
     leaves, offset = [], 0
     for name, a in zip(names, arrays):
         dtype = np.dtype(a.dtype)
         nbytes = int(np.prod(a.shape, dtype=np.int64)) * dtype.itemsize
         leaves.append({"path": name, "shape": list(a.shape), "dtype": str(dtype), "offset": offset})
         offset += -(-nbytes // _ALIGN) * _ALIGN
-    return {"format": VERSION_FORMAT, "bytes": offset, "leaves": leaves, "meta": dict(meta or {})}
+    return {"format": VERSION_FORMAT, "bytes": offset, "leaves": leaves, "meta": dict(meta or {}),
+            "step": None if step is None else int(step)}
 
 
 _CHUNK = 1 << 20  # elements per host cast piece: a few MB, cast while the previous piece is written
@@ -482,6 +492,30 @@ def _place(host: np.ndarray, spec: jax.ShapeDtypeStruct) -> jax.Array:
     return jax.make_array_from_callback(spec.shape, spec.sharding, lambda idx: host[idx].astype(spec.dtype))
 
 
+def pin_key(version: int) -> str:
+    return f"{PINS_DIR}/{int(version)}.json"
+
+
+def write_pin(kv: Any, version: int, step: int | None, extra: dict[str, Any]) -> None:
+    """The durable keep record of `version` (one atomic, fsynced single-key write)."""
+    write_json(kv, pin_key(version), {**extra, "version": int(version), "step": step, "time": time.time()})
+
+
+def read_pins(kv: Any, url: str) -> list[dict[str, Any]]:
+    """Every pin record under the store, by version (a pin deleted between list and read is skipped)."""
+    out = []
+    for key in list_keys(kv, PINS_DIR + "/"):
+        if not key.endswith(".json"):
+            continue
+        record, _ = read_json(kv, key)
+        if record is None:
+            continue
+        if not isinstance(record.get("version"), int):
+            raise ParamStoreError(f"pin {url}/{key} is malformed ({record!r}); delete it")
+        out.append(record)
+    return sorted(out, key=lambda r: r["version"])
+
+
 class _VersionDirs:
     """Listing and completeness checks of version directories (shared by publisher and reader)."""
 
@@ -628,22 +662,29 @@ class ParamPublisher:
         return self._next_version
 
     def publish(
-        self, params: Any, meta: dict[str, Any] | None = None, *, step: int | None = None, wait: bool = True
+        self, params: Any, meta: dict[str, Any] | None = None, *, step: int | None = None, wait: bool = True,
+        pin: dict[str, Any] | None = None,
     ) -> int:
         """Save `params` as the next version; returns that version number.
 
         meta: JSON-serialisable description stored in the version's manifest (readers get it
-        from `restore_for`), e.g. that the leaves are LoRA adapters and for which base."""
+        from `restore_for`), e.g. that the leaves are LoRA adapters and for which base.
+        pin: keep this version, whatever `keep` says, until a reader `unpin`s it; the dict (JSON)
+        goes into the pin record beside "version", "step" and "time" (written before the pointer,
+        so no reader sees the version unpinned)."""
         self.wait()
         meta = dict(meta or {})
         json.dumps(meta)  # not serialisable: fail here, not in the background writer
+        if pin is not None:
+            pin = dict(pin)
+            json.dumps(pin)
         leaves = _publish_leaves(params, self.dtype, detach=not wait)
         version = self._next_version
         self._next_version += 1
         if wait:  # written by this thread: no hand-off to the writer thread and back
-            self._finish(version, step, leaves, meta)
+            self._finish(version, step, leaves, meta, pin)
         else:
-            self._pending = self._executor.submit(self._finish, version, step, leaves, meta)
+            self._pending = self._executor.submit(self._finish, version, step, leaves, meta, pin)
         return version
 
     def wait(self) -> None:
@@ -663,15 +704,18 @@ class ParamPublisher:
             if gc is not None:
                 gc.result()
 
-    def _finish(self, version: int, step: int | None, leaves: list[_Leaf], meta: dict[str, Any]) -> None:
+    def _finish(self, version: int, step: int | None, leaves: list[_Leaf], meta: dict[str, Any],
+                pin: dict[str, Any] | None = None) -> None:
         if not self._primary:
             self._latest = version
             return
-        manifest = layout([leaf.name for leaf in leaves], leaves, meta)
+        manifest = layout([leaf.name for leaf in leaves], leaves, meta, step)
         if self._local is not None:
             _write_local(self._local / str(version), leaves, manifest, self._dirsync)
         else:
             _write_objects(self._dirs.kv, version, leaves, manifest)
+        if pin is not None:
+            write_pin(self._dirs.kv, version, step, pin)
         record = {
             "format": FORMAT,
             "run_id": self.run_id,
@@ -711,10 +755,18 @@ class ParamPublisher:
                 leased.add(record["version"])
         return leased
 
+    def pins(self) -> list[dict[str, Any]]:
+        """The pin records (see `publish(pin=...)`), by version."""
+        return read_pins(self._dirs.kv, self.url)
+
+    def unpin(self, version: int) -> None:
+        """Let GC collect `version` again (a pinned version whose params were rolled back)."""
+        delete_key(self._dirs.kv, pin_key(version))
+
     def _collect(self) -> list[int]:
         entries = self._dirs.entries()
         complete = self._dirs.complete_versions(self._latest)
-        kept = set(complete[-self.keep :]) | self.leased_versions()
+        kept = set(complete[-self.keep :]) | self.leased_versions() | {p["version"] for p in self.pins()}
         deleted = []
         for version, path in entries:
             if version in kept or version >= self._next_version:
@@ -767,6 +819,43 @@ class ParamReader:
         """Complete, published versions still on storage."""
         latest = self.latest_version()
         return [] if latest is None else self._dirs.complete_versions(latest)
+
+    def pins(self) -> list[dict[str, Any]]:
+        """The pinned versions' records (`ParamPublisher.publish(pin=...)`), by version."""
+        return read_pins(self._dirs.kv, self.url)
+
+    def unpin(self, version: int) -> None:
+        """Done with a pinned version: GC may collect it once `keep` newer ones exist."""
+        delete_key(self._dirs.kv, pin_key(version))
+
+    def is_available(self, version: int) -> bool:
+        """Whether `version` is complete and still on storage (not garbage-collected)."""
+        latest = self.latest_version()
+        return latest is not None and 0 < version <= latest and self._dirs.is_complete(version)
+
+    def version_step(self, version: int) -> int | None:
+        """The trainer step recorded in `version`'s manifest (None: published without one, or
+        written before manifests had steps). Reads only the file's tail."""
+        self._require_available(version)
+        where = f"{self.url}/{version}/{DATA_FILE}"
+        if self._local is not None:
+            with open(self._data_path(version), "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                f.seek(max(0, size - (1 << 16)))
+                tail = f.read()
+                if len(tail) < _FOOTER.size:
+                    raise ParamStoreError(f"{where} is {size} bytes, too short for a {VERSION_FORMAT} file")
+                manifest, n = parse_trailer(tail, size, where)
+                if n + _FOOTER.size > len(tail):
+                    f.seek(size - n - _FOOTER.size)
+                    manifest, _ = parse_trailer(f.read(), size, where)
+        else:
+            data = self._dirs.kv.read(f"{version}/{DATA_FILE}").result()
+            if data.state != "value":
+                raise self._legacy(version)
+            manifest, _ = parse_trailer(data.value, len(data.value), where)
+        step = manifest.get("step")
+        return None if step is None else int(step)
 
     def _require_available(self, version: int) -> None:
         latest = self.latest_version()

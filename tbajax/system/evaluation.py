@@ -1,5 +1,7 @@
-"""Greedy held-out accuracy of the trainer's current policy (run inside the trainer process, so
-searchers never stall; the sampler's compiled programs are kept across evaluations).
+"""Greedy held-out accuracy of a policy: the trainer's current one (eval.mode=inline, in the
+trainer process, so searchers never stall) or a published version (eval.mode=process, in the
+evaluator role: `tbajax.system.evaluator`). The sampler's compiled programs are kept across
+evaluations.
 
 A task whose `eval_fn` has `samples_per_problem = n > 0` (red-teaming: every eval problem is the
 same prompt, so greedy decoding would be one attack) is evaluated on n *sampled* completions per
@@ -60,7 +62,11 @@ class Evaluator:
 
         Tasks with an `eval_fn` see every eval sample with its scores and extras (attack success,
         diversity, win rate); others get accuracy / mean reward / pass@k of their rewards."""
-        self.rollouts.set_params(nnx.state(model, nnx.Param))
+        return self.run_params(nnx.state(model, nnx.Param))
+
+    def run_params(self, params: nnx.State) -> dict[str, float]:
+        """`run` on params of this model's shape (the evaluator role's loaded versions)."""
+        self.rollouts.set_params(params)
         key = jax.random.PRNGKey(0)  # fixed: sampled evals draw the same noise every time
         samples, scores = [], []
         for start in range(0, len(self.problems), self.batch_size):

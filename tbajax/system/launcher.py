@@ -145,9 +145,15 @@ class _Child:
         return (f"  error: {error}\n" if error else "") + f"  last lines of {self.log_path}:\n{out}"
 
 
+def has_evaluator(config: ExperimentConfig) -> bool:
+    """Whether the run has an evaluator role (eval.mode=process; sync mode evaluates inline)."""
+    return config.eval.mode == "process" and config.system.mode == "async"
+
+
 def child_env(config: ExperimentConfig, role: str, index: int) -> dict[str, str]:
     """Environment of one role: its device set and its share of a shared GPU's memory (`index`:
-    the searcher's id, or the trainer's process id when the trainer runs as several processes)."""
+    the searcher's id, or the trainer's process id when the trainer runs as several processes;
+    the evaluator takes the slot after the last searcher's)."""
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
     env[rundir.LAUNCHER_PID_ENV] = str(os.getpid())
@@ -156,7 +162,7 @@ def child_env(config: ExperimentConfig, role: str, index: int) -> dict[str, str]
         env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = str(sysc.memory_fraction)
     elif sysc.devices == "shared":
         # several JAX processes on one GPU: none may preallocate 75% of it
-        share = 0.9 / (sysc.trainer_processes + sysc.num_searchers)
+        share = 0.9 / (sysc.trainer_processes + sysc.num_searchers + int(has_evaluator(config)))
         env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{share:.3f}")
     if role == "trainer" and sysc.cpu_devices_per_trainer_process is not None:
         flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", "")).strip()
@@ -185,7 +191,7 @@ def launch(config: ExperimentConfig, run_dir: Path, *, resume: bool = False, qui
         trainer, *searchers = [
             _Child(role, args, child_env(config, role.split("-")[0], index), logs / f"{role}.log")
             for role, index, args in role_commands(config, run_dir, resume=resume)
-        ]
+        ]  # the searchers, then the evaluator: supervised alike (restarted within their budget)
         peers = [_Child(f"trainer-{i}", list(trainer.args), child_env(config, "trainer", i),
                         logs / f"trainer-{i}.log") for i in range(1, config.system.trainer_processes)]
         if peers:
@@ -234,12 +240,14 @@ def session(config: ExperimentConfig, run_dir: Path, *, resume: bool) -> Iterato
 def role_commands(config: ExperimentConfig, run_dir: Path, *, resume: bool,
                   extra: Sequence[str] = ()) -> list[tuple[str, int, list[str]]]:
     """(role name, index, `tbajax.main` arguments) of the trainer, then of each searcher (none in
-    sync mode: the trainer process generates its own batches)."""
+    sync mode: the trainer process generates its own batches), then of the evaluator
+    (eval.mode=process; its index is the device slot after the searchers', see `child_env`)."""
     common = [f"--run-dir={run_dir}", *extra] + (["--resume"] if resume else [])
     n = config.system.num_searchers if config.system.mode == "async" else 0
+    evaluator = [("evaluator", n, ["--role=evaluator", *common])] if has_evaluator(config) else []
     return [("trainer", 0, ["--role=trainer", *common])] + [
         (f"searcher-{i}", i, ["--role=searcher", f"--searcher-id={i}", *common]) for i in range(n)
-    ]
+    ] + evaluator
 
 
 class Supervisor:
@@ -424,6 +432,8 @@ class Supervisor:
             return None
         idle = now - self.last_progress
         phase = trainer.get("phase")
+        if phase == "waiting for the evaluator":
+            return None  # the trainer bounds it (eval.wait_timeout_s, counted from the evaluator's progress)
         if phase != "waiting for data":
             return (f"the trainer has not advanced past step {step} for {idle:.0f} s (phase: {phase or 'starting'}); "
                     f"it looks hung (system.stall_timeout_s={timeout:g}). See {self.trainer.log_path}")
@@ -480,9 +490,12 @@ class _Progress:
         gen = sum(s.get("tokens_per_s", 0.0) for k, s in status.items() if k.startswith("searcher"))
         samples = sum(s.get("samples", 0) for k, s in status.items() if k.startswith("searcher"))
         self.bar.n = int(t.get("step", 0))
+        # eval.mode=process: the newest evaluation is the evaluator's
+        score = t.get("eval_score")
+        score = status.get("evaluator", {}).get("eval_score") if score is None else score
         self.bar.set_postfix_str(
             f"{t.get('phase', 'starting')} reward={t.get('reward_mean', float('nan')):.3f} "
-            f"eval={t.get('eval_score', float('nan')):.3f} buffer={t.get('buffer_rows', 0)} "
+            f"eval={float('nan') if score is None else score:.3f} buffer={t.get('buffer_rows', 0)} "
             f"lag={t.get('policy_lag', float('nan')):.1f} samples={samples} gen={gen:,.0f}tok/s",
             refresh=False,
         )

@@ -124,7 +124,10 @@ def read_metrics(run_dir: str | Path, role: str | None = None, *, superseded: bo
 
 
 def drop_superseded(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Drop trainer records that a later resume marker says were rolled back (see read_metrics)."""
+    """Drop records that a resume marker says were rolled back (see read_metrics): trainer
+    records of steps > N written before it, and evaluator records of steps > N whose param
+    version is older than the marker's (params of a rolled-back step, whenever the evaluator
+    got to them: versions only grow, so a retrained step's params have a newer version)."""
     keep = [True] * len(records)
     for i, rec in enumerate(records):
         if rec.get("role") == "trainer" and rec.get("event") == "resume":
@@ -132,7 +135,27 @@ def drop_superseded(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             for j in range(i):
                 if records[j].get("role") == "trainer" and int(records[j].get("step", -1)) > from_step:
                     keep[j] = False
+            resumed_version = int(rec.get("version", 0))
+            for j, other in enumerate(records):
+                if (other.get("role") == "evaluator" and int(other.get("step", -1)) > from_step
+                        and int(other.get("version", 0)) < resumed_version):
+                    keep[j] = False
     return [r for r, k in zip(records, keep) if k]
+
+
+EVAL_ROLES = ("trainer", "evaluator")  # eval.mode=inline writes trainer records, eval.mode=process its own
+
+
+def eval_records(run_dir: str | Path, key: str = "eval_score") -> list[dict[str, Any]]:
+    """The run's evaluation records (those holding `key`), by trainer step: the trainer's
+    (eval.mode=inline) and the evaluator role's (eval.mode=process), rolled-back ones dropped.
+    A step evaluated twice (an evaluator restarted between its result and its unpin) counts once,
+    the later record."""
+    by_step: dict[int, dict[str, Any]] = {}
+    for r in read_metrics(run_dir):
+        if r.get("role") in EVAL_ROLES and key in r:
+            by_step[int(r["step"])] = r
+    return [by_step[s] for s in sorted(by_step)]
 
 
 def plot_learning_curve(run_dir: str | Path, out: str | Path | None = None, metric: str = "accuracy") -> Path | None:
@@ -144,14 +167,16 @@ def plot_learning_curve(run_dir: str | Path, out: str | Path | None = None, metr
     records = read_metrics(run_dir)
     train = [r for r in records if r.get("role") == "trainer" and "reward_mean" in r]
     key = "eval_score" if any("eval_score" in r for r in records) else "eval_accuracy"  # older runs
-    evals = [r for r in records if key in r]
+    evals = eval_records(run_dir, key)
     if not train and not evals:
         return None
     t0 = min(r["time"] for r in records)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     if evals:
         axes[0].plot([r["step"] for r in evals], [r[key] for r in evals], "o-", label=f"eval {metric}")
-        axes[1].plot([(r["time"] - t0) / 60 for r in evals], [r[key] for r in evals], "o-", label=f"eval {metric}")
+        # eval.mode=process: when the trainer published the evaluated params, not when they were evaluated
+        when = [r.get("params_time", r["time"]) for r in evals]
+        axes[1].plot([(t - t0) / 60 for t in when], [r[key] for r in evals], "o-", label=f"eval {metric}")
     if train:
         steps = np.array([r["step"] for r in train])
         reward = np.array([r["reward_mean"] for r in train], dtype=float)

@@ -212,17 +212,19 @@ class BackgroundPublish:
                         if threaded else None)
         self._pending: concurrent.futures.Future[int] | None = None
 
-    def publish(self, params: Any, meta: dict[str, Any] | None = None, *, step: int) -> int:
+    def publish(self, params: Any, meta: dict[str, Any] | None = None, *, step: int,
+                pin: dict[str, Any] | None = None) -> int:
         if self._worker is None:
-            return self.publisher.publish(params, meta, step=step, wait=False)
+            return self.publisher.publish(params, meta, step=step, wait=False, pin=pin)
         self.join()
         version = self.publisher.next_version
         snapshot = _copy_tree(params)
-        self._pending = self._worker.submit(self._publish, snapshot, meta, step, version)
+        self._pending = self._worker.submit(self._publish, snapshot, meta, step, version, pin)
         return version
 
-    def _publish(self, snapshot: Any, meta: dict[str, Any] | None, step: int, version: int) -> int:
-        got = self.publisher.publish(snapshot, meta, step=step, wait=False)
+    def _publish(self, snapshot: Any, meta: dict[str, Any] | None, step: int, version: int,
+                 pin: dict[str, Any] | None = None) -> int:
+        got = self.publisher.publish(snapshot, meta, step=step, wait=False, pin=pin)
         if got != version:
             raise RuntimeError(f"published params of step {step} as version {got}, expected {version}: "
                                "something else published through the same ParamPublisher")

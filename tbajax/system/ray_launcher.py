@@ -1,4 +1,5 @@
-"""`--launcher=ray`: the trainer and each searcher as Ray actors, placed by declared resources.
+"""`--launcher=ray`: the trainer and each searcher as Ray actors, placed by declared resources
+(the evaluator of eval.mode=process too, with a searcher's resources and restart budget).
 
 Each actor runs its role exactly as the process launcher does, as `python -m tbajax.main
 --role=... --run-dir=...` in a process group of its own (so its reward workers and graders die
@@ -54,8 +55,10 @@ def import_ray():  # -> the ray module
 
 
 def actor_options(spec: RaySpec, kind: str, *, max_restarts: int) -> dict[str, Any]:
-    """Ray actor options of one role ("trainer" or "searcher"): its resources, node labels, and
-    Ray's fault tolerance (restart the actor, re-run its task on the new one)."""
+    """Ray actor options of one role ("trainer", "searcher" or "evaluator"): its resources, node
+    labels, and Ray's fault tolerance (restart the actor, re-run its task on the new one). The
+    evaluator (eval.mode=process) samples like a searcher, so it asks for a searcher's resources."""
+    kind = "searcher" if kind == "evaluator" else kind
     options: dict[str, Any] = {
         "num_cpus": getattr(spec, f"{kind}_cpus"),
         "num_gpus": getattr(spec, f"{kind}_gpus"),

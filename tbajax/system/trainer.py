@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +47,9 @@ from tbajax.system.distributed import (
     primary_only,
 )
 from tbajax.system.evaluation import Evaluator
-from tbajax.system.metrics import MetricsWriter, machine_info, plot_learning_curve, read_metrics
+from tbajax.system.evaluator import PIN_PURPOSE, eval_only, eval_pin, eval_requests, eval_steps, final_eval, \
+    missing_eval_steps
+from tbajax.system.metrics import MetricsWriter, eval_records, machine_info, plot_learning_curve, read_metrics
 from tbajax.system.pipeline import BackgroundPublish, Prefetcher, UpdateClock
 from tbajax.system.publishing import params_to_publish
 from tbajax.system.searcher import Rollouts, build_rollouts, make_reward_pool
@@ -160,7 +162,8 @@ def run_trainer(run_dir: Path, *, resume: bool = False, store_url: str | None = 
     # a multi-process trainer (async only) evaluates on process 0's own devices
     inline = build_rollouts(config, 0, mesh, model=learner.trainer.policy(), reward_pool=reward_pool) \
         if config.system.mode == "sync" else None
-    evaluator = PrimaryEvaluation(
+    by_process = evaluates_in_process(config)  # eval.mode=process: the evaluator role evaluates what we pin
+    evaluator = None if by_process else PrimaryEvaluation(
         lambda policy, on: Evaluator(config, policy, on, reward_pool, rollouts=inline), learner.trainer.policy(), mesh,
         lambda: make_mesh(config.system.searcher_mesh, devices=jax.local_devices()), agreement)
     buffer = make_buffer(config)
@@ -186,6 +189,8 @@ def run_trainer(run_dir: Path, *, resume: bool = False, store_url: str | None = 
         metrics.write(learner.step, {"event": "resume", "from_step": learner.step, "version": version,
                                      "restored_sync_versions": restored_syncs,
                                      "skipped_checkpoints": [k for k, _ in checkpoints.skipped]})
+        if by_process and primary:
+            drop_rolled_back_pins(publisher, learner.step)
     source = (
         InlineRollouts(config, run_dir, store, inline) if inline is not None
         else StoreTail(store, model.config.vocab_size)
@@ -193,7 +198,7 @@ def run_trainer(run_dir: Path, *, resume: bool = False, store_url: str | None = 
     log.info("trainer: %s, %s objective, %d steps of %d groups x K=%d, mesh %s", config.name,
              config.train.objective, config.train.steps, config.train.groups_per_step,
              config.buffer.samples_per_group, dict(mesh.shape))
-    if not summary_start:
+    if evaluator is not None and not summary_start:
         acc = evaluator.run(learner.trainer.policy())
         log.info("eval before training: %s %.3f", evaluator.metric, acc["eval_score"])
         summary_start = {"eval_score_start": acc["eval_score"], "eval_start": acc}
@@ -204,16 +209,27 @@ def run_trainer(run_dir: Path, *, resume: bool = False, store_url: str | None = 
     # checkpoints written before eval_score existed hold only eval_accuracy_start
     last = {"eval_score": summary_start.get("eval_score_start", summary_start.get("eval_accuracy_start"))}
     publishing = BackgroundPublish(publisher, threaded=config.train.pipeline and jax.process_count() == 1)
+    pinned: dict[int, int] = {}  # step -> version pinned for the evaluator in this session
+
+    def pins_after(step: int) -> bool:
+        """eval.mode=process: the params after `step` are published and pinned for the evaluator."""
+        return by_process and (is_eval_step(config, step) or step == config.train.steps)
 
     def publish(step: int) -> int:
         """Publish the params after update `step` (right after it was dispatched); its version."""
-        return publishing.publish(*params_to_publish(config, learner.trainer), step=step)
+        pin = eval_pin(counters.elapsed(), final=step == config.train.steps) if pins_after(step) else None
+        version = publishing.publish(*params_to_publish(config, learner.trainer), step=step, pin=pin)
+        if pin is not None:
+            pinned[step] = version
+            if primary:
+                _note_eval_backlog(publisher, step)
+        return version
 
     def on_step(step: int, record: dict[str, Any]) -> None:
         """A finished update's record; the learner's params are those after `step` when the loop
         paused after it (`pauses_after`: evaluation and checkpoint steps)."""
         nonlocal last
-        if config.eval.every and step % config.eval.every == 0 and step < config.train.steps:
+        if evaluator is not None and is_eval_step(config, step):
             record.update(evaluator.run(learner.trainer.policy()))
             log.info("step %d: eval %s %.3f", step, evaluator.metric, record["eval_score"])
         if step % 10 == 0 and primary:
@@ -230,8 +246,9 @@ def run_trainer(run_dir: Path, *, resume: bool = False, store_url: str | None = 
         if step % config.train.checkpoint_every == 0:
             _checkpoint(checkpoints, learner, buffer, summary_start, counters)
 
-    def pauses_after(step: int) -> bool:
-        return bool(config.eval.every and step % config.eval.every == 0) or step % config.train.checkpoint_every == 0
+    def pauses_after(step: int) -> bool:  # eval.mode=process: evaluation reads published params, no pause
+        evaluates = evaluator is not None and is_eval_step(config, step)
+        return evaluates or step % config.train.checkpoint_every == 0
 
     def on_stall(error: BufferEmptyError) -> None:
         write_status(run_dir, "trainer", {**last, "step": loop.step, "phase": "waiting for data",
@@ -239,7 +256,7 @@ def run_trainer(run_dir: Path, *, resume: bool = False, store_url: str | None = 
 
     loop = StepLoop(config, learner, buffer, source, counters, version=version, publish=publish,
                     on_step=on_step, pauses_after=pauses_after, stop=stop, on_stall=on_stall,
-                    agreement=agreement)
+                    agreement=agreement, publishes_after=pins_after)
     try:
         loop.run()
     finally:
@@ -259,28 +276,49 @@ def run_trainer(run_dir: Path, *, resume: bool = False, store_url: str | None = 
         _checkpoint(checkpoints, learner, buffer, summary_start, counters, force=True)
         checkpoints.wait()
     publisher.wait()
-    if learner.step % config.system.sync_every:
+    final_pin = None
+    if by_process and not stopped_early:
+        # the evaluator's eval_end: the params after the last step, pinned (a resume at the end
+        # of a finished run, or one that changed train.steps, has not pinned them in this session)
+        final_pin = pinned.get(learner.step)
+        if final_pin is None:
+            pin = eval_pin(counters.elapsed(), final=True)
+            final_pin = version = publisher.publish(*params_to_publish(config, learner.trainer),
+                                                    step=learner.step, pin=pin)
+    if learner.step % config.system.sync_every and final_pin is None:
         version = publisher.publish(*params_to_publish(config, learner.trainer), step=learner.step)
     publisher.close()
-    write_status(run_dir, "trainer", {**last, "step": learner.step, "phase": "final evaluation"})
-    final = evaluator.run(learner.trainer.policy())
+    if evaluator is not None:
+        write_status(run_dir, "trainer", {**last, "step": learner.step, "phase": "final evaluation"})
+        final = evaluator.run(learner.trainer.policy())
     if not primary:  # the summary, plots and status are process 0's
         if reward_pool is not None:
             reward_pool.close()
-        return {"process_index": jax.process_index(), "trainer_steps": learner.step, "eval_end": final}
-    log.info("final eval %s %.3f after %d steps", evaluator.metric, final["eval_score"], learner.step)
+        return {"process_index": jax.process_index(), "trainer_steps": learner.step,
+                **({} if evaluator is None else {"eval_end": final})}
     wall = counters.elapsed()
-    metrics.write(learner.step, {**final, "version": version, "elapsed_s": wall})
+    process_evals: dict[str, Any] = {}
+    if evaluator is None:
+        write_status(run_dir, "trainer", {**last, "step": learner.step, "phase": "waiting for the evaluator"})
+        summary_start, final, process_evals = _evaluator_results(config, run_dir, final_pin, learner.step,
+                                                                 stop)
+        metric = process_evals.pop("eval_metric")
+    else:
+        metric = evaluator.metric
+        log.info("final eval %s %.3f after %d steps", metric, final["eval_score"], learner.step)
+        metrics.write(learner.step, {**final, "version": version, "elapsed_s": wall})
     lags = [(r["policy_lag_mean"], r["policy_lag_max"]) for r in read_metrics(run_dir, "trainer") if "policy_lag_mean" in r]
     summary = {
         "experiment": config.name,
         "objective": config.train.objective,
         "mode": config.system.mode,
-        "eval_metric": evaluator.metric,  # the task's headline metric: eval_score_* is this
+        "eval_metric": metric,  # the task's headline metric: eval_score_* is this
+        "eval_mode": "process" if evaluator is None else "inline",
         **summary_start,
         "eval_score_end": final["eval_score"],
         "eval_end": final,
         **({"eval_accuracy_end": final["eval_accuracy"]} if "eval_accuracy" in final else {}),
+        **process_evals,  # eval.mode=process: which step eval_end is of, eval steps without a result
         "trainer_steps": learner.step,
         "samples_generated": committed_rows(store),  # durable: survives searcher restarts and resumes
         "tokens_trained": learner.tokens_trained,
@@ -311,9 +349,105 @@ def run_trainer(run_dir: Path, *, resume: bool = False, store_url: str | None = 
     metrics.close()
     if reward_pool is not None:
         reward_pool.close()
-    plot_learning_curve(run_dir, metric=evaluator.metric)
+    plot_learning_curve(run_dir, metric=metric)
     rundir.write_status(run_dir, "trainer", {**last, **final, "step": learner.step, "phase": "done"})
     return summary
+
+
+def evaluates_in_process(config: ExperimentConfig) -> bool:
+    """Whether the evaluator role evaluates (eval.mode=process, async); sync mode always
+    evaluates inline, in its one process (logged, since the config asked otherwise)."""
+    if config.eval.mode != "process":
+        return False
+    if config.system.mode == "sync":
+        log.warning("eval.mode=process: sync mode runs everything in one process, so it evaluates inline "
+                    "(between updates); set eval.mode=inline to silence this")
+        return False
+    return True
+
+
+def is_eval_step(config: ExperimentConfig, step: int) -> bool:
+    """A periodic evaluation step (`eval.every`); the last step's evaluation is the final one."""
+    return bool(config.eval.every) and step % config.eval.every == 0 and step < config.train.steps
+
+
+def drop_rolled_back_pins(publisher: ParamPublisher, step: int) -> None:
+    """A resumed trainer continues from `step`: eval pins of later steps hold params it rolled
+    back (the steps are trained again and pinned again, under new versions)."""
+    for r in eval_requests(publisher.pins()):
+        if r.step > step:
+            publisher.unpin(r.version)
+            log.info("resume: dropped the eval request of rolled-back step %d (version %d)", r.step,
+                     r.version)
+
+
+_BACKLOG_WARN = 3  # eval versions waiting for the evaluator before the trainer says it falls behind
+
+
+def _note_eval_backlog(publisher: ParamPublisher, step: int) -> None:
+    """Warn when the evaluator falls behind: every waiting eval version stays on disk."""
+    waiting = [r for r in publisher.pins() if r.get("purpose") == PIN_PURPOSE]
+    if len(waiting) > _BACKLOG_WARN:
+        log.warning("step %d: %d eval versions wait for the evaluator (steps %s); each stays in the param "
+                    "store until evaluated: evaluate less often (eval.every) or on fewer problems "
+                    "(eval.num_problems)",
+                    step, len(waiting), [r["step"] for r in waiting])
+
+
+def wait_for_eval(run_dir: Path, version: int, timeout_s: float, stop: Callable[[], bool],
+                  poll_s: float = 1.0) -> Mapping[str, Any] | None:
+    """The evaluator's record of `version`, waiting for it while the evaluator makes progress:
+    None once it has written nothing new for `timeout_s` (or a stop was requested)."""
+    seen, last_progress = -1, time.time()
+    while True:
+        records = read_metrics(run_dir, "evaluator", superseded=True)
+        found = final_eval(records, version)
+        if found is not None:
+            return found
+        if len(records) != seen:
+            seen, last_progress = len(records), time.time()
+        if time.time() - last_progress > timeout_s or stop():
+            return None
+        time.sleep(poll_s)
+
+
+def _evaluator_results(config: ExperimentConfig, run_dir: Path, final_version: int | None, last_step: int,
+                       stop: Callable[[], bool]) -> tuple[dict[str, Any], dict[str, float], dict[str, Any]]:
+    """eval.mode=process: (summary_start, eval_end, more summary fields) from the evaluator's
+    records, after waiting for its evaluation of `final_version` (None: stopped early, no wait)."""
+    t0 = time.time()
+    found = None
+    if final_version is not None:
+        log.info("waiting for the evaluator's final evaluation (step %d, version %d); giving up after %.0f s "
+                 "without a new evaluator result (eval.wait_timeout_s)", last_step, final_version,
+                 config.eval.wait_timeout_s)
+        found = wait_for_eval(run_dir, final_version, config.eval.wait_timeout_s, stop)
+        if found is None:
+            log.warning("no final evaluation from the evaluator (step %d, version %d) after waiting %.0f s "
+                        "(eval.wait_timeout_s=%g%s); summary.json gets the newest evaluation there is: see "
+                        "eval_end_step, and logs/evaluator.log", last_step, final_version, time.time() - t0,
+                        config.eval.wait_timeout_s, ", stop requested" if stop() else "")
+        else:
+            log.info("final eval %s %.3f after %d steps (waited %.1f s for the evaluator)",
+                     found.get("eval_metric"), found["eval_score"], last_step, time.time() - t0)
+    records = eval_records(run_dir)
+    start = next((r for r in records if int(r["step"]) == 0), None)
+    end = found or (records[-1] if records else None)
+    missing = missing_eval_steps(eval_steps(config.eval.every, last_step), records)
+    if missing:
+        log.warning("eval steps without an evaluation result: %s (see logs/evaluator.log)", missing)
+    nan = {"eval_score": float("nan")}
+    start_eval = eval_only(start) if start is not None else nan
+    end_eval = eval_only(end) if end is not None else nan
+    summary_start = {"eval_score_start": start_eval["eval_score"], "eval_start": start_eval}
+    if "eval_accuracy" in start_eval:
+        summary_start["eval_accuracy_start"] = start_eval["eval_accuracy"]
+    metric = next((r["eval_metric"] for r in reversed(records) if "eval_metric" in r), "eval_score")
+    more = {"eval_metric": metric, "eval_end_step": None if end is None else int(end["step"]),
+            "eval_end_version": None if end is None else int(end["version"]),
+            "eval_end_is_final": found is not None, "eval_steps_missing": missing,
+            "eval_wait_s": time.time() - t0}
+    return summary_start, end_eval, more
 
 
 @dataclasses.dataclass
@@ -431,7 +565,8 @@ class StepLoop:
                  counters: RunCounters, *, version: int, publish: Callable[[int], int],
                  on_step: Callable[[int, dict[str, Any]], None], pauses_after: Callable[[int], bool] = lambda s: False,
                  stop: Callable[[], bool] = lambda: False, on_stall: Callable[[BufferEmptyError], None] | None = None,
-                 agreement: StepAgreement | None = None):
+                 agreement: StepAgreement | None = None,
+                 publishes_after: Callable[[int], bool] = lambda s: False):
         self.config = config
         self.learner = learner
         self.buffer = buffer
@@ -441,6 +576,7 @@ class StepLoop:
         self.publish = publish
         self.on_step = on_step
         self.pauses_after = pauses_after
+        self.publishes_after = publishes_after  # steps published off the sync_every grid (eval.mode=process)
         self.stop = stop
         self.on_stall = on_stall
         self.agreement = agreement or StepAgreement()
@@ -527,7 +663,7 @@ class StepLoop:
         if self.config.system.mode == "sync":  # on-policy: the params are handed over in memory
             self.version = step
             self.source.set_params(self.learner)
-        elif step % self.config.system.sync_every == 0:
+        elif step % self.config.system.sync_every == 0 or self.publishes_after(step):
             self.version = self.publish(step)
             with self.lock:
                 self.buffer.mark_sync(self.version)

@@ -672,6 +672,7 @@ def redteam_experiment(
     compute_dtype: str = "bfloat16",
     eval_every: int = 0,
     eval_problems: int = 32,
+    eval_mode: str = "inline",
     checkpoint_every: int = 500,
     chat: bool = False,
     system_prompt: str | None = None,
@@ -768,5 +769,5 @@ def redteam_experiment(
             heap_priority="log_toxicity",
         ),
         system=SystemSpec(mode="async", num_searchers=num_searchers, sync_every=sync_every),
-        eval=EvalSpec(every=eval_every, num_problems=eval_problems, batch_size=eval_problems),
+        eval=EvalSpec(every=eval_every, num_problems=eval_problems, batch_size=eval_problems, mode=eval_mode),
     )
