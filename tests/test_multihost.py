@@ -216,7 +216,7 @@ def test_the_launcher_names_the_trainer_process_that_died_first(tmp_path):
 
 
 _AGREEMENT_SCRIPT = """
-import hashlib, os, sys
+import hashlib, os, pathlib, sys, time
 from tbajax.system import distributed
 from tests.test_multihost import _rows, K
 pid, port = int(sys.argv[1]), sys.argv[2]
@@ -226,7 +226,6 @@ rows = _rows(7, 2, 50)
 groups = agreement.decide(1, lambda: [rows[:K], rows[K:]] if pid == 0 else None)
 digest = hashlib.sha256(distributed.encode_groups(groups)).hexdigest()
 print("step 1", digest, agreement.share("run_id", lambda: "r-" + str(pid)), flush=True)
-client = distributed._client()
 if pid == 2:
     distributed.fail_fast(RuntimeError("process 2 ran out of memory"))
 if pid == 1:
@@ -234,9 +233,11 @@ if pid == 1:
         agreement.decide(2, lambda: None)
     except distributed.PeerFailedError as e:
         print("peer failed:", e, flush=True)
-    client.key_value_set("test/done", "1")
-else:  # process 0 waits for data that never comes (it would publish step 2 otherwise)
-    client.blocking_key_value_get("test/done", 120_000)
+elif pid == 0:  # process 0 hosts the coordination service: it must outlive its peers (a client
+    # whose service vanishes aborts), so it waits for the test to see processes 1 and 2 gone
+    release = pathlib.Path(sys.argv[3])
+    while not release.exists():
+        time.sleep(0.05)
 sys.stdout.flush()
 os._exit(0)
 """
@@ -247,16 +248,20 @@ def test_followers_get_process_0s_groups_and_a_failed_peer_by_name(tmp_path):
     on every process; a follower waiting for a step learns that process 2 failed, and why."""
     port = _free_port()
     env = {**_env(1), "PYTHONPATH": str(REPO)}
-    procs = [subprocess.Popen([sys.executable, "-c", _AGREEMENT_SCRIPT, str(i), str(port)], cwd=REPO, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(3)]
-    outs = []
-    for p in procs:
+    release = tmp_path / "release"
+    procs = [subprocess.Popen([sys.executable, "-c", _AGREEMENT_SCRIPT, str(i), str(port), str(release)], cwd=REPO,
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(3)]
+    outs = {}
+    for i in (1, 2, 0):  # the followers first; then process 0 (the service) may go
         try:
-            outs.append(p.communicate(timeout=180)[0])
+            outs[i] = procs[i].communicate(timeout=180)[0]
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
             raise
+        if i == 2:
+            release.touch()
+    outs = [outs[i] for i in range(3)]
     step1 = [next(line for line in o.splitlines() if line.startswith("step 1")) for o in outs]
     assert len(set(step1)) == 1 and step1[0].endswith("r-0"), outs  # same digest, process 0's run id
     assert [p.returncode for p in procs] == [0, 0, 1], outs
