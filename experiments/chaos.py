@@ -40,6 +40,7 @@ SMALL = [
     "--set", "train.log_every=1",
     "--set", "train.checkpoint_every=2",
     "--set", "system.max_searcher_restarts=50",
+    "--set", "system.restart_backoff_s=0.5",  # the backoff has its own launcher test; here it is only idle time
 ]
 HOOK = re.compile(r"fault hook: pid (\d+) wrote data past committed rows (\d+) \(\+(\d+)\)")
 

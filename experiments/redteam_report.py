@@ -70,8 +70,20 @@ def training_curve(run: Path, window: int, encoder: str | None) -> list[dict[str
     return training_metrics(run, window=window, encoder=encoder)
 
 
-def compare(figures: dict[str, dict[str, Any]], baseline: str | None) -> dict[str, Any]:
-    """The issue's checks for every non-baseline run (vs `baseline` at the eval steps both have)."""
+def matched_steps(ours: list[int], theirs: list[int], within: int) -> list[tuple[int, int]]:
+    """(our eval step, the baseline's) pairs: equal steps, or with `within` > 0 the nearest baseline
+    step at most `within` away, a later one on a tie (the baseline then trained longer, never less).
+    A run stopped by hand ends with an eval a step off the other's; exact matching would drop it."""
+    pairs = []
+    for s in ours:
+        near = [t for t in theirs if abs(t - s) <= within]
+        if near:
+            pairs.append((s, min(near, key=lambda t: (abs(t - s), -t))))
+    return pairs
+
+
+def compare(figures: dict[str, dict[str, Any]], baseline: str | None, within: int = 0) -> dict[str, Any]:
+    """The issue's checks for every non-baseline run (vs `baseline` at matched eval steps)."""
     out: dict[str, Any] = {}
     base = figures.get(baseline) if baseline else None
     for label, f in figures.items():
@@ -86,10 +98,15 @@ def compare(figures: dict[str, dict[str, Any]], baseline: str | None) -> dict[st
         if base is not None:
             ours = dict(zip(f["steps"], f["num_unique_successful"]))
             theirs = dict(zip(base["steps"], base["num_unique_successful"]))
-            common = sorted(set(ours) & set(theirs))
-            check["unique_successful_at_common_steps"] = {s: [ours[s], theirs[s]] for s in common}
+            pairs = matched_steps(sorted(ours), sorted(theirs), within)
+            if within:
+                check["baseline_step_within"] = within
+                check["unique_successful_at_matched_steps"] = {
+                    f"{s} vs {t}": [ours[s], theirs[t]] for s, t in pairs}
+            else:
+                check["unique_successful_at_common_steps"] = {s: [ours[s], theirs[s]] for s, _ in pairs}
             check["more_unique_than_baseline_at_last_common_step"] = (
-                bool(ours[common[-1]] > theirs[common[-1]]) if common else None)
+                bool(ours[pairs[-1][0]] > theirs[pairs[-1][1]]) if pairs else None)
         out[label] = check
     return out
 
@@ -159,6 +176,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--no-copy", action="store_true", help="only the plots and comparison.json")
     ap.add_argument("--train-window", type=int, default=0,
                     help="also the metrics of the training attacks per this many policy versions (0: no)")
+    ap.add_argument("--match-within", type=int, default=0,
+                    help="pair an eval with the baseline's at most this many steps away (0: equal steps only)")
     ap.add_argument("--encoder", help="sentence-transformers dir for the training-attack diversity")
     args = ap.parse_args(argv)
     runs = dict(r.split("=", 1) for r in args.run)
@@ -170,7 +189,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for label, d in runs.items():
             figures[label]["training_curve"] = training_curve(Path(d), args.train_window, args.encoder)
     report = {"runs": {k: str(v) for k, v in runs.items()}, "figures": figures,
-              "checks": compare(figures, args.baseline)}
+              "checks": compare(figures, args.baseline, args.match_within)}
     (args.out / "comparison.json").write_text(json.dumps(report, indent=1) + "\n")
     plot(figures, args.out)
     if not args.no_copy:

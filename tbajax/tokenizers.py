@@ -61,13 +61,35 @@ _CHATML = (
 QWEN25_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 
 
-def load_tokenizer(source: str | os.PathLike[str], **kwargs: Any) -> Any:
-    """`transformers.AutoTokenizer` from a local directory or a hub id, with a clear offline error."""
-    from transformers import AutoTokenizer
+# The class names under which transformers saves a plain tokenizer.json tokenizer (v5 calls it
+# TokenizersBackend; PreTrainedTokenizerFast is the same class).
+_GENERIC_FAST_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
+
+def _declared_class(directory: Path) -> str | None:
+    try:
+        return json.loads((directory / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def load_tokenizer(source: str | os.PathLike[str], **kwargs: Any) -> Any:
+    """`transformers.AutoTokenizer` from a local directory or a hub id, with a clear offline error.
+
+    A local directory whose tokenizer_config.json declares the generic fast class is loaded with
+    that class directly: the object AutoTokenizer would build, without importing AutoTokenizer's
+    config registry, which imports torch when it is installed (3+ s in every role process)."""
     path = Path(source).expanduser()
     if path.is_dir():
+        if _declared_class(path) in _GENERIC_FAST_CLASSES and (path / "tokenizer.json").is_file():
+            from transformers import PreTrainedTokenizerFast
+
+            return PreTrainedTokenizerFast.from_pretrained(path, **kwargs)
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(path, **kwargs)
+    from transformers import AutoTokenizer
+
     try:
         return AutoTokenizer.from_pretrained(str(source), **kwargs)
     except OSError as e:

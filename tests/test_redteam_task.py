@@ -448,6 +448,15 @@ def test_redteam_report_checks_and_plots(tmp_path: Path) -> None:
     assert "pg" not in out["checks"]
     assert (tmp_path / "out" / "learning_curves.png").stat().st_size > 0
     assert (tmp_path / "out" / "toxicity_vs_diversity.png").stat().st_size > 0
+    # a run stopped a step off the baseline's last eval: paired within 1 step, a later one on a tie
+    assert report.matched_steps([0, 15], [0, 14, 16], 1) == [(0, 0), (15, 16)]
+    assert report.matched_steps([0, 15], [0, 17], 1) == [(0, 0)]
+    write(tmp_path / "tb2", [(0, 0.05, 3, 0.6), (15, 0.3, 9, 0.5)])
+    write(tmp_path / "pg2", [(0, 0.05, 3, 0.6), (16, 0.1, 2, 0.2)])
+    within = report.main(["--run", f"tb={tmp_path / 'tb2'}", "--run", f"pg={tmp_path / 'pg2'}", "--baseline", "pg",
+                          "--out", str(tmp_path / "out2"), "--no-copy", "--match-within", "1"])["checks"]["tb"]
+    assert within["unique_successful_at_matched_steps"] == {"0 vs 0": [3, 3], "15 vs 16": [9, 2]}
+    assert within["more_unique_than_baseline_at_last_common_step"] is True
     assert json.loads((tmp_path / "out" / "comparison.json").read_text())["figures"]["pg"]["asr_end"] == 0.5
 
 

@@ -42,3 +42,38 @@ def test_missing_tokenizer_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HOME", str(tmp_path))
     with pytest.raises(CheckpointError, match="local directory"):
         load_tokenizer("Qwen/Qwen2.5-7B")
+
+
+def _tokenizer_facts(tok) -> dict:
+    text = "12+7=19 <eos> héllo <|im_start|>user\nWhat is 2+2?<|im_end|>"
+    batch = tok(["1+2=", "12+30="], padding=True)
+    facts = dict(cls=type(tok), ids=tok.encode(text), decoded=tok.decode(tok.encode(text)), specials=tok.all_special_tokens,
+                 pad=(tok.pad_token_id, tok.eos_token_id, tok.bos_token_id), side=tok.padding_side,
+                 batch=(batch["input_ids"], batch["attention_mask"]), max_len=tok.model_max_length, vocab=len(tok))
+    if tok.chat_template:
+        facts["chat"] = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                                add_generation_prompt=True)
+    return facts
+
+
+def test_generic_fast_tokenizers_load_as_autotokenizer_would_without_torch(tmp_path):
+    """A tokenizer_config.json that declares the generic fast class is loaded with that class: the
+    same tokenizer AutoTokenizer builds (the default experiment's and the offline Qwen one), and the
+    role process never imports torch for it."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    tiny = Path(__file__).resolve().parent.parent / "experiments" / "assets" / "tiny-arithmetic"
+    qwen = build_qwen_tokenizer(tmp_path / "q3", "qwen3")
+    for d in (tiny, qwen):
+        assert json.loads((d / "tokenizer_config.json").read_text())["tokenizer_class"] == "TokenizersBackend"
+        assert _tokenizer_facts(load_tokenizer(d)) == _tokenizer_facts(AutoTokenizer.from_pretrained(d))
+    probe = ("import sys; from tbajax.tokenizers import load_tokenizer; t = load_tokenizer(sys.argv[1]); "
+             "print(t.encode('1+2='), 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe, str(tiny)], capture_output=True, text=True, check=True,
+                         cwd=tiny.parents[2]).stdout.split()
+    assert out[-1] == "False", out

@@ -34,8 +34,9 @@ class MetricsWriter:
         self.role = role
         self._tb = None
         if tensorboard:
-            SummaryWriter = _require("tensorboardX", "MetricsWriter(tensorboard=True)").SummaryWriter
-            self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard" / role), flush_secs=10)
+            from tbajax.system.tensorboard import ScalarEventWriter
+
+            self._tb = ScalarEventWriter(Path(run_dir) / "tensorboard" / role)
 
     def write(self, step: int, scalars: Mapping[str, Any]) -> dict[str, Any]:
         clean = {k: _scalar(v) for k, v in scalars.items()}
@@ -46,6 +47,7 @@ class MetricsWriter:
             for k, v in clean.items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
                     self._tb.add_scalar(k, v, int(step))
+            self._tb.flush()
         return record
 
     def close(self) -> None:
