@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from tbajax.buffer import BufferConfig
-from tbajax.models.lora import LoraConfig
+from tbajax.models.lora_config import LoraConfig
 from tbajax.sampling.config import SamplingConfig
 from tbajax.sharding import MeshConfig
 from tbajax.training.config import TrainerConfig

@@ -5,6 +5,9 @@ name theirs at the few places the model constrains them. `LOGICAL_RULES` is the 
 decides which mesh axis each logical axis is split over. A dimension is left unsplit when the
 mesh axis does not divide it (e.g. 2 KV heads on a 4-way tensor axis): that is a replication,
 never a change in the math.
+
+jax is imported inside the functions: `MeshConfig` is part of the experiment config, which the
+launcher reads without importing jax.
 """
 
 from __future__ import annotations
@@ -14,9 +17,13 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-import jax
+from typing import TYPE_CHECKING
+
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+if TYPE_CHECKING:
+    import jax
+    from jax.sharding import Mesh, NamedSharding
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
@@ -69,6 +76,8 @@ class MeshConfig:
 
 def make_mesh(config: MeshConfig = MeshConfig(), devices: Sequence[Any] | None = None) -> Mesh:
     """A (data, fsdp, tensor) mesh with Auto axes (GSPMD propagation) over `devices`."""
+    import jax
+    from jax.sharding import AxisType, Mesh
     devices = list(devices if devices is not None else jax.devices())
     shape = config.shape(len(devices))
     return Mesh(
@@ -80,8 +89,9 @@ def make_mesh(config: MeshConfig = MeshConfig(), devices: Sequence[Any] | None =
 
 def logical_to_spec(
     logical_axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh
-) -> P:
+) -> jax.sharding.PartitionSpec:
     """PartitionSpec for an array of `shape` whose dims are named `logical_axes`."""
+    from jax.sharding import PartitionSpec as P
     if len(logical_axes) != len(shape):
         raise ValueError(f"logical axes {tuple(logical_axes)} do not match shape {tuple(shape)}")
     used: set[str] = set()
@@ -105,11 +115,13 @@ def logical_to_spec(
 
 
 def named_sharding(logical_axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh) -> NamedSharding:
+    from jax.sharding import NamedSharding
     return NamedSharding(mesh, logical_to_spec(logical_axes, shape, mesh))
 
 
 def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
     """Sharding hint for an activation inside jit; a no-op when no mesh is in context."""
+    import jax
     mesh = jax.sharding.get_abstract_mesh()
     if mesh is None or mesh.empty or math.prod(mesh.shape.values()) == 1:
         return x
@@ -118,7 +130,9 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
 
 def param_shardings(abstract_state: Any, mesh: Mesh) -> Any:
     """Map an nnx State of Params (abstract or concrete) to NamedShardings by their metadata."""
+    import jax
     from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec as P
 
     def one(var: Any) -> Any:
         axes = var.get_metadata().get("logical_axes")
@@ -131,6 +145,7 @@ def param_shardings(abstract_state: Any, mesh: Mesh) -> Any:
 
 def spans_processes(mesh: Mesh) -> bool:
     """Whether some of `mesh`'s devices belong to other processes (a multi-process mesh)."""
+    import jax
     return any(d.process_index != jax.process_index() for d in mesh.devices.flat)
 
 
@@ -139,6 +154,7 @@ def host_to_global(tree: Any, shardings: Any) -> Any:
     `shardings` (a matching tree or tree prefix): each process materialises only the shards of
     its own devices. jit refuses host arrays for a sharding that spans processes; arrays that
     are already jax.Arrays pass through unchanged."""
+    import jax
 
     def one(sharding: Any, x: Any) -> Any:
         if x is None or isinstance(x, jax.Array):

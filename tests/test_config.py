@@ -93,3 +93,18 @@ def test_neither_side_computes_reference_logprobs_only_for_an_objective_that_rea
         assert not cfg.train.trainer.compute_reference_logprobs and not cfg.rollout.reference_logprobs
     with pytest.raises(ConfigError, match="exactly one side"):  # rloo with its KL term reads it
         apply_overrides(base, [*off, "train.objective=rloo", 'train.objective_options={"kl_in_reward": true}'])
+
+
+def test_reading_a_config_imports_no_jax():
+    """The launcher, `--print-config` and bad-input errors read configs only: no jax, flax or
+    transformers import (seconds of CPU per process on a small machine)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    probe = ("import sys; from tbajax.config import apply_overrides; from tbajax.main import load_experiment; "
+             "c = apply_overrides(load_experiment('tiny_arithmetic'), ['model.lora.rank=4', 'system.trainer_mesh.data=1']); "
+             "print(sorted(m for m in ('jax', 'flax', 'transformers', 'torch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout + out.stderr

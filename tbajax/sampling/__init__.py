@@ -1,34 +1,25 @@
 """Fast jitted sampling: prefill once per prompt, decode inside one compiled loop, K samples each;
 or continuous batching over fixed decode slots (`ContinuousEngine`)."""
 
-from tbajax.sampling.config import SamplingConfig
-from tbajax.sampling.core import DecodeOut, DecodeSpec, Knobs, decode, prefill, score
-from tbajax.sampling.sampler import (
-    CompileEvent,
-    SampleOutput,
-    Sampler,
-    batch_bucket,
-    length_bucket,
-)
-from tbajax.sampling.step import sample_logits, top_p_filter
-from tbajax.sampling.continuous import Completed, ContinuousEngine, request_keys
+from tbajax._lazy import lazy_exports
 
-__all__ = [
-    "CompileEvent",
-    "Completed",
-    "ContinuousEngine",
-    "DecodeOut",
-    "DecodeSpec",
-    "Knobs",
-    "SampleOutput",
-    "Sampler",
-    "SamplingConfig",
-    "batch_bucket",
-    "decode",
-    "length_bucket",
-    "prefill",
-    "request_keys",
-    "sample_logits",
-    "score",
-    "top_p_filter",
-]
+_EXPORTS = {  # public name -> the submodule that defines it
+    "SamplingConfig": "config",
+    "Completed": "continuous",
+    "ContinuousEngine": "continuous",
+    "request_keys": "continuous",
+    "DecodeOut": "core",
+    "DecodeSpec": "core",
+    "Knobs": "core",
+    "decode": "core",
+    "prefill": "core",
+    "score": "core",
+    "CompileEvent": "sampler",
+    "SampleOutput": "sampler",
+    "Sampler": "sampler",
+    "batch_bucket": "sampler",
+    "length_bucket": "sampler",
+    "sample_logits": "step",
+    "top_p_filter": "step",
+}
+__getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)
