@@ -73,6 +73,13 @@ def machine() -> dict[str, Any]:
     return machine_info()
 
 
+def machine_line(info: dict[str, Any]) -> str:
+    """One line naming the machine a table was measured on (its speed measured in the same run)."""
+    return (f"machine: {info.get('cpu_model') or info.get('cpu')} ({', '.join(info.get('cpu_flags') or []) or 'no flags read'}), "
+            f"{info['cpu_count']} cores, fp32 matmul {info['matmul_gflops']:.0f} GFLOP/s, "
+            f"load average {info['load_average_1m']:.1f}, jax {info['jax']}")
+
+
 def write_json(path: str | None, payload: dict[str, Any]) -> None:
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)

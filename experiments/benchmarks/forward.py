@@ -23,7 +23,7 @@ import numpy as np  # noqa: E402
 import tempfile  # noqa: E402
 
 import torch  # noqa: E402
-from common import SIZES, machine, make_llama_checkpoint, peak_rss_mb, print_table, timed, write_json  # noqa: E402
+from common import SIZES, machine, machine_line, make_llama_checkpoint, peak_rss_mb, print_table, timed, write_json  # noqa: E402
 from flax import nnx  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification  # noqa: E402
 
@@ -108,7 +108,8 @@ def main() -> None:
         cases = [(m, s, 16, 256) for s in ("10M", "50M") for m in ("llama", "neox", "neox_rm")]
     rows = [bench(m, s, b, t, 2 if args.quick else 5) for m, s, b, t in cases]
     info = {**machine(), "torch_threads": torch.get_num_threads(), "peak_rss_mb": peak_rss_mb()}
-    print(f"forward pass, fp32, {info['cpu_count']} CPU cores, jax {info['jax']}, torch {torch.__version__}")
+    print(f"forward pass, fp32, torch {torch.__version__} at {info['torch_threads']} threads")
+    print(machine_line(info))
     print_table(rows, ["model", "size", "params_M", "batch", "seq", "tbajax_tok_s", "torch_tok_s", "ratio", "compile_s"])
     print("ratio = tbajax tokens/s / torch tokens/s (>1: tbajax faster); tokens = real (unpadded) tokens")
     write_json(args.json, {"benchmark": "forward", "machine": info, "rows": rows})

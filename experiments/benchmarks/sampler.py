@@ -37,7 +37,10 @@ import jax
 import jax.numpy as jnp
 
 from tbajax.models import ModelConfig, load_model
-from tbajax.system.metrics import matmul_flops_per_s
+from tbajax.system.metrics import machine_info, matmul_flops_per_s
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import machine_line  # noqa: E402
 from tbajax.sampling import Sampler, SamplingConfig
 
 log = logging.getLogger("bench.sampler")
@@ -308,12 +311,14 @@ def main(argv: list[str] | None = None) -> None:
                 ap.error(f"unknown model {name!r}; choose from {[*SIZES, 'smollm2']}")
             rows += bench_model(label, d, batches, prompt_len, new_tokens, repeats, not args.no_torch, peak)
     print_table(rows, peak)
+    info = machine_info()
+    print(machine_line(info))
     for s in skipped:
         print("skipped:", s)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(
-            {"matmul_flops": peak, "jax": jax.__version__, "cpus": os.cpu_count(),
+            {"matmul_flops": peak, "jax": jax.__version__, "cpus": os.cpu_count(), "machine": info,
              "rows": [dataclasses.asdict(r) for r in rows], "skipped": skipped}, indent=2))
         print(f"wrote {args.json}")
 

@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(ROOT)]
 
 import numpy as np  # noqa: E402
-from common import machine, make_llama_checkpoint, peak_rss_mb, print_table, write_json  # noqa: E402
+from common import machine, machine_line, make_llama_checkpoint, peak_rss_mb, print_table, write_json  # noqa: E402
 
 GROUP = 4  # K samples per prompt
 PROMPT = 16  # prompt tokens per row (the rest of the row is the scored response)
@@ -357,6 +357,7 @@ def main() -> None:
     info = {**machine(), "load_avg": os.getloadavg()}
     print(f"trainer step (ref fwd + policy fwd/bwd + AdamW), VarGrad TB, {args.precision}, "
           f"{info['cpu_count']} CPU cores, load avg {info['load_avg'][0]:.1f}")
+    print(machine_line(info))
     print_table(rows, ["size", "params_M", "batch", "tbajax_tok_s", "torch_tok_s", "ratio", "compile_s",
                        "torch_first_s", "tbajax_rss_MB", "torch_rss_MB"])
     print("ratio = tbajax tokens/s / torch tokens/s (>1: tbajax faster); rss = peak of each side's process")

@@ -72,6 +72,21 @@ def matmul_flops_per_s(n: int = 1024, repeats: int = 5) -> float:
     return 2 * n**3 / best
 
 
+_CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16")
+
+
+def cpu_model_and_flags() -> tuple[str | None, list[str]]:
+    """The CPU's model name and the vector-ISA flags XLA's CPU backend can use (from
+    /proc/cpuinfo; (None, []) where there is none): two machines of one "kind" may differ here."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None, []
+    model = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), None)
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return model, [f for f in _CPU_FLAGS if f in flags]
+
+
 def machine_info() -> dict[str, Any]:
     """Where a run or a benchmark ran, with this machine's fp32 matmul rate measured now.
 
@@ -84,9 +99,12 @@ def machine_info() -> dict[str, Any]:
     import jax
 
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    model, flags = cpu_model_and_flags()
     return {
         "cpu_count": os.cpu_count(),
         "cpu": platform.processor() or platform.machine(),
+        "cpu_model": model,
+        "cpu_flags": flags,
         "backend": jax.default_backend(),
         "devices": jax.device_count(),
         "jax": jax.__version__,
