@@ -113,7 +113,8 @@ def _wait(pred, timeout: float, what: str, proc: subprocess.Popen | None = None)
 def _launch(run_dir: Path, args: list[str], log_path: Path, pause_s: float) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TBAJAX_FAULT_PAUSE_BEFORE_COMMIT_S": str(pause_s),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    env.pop("XLA_FLAGS", None)  # each role: one CPU device, as a user's run
+    # each role: one CPU device, as a user's run (other XLA flags kept)
+    env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", "")).strip()
     log = open(log_path, "ab")
     try:
         return subprocess.Popen([sys.executable, "-m", "tbajax.main", f"--run-dir={run_dir}", "--quiet", *SMALL, *args],

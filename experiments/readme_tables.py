@@ -40,6 +40,8 @@ TABLES: dict[str, dict[str, list[str]]] = {
     "trainer_loop": {"rows": ["loop", "steps", "vs_serial", "idle_share", "idle_bound", "steps_per_s", "step_ms", "prep_ms"]},
     "sampler_quick": {"rows": ["model", "batch", "prompt_len", "new_tokens", "ours_tok_s", "ours_decode_tok_s",
                                "torch_tok_s", "ratio", "roofline_frac"]},
+    "sampler": {"rows": ["model", "batch", "prompt_len", "new_tokens", "ours_tok_s", "ours_decode_tok_s",
+                         "torch_tok_s", "torch_threads", "ratio", "roofline_frac"]},
     "redteam_trainer_memory": {"arms": ["arm", "rss_after_load_mb", "state_mb", "rss_after_updates_mb", "update_s"],
                                "ratios_after_over_before": ["rss_after_updates_mb", "state_mb", "update_s"]},
     "continuous_batching": {
@@ -90,6 +92,8 @@ def _machine(info: dict[str, Any] | None) -> str:
     if not info:
         return "machine not recorded"
     parts = [f"{info.get('cpu_count', '?')} CPU cores" if info.get("backend", "cpu") == "cpu" else str(info.get("backend"))]
+    if info.get("cpu_model"):
+        parts[0] += f" ({info['cpu_model']}; {', '.join(info.get('cpu_flags') or []) or 'no AVX flags'})"
     if info.get("matmul_gflops"):
         parts.append(f"{info['matmul_gflops']:.0f} GFLOP/s fp32 matmul measured in the same run")
     else:

@@ -41,8 +41,11 @@ changed:
   no time; the reasoning is in the comment at `LORA_TARGETS`).
 - the recipe's TB run (NOTES.md, stopped after step 15 of 48 for time, one seed): eval ASR 3.1%
   -> 34.4%, diversity 0.65 -> 0.41; the successes are "idiot" attacks the victim echoes. Its RLOO
-  run was killed for memory at step 7 (peak RSS 7.1 GB on a shared 23 GB box): no baseline
-  comparison yet.
+  run was killed for memory at step 7 (peak RSS 7.1 GB on a shared 23 GB box).
+- 2026-12-02, TB and RLOO rerun one at a time at the same code, both to step 16 (NOTES.md): TB
+  3.1% -> 29.7%, 19 unique successful attacks of 64, diversity kept (0.415 -> 0.407); RLOO 3.1%
+  -> 6.2%, 3 unique, its attacks collapsing (16 distinct of 64). One seed per arm, ~25-30 min
+  per run at 71 GFLOP/s.
 
 Assets (offline, none committed):
 

@@ -1,8 +1,22 @@
 """Test setup: 8 fake CPU devices for sharding tests, no hub access, tiny HF checkpoints."""
 
 import os
+import re
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# Tests check behaviour, not speed. On a small CPU most of a test's time is compiling, and most of
+# a compile is LLVM's optimisation passes: level 0 skips those (XLA's own HLO passes, fusion and
+# layout, still run), measured 1.5x faster on the compile-heavy files. Float results may differ
+# from an optimised build by reassociation only, within every test's tolerance; tests that compare
+# two runs bit for bit run both under the same flags. Benchmarks and real runs keep the default.
+FAST_COMPILE_FLAG = "--xla_backend_optimization_level=0"
+_flags = os.environ.get("XLA_FLAGS")
+if _flags is None:
+    _flags = "--xla_force_host_platform_device_count=8"
+if "--xla_backend_optimization_level" not in _flags:
+    _flags = f"{_flags} {FAST_COMPILE_FLAG}".strip()
+os.environ["XLA_FLAGS"] = _flags
+# what the role processes that tests start get: one CPU device each (as a user's run), same compile flags
+ROLE_XLA_FLAGS = re.sub(r"--xla_force_host_platform_device_count=\S+", "", _flags).strip()
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.conftest import ROLE_XLA_FLAGS
+
 from tbajax.config import ConfigError, apply_overrides
 from tbajax.main import load_experiment
 from tbajax.stores import ParamPublisher, ParamReader, ParamVersionError, param_store_url
@@ -249,7 +251,7 @@ SMALL = [arg for kv in ("eval.num_problems=16", "eval.batch_size=16", "rollout.p
 
 def _env() -> dict[str, str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.pop("XLA_FLAGS", None)  # one CPU device per role, as a user's run
+    env["XLA_FLAGS"] = ROLE_XLA_FLAGS  # each role: one CPU device, as a user's run
     return env
 
 

@@ -18,6 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.conftest import ROLE_XLA_FLAGS
+
 from tbajax.config import ExperimentConfig, apply_overrides
 from tbajax.main import load_experiment
 from tbajax.tasks.scoring import Samples
@@ -293,7 +295,7 @@ def _cli(args: list[str], tmp_path: Path, timeout: float = 90) -> subprocess.Com
     # an empty HF home: a Qwen2.5-7B in the real cache must not turn this into a training run
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf-home"), JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = ROLE_XLA_FLAGS  # each role: one CPU device, as a user's run
     return subprocess.run(
         [sys.executable, "-m", "tbajax.main", *args], cwd=tmp_path, env=env,
         capture_output=True, text=True, timeout=timeout,

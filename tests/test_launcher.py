@@ -25,6 +25,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.conftest import ROLE_XLA_FLAGS
+
 from tbajax.config import ConfigError, apply_overrides, check_resume_changes, config_differences
 from tbajax.main import load_experiment, main
 from tbajax.models import CheckpointError
@@ -486,7 +488,7 @@ def test_resume_extends_a_finished_run(tmp_path, mode):
     small = ["--quiet", f"--mode={mode}", "--set", "eval.num_problems=16", "--set", "eval.batch_size=16",
              "--set", "rollout.prompts_per_call=4", "--set", "train.groups_per_step=4"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = ROLE_XLA_FLAGS  # each role: one CPU device, as a user's run
 
     def run_main(*args: str) -> str:
         proc = subprocess.run([sys.executable, "-m", "tbajax.main", f"--run-dir={run}", *args], cwd=REPO, env=env,

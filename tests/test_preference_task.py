@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from tests.conftest import ROLE_XLA_FLAGS
 import torch
 
 from tbajax.preference.metrics import wilson_interval
@@ -172,7 +174,7 @@ def test_task_options_are_checked(standin):
 def _run(run_dir: Path, standin: dict, *args: str, timeout: float = 400) -> str:
     sets = [a for kv in _experiment().standin_overrides(standin) for a in ("--set", kv)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = ROLE_XLA_FLAGS  # each role: one CPU device, as a user's run
     proc = subprocess.run(
         [sys.executable, "-m", "tbajax.main", "--experiment=tldr_pythia", f"--run-dir={run_dir}", "--quiet",
          *sets, *args],

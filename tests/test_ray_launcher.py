@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import ROLE_XLA_FLAGS
+
 ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'tbajax[ray]' (the dev extra has it)")
 
 from tbajax.config import ConfigError, RaySpec, apply_overrides, check_resume_changes  # noqa: E402
@@ -41,7 +43,8 @@ SMALL = [
 def ray_cluster():
     """A local 2-CPU Ray instance for this file. Its workers (and so the roles) inherit this
     environment: one CPU device per role, as in a user's run, not the tests' 8 fake devices."""
-    saved = os.environ.pop("XLA_FLAGS", None)
+    saved = os.environ.get("XLA_FLAGS")
+    os.environ["XLA_FLAGS"] = ROLE_XLA_FLAGS
     try:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=100 * 2**20)
     finally:

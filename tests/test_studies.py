@@ -10,11 +10,14 @@ finished runs); the other two, which exercise the same pipeline with other arms,
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import ROLE_XLA_FLAGS
 
 pytestmark = pytest.mark.processes
 
@@ -24,9 +27,10 @@ STUDIES = REPO / "experiments" / "studies"
 
 def run_study(script: str, tmp_path: Path, *extra: str) -> tuple[Path, dict]:
     out, runs = tmp_path / "results", tmp_path / "runs"
+    env = {**os.environ, "XLA_FLAGS": ROLE_XLA_FLAGS}  # the study's runs: one CPU device per role, as a user's
     proc = subprocess.run(
         [sys.executable, str(STUDIES / script), "--quick", f"--out={out}", f"--runs-dir={runs}", *extra],
-        cwd=REPO, capture_output=True, text=True, timeout=600, check=False,
+        cwd=REPO, capture_output=True, text=True, timeout=600, check=False, env=env,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     payload = json.loads((out / "results.json").read_text())

@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.conftest import ROLE_XLA_FLAGS
+
 from tbajax.stores import ParamReader, TrajectoryReader, discover_searcher_stores, param_store_url
 from tbajax.system.metrics import read_metrics
 from tbajax.trajectory import RewardStatus
@@ -35,7 +37,7 @@ SMALL = [
 
 def _main(run_dir: Path, *args: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.pop("XLA_FLAGS", None)  # each role: one CPU device, as a user's run
+    env["XLA_FLAGS"] = ROLE_XLA_FLAGS  # each role: one CPU device, as a user's run
     return subprocess.Popen(
         [sys.executable, "-m", "tbajax.main", f"--run-dir={run_dir}", "--quiet", *SMALL, *args],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
