@@ -19,6 +19,8 @@ import jax
 import numpy as np
 import pytest
 
+from tests.conftest import ROLE_XLA_FLAGS
+
 from tbajax.config import ConfigError, apply_overrides
 from tbajax.main import load_experiment
 from tbajax.stores import TrajectoryWriter, param_store_url, trajectory_store_url
@@ -79,7 +81,8 @@ def _prepared_run(run: Path, *extra: str) -> Path:
 
 def _env(devices: int) -> dict[str, str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1",
-           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+           "XLA_FLAGS": f"{ROLE_XLA_FLAGS} --xla_force_host_platform_device_count={devices}".strip()}
+    # (the tests' compile flags too: a run compared with this process's must compile the same way)
     return env
 
 
