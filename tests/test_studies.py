@@ -3,8 +3,9 @@ each. The figures of a quick run mean nothing (the committed results come from t
 studies), so these check the pipeline's behaviour: every arm runs the requested steps, the
 report is computed from the runs it lists, and a second invocation reuses finished arms.
 
-One study runs in the default suite (speed-up: it also covers the sync mode and the reuse of
-finished runs); the other two, which exercise the same pipeline with other arms, are slow.
+All three are slow (each is two or more real runs plus the report: the speed-up one took 80 s of
+the default run on 2 cores); the default suite checks the speed-up study's bound and arms by hand
+and has its own end-to-end runs of both modes (tests/test_system.py).
 """
 
 from __future__ import annotations
@@ -50,6 +51,30 @@ def check_common(out: Path, payload: dict, expected_runs: int) -> str:
     return md
 
 
+def _speedup_module():
+    import importlib.util
+
+    sys.path.insert(0, str(STUDIES))
+    spec = importlib.util.spec_from_file_location("speedup_study", STUDIES / "speedup.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+def test_speedup_bound_and_arms_by_hand():
+    study = _speedup_module()
+    # T_gen 3 s, T_train 1 s per step: 1 searcher overlaps to max(3, 1) = 3 s (4/3x); 3 searchers
+    # split generation to 1 s, so training and generation balance (4x); more cannot beat T_train
+    assert study.ideal_bound(3.0, 1.0, 1) == pytest.approx(4 / 3)
+    assert study.ideal_bound(3.0, 1.0, 3) == pytest.approx(4.0)
+    assert study.ideal_bound(3.0, 1.0, 6) == pytest.approx(4.0)
+    arms = study.arms((1, 2), seeds=2)
+    assert [(a.group, a.seed) for a in arms] == [(g, s) for s in (0, 1) for g in ("sync", "async, 1 searcher", "async, 2 searchers")]
+    assert arms[0].overrides == ("system.mode=sync",)
+    assert arms[2].overrides == ("system.mode=async", "system.num_searchers=2")
+
+
+@pytest.mark.slow
 def test_speedup_study_quick_reports_its_runs_and_reuses_them(tmp_path: Path):
     out, payload = run_study("speedup.py", tmp_path, "--target=0.0", "--steps=3")
     md = check_common(out, payload, expected_runs=2)

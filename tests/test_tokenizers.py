@@ -7,8 +7,13 @@ from tbajax.tokenizers import build_qwen_tokenizer, load_tokenizer
 
 
 @pytest.fixture(scope="module")
-def qwen25(tmp_path_factory):
-    return load_tokenizer(build_qwen_tokenizer(tmp_path_factory.mktemp("qwen25"), "qwen2.5"))
+def qwen25_dir(tmp_path_factory):
+    return build_qwen_tokenizer(tmp_path_factory.mktemp("qwen25"), "qwen2.5")
+
+
+@pytest.fixture(scope="module")
+def qwen25(qwen25_dir):
+    return load_tokenizer(qwen25_dir)
 
 
 def test_qwen_ids_match_the_real_vocabulary(qwen25):
@@ -56,7 +61,7 @@ def _tokenizer_facts(tok) -> dict:
     return facts
 
 
-def test_generic_fast_tokenizers_load_as_autotokenizer_would_without_torch(tmp_path):
+def test_generic_fast_tokenizers_load_as_autotokenizer_would_without_torch(qwen25_dir):
     """A tokenizer_config.json that declares the generic fast class is loaded with that class: the
     same tokenizer AutoTokenizer builds (the default experiment's and the offline Qwen one), and the
     role process never imports torch for it."""
@@ -68,8 +73,7 @@ def test_generic_fast_tokenizers_load_as_autotokenizer_would_without_torch(tmp_p
     from transformers import AutoTokenizer
 
     tiny = Path(__file__).resolve().parent.parent / "experiments" / "assets" / "tiny-arithmetic"
-    qwen = build_qwen_tokenizer(tmp_path / "q3", "qwen3")
-    for d in (tiny, qwen):
+    for d in (tiny, qwen25_dir):
         assert json.loads((d / "tokenizer_config.json").read_text())["tokenizer_class"] == "TokenizersBackend"
         assert _tokenizer_facts(load_tokenizer(d)) == _tokenizer_facts(AutoTokenizer.from_pretrained(d))
     probe = ("import sys; from tbajax.tokenizers import load_tokenizer; t = load_tokenizer(sys.argv[1]); "
