@@ -144,6 +144,9 @@ def config() -> ExperimentConfig:
 # - eval_kl_greedy (logged by the run at each eval): KL(δ_y*‖SFT) per response token of the greedy
 #   policy output y* on the 64 held-out prompts, = −log SFT(y*) pooled over tokens. Exact for the
 #   greedy (point-mass) policy that the win rate judges; not 0 at step 0.
+# - eval_kl_ref_pi / eval_kl_pi_ref (logged at each eval by runs made after the committed one;
+#   its summary predates them): KL(SFT‖π) and KL(π‖SFT) over the full vocabulary at T = 1, at
+#   every response position of those same greedy outputs, pooled over tokens; 0 at step 0.
 # - sampled k1 / k3 (every policy version, from the stored trajectories): KL(π_v,T‖SFT_T) at the
 #   sampling temperature T = 0.7 per response token, estimated from the tokens the searcher drew
 #   from version v on training prompts: d = log π_v,T(x) − log SFT_T(x) from the rows' behaviour and

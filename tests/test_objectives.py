@@ -571,7 +571,7 @@ def test_registry_names_and_overrides():
     assert get_objective("grpo").make_config({"clip_eps": 0.1}) == GRPOConfig(clip_eps=0.1)
     with pytest.raises(ValueError, match=r"unknown GRPOConfig fields \['clip'\].*clip_eps"):
         get_objective("grpo").make_config({"clip": 0.1})
-    assert get_objective("tbajax.objectives.policy_gradient:dr_grpo").loss is OBJECTIVES["dr_grpo"].loss
+    assert get_objective("tbajax.objectives.policy_gradient:dr_grpo").loss is OBJECTIVES["dr_grpo"].loss.function
     with pytest.raises(ValueError, match="cannot import objective"):
         get_objective("tbajax.objectives:nope")
     with pytest.raises(ValueError, match="no Python file"):

@@ -117,6 +117,47 @@ def test_eval_scores_gold_rm_reference_and_sft_logprobs(standin):
     assert metrics["win_rate_n"] == 6 and 0.0 <= metrics["win_rate_low"] <= metrics["win_rate"] <= metrics["win_rate_high"]
 
 
+def test_eval_full_vocabulary_kl_of_the_policy_to_sft_both_directions(standin):
+    """With the policy handed over (`Rollouts` does it through `set_policy`), eval adds
+    KL(SFT‖π) and KL(π‖SFT) over the full vocabulary at the response positions only."""
+    import jax
+    from flax import nnx
+
+    from tbajax.models import load_model
+
+    _, scorer = _scorer(standin, gold="reward_model", gold_model=str(standin["gold"]), score_batch_rows=4)
+    samples = _samples("eval")
+    sft = load_model(standin["policy"])
+    policy = load_model(standin["policy"])
+    params = nnx.state(policy, nnx.Param)
+    keys = iter(jax.random.split(jax.random.PRNGKey(3), len(jax.tree.leaves(params))))
+    nnx.update(policy, jax.tree.map(lambda x: x + 0.05 * jax.random.normal(next(keys), x.shape, x.dtype), params))
+    scorer.set_policy(policy)
+    scores = scorer.score(samples, None)
+
+    def log_softmax(x):
+        x = x - x.max(-1, keepdims=True)
+        return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+    want_ref_pi, want_pi_ref = [], []
+    for p, r in zip(samples.prompt_tokens, samples.response_tokens):
+        seq = np.concatenate([p, r])[None]
+        lq = log_softmax(np.asarray(sft(seq)[0][0], np.float64))[len(p) - 1: -1]  # rows predicting response tokens
+        lp = log_softmax(np.asarray(policy(seq)[0][0], np.float64))[len(p) - 1: -1]
+        want_ref_pi.append(float((np.exp(lq) * (lq - lp)).sum()))
+        want_pi_ref.append(float((np.exp(lp) * (lp - lq)).sum()))
+    np.testing.assert_allclose(scores.extras["kl_ref_pi_sum"], want_ref_pi, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(scores.extras["kl_pi_ref_sum"], want_pi_ref, rtol=1e-4, atol=1e-6)
+    assert want_ref_pi != pytest.approx(want_pi_ref, rel=1e-3)  # the two directions differ
+    tokens = sum(len(r) for r in samples.response_tokens)
+    m = preference_eval(samples, scores)
+    assert m["kl_ref_pi"] == pytest.approx(sum(want_ref_pi) / tokens, rel=1e-4)
+    assert m["kl_pi_ref"] == pytest.approx(sum(want_pi_ref) / tokens, rel=1e-4)
+    scorer.set_policy(sft)  # the SFT model itself: no divergence
+    same = preference_eval(samples, scorer.score(samples, None))
+    assert same["kl_ref_pi"] == pytest.approx(0.0, abs=1e-6) and same["kl_pi_ref"] == pytest.approx(0.0, abs=1e-6)
+
+
 def test_preference_eval_on_hand_made_scores():
     samples = Samples([Problem(i, "q", "r") for i in range(4)], [np.zeros(2)] * 4, [np.zeros(1)] * 4,
                       ["a"] * 4, np.array([True, True, False, True]), split="eval")
@@ -196,6 +237,9 @@ def _check_summary(run_dir: Path, standin: dict, steps: int) -> dict:
     assert end["eval_wins"] + end["eval_ties"] + end["eval_losses"] == n
     assert summary["eval_score_end"] == end["eval_win_rate"]
     assert end["eval_kl_greedy"] > 0 and end["eval_ppl_response"] > 1.0
+    start = summary["eval_start"]  # the run's own full-vocabulary KL: 0 for the SFT policy itself
+    assert start["eval_kl_ref_pi"] == pytest.approx(0.0, abs=1e-5) and start["eval_kl_pi_ref"] == pytest.approx(0.0, abs=1e-5)
+    assert end["eval_kl_ref_pi"] > 0 and end["eval_kl_pi_ref"] > 0
     assert end["eval_ppl_prompt_inclusive"] < end["eval_ppl_response"]
     return summary
 

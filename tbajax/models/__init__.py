@@ -20,7 +20,7 @@ _EXPORTS = {  # public name -> the submodule that defines it
     "save_encoder": "encoders",
     "load_config": "hf",
     "load_model": "hf",
-    "resolve_checkpoint": "hf",
+    "resolve_checkpoint": "locate",
     "save_model": "hf",
     "LoraConfig": "lora",
     "apply_lora": "lora",

@@ -7,28 +7,29 @@ straight from the page cache, never a full copy of the model in host memory.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import struct
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 
-_DTYPES: dict[str, np.dtype] = {
-    "F64": np.dtype(np.float64),
-    "F32": np.dtype(np.float32),
-    "F16": np.dtype(np.float16),
-    "BF16": np.dtype(ml_dtypes.bfloat16),
-    "I64": np.dtype(np.int64),
-    "I32": np.dtype(np.int32),
-    "I16": np.dtype(np.int16),
-    "I8": np.dtype(np.int8),
-    "U8": np.dtype(np.uint8),
-    "BOOL": np.dtype(np.bool_),
-}
-_NAMES = {v: k for k, v in _DTYPES.items()}
+_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+@functools.cache
+def _dtypes() -> dict[str, np.dtype]:
+    """Safetensors dtype names -> numpy dtypes. Built on first use: ml_dtypes (for BF16) costs
+    over a second to import, which the launcher's header check never needs."""
+    import ml_dtypes
+
+    table = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+             "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+    return {k: np.dtype(v) for k, v in table.items()}
+
+
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
@@ -58,7 +59,7 @@ class SafetensorsReader:
                     f"(found: {found or 'no .safetensors files'}); export the model as safetensors "
                     "(transformers: save_pretrained(..., safe_serialization=True))"
                 )
-        self._entries: dict[str, tuple[Path, np.dtype, tuple[int, ...], int, int]] = {}
+        self._entries: dict[str, tuple[Path, str, tuple[int, ...], int, int]] = {}
         for name in files:
             path = self.directory / name
             if not path.exists():
@@ -78,12 +79,12 @@ class SafetensorsReader:
 
     def get(self, name: str) -> np.ndarray:
         """A read-only memory-mapped view of one tensor."""
-        path, dtype, shape, start, end = self._entry(name)
+        path, dtype_name, shape, start, end = self._entry(name)
         if path not in self._maps:
             self._maps[path] = np.memmap(path, dtype=np.uint8, mode="r")
-        return self._maps[path][start:end].view(dtype).reshape(shape)
+        return self._maps[path][start:end].view(_dtypes()[dtype_name]).reshape(shape)
 
-    def _entry(self, name: str) -> tuple[Path, np.dtype, tuple[int, ...], int, int]:
+    def _entry(self, name: str) -> tuple[Path, str, tuple[int, ...], int, int]:
         try:
             return self._entries[name]
         except KeyError:
@@ -92,7 +93,7 @@ class SafetensorsReader:
             ) from None
 
 
-def _read_header(path: Path) -> dict[str, tuple[np.dtype, tuple[int, ...], int, int]]:
+def _read_header(path: Path) -> dict[str, tuple[str, tuple[int, ...], int, int]]:
     """Entries of one file's header, each checked against the file: a header that is cut, not
     JSON, or whose tensors reach past the end of the data (a file truncated by a failed copy or
     a full disk) is a CheckpointError naming the file, found before any tensor is read."""
@@ -126,16 +127,15 @@ def _read_header(path: Path) -> dict[str, tuple[np.dtype, tuple[int, ...], int, 
             dtype_name, shape, (start, end) = meta["dtype"], tuple(int(d) for d in meta["shape"]), meta["data_offsets"]
         except (KeyError, TypeError, ValueError):
             raise corrupt(f"tensor {key!r} has a malformed header entry {meta!r}") from None
-        if dtype_name not in _DTYPES:
+        if dtype_name not in _ITEMSIZE:
             raise CheckpointError(f"{path}: tensor {key!r} has unsupported dtype {dtype_name}")
-        dtype = _DTYPES[dtype_name]
-        expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        expected = int(np.prod(shape, dtype=np.int64)) * _ITEMSIZE[dtype_name]
         if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end) or end - start != expected:
             raise corrupt(f"tensor {key!r} of shape {list(shape)} {dtype_name} needs {expected} bytes but its "
                           f"offsets are {[start, end]}")
         if end > data_size:
             raise corrupt(f"tensor {key!r} ends at data byte {end} but the file holds only {data_size} bytes of data")
-        out[key] = (dtype, shape, base + start, base + end)
+        out[key] = (dtype_name, shape, base + start, base + end)
     return out
 
 
@@ -146,9 +146,10 @@ def write_safetensors(path: str | os.PathLike[str], tensors: Mapping[str, np.nda
     arrays = []
     for key in sorted(tensors):
         a = np.ascontiguousarray(tensors[key])
-        if a.dtype not in _NAMES:
+        names = {v: k for k, v in _dtypes().items()}
+        if a.dtype not in names:
             raise TypeError(f"tensor {key!r}: dtype {a.dtype} cannot be written to safetensors")
-        header[key] = {"dtype": _NAMES[a.dtype], "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
+        header[key] = {"dtype": names[a.dtype], "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
         offset += a.nbytes
         arrays.append(a)
     blob = json.dumps(header, separators=(",", ":")).encode()

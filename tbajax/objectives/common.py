@@ -9,18 +9,16 @@ even when they share a group id with real rows.
 from __future__ import annotations
 
 import math
-import numbers
-from typing import Any, Literal, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from tbajax.batch import Batch
+from tbajax.objectives.configs import LengthNorm, StaleTokenMode, check_stale_token_options  # noqa: F401 (re-exported)
 from tbajax.objectives.base import Max, Metrics, Min, Ratio
 
 Array = jax.Array
-LengthNorm = Literal["sequence", "response", "constant"]
-StaleTokenMode = Literal["mask", "cap"]
 
 
 # --------------------------------------------------------------------------- sequences
@@ -161,31 +159,6 @@ def windowed_ratio(log_r: Array, low: float, high: float) -> tuple[Array, Array]
 
 
 # --------------------------------------------------------------------------- stale tokens
-
-
-def check_stale_token_options(config: Any, *, allow_cap: bool = True) -> None:
-    """Validate a config's `stale_token_max_lag` / `stale_token_mode` / `stale_token_ratio_cap`
-    (shared by the policy-gradient configs; called from their __post_init__)."""
-    name = type(config).__name__
-    lag = config.stale_token_max_lag
-    if lag is not None and (isinstance(lag, bool) or not isinstance(lag, numbers.Integral) or lag < 0):
-        raise ValueError(
-            f"{name}.stale_token_max_lag={lag!r}: give an int >= 0 (tokens more than that many "
-            "versions behind the trainer are stale) or None (off)"
-        )
-    if config.stale_token_mode not in ("mask", "cap"):
-        raise ValueError(
-            f"{name}.stale_token_mode={config.stale_token_mode!r}; choose 'mask' (stale tokens "
-            "contribute nothing) or 'cap' (their importance ratio is capped at stale_token_ratio_cap)"
-        )
-    if config.stale_token_mode == "cap" and not allow_cap:
-        raise ValueError(
-            f"{name}: stale_token_mode='cap' caps an importance ratio, and this objective has none "
-            "(its estimator is on-policy); use stale_token_mode='mask'"
-        )
-    cap = config.stale_token_ratio_cap
-    if isinstance(cap, bool) or not isinstance(cap, numbers.Real) or not cap > 0 or not math.isfinite(cap):
-        raise ValueError(f"{name}.stale_token_ratio_cap={cap!r}: give a finite number > 0")
 
 
 def token_lag(batch: Batch) -> Array:

@@ -2,21 +2,15 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 
 from tbajax.batch import Batch
 from tbajax.objectives.base import Metrics, Ratio
 from tbajax.objectives.common import Groups, diagnostics, groups_of, seq_sums
+from tbajax.objectives.configs import OnlineDPOConfig
 
 Array = jax.Array
-
-
-@dataclasses.dataclass(frozen=True)
-class OnlineDPOConfig:
-    """No static hyperparameters: the DPO coefficient is batch.beta."""
 
 
 def _first_row_where(g: Groups, hit: Array) -> Array:

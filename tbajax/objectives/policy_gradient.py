@@ -18,9 +18,7 @@ as it was.
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -29,10 +27,7 @@ from tbajax.batch import Batch
 from tbajax.objectives.base import Metrics, Ratio
 from tbajax.objectives.common import (
     Groups,
-    LengthNorm,
-    StaleTokenMode,
     capped_ratio,
-    check_stale_token_options,
     diagnostics,
     groups_of,
     length_normaliser,
@@ -45,113 +40,20 @@ from tbajax.objectives.common import (
     token_mask,
     windowed_ratio,
 )
+from tbajax.objectives.configs import (
+    KLMeanSource,
+    StaleTokenMode,
+    DrGRPOConfig,
+    GRPOConfig,
+    IcePopConfig,
+    ReinforceConfig,
+    RLOOConfig,
+    TBAPrimeConfig,
+    TBAPrimePaperConfig,
+)
 
 Array = jax.Array
 sg = jax.lax.stop_gradient
-KLMeanSource = Literal["current", "behaviour"]
-
-
-@dataclasses.dataclass(frozen=True)
-class DrGRPOConfig:
-    """ratio_clip: ρ is capped here with zero gradient above. length_norm "sequence" divides each
-    token sum by prompt + response length (the TBA′ reference); "constant" by `norm_constant`
-    (Dr. GRPO proper: the generation budget); "response" by the response length.
-    stale_token_*: see the module docstring (None: off; "cap" uses the tighter of the two caps)."""
-
-    ratio_clip: float = 8.0
-    length_norm: LengthNorm = "sequence"
-    norm_constant: float = 1.0
-    stale_token_max_lag: int | None = None
-    stale_token_mode: StaleTokenMode = "mask"
-    stale_token_ratio_cap: float = 1.0
-
-    def __post_init__(self) -> None:
-        check_stale_token_options(self)
-
-
-@dataclasses.dataclass(frozen=True)
-class TBAPrimeConfig(DrGRPOConfig):
-    """kl_clip: per-token log π − log π_ref is clipped to ±kl_clip inside KL_i.
-    kl_mean_source: what the KL penalty is centred with. "current": the group mean of the
-    current policy's KL_j (a true group baseline: the advantages' KL parts sum to zero).
-    "behaviour": the group mean of the sampling policy's KL, Σ_t clip(log π_old − log π_ref)
-    (what the TBA′ reference code used for the paper's MATH and Countdown runs; registered as
-    `tba_prime_paper`). Each sample's own KL_i uses the current policy either way; the two agree
-    on-policy (π_old = π)."""
-
-    kl_clip: float = 10.0
-    kl_mean_source: KLMeanSource = "current"
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.kl_mean_source not in ("current", "behaviour"):
-            raise ValueError(
-                f"kl_mean_source={self.kl_mean_source!r}; choose 'current' or 'behaviour' "
-                "(the paper's TBA′ runs: 'behaviour', i.e. the objective tba_prime_paper)"
-            )
-
-
-@dataclasses.dataclass(frozen=True)
-class TBAPrimePaperConfig(TBAPrimeConfig):
-    """TBA′ as the paper's MATH / Countdown runs computed it: KL centred with the behaviour
-    policy's group mean."""
-
-    kl_mean_source: KLMeanSource = "behaviour"
-
-
-@dataclasses.dataclass(frozen=True)
-class IcePopConfig:
-    """Tokens whose ρ lies outside [ratio_low, ratio_high] are dropped (value and gradient)."""
-
-    ratio_low: float = 0.125
-    ratio_high: float = 8.0
-    length_norm: LengthNorm = "sequence"
-    norm_constant: float = 1.0
-
-
-@dataclasses.dataclass(frozen=True)
-class GRPOConfig:
-    """clip_eps: PPO clip. std_eps: added to the group reward std (ddof=1). kl_penalty: add the
-    k3 estimator of KL(π_θ‖π_ref) per token with coefficient batch.beta.
-    stale_token_*: see the module docstring (None: off; "mask" drops the KL term too)."""
-
-    clip_eps: float = 0.2
-    std_eps: float = 1e-6
-    kl_penalty: bool = False
-    stale_token_max_lag: int | None = None
-    stale_token_mode: StaleTokenMode = "mask"
-    stale_token_ratio_cap: float = 1.0
-
-    def __post_init__(self) -> None:
-        check_stale_token_options(self)
-
-
-@dataclasses.dataclass(frozen=True)
-class RLOOConfig:
-    """kl_in_reward: use r − β·(S − R) (stop-gradient) as the reward.
-    stale_token_*: see the module docstring (None: off; "mask" only: no importance ratio here)."""
-
-    kl_in_reward: bool = False
-    stale_token_max_lag: int | None = None
-    stale_token_mode: StaleTokenMode = "mask"
-    stale_token_ratio_cap: float = 1.0
-
-    def __post_init__(self) -> None:
-        check_stale_token_options(self, allow_cap=False)
-
-
-@dataclasses.dataclass(frozen=True)
-class ReinforceConfig:
-    """kl_in_reward: use r − β·(S − R) (stop-gradient) as the reward.
-    stale_token_*: see the module docstring (None: off; "mask" only: no importance ratio here)."""
-
-    kl_in_reward: bool = True
-    stale_token_max_lag: int | None = None
-    stale_token_mode: StaleTokenMode = "mask"
-    stale_token_ratio_cap: float = 1.0
-
-    def __post_init__(self) -> None:
-        check_stale_token_options(self, allow_cap=False)
 
 
 # --------------------------------------------------------------------------- advantages

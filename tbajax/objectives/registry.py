@@ -1,5 +1,8 @@
 """Objective lookup: built-in names, `module:function` or `file.py:function` paths, or callables.
 
+The table costs no jax import: its losses are `_Deferred` import paths until first called, so the
+launcher checks `train.objective` and its options before any role starts, without jax.
+
 No global mutable registry: `OBJECTIVES` is read-only; to add names, pass your own mapping
 (`get_objective("mine", registry={**OBJECTIVES, "mine": ObjectiveSpec(...)})`) or, simplest, an
 import path string, which also survives a round trip through `config.json`.
@@ -12,41 +15,31 @@ import typing
 import inspect
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jax
-
-from tbajax.batch import Batch
 from tbajax.imports import import_object
-from tbajax.objectives.base import Metrics, Ratio
-from tbajax.objectives.dpo import OnlineDPOConfig, online_dpo
-from tbajax.objectives.policy_gradient import (
+from tbajax.objectives.configs import (
     DrGRPOConfig,
     GRPOConfig,
     IcePopConfig,
+    LearnedLogZConfig,
+    LogZHeadConfig,
+    OnlineDPOConfig,
     ReinforceConfig,
     RLOOConfig,
     TBAPrimeConfig,
     TBAPrimePaperConfig,
-    dr_grpo,
-    grpo,
-    icepop,
-    reinforce,
-    rloo,
-    tba_prime,
-)
-from tbajax.objectives.tb import (
-    LearnedLogZConfig,
-    LogZHeadConfig,
     TBConfig,
-    init_log_z_head,
-    init_log_z_table,
-    tb,
-    tb_learned_logz,
-    tb_logz_head,
 )
 
-Array = jax.Array
+if TYPE_CHECKING:
+    import jax
+
+    from tbajax.batch import Batch
+    from tbajax.objectives.base import Metrics, Ratio
+
+    Array = jax.Array
+
 PyTree = Any
 DEFAULT_OBJECTIVE = "tb"
 
@@ -164,6 +157,8 @@ class ObjectiveSpec:
             if feature_dim is None or feature_dim < 1:
                 raise ValueError(f"objective {self.name!r} trains a head on the prompt features: pass "
                                  f"feature_dim (the model's hidden size), got {feature_dim}")
+            import jax
+
             aux = self.init_aux(config, feature_dim)  # type: ignore[misc]
             if {getattr(x, "shape", ())[:1] for x in jax.tree.leaves(aux)} != {(1,)}:
                 raise ValueError(f"objective {self.name!r}: a shared aux (aux_scope='shared') has one "
@@ -175,6 +170,8 @@ class ObjectiveSpec:
                 "TrainerConfig.aux_table_size to the number of distinct prompt ids (largest "
                 "Trajectory.prompt_id + 1, e.g. the dataset's size)"
             )
+        import jax
+
         aux = self.init_aux(config, num_prompts)  # type: ignore[misc]
         sizes = {getattr(x, "shape", ())[:1] for x in jax.tree.leaves(aux)}
         if sizes != {(num_prompts,)}:
@@ -225,6 +222,8 @@ def resolve_objective(
 
 def gather_aux(aux: PyTree, prompt_ids: Array) -> PyTree:
     """Each row's slice of a per-prompt aux table; its gradient scatters back to the table."""
+    import jax
+
     return jax.tree.map(lambda a: a[prompt_ids], aux)
 
 
@@ -236,8 +235,23 @@ def aux_for_loss(objective: Any, aux: PyTree, prompt_ids: Array) -> PyTree:
     return gather_aux(aux, prompt_ids)
 
 
-def _spec(name: str, loss, config_cls, **kw) -> ObjectiveSpec:
-    return ObjectiveSpec(loss=loss, config_cls=config_cls, name=name, **kw)
+@dataclasses.dataclass(frozen=True)
+class _Deferred:
+    """A built-in function by import path, imported on its first call (the loss modules import jax)."""
+
+    path: str
+
+    @property
+    def function(self) -> Callable[..., Any]:
+        return import_object(self.path, "objective")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.function(*args, **kwargs)
+
+
+def _spec(name: str, loss: str, config_cls, init_aux: str | None = None, **kw) -> ObjectiveSpec:
+    return ObjectiveSpec(loss=_Deferred(f"tbajax.objectives.{loss}"), config_cls=config_cls, name=name,
+                         init_aux=None if init_aux is None else _Deferred(f"tbajax.objectives.{init_aux}"), **kw)
 
 
 NO_REFERENCE = ObjectiveInputs(reference_logprobs=False)
@@ -251,31 +265,31 @@ def _reference_if(flag: str) -> Callable[[Any], ObjectiveInputs]:
 # behaviour log-probs: every built-in reads them (ratios, or the off-policy diagnostics)
 OBJECTIVES: Mapping[str, ObjectiveSpec] = MappingProxyType(
     {
-        "tb": _spec("tb", tb, TBConfig, positive_beta=True),
+        "tb": _spec("tb", "tb:tb", TBConfig, positive_beta=True),
         "tb_learned_logz": _spec(
             "tb_learned_logz",
-            tb_learned_logz,
+            "tb:tb_learned_logz",
             LearnedLogZConfig,
-            init_aux=init_log_z_table,
+            init_aux="tb:init_log_z_table",
             positive_beta=True,
         ),
         "tb_logz_head": _spec(
             "tb_logz_head",
-            tb_logz_head,
+            "tb:tb_logz_head",
             LogZHeadConfig,
-            init_aux=init_log_z_head,
+            init_aux="tb:init_log_z_head",
             aux_scope="shared",
             positive_beta=True,
             inputs=lambda config: ObjectiveInputs(reference_logprobs=config.reference, prompt_features=True),
         ),
-        "tba_prime": _spec("tba_prime", tba_prime, TBAPrimeConfig),
-        "tba_prime_paper": _spec("tba_prime_paper", tba_prime, TBAPrimePaperConfig),
-        "dr_grpo": _spec("dr_grpo", dr_grpo, DrGRPOConfig, inputs=NO_REFERENCE),
-        "grpo": _spec("grpo", grpo, GRPOConfig, inputs=_reference_if("kl_penalty")),
-        "rloo": _spec("rloo", rloo, RLOOConfig, inputs=_reference_if("kl_in_reward")),
-        "reinforce": _spec("reinforce", reinforce, ReinforceConfig, inputs=_reference_if("kl_in_reward")),
-        "online_dpo": _spec("online_dpo", online_dpo, OnlineDPOConfig, positive_beta=True),
-        "icepop": _spec("icepop", icepop, IcePopConfig, inputs=NO_REFERENCE),
+        "tba_prime": _spec("tba_prime", "policy_gradient:tba_prime", TBAPrimeConfig),
+        "tba_prime_paper": _spec("tba_prime_paper", "policy_gradient:tba_prime", TBAPrimePaperConfig),
+        "dr_grpo": _spec("dr_grpo", "policy_gradient:dr_grpo", DrGRPOConfig, inputs=NO_REFERENCE),
+        "grpo": _spec("grpo", "policy_gradient:grpo", GRPOConfig, inputs=_reference_if("kl_penalty")),
+        "rloo": _spec("rloo", "policy_gradient:rloo", RLOOConfig, inputs=_reference_if("kl_in_reward")),
+        "reinforce": _spec("reinforce", "policy_gradient:reinforce", ReinforceConfig, inputs=_reference_if("kl_in_reward")),
+        "online_dpo": _spec("online_dpo", "dpo:online_dpo", OnlineDPOConfig, positive_beta=True),
+        "icepop": _spec("icepop", "policy_gradient:icepop", IcePopConfig, inputs=NO_REFERENCE),
     }
 )
 

@@ -23,23 +23,9 @@ import jax.numpy as jnp
 from tbajax.batch import Batch
 from tbajax.objectives.base import Metrics, Ratio
 from tbajax.objectives.common import Groups, diagnostics, groups_of, seq_sums
+from tbajax.objectives.configs import LearnedLogZConfig, LogZHeadConfig, TBConfig
 
 Array = jax.Array
-
-
-@dataclasses.dataclass(frozen=True)
-class TBConfig:
-    """VarGrad TB has no static hyperparameters: β comes from `batch.beta`."""
-
-
-@dataclasses.dataclass(frozen=True)
-class LearnedLogZConfig:
-    """aux_lr_scale: the trainer's learning rate for the log Z table is lr × this (log Z has
-    to travel ~r/β, far more than any policy weight; GFlowNet practice uses ~100×).
-    init_log_z: the table's starting value."""
-
-    aux_lr_scale: float = 100.0
-    init_log_z: float = 0.0
 
 
 def tb_residual(batch: Batch, logprobs: Array) -> Array:
@@ -102,18 +88,6 @@ def tb_learned_logz(
 def init_log_z_table(config: LearnedLogZConfig, num_prompts: int) -> dict[str, Array]:
     """The trainable aux of `tb_learned_logz`: one log Z per prompt id."""
     return {"log_z": jnp.full((num_prompts,), config.init_log_z, jnp.float32)}
-
-
-@dataclasses.dataclass(frozen=True)
-class LogZHeadConfig:
-    """aux_lr_scale: the head's learning rate is lr × this (as for the table).
-    init_log_z: the head's starting bias (its weights start at 0, so log Z(x) = init_log_z).
-    reference: read `batch.reference_logprobs` (δ = S − R − r/β); False drops R (δ = S − r/β),
-        so neither side computes reference log-probs (red-teaming: the prior is in the reward)."""
-
-    aux_lr_scale: float = 100.0
-    init_log_z: float = 0.0
-    reference: bool = True
 
 
 def log_z_from_head(head: dict[str, Array], features: Array) -> Array:

@@ -137,6 +137,10 @@ class Sampler:
         """Swap in new policy weights (same architecture); compiled programs are kept."""
         self._policy = self._policy.replace(model_or_state)
 
+    def policy_model(self) -> CausalLM:
+        """The policy with its current weights (a view of the sampler's placed params, no copy)."""
+        return self._policy.model(self._policy.leaves)
+
     def set_reference(self, model: CausalLM | None) -> None:
         if model is not None and model.config.vocab_size != self.config.vocab_size:
             raise ValueError(

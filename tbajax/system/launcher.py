@@ -513,7 +513,7 @@ def preflight(config: ExperimentConfig) -> None:
     from tbajax.models import CheckpointError, resolve_checkpoint
     from tbajax.models.safetensors_io import SafetensorsReader
     from tbajax.system.assets import load_task, load_tokenizer_for
-    from tbajax.system.trainer import resolve_objective
+    from tbajax.objectives.registry import resolve_objective  # no jax for built-in objectives
     from tbajax.tasks import check_grading_mode
 
     try:

