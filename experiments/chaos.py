@@ -189,6 +189,7 @@ def run_scenario(run_dir: Path, *, seed: int = 0, searcher_kills: int = 3, steps
         _wait(lambda: proc.poll() is not None or any(p != pids[0] for p in _role_pids(run_dir, "trainer")),
               120, "the launcher to exit (or restart the trainer)")
         if proc.poll() is not None:  # this launcher does not restart trainers: resume by hand
+            kills[-1]["before_resume"] = _state_before_resume(run_dir)
             proc = _launch(run_dir, [*args, "--resume"], launcher_log, pause_s)
             sessions += 1
         try:
@@ -217,6 +218,18 @@ def run_scenario(run_dir: Path, *, seed: int = 0, searcher_kills: int = 3, steps
         wall_time_s=round(time.time() - t0, 1),
     )
     return figures
+
+
+def _state_before_resume(run_dir: Path) -> dict[str, Any]:
+    """What a resume must start from: the newest committed checkpoint (step and its extra
+    metadata: buffer state, counters) and the newest published param version."""
+    from tbajax.stores import ParamReader, param_store_url
+
+    steps = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir()
+                   if p.name.isdigit() and (p / "commit_success.txt").exists())
+    extra = json.loads((run_dir / "checkpoints" / str(steps[-1]) / "extra" / "metadata").read_text()) if steps else None
+    return {"checkpoint_step": steps[-1] if steps else None, "checkpoint_extra": extra,
+            "latest_version": ParamReader(param_store_url(str(run_dir)), "chaos").latest_version()}
 
 
 def audit(run_dir: Path) -> dict[str, Any]:

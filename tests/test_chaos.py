@@ -171,11 +171,18 @@ def test_chaos_searcher_killed_three_times_incl_mid_append_and_trainer_once(tmp_
     append's data write, before its commit) and the trainer once, resume, then audit: every
     committed row reads back intact, none torn or duplicated, prompts in their exact order, the
     committed count never went down, versions monotone, the run finished with a sane summary."""
+    from tests.test_system import assert_exact_resume
+
     f = _chaos_scenario(tmp_path, seed=0, early_kills=True)  # later kills during start-up: cheaper
     assert (f["searcher_kills"], f["trainer_kills"]) == (3, 1)
     assert f["kills"][0]["where"] == "mid-append" and f["kills"][0]["rows_in_flight"] > 0
     assert f["rows_committed"] > 0 and f["row_count_samples"] > 20
     assert f["resumes"] >= 1 and f["final_version"] > 0
+    # the trainer kill was resumed by hand: exactly from its last checkpoint (tests/test_system.py)
+    before = f["kills"][-1]["before_resume"]
+    assert before["checkpoint_step"] >= 2
+    assert_exact_resume(tmp_path / "run-0", checkpoint_step=before["checkpoint_step"],
+                        checkpoint_extra=before["checkpoint_extra"], version_before=before["latest_version"])
 
 
 @pytest.mark.slow

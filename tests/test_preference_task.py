@@ -94,11 +94,31 @@ def test_reward_model_scores_equal_transformers_and_no_eos_gets_minus_one(standi
     assert cut.tolist() == [5, 2] and done
 
 
-def test_eval_scores_gold_rm_reference_and_sft_logprobs(standin):
+def _perturbed_policy(standin, directory: Path):
+    """The SFT checkpoint with every weight moved a little (a trained policy stand-in), saved in HF format."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(standin["policy"], dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    model.save_pretrained(directory)
+    return model
+
+
+def test_eval_scores_gold_rm_reference_sft_logprobs_and_full_vocabulary_kl(standin, tmp_path):
+    """Eval extras against torch: gold scores of the output and of the reference, SFT log-probs,
+    and, with the policy handed over (`Rollouts` does it through `set_policy`), KL(SFT‖π) and
+    KL(π‖SFT) over the full vocabulary at the response positions only."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tbajax.models import load_model
 
     _, scorer = _scorer(standin, gold="reward_model", gold_model=str(standin["gold"]), score_batch_rows=8)
     samples = _samples("eval")
+    torch_policy = _perturbed_policy(standin, tmp_path / "policy")
+    scorer.set_policy(load_model(tmp_path / "policy"))
     scores = scorer.score(samples, None)
     seqs = [np.concatenate([p, r]) for p, r in zip(samples.prompt_tokens, samples.response_tokens)]
     np.testing.assert_allclose(scores.extras["gold"], _torch_rm(standin["gold"], seqs), atol=1e-4)
@@ -113,49 +133,22 @@ def test_eval_scores_gold_rm_reference_and_sft_logprobs(standin):
         want = torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(seq[1:, None], dtype=torch.long))[:, 0]
         np.testing.assert_allclose(lp, want.numpy()[len(p) - 1:], atol=1e-4)
     assert scores.extras["prompt_tokens"] == [len(p) for p in samples.prompt_tokens]
-    metrics = preference_eval(samples, scores)
-    assert metrics["win_rate_n"] == 6 and 0.0 <= metrics["win_rate_low"] <= metrics["win_rate"] <= metrics["win_rate_high"]
-
-
-def test_eval_full_vocabulary_kl_of_the_policy_to_sft_both_directions(standin):
-    """With the policy handed over (`Rollouts` does it through `set_policy`), eval adds
-    KL(SFT‖π) and KL(π‖SFT) over the full vocabulary at the response positions only."""
-    import jax
-    from flax import nnx
-
-    from tbajax.models import load_model
-
-    _, scorer = _scorer(standin, gold="reward_model", gold_model=str(standin["gold"]), score_batch_rows=4)
-    samples = _samples("eval")
-    sft = load_model(standin["policy"])
-    policy = load_model(standin["policy"])
-    params = nnx.state(policy, nnx.Param)
-    keys = iter(jax.random.split(jax.random.PRNGKey(3), len(jax.tree.leaves(params))))
-    nnx.update(policy, jax.tree.map(lambda x: x + 0.05 * jax.random.normal(next(keys), x.shape, x.dtype), params))
-    scorer.set_policy(policy)
-    scores = scorer.score(samples, None)
-
-    def log_softmax(x):
-        x = x - x.max(-1, keepdims=True)
-        return x - np.log(np.exp(x).sum(-1, keepdims=True))
-
     want_ref_pi, want_pi_ref = [], []
-    for p, r in zip(samples.prompt_tokens, samples.response_tokens):
-        seq = np.concatenate([p, r])[None]
-        lq = log_softmax(np.asarray(sft(seq)[0][0], np.float64))[len(p) - 1: -1]  # rows predicting response tokens
-        lp = log_softmax(np.asarray(policy(seq)[0][0], np.float64))[len(p) - 1: -1]
-        want_ref_pi.append(float((np.exp(lq) * (lq - lp)).sum()))
-        want_pi_ref.append(float((np.exp(lp) * (lp - lq)).sum()))
+    for seq, p in zip(seqs, samples.prompt_tokens):
+        with torch.no_grad():  # the rows whose logits predict the response tokens
+            lq = torch.log_softmax(sft(input_ids=torch.tensor(seq[None], dtype=torch.long)).logits[0].double(), -1)
+            lp = torch.log_softmax(torch_policy(input_ids=torch.tensor(seq[None], dtype=torch.long)).logits[0].double(), -1)
+        lq, lp = lq[len(p) - 1: -1], lp[len(p) - 1: -1]
+        want_ref_pi.append(float((lq.exp() * (lq - lp)).sum()))
+        want_pi_ref.append(float((lp.exp() * (lp - lq)).sum()))
     np.testing.assert_allclose(scores.extras["kl_ref_pi_sum"], want_ref_pi, rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(scores.extras["kl_pi_ref_sum"], want_pi_ref, rtol=1e-4, atol=1e-6)
     assert want_ref_pi != pytest.approx(want_pi_ref, rel=1e-3)  # the two directions differ
+    metrics = preference_eval(samples, scores)
+    assert metrics["win_rate_n"] == 6 and 0.0 <= metrics["win_rate_low"] <= metrics["win_rate"] <= metrics["win_rate_high"]
     tokens = sum(len(r) for r in samples.response_tokens)
-    m = preference_eval(samples, scores)
-    assert m["kl_ref_pi"] == pytest.approx(sum(want_ref_pi) / tokens, rel=1e-4)
-    assert m["kl_pi_ref"] == pytest.approx(sum(want_pi_ref) / tokens, rel=1e-4)
-    scorer.set_policy(sft)  # the SFT model itself: no divergence
-    same = preference_eval(samples, scorer.score(samples, None))
-    assert same["kl_ref_pi"] == pytest.approx(0.0, abs=1e-6) and same["kl_pi_ref"] == pytest.approx(0.0, abs=1e-6)
+    assert metrics["kl_ref_pi"] == pytest.approx(sum(want_ref_pi) / tokens, rel=1e-4)
+    assert metrics["kl_pi_ref"] == pytest.approx(sum(want_pi_ref) / tokens, rel=1e-4)
 
 
 def test_preference_eval_on_hand_made_scores():
