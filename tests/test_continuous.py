@@ -99,11 +99,18 @@ def _reference_decode(models, switch_at, prompt, keys, cfg, new_tokens):
     tokens = jnp.asarray([prompt] * k, jnp.int32)
     mask = jnp.ones((k, p), bool)
     cache = KVCache.init(models[0].config, k, p + new_tokens)
-    hidden, cache = models[0].hidden_states(tokens, positions_from_mask(mask), mask, cache)
-    logits = models[0].logits(hidden[:, -1])
+    graphdef = nnx.graphdef(models[0])
+
+    @jax.jit
+    def prefill(state, cache):
+        model = nnx.merge(graphdef, state)
+        hidden, cache = model.hidden_states(tokens, positions_from_mask(mask), mask, cache)
+        return model.logits(hidden[:, -1]), cache
+
+    logits, cache = prefill(nnx.state(models[0]), cache)
     spec = core.DecodeSpec(new_tokens, cfg.top_k, cfg.top_p < 1, False, (), 0)
     knobs = core.Knobs(jnp.float32(cfg.temperature), jnp.float32(cfg.top_p), jnp.int32(0))
-    graphdef = nnx.graphdef(models[0])
+    pick = jax.jit(lambda logits, s: core.pick_tokens(logits, step_keys(keys, s), s, knobs=knobs, spec=spec))
 
     @jax.jit
     def one_step(state, tok, position, cache):  # one compiled step for both param versions
@@ -116,7 +123,7 @@ def _reference_decode(models, switch_at, prompt, keys, cfg, new_tokens):
         if s:
             state = nnx.state(models[int(s >= switch_at)])
             logits, cache = one_step(state, out_t[-1], jnp.full((k, 1), p + s - 1, jnp.int32), cache)
-        tok, lp = core.pick_tokens(logits, step_keys(keys, s), jnp.int32(s), knobs=knobs, spec=spec)
+        tok, lp = pick(logits, jnp.int32(s))
         out_t.append(tok)
         out_lp.append(lp)
     return np.stack(out_t, 1), np.stack(out_lp, 1)

@@ -291,7 +291,8 @@ def test_update_matches_hand_written_adamw(single_device_run):
     assert int(state.step) == 2
 
 
-@pytest.mark.parametrize("num_microbatches", [2, 4])
+# 2 micro-batches are also run by the 2x2x2 sharded test below (against the same single-device run)
+@pytest.mark.parametrize("num_microbatches", [pytest.param(2, marks=pytest.mark.slow), 4])
 def test_gradient_accumulation_equals_one_batch(single_device_run, num_microbatches):
     state, metrics = run(dataclasses.replace(ACCUM_CONFIG, num_microbatches=num_microbatches), [0, 1])
     want_state, want_metrics = single_device_run
@@ -314,8 +315,9 @@ def test_group_straddling_microbatches_is_refused():
     assert all(np.array_equal(a, b) for a, b in zip(leaves(state.params), leaves(before)))
 
 
-@pytest.mark.parametrize("mesh_config", [MeshConfig(data=8), MeshConfig(data=2, fsdp=2, tensor=2)],
-                         ids=["8x1x1", "2x2x2"])
+# 2x2x2 shards data, fsdp and tensor at once; pure data parallelism is the slow variant
+@pytest.mark.parametrize("mesh_config", [pytest.param(MeshConfig(data=8), marks=pytest.mark.slow),
+                                         MeshConfig(data=2, fsdp=2, tensor=2)], ids=["8x1x1", "2x2x2"])
 def test_sharded_step_matches_single_device(single_device_run, mesh_config):
     assert jax.device_count() == 8
     config = ACCUM_CONFIG if mesh_config.data == 8 else dataclasses.replace(ACCUM_CONFIG, num_microbatches=2)
@@ -769,7 +771,10 @@ def test_packed_logprobs_equal_the_row_layout():
         assert (got[~rows.loss_mask] == 0).all()
 
 
-@pytest.mark.parametrize("num_microbatches,mesh_config", [(1, None), (2, None), (2, MeshConfig(data=2, fsdp=2, tensor=2))],
+# "data-parallel" also splits into two micro-batches; the single-device two-micro-batch case is slow
+@pytest.mark.parametrize("num_microbatches,mesh_config",
+                         [(1, None), pytest.param(2, None, marks=pytest.mark.slow),
+                          (2, MeshConfig(data=2, fsdp=2, tensor=2))],
                          ids=["one", "two-microbatches", "data-parallel"])
 def test_packed_step_equals_row_layout_step(num_microbatches, mesh_config):
     base = dataclasses.replace(ACCUM_CONFIG, num_microbatches=num_microbatches)
