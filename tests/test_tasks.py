@@ -669,3 +669,21 @@ def test_math_verify_power_tower_times_out_in_a_worker():
         got, seconds = _timed(pool.score, task, [(tower, "4"), ("\\boxed{4}", "4")])
     assert got == [(0.0, TIMEOUT), (1.0, OK)]
     assert seconds < 90
+
+
+def test_prompt_streams_shard_the_problems_or_share_them_when_too_few():
+    """Searchers split the training problems; with fewer problems than searchers (one red-team
+    instruction) each streams all of them. Epochs reshuffle deterministically; start resumes."""
+    from tbajax.system.searcher import PromptStream
+
+    problems = [Problem(i, f"q{i}", "a") for i in range(5)]
+    a, b = PromptStream(problems, 0, 2, seed=3), PromptStream(problems, 1, 2, seed=3)
+    first = [p.id for p in a.take(6)]
+    assert sorted(first[:3]) == [0, 2, 4] and sorted(first[3:]) == [0, 2, 4]  # two epochs of its shard
+    assert sorted(p.id for p in b.take(2)) == [1, 3]
+    resumed = PromptStream(problems, 0, 2, seed=3, start=4)
+    assert [p.id for p in resumed.take(2)] == first[4:6]
+    one = [Problem(7, "instruction", None)]
+    assert [p.id for p in PromptStream(one, 2, 3, seed=0).take(3)] == [7, 7, 7]
+    with pytest.raises(ValueError, match="no training problems"):
+        PromptStream([], 0, 1, seed=0)

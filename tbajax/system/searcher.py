@@ -317,13 +317,17 @@ class Rollouts:
 
 
 class PromptStream:
-    """This searcher's shard of the training problems, reshuffled every epoch (deterministic)."""
+    """This searcher's shard of the training problems, reshuffled every epoch (deterministic).
+
+    With fewer problems than searchers (red-teaming trains on one instruction) there is nothing to
+    shard: every searcher streams all of them, and their own PRNG keys make their samples differ."""
 
     def __init__(self, problems: Sequence[Problem], shard: int, num_shards: int, seed: int, start: int = 0):
+        if not len(problems):
+            raise ValueError("the task has no training problems")
         self.problems = problems
-        self.indices = np.arange(shard, len(problems), num_shards)
-        if len(self.indices) == 0:
-            raise ValueError(f"searcher {shard} got no training problems ({len(problems)} problems, {num_shards} searchers)")
+        shared = len(problems) < num_shards
+        self.indices = np.arange(len(problems)) if shared else np.arange(shard, len(problems), num_shards)
         self.seed = seed
         self.position = start
 
