@@ -167,6 +167,24 @@ def test_trajectory_bad_input(tmp_path: Path) -> None:
     assert commit["writer_epoch"] == writer.epoch == 1  # the refused open took no epoch
 
 
+def test_a_json_record_survives_the_lock_file_a_killed_writer_left(tmp_path: Path) -> None:
+    """tensorstore's file driver writes `<key>.__lock`, then renames it over `<key>`; a writer killed
+    between the two leaves the lock file, and the next write reuses it without truncating. Records
+    are padded to whole blocks, so a shorter record still reads back alone (found by the
+    killed-writer test above: commit.json came back with the dead writer's tail)."""
+    from tbajax.stores.urls import JSON_RECORD_BLOCK, open_kvstore, read_json, write_json
+
+    kv = open_kvstore(str(tmp_path))
+    write_json(kv, "commit.json", {"rows": 1})
+    _, generation = read_json(kv, "commit.json")
+    # what a writer killed mid-write of a longer record leaves behind
+    stale = json.dumps({"rows": 123456789, "segments": list(range(200))}).encode()
+    (tmp_path / "commit.json.__lock").write_bytes(stale + b" " * (-len(stale) % JSON_RECORD_BLOCK))
+    assert write_json(kv, "commit.json", {"rows": 2}, if_equal=generation) is not None
+    assert read_json(kv, "commit.json")[0] == {"rows": 2}
+    assert (tmp_path / "commit.json").stat().st_size % JSON_RECORD_BLOCK == 0
+
+
 def test_writer_fencing_a_zombie_fails_before_writing(tmp_path: Path) -> None:
     """Two writers on one store: opening the second fences the first, whose next append fails
     before it writes a single byte, while the new writer's rows stay intact."""

@@ -78,12 +78,22 @@ def read_json(kv: ts.KvStore, key: str) -> tuple[dict[str, Any] | None, bytes]:
     return record, res.stamp.generation
 
 
+JSON_RECORD_BLOCK = 4096
+
+
 def write_json(kv: ts.KvStore, key: str, record: dict[str, Any], if_equal: bytes | None = None) -> bytes | None:
     """Atomically replace `key`; with `if_equal`, only if its generation is unchanged.
 
     Returns the new generation, or None when the conditional write lost (someone else wrote).
+
+    The encoding is padded with spaces to a multiple of `JSON_RECORD_BLOCK` bytes. tensorstore's
+    file driver writes a value into `<key>.__lock` and renames it; a writer SIGKILLed in between
+    leaves that file behind, and the next write reuses it without truncating, so a shorter value
+    would come back followed by the tail of the dead writer's one ("Extra data" in the JSON).
+    With every record of a key the same padded size, the next write covers all of it.
     """
     data = json.dumps(record, sort_keys=True).encode()
+    data += b" " * (-len(data) % JSON_RECORD_BLOCK)
     stamp = kv.write(key, data, if_equal=if_equal).result()
     return stamp.generation or None
 
