@@ -144,9 +144,9 @@ def write_safetensors(path: str | os.PathLike[str], tensors: Mapping[str, np.nda
     header: dict[str, object] = {"__metadata__": {"format": "pt"}}
     offset = 0
     arrays = []
+    names = {v: k for k, v in _dtypes().items()}
     for key in sorted(tensors):
         a = np.ascontiguousarray(tensors[key])
-        names = {v: k for k, v in _dtypes().items()}
         if a.dtype not in names:
             raise TypeError(f"tensor {key!r}: dtype {a.dtype} cannot be written to safetensors")
         header[key] = {"dtype": names[a.dtype], "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}

@@ -74,7 +74,7 @@ class DrGRPOConfig:
     """ratio_clip: ρ is capped here with zero gradient above. length_norm "sequence" divides each
     token sum by prompt + response length (the TBA′ reference); "constant" by `norm_constant`
     (Dr. GRPO proper: the generation budget); "response" by the response length.
-    stale_token_*: see the module docstring (None: off; "cap" uses the tighter of the two caps)."""
+    stale_token_*: see `tbajax.objectives.policy_gradient` (None: off; "cap" uses the tighter of the two caps)."""
 
     ratio_clip: float = 8.0
     length_norm: LengthNorm = "sequence"
@@ -131,7 +131,7 @@ class IcePopConfig:
 class GRPOConfig:
     """clip_eps: PPO clip. std_eps: added to the group reward std (ddof=1). kl_penalty: add the
     k3 estimator of KL(π_θ‖π_ref) per token with coefficient batch.beta.
-    stale_token_*: see the module docstring (None: off; "mask" drops the KL term too)."""
+    stale_token_*: see `tbajax.objectives.policy_gradient` (None: off; "mask" drops the KL term too)."""
 
     clip_eps: float = 0.2
     std_eps: float = 1e-6
@@ -147,7 +147,7 @@ class GRPOConfig:
 @dataclasses.dataclass(frozen=True)
 class RLOOConfig:
     """kl_in_reward: use r − β·(S − R) (stop-gradient) as the reward.
-    stale_token_*: see the module docstring (None: off; "mask" only: no importance ratio here)."""
+    stale_token_*: see `tbajax.objectives.policy_gradient` (None: off; "mask" only: no importance ratio here)."""
 
     kl_in_reward: bool = False
     stale_token_max_lag: int | None = None
@@ -159,17 +159,10 @@ class RLOOConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class ReinforceConfig:
-    """kl_in_reward: use r − β·(S − R) (stop-gradient) as the reward.
-    stale_token_*: see the module docstring (None: off; "mask" only: no importance ratio here)."""
+class ReinforceConfig(RLOOConfig):
+    """RLOO's options; REINFORCE puts the KL in its reward by default."""
 
     kl_in_reward: bool = True
-    stale_token_max_lag: int | None = None
-    stale_token_mode: StaleTokenMode = "mask"
-    stale_token_ratio_cap: float = 1.0
-
-    def __post_init__(self) -> None:
-        check_stale_token_options(self, allow_cap=False)
 
 
 @dataclasses.dataclass(frozen=True)

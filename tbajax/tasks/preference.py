@@ -197,24 +197,22 @@ class SFTModel:
         self.batch_rows = batch_rows
         graphdef, self._state = nnx.split(self.model)
 
-        def logprobs(state, tokens, mask):
-            logits, _ = nnx.merge(graphdef, state)(tokens, attention_mask=mask.astype(bool))
-            lp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
-            taken = jnp.take_along_axis(lp, tokens[:, 1:, None], axis=-1)[..., 0]
-            return jnp.pad(taken, ((0, 0), (1, 0)))  # index t: log p(token t | tokens < t)
+        def shifted_logits(graph, state, tokens, mask):  # position j predicts token j + 1
+            logits, _ = nnx.merge(graph, state)(tokens, attention_mask=mask.astype(bool))
+            return logits[:, :-1].astype(jnp.float32)
 
-        self._logprobs = jax.jit(logprobs)
-        self._graphdef = graphdef
+        def taken(logits, tokens):  # index t: log p(token t | tokens < t); 0 at t = 0
+            lp = jax.nn.log_softmax(logits, axis=-1)
+            return jnp.pad(jnp.take_along_axis(lp, tokens[:, 1:, None], axis=-1)[..., 0], ((0, 0), (1, 0)))
+
+        self._logprobs = jax.jit(lambda state, tokens, mask: taken(shifted_logits(graphdef, state, tokens, mask), tokens))
 
         @functools.partial(jax.jit, static_argnums=0)
         def with_kl(policy_graphdef, policy_state, state, tokens, mask, response):
-            sft_logits, _ = nnx.merge(graphdef, state)(tokens, attention_mask=mask.astype(bool))
-            pi_logits, _ = nnx.merge(policy_graphdef, policy_state)(tokens, attention_mask=mask.astype(bool))
-            ref, pol = sft_logits[:, :-1].astype(jnp.float32), pi_logits[:, :-1].astype(jnp.float32)
-            lp = jax.nn.log_softmax(ref, axis=-1)
-            taken = jnp.pad(jnp.take_along_axis(lp, tokens[:, 1:, None], axis=-1)[..., 0], ((0, 0), (1, 0)))
-            predicts_response = response[:, 1:]  # logits at position j predict token j + 1
-            return (taken, kl_ref_pi(pol, ref, predicts_response).sequence_sum,
+            ref = shifted_logits(graphdef, state, tokens, mask)
+            pol = shifted_logits(policy_graphdef, policy_state, tokens, mask)
+            predicts_response = response[:, 1:]
+            return (taken(ref, tokens), kl_ref_pi(pol, ref, predicts_response).sequence_sum,
                     kl_pi_ref(pol, ref, predicts_response).sequence_sum)
 
         self._with_kl = with_kl
