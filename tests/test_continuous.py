@@ -162,7 +162,8 @@ def test_sharded_engine_matches_single_device(tiny_checkpoint, llama):
     mesh = make_mesh(MeshConfig(data=4, tensor=2))
     sampler = Sampler(load_model(tiny_checkpoint("llama"), mesh=mesh), mesh=mesh, max_cache_length=64)
     engine, groups = _run_engine(sampler, CFG, key, PROMPTS[:4], slots=8, chunk=4)
-    assert engine._cache.k.sharding.spec[1] == "data" and len(engine._cache.k.sharding.device_set) == 8
+    for buf in (*engine._cache.k, *engine._cache.v):  # per layer [batch, ...]
+        assert buf.sharding.spec[0] == "data" and len(buf.sharding.device_set) == 8
     _assert_same(single, groups, CFG.num_samples)
 
 

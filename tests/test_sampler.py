@@ -266,8 +266,9 @@ def test_sharded_matches_single_device(tiny_checkpoint, llama_sampler, mesh_conf
     sampler = Sampler(load_model(tiny_checkpoint("llama"), mesh=mesh), mesh=mesh)
     sharded = sampler.sample(PROMPTS, cfg, key)
     cache = sampler._cache  # the held KV cache really is split over the batch shards
-    assert cache.k.sharding.spec[1] == (("data", "fsdp") if mesh_config.fsdp > 1 else "data")
-    assert len(cache.k.sharding.device_set) == 8
+    for buf in (*cache.k, *cache.v):  # per layer [batch, ...]
+        assert buf.sharding.spec[0] == (("data", "fsdp") if mesh_config.fsdp > 1 else "data")
+        assert len(buf.sharding.device_set) == 8
     np.testing.assert_array_equal(sharded.tokens, single.tokens)
     np.testing.assert_array_equal(sharded.length, single.length)
     np.testing.assert_allclose(sharded.logprobs, single.logprobs, atol=1e-5)

@@ -56,7 +56,6 @@ from tbajax.sharding import constrain
 log = logging.getLogger(__name__)
 
 Array = jax.Array
-_CACHE_AXES = ("layers", "batch", "kv_heads", "length", "head_dim")
 
 
 class SlotState(NamedTuple):
@@ -122,20 +121,22 @@ def admit(
     b, p = tokens.shape
     ring = cache.slots
     mask = mask.astype(bool)
-    small = KVCache.init(cfg, b, p, cache.k.dtype)
+    small = KVCache.init(cfg, b, p, cache.dtype)
     hidden, small = model.hidden_states(tokens, positions_from_mask(mask), mask, small)
     logits = jnp.repeat(model.logits(hidden[:, -1]), num_samples, axis=0)
     src = ring_sources(cache.index, ring, p)
     take = jnp.minimum(src, p - 1)
     placed = src < p
 
-    def rows_of(x: Array) -> Array:  # [L, B, kv, P, d] -> [L, B*K, kv, S, d] in ring order
-        return jnp.repeat(jnp.take(x, take, axis=3), num_samples, axis=1)
+    def place(buf: Array, x: Array, slot_axis: int, axes: tuple[str, ...]) -> Array:
+        # a layer's [B, ...P...] prompt buffer -> its B*K cache rows, the P columns in ring order
+        rows = jnp.repeat(jnp.take(x, take, axis=slot_axis), num_samples, axis=0)
+        return constrain(buf.at[slots].set(rows, mode="drop"), axes)
 
     valid = jnp.repeat(jnp.take(mask, take, axis=1) & placed[None, :], num_samples, axis=0)
     cache = KVCache(
-        k=constrain(cache.k.at[:, slots].set(rows_of(small.k), mode="drop"), _CACHE_AXES),
-        v=constrain(cache.v.at[:, slots].set(rows_of(small.v), mode="drop"), _CACHE_AXES),
+        k=tuple(place(buf, x, 3, KVCache.K_AXES) for buf, x in zip(cache.k, small.k)),
+        v=tuple(place(buf, x, 2, KVCache.V_AXES) for buf, x in zip(cache.v, small.v)),
         valid=constrain(cache.valid.at[slots].set(valid, mode="drop"), ("batch", "length")),
         index=cache.index,
     )
@@ -170,6 +171,7 @@ def decode_chunk(
     n = state.prev.shape[0]
     ring = cache.slots
     ones = jnp.ones((n, 1), bool)
+    head = model.vocab_major_head()  # once per chunk, outside the loop
     out = ChunkOut(
         tokens=constrain(jnp.full((n, chunk), spec.pad_token_id, jnp.int32), ("batch", "length")),
         logprobs=constrain(jnp.zeros((n, chunk), jnp.float32), ("batch", "length")),
@@ -185,7 +187,7 @@ def decode_chunk(
         c, cache, st, out = carry
         hidden, cache = model.hidden_states(st.prev[:, None], st.position[:, None], ones, cache)
         cache = dataclasses.replace(cache, index=jnp.mod(cache.index, ring))
-        logits = model.logits(hidden[:, 0])
+        logits = model.logits(hidden[:, 0], head)
         tok, lp = core.pick_tokens(logits, step_keys(st.keys, st.count), st.count, knobs=knobs, spec=spec)
         live = st.live
         tok = jnp.where(live, tok, spec.pad_token_id)

@@ -24,7 +24,6 @@ from tbajax.sharding import constrain
 
 Array = jax.Array
 
-_CACHE_AXES = ("layers", "batch", "kv_heads", "length", "head_dim")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,36 +64,36 @@ def prefill(
     """
     cfg = model.config
     b, _ = tokens.shape
-    if cache.k.shape[1] != b * num_samples:
-        raise ValueError(f"cache has {cache.k.shape[1]} rows, need {b} prompts x {num_samples} samples")
+    if cache.rows != b * num_samples:
+        raise ValueError(f"cache has {cache.rows} rows, need {b} prompts x {num_samples} samples")
     mask = mask.astype(bool)
-    small = KVCache.init(cfg, b, cache.slots, cache.k.dtype)
+    small = KVCache.init(cfg, b, cache.slots, cache.dtype)
     hidden, small = model.hidden_states(tokens, positions_from_mask(mask), mask, small)
     logits = model.logits(hidden[:, -1])  # left padding: the last column is every row's last token
 
-    def rep(x: Array, axis: int) -> Array:
-        return jnp.repeat(x, num_samples, axis=axis) if num_samples > 1 else x
+    def rep(x: Array) -> Array:
+        return jnp.repeat(x, num_samples, axis=0) if num_samples > 1 else x
 
     def fill(buf: Array, x: Array, axes: tuple[str, ...]) -> Array:
         # a full overwrite of the donated buffer, so XLA writes the result in place
         return constrain(jax.lax.dynamic_update_slice(buf, x, (0,) * x.ndim), axes)
 
     cache = KVCache(
-        k=fill(cache.k, rep(small.k, 1), _CACHE_AXES),
-        v=fill(cache.v, rep(small.v, 1), _CACHE_AXES),
-        valid=fill(cache.valid, rep(small.valid, 0), ("batch", "length")),
+        k=tuple(fill(buf, rep(x), KVCache.K_AXES) for buf, x in zip(cache.k, small.k)),
+        v=tuple(fill(buf, rep(x), KVCache.V_AXES) for buf, x in zip(cache.v, small.v)),
+        valid=fill(cache.valid, rep(small.valid), ("batch", "length")),
         index=small.index,
     )
-    logits = constrain(rep(logits, 0), ("batch", "act_vocab"))
-    return cache, logits, rep(mask.sum(-1, dtype=jnp.int32), 0)
+    logits = constrain(rep(logits), ("batch", "act_vocab"))
+    return cache, logits, rep(mask.sum(-1, dtype=jnp.int32))
 
 
 def init_cache(cfg: ModelConfig, rows: int, slots: int) -> KVCache:
     """An empty cache laid out over the mesh like the one `prefill` returns."""
     cache = KVCache.init(cfg, rows, slots)
     return KVCache(
-        k=constrain(cache.k, _CACHE_AXES),
-        v=constrain(cache.v, _CACHE_AXES),
+        k=tuple(constrain(x, KVCache.K_AXES) for x in cache.k),
+        v=tuple(constrain(x, KVCache.V_AXES) for x in cache.v),
         valid=constrain(cache.valid, ("batch", "length")),
         index=cache.index,
     )
@@ -124,6 +123,7 @@ def decode(
     if limit is None:
         limit = jnp.full((n,), spec.max_new_tokens, jnp.int32)
     pick = functools.partial(pick_tokens, knobs=knobs, spec=spec)
+    head = model.vocab_major_head()  # once, outside the loop
 
     def emit(out: DecodeOut, tok: Array, lp: Array, step: Array) -> tuple[DecodeOut, Array]:
         """Write step's token (pad for done rows); return the new outputs and the written token."""
@@ -162,7 +162,7 @@ def decode(
         step, cache, prev, out = carry
         positions = (prompt_len + step - 1)[:, None]
         hidden, cache = model.hidden_states(prev[:, None], positions, ones, cache)
-        logits = model.logits(hidden[:, 0])
+        logits = model.logits(hidden[:, 0], head)
         out, tok = emit(out, *pick(logits, step_keys(keys, step), step), step)
         return step + 1, cache, tok, out
 

@@ -344,7 +344,7 @@ class Sampler:
     def _take_cache(self, rows: int, slots: int) -> core.KVCache:
         """The preallocated cache for this shape (the previous one if it fits; it is donated)."""
         cache, self._cache = self._cache, None
-        if cache is None or cache.k.shape[1] != rows or cache.slots != slots:
+        if cache is None or cache.rows != rows or cache.slots != slots:
             del cache  # free the old buffer before allocating the new one
             cache = self._run(
                 ("cache", (("rows", rows), ("slots", slots))),

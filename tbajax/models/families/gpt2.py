@@ -178,8 +178,8 @@ def block(
     qkv = jnp.einsum("btd,djhk->btjhk", h, w["qkv_proj"]) + w["qkv_bias"]
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     q = constrain(q, ("batch", "length", "act_heads", None))
-    k, v, new_cache = L.write_cache(k, v, cache, dt)
-    o = jnp.einsum("bthk,hkd->btd", L.attention(q, k, v, mask), w["o_proj"]) + w["o_bias"]
+    o, new_cache = L.self_attention(q, k, v, mask, cache, dt)
+    o = jnp.einsum("bthk,hkd->btd", o, w["o_proj"]) + w["o_bias"]
     x = x + o
     h = L.layer_norm(x, w["post_attention_norm"], w["post_attention_norm_bias"], cfg.layer_norm_eps)
     h = act(jnp.einsum("btd,df->btf", h, w["up_proj"]) + w["up_bias"])

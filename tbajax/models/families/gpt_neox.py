@@ -187,8 +187,8 @@ def block(
     q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
     q, k = L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin)
     q = constrain(q, ("batch", "length", "act_heads", None))
-    k, v, new_cache = L.write_cache(k, v, cache, dt)
-    o = jnp.einsum("bthk,hkd->btd", L.attention(q, k, v, mask), w["o_proj"])
+    o, new_cache = L.self_attention(q, k, v, mask, cache, dt)
+    o = jnp.einsum("bthk,hkd->btd", o, w["o_proj"])
     if cfg.qkv_bias:
         o = o + w["o_bias"]
 

@@ -217,8 +217,7 @@ def block(
         k = L.rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
     q, k = L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin)
     q = constrain(q, ("batch", "length", "act_heads", None))
-    k, v, new_cache = L.write_cache(k, v, cache, dt)
-    o = L.attention(q, k, v, mask)
+    o, new_cache = L.self_attention(q, k, v, mask, cache, dt)
     o = jnp.einsum("bthk,hkd->btd", o, w["o_proj"])
     if cfg.o_bias:
         o = o + w["o_bias"]
