@@ -58,7 +58,7 @@ def test_logits_match_torch_transformers(tiny_checkpoint, family):
     assert np.abs(np.asarray(ours) - ref)[real].max() <= 1e-4
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_kv_cache_decode_matches_full_forward(tiny_checkpoint, family):
     """Prefill a left-padded prompt, then decode token by token: same logits as one forward."""
     model = load_model(tiny_checkpoint(family))
@@ -81,6 +81,19 @@ def test_kv_cache_decode_matches_full_forward(tiny_checkpoint, family):
     decoded = np.stack([np.asarray(s) for s in steps], axis=1)
     np.testing.assert_allclose(decoded, np.asarray(full[:, prompt - 1 : -1]), atol=1e-4)
     assert int(cache.index) == prompt + new - 1
+
+    # the sampler's decode inputs: per-layer weights in the family's decode layout (llama: fused
+    # q/k/v and gate/up) and the vocab-major head give the same logits
+    layers, head = model.per_layer_params(), model.vocab_major_head()
+    if family in ("llama", "qwen2"):
+        assert "gate_up_proj" in layers[0] and "q_proj" not in layers[0]
+    cache = KVCache.init(model.config, b, prompt + new + 3)
+    _, cache = model(jnp.asarray(ids[:, :prompt]), pos[:, :prompt], jnp.asarray(mask[:, :prompt]), cache)
+    for t in range(prompt, prompt + new - 1):
+        hidden, cache = model.hidden_states(
+            jnp.asarray(ids[:, t : t + 1]), pos[:, t : t + 1], jnp.asarray(mask[:, t : t + 1]), cache, layers
+        )
+        np.testing.assert_allclose(np.asarray(model.logits(hidden, head)[:, 0]), np.asarray(full[:, t]), atol=1e-4)
 
 
 def test_bf16_compute_and_remat(tiny_checkpoint):

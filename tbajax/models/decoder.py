@@ -154,6 +154,7 @@ class CausalLM(nnx.Module):
         positions: Array | None = None,
         attention_mask: Array | None = None,
         cache: KVCache | None = None,
+        layers: tuple[dict[str, Array], ...] | None = None,
     ) -> tuple[Array, KVCache | None]:
         """Final-norm hidden states [batch, seq, hidden] (compute dtype).
 
@@ -162,6 +163,8 @@ class CausalLM(nnx.Module):
         Or [batch, seq, seq]: which key each query may attend to, used as given (no cache; pass
         positions), e.g. `packed_attention_mask` for several sequences sharing one row.
         With `cache`, the tokens are written at slots cache.index ... index + seq.
+        layers: `per_layer_params()`, which a decode loop takes once outside the loop (XLA does not
+        hoist the per-layer weight slices out of a while loop: it would copy every weight per step).
         """
         cfg = self.config
         b, t = tokens.shape
@@ -213,11 +216,9 @@ class CausalLM(nnx.Module):
                 q_slot = cache.index + jnp.arange(t)
                 mask = (jnp.arange(cache.slots)[None, :] <= q_slot[:, None])[None] & valid[:, None, :]
 
-            # layers unrolled over their own cache buffers, so each write and read is in place;
-            # the static weight slices are loop-invariant and hoisted out of a decode loop
+            # layers unrolled over their own cache buffers, so each write and read is in place
             ks, vs = [], []
-            for i in range(cfg.num_layers):
-                p = {name: w[i] for name, w in params.items()}
+            for i, p in enumerate(layers if layers is not None else unstack(params, cfg.num_layers)):
                 x, (k, v) = layer(p, x, tables, mask, (cache.k[i], cache.v[i], cache.index))
                 ks.append(k)
                 vs.append(v)
@@ -242,6 +243,15 @@ class CausalLM(nnx.Module):
             )
         return constrain(out, ("batch", "length", "act_vocab")) if out.ndim == 3 else out
 
+    def per_layer_params(self) -> tuple[dict[str, Array], ...]:
+        """Each layer's weights as their own arrays, in the family's decode layout (copied once
+        per program; see `hidden_states`)."""
+        cfg = self.config
+        layers = unstack(self.layers.stacked(cfg), cfg.num_layers)
+        if self.family.decode_layout is not None:
+            layers = tuple(self.family.decode_layout(cfg, p) for p in layers)
+        return jax.lax.optimization_barrier(layers)
+
     def vocab_major_head(self) -> Array:
         """The LM head as [vocab, hidden] in the compute dtype, for decoding a few rows at a time.
 
@@ -260,6 +270,11 @@ class CausalLM(nnx.Module):
 
 
 # ---------------------------------------------------------------------------- pure pieces
+
+
+def unstack(params: dict[str, Array], num_layers: int) -> tuple[dict[str, Array], ...]:
+    """Stacked [layers, ...] weights -> one dict of per-layer weights per layer."""
+    return tuple({name: w[i] for name, w in params.items()} for i in range(num_layers))
 
 
 def positions_from_mask(mask: Array) -> Array:

@@ -171,7 +171,7 @@ def decode_chunk(
     n = state.prev.shape[0]
     ring = cache.slots
     ones = jnp.ones((n, 1), bool)
-    head = model.vocab_major_head()  # once per chunk, outside the loop
+    head, layers = model.vocab_major_head(), model.per_layer_params()  # once, outside the loop
     out = ChunkOut(
         tokens=constrain(jnp.full((n, chunk), spec.pad_token_id, jnp.int32), ("batch", "length")),
         logprobs=constrain(jnp.zeros((n, chunk), jnp.float32), ("batch", "length")),
@@ -185,7 +185,7 @@ def decode_chunk(
 
     def body(carry: tuple[Array, KVCache, SlotState, ChunkOut]) -> tuple[Array, KVCache, SlotState, ChunkOut]:
         c, cache, st, out = carry
-        hidden, cache = model.hidden_states(st.prev[:, None], st.position[:, None], ones, cache)
+        hidden, cache = model.hidden_states(st.prev[:, None], st.position[:, None], ones, cache, layers)
         cache = dataclasses.replace(cache, index=jnp.mod(cache.index, ring))
         logits = model.logits(hidden[:, 0], head)
         tok, lp = core.pick_tokens(logits, step_keys(st.keys, st.count), st.count, knobs=knobs, spec=spec)

@@ -123,7 +123,7 @@ def decode(
     if limit is None:
         limit = jnp.full((n,), spec.max_new_tokens, jnp.int32)
     pick = functools.partial(pick_tokens, knobs=knobs, spec=spec)
-    head = model.vocab_major_head()  # once, outside the loop
+    head, layers = model.vocab_major_head(), model.per_layer_params()  # once, outside the loop
 
     def emit(out: DecodeOut, tok: Array, lp: Array, step: Array) -> tuple[DecodeOut, Array]:
         """Write step's token (pad for done rows); return the new outputs and the written token."""
@@ -161,7 +161,7 @@ def decode(
     def body(carry: tuple[Array, KVCache, Array, DecodeOut]) -> tuple[Array, KVCache, Array, DecodeOut]:
         step, cache, prev, out = carry
         positions = (prompt_len + step - 1)[:, None]
-        hidden, cache = model.hidden_states(prev[:, None], positions, ones, cache)
+        hidden, cache = model.hidden_states(prev[:, None], positions, ones, cache, layers)
         logits = model.logits(hidden[:, 0], head)
         out, tok = emit(out, *pick(logits, step_keys(keys, step), step), step)
         return step + 1, cache, tok, out

@@ -77,6 +77,9 @@ class Family:
     # hand-built config cannot silently mix families, e.g. GPT-2 with SiLU)
     fixed: dict[str, tuple[Any, ...]] = dataclasses.field(default_factory=dict)
     validate: Callable[["ModelConfig"], None] | None = None  # any further family-specific check
+    # one layer's weights -> the same weights laid out for decoding a few rows (e.g. projections
+    # that read the same input concatenated into one matmul); `block` accepts both layouts
+    decode_layout: Callable[["ModelConfig", dict[str, Any]], dict[str, Any]] | None = None
 
     def check(self, cfg: "ModelConfig") -> None:
         from tbajax.models.config import UnsupportedModelError

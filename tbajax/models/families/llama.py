@@ -207,9 +207,17 @@ def block(
     cos, sin = tables
     w = {k: v.astype(dt) for k, v in p.items()}
     h = L.rms_norm(x, w["input_norm"], cfg.rms_norm_eps)
-    q = jnp.einsum("btd,dhk->bthk", h, w["q_proj"])
-    k = jnp.einsum("btd,dhk->bthk", h, w["k_proj"])
-    v = jnp.einsum("btd,dhk->bthk", h, w["v_proj"])
+    if "qkv_proj" in w:  # decode_layout
+        b, t, _ = h.shape
+        qkv = jnp.einsum("btd,de->bte", h, w["qkv_proj"])
+        nq, nkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        q = qkv[..., :nq].reshape(b, t, cfg.num_heads, cfg.head_dim)
+        k = qkv[..., nq : nq + nkv].reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        v = qkv[..., nq + nkv :].reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    else:
+        q = jnp.einsum("btd,dhk->bthk", h, w["q_proj"])
+        k = jnp.einsum("btd,dhk->bthk", h, w["k_proj"])
+        v = jnp.einsum("btd,dhk->bthk", h, w["v_proj"])
     if cfg.qkv_bias:
         q, k, v = q + w["q_bias"], k + w["k_bias"], v + w["v_bias"]
     if cfg.qk_norm:
@@ -223,10 +231,23 @@ def block(
         o = o + w["o_bias"]
     x = x + o
     h = L.rms_norm(x, w["post_attention_norm"], cfg.rms_norm_eps)
-    gate = jnp.einsum("btd,df->btf", h, w["gate_proj"])
-    up = jnp.einsum("btd,df->btf", h, w["up_proj"])
+    if "gate_up_proj" in w:  # decode_layout
+        gate, up = jnp.split(jnp.einsum("btd,df->btf", h, w["gate_up_proj"]), 2, axis=-1)
+    else:
+        gate = jnp.einsum("btd,df->btf", h, w["gate_proj"])
+        up = jnp.einsum("btd,df->btf", h, w["up_proj"])
     x = x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w["down_proj"])
     return constrain(x, ("batch", "length", "act_embed")), new_cache
+
+
+def decode_layout(cfg: ModelConfig, p: dict[str, Array]) -> dict[str, Array]:
+    """q/k/v and gate/up each as one matmul: at a few rows per step, one [d, 2f] product runs
+    ~1.5x faster on CPU than two [d, f] ones."""
+    p = dict(p)
+    d = cfg.hidden_size
+    p["qkv_proj"] = jnp.concatenate([p.pop(n).reshape(d, -1) for n in ("q_proj", "k_proj", "v_proj")], axis=1)
+    p["gate_up_proj"] = jnp.concatenate([p.pop("gate_proj"), p.pop("up_proj")], axis=1)
+    return p
 
 
 FAMILY = Family(
@@ -249,4 +270,5 @@ FAMILY = Family(
     final_norm=final_norm,
     ignored_suffixes=("rotary_emb.inv_freq",),
     fixed={"hidden_act": ("silu",), "rotary_pct": (1.0,), "parallel_residual": (False,)},
+    decode_layout=decode_layout,
 )
