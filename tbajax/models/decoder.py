@@ -216,12 +216,24 @@ class CausalLM(nnx.Module):
                 q_slot = cache.index + jnp.arange(t)
                 mask = (jnp.arange(cache.slots)[None, :] <= q_slot[:, None])[None] & valid[:, None, :]
 
-            # layers unrolled over their own cache buffers, so each write and read is in place
-            ks, vs = [], []
-            for i, p in enumerate(layers if layers is not None else unstack(params, cfg.num_layers)):
-                x, (k, v) = layer(p, x, tables, mask, (cache.k[i], cache.v[i], cache.index))
-                ks.append(k)
-                vs.append(v)
+            if t == 1 or layers is not None:
+                # a decode step: layers unrolled over their own cache buffers, so each write and
+                # read is in place
+                ks, vs = [], []
+                for i, p in enumerate(layers if layers is not None else unstack(params, cfg.num_layers)):
+                    x, (k, v) = layer(p, x, tables, mask, (cache.k[i], cache.v[i], cache.index))
+                    ks.append(k)
+                    vs.append(v)
+            else:
+                # a prompt: scanned (one compiled layer; the cache copies cost little next to the
+                # prompt's matmuls, and an unrolled prefill would multiply compile time by depth)
+                def body(h: Array, xs: Any) -> tuple[Array, tuple[Array, Array]]:
+                    p, kt, cv = xs
+                    h, (kt, cv) = layer(p, h, tables, mask, (kt, cv, cache.index))
+                    return h, (kt, cv)
+
+                x, (k, v) = jax.lax.scan(body, x, (params, jnp.stack(cache.k), jnp.stack(cache.v)))
+                ks, vs = list(k), list(v)
             cache = KVCache(k=tuple(ks), v=tuple(vs), valid=valid, index=cache.index + t)
         return family.final_norm(cfg, top, x), cache
 
