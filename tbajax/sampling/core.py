@@ -25,7 +25,6 @@ from tbajax.sharding import constrain
 Array = jax.Array
 
 
-
 @dataclasses.dataclass(frozen=True)
 class DecodeSpec:
     """The static (compile-time) part of a sampling config; the rest is traced."""
