@@ -16,6 +16,9 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from tbajax.sharding import constrain
 
 Array = jax.Array
 
@@ -80,11 +83,116 @@ def token_logprobs(logits: Array, tokens: Array, temperature: float = 1.0) -> Ar
     logits[:, t] predicts tokens[:, t + 1]. The temperature is the sampling temperature: TBA
     scores trajectories under the same tempered distribution they were sampled from.
     """
-    logits = logits[:, :-1].astype(jnp.float32) / temperature
-    targets = tokens[:, 1:]
-    logz = jax.nn.logsumexp(logits, axis=-1)
-    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    return jnp.pad(picked - logz, ((0, 0), (1, 0)))
+    # every position is scored (the last against a dummy target) and the shift happens on the
+    # [B, T] result: slicing the [B, T, V] logits instead costs a vocab-sized copy and, in the
+    # backward, a pad of the vocab-sized gradient
+    targets = jnp.pad(tokens[:, 1:], ((0, 0), (0, 1)))
+    picked = tempered_logprobs(logits, targets, jnp.float32(temperature))
+    return jnp.pad(picked[:, :-1], ((0, 0), (1, 0)))
+
+
+@jax.custom_vjp
+def tempered_logprobs(logits: Array, targets: Array, temperature: Array) -> Array:
+    """log softmax(logits / temperature)[..., target]: [..., V] logits, [...] targets -> [...] f32.
+
+    Its own VJP so that the backward is one pass over the vocab, g * (onehot - softmax) / T, from
+    the saved logits and log-normaliser; autodiff of the composition materialises the scaled
+    logits, exp, and the divide's gradient as separate vocab-sized arrays.
+    """
+    return _tempered_forward(logits, targets, temperature)[0]
+
+
+def _tempered_forward(logits: Array, targets: Array, temperature: Array) -> tuple[Array, Array]:
+    scaled = logits.astype(jnp.float32) / temperature
+    logz = jax.nn.logsumexp(scaled, axis=-1)
+    picked = jnp.take_along_axis(scaled, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    return picked - logz, logz
+
+
+def _tempered_fwd(logits: Array, targets: Array, temperature: Array):
+    out, logz = _tempered_forward(logits, targets, temperature)
+    return out, (logits, targets, temperature, logz)
+
+
+def _logits_cotangent(logits: Array, targets: Array, temperature: Array, logz: Array, g: Array) -> Array:
+    """d(sum g * tempered_logprobs)/d logits = g * (onehot(target) - softmax(logits / T)) / T, f32."""
+    probs = jnp.exp(logits.astype(jnp.float32) / temperature - logz[..., None])
+    onehot = jnp.arange(logits.shape[-1], dtype=jnp.int32) == targets[..., None].astype(jnp.int32)
+    return (onehot.astype(jnp.float32) - probs) * (g / temperature)[..., None]
+
+
+def _temperature_cotangent(logits: Array, targets: Array, temperature: Array, logz: Array, g: Array) -> Array:
+    # z = logits / T: d(z_y - logsumexp z)/dT = -(z_y - E_softmax[z]) / T (dead code unless the
+    # caller differentiates through the temperature)
+    z = logits.astype(jnp.float32) / temperature
+    probs = jnp.exp(z - logz[..., None])
+    picked = jnp.take_along_axis(z, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    return jnp.sum(g * -(picked - jnp.sum(probs * z, axis=-1)) / temperature).astype(temperature.dtype)
+
+
+def _tempered_bwd(residuals, g: Array):
+    logits, targets, temperature, logz = residuals
+    dlogits = _logits_cotangent(logits, targets, temperature, logz, g)
+    return (dlogits.astype(logits.dtype), _int_zeros(targets),
+            _temperature_cotangent(logits, targets, temperature, logz, g))
+
+
+tempered_logprobs.defvjp(_tempered_fwd, _tempered_bwd)
+
+
+def hidden_token_logprobs(hidden: Array, head: Array, tokens: Array, temperature: float = 1.0) -> Array:
+    """`token_logprobs` of `hidden @ head` ([B, T, D] hidden, [D, V] head) without going through
+    autodiff of the vocabulary projection: `head_logprobs` computes the [B, T, V] logit gradient
+    once and feeds both weight-gradient matmuls from it."""
+    targets = jnp.pad(tokens[:, 1:], ((0, 0), (0, 1)))
+    picked = head_logprobs(hidden, head, targets, jnp.float32(temperature))
+    return jnp.pad(picked[:, :-1], ((0, 0), (1, 0)))
+
+
+@jax.custom_vjp
+def head_logprobs(hidden: Array, head: Array, targets: Array, temperature: Array) -> Array:
+    """tempered_logprobs(hidden @ head): [..., D] hidden, [D, V] head (the compute dtype; logits in
+    f32), [...] targets -> [...] f32.
+
+    XLA CPU differentiates the projection by computing the [rows, V] logit gradient twice, once
+    row-major for d hidden and once transposed for d head (each as slow as the matmul it feeds);
+    here it is computed once and both products read it as laid out.
+    """
+    return _head_forward(hidden, head, targets, temperature)[0]
+
+
+def _head_forward(hidden: Array, head: Array, targets: Array, temperature: Array):
+    logits = _vocab_sharded(jnp.einsum("...d,dv->...v", hidden, head, preferred_element_type=jnp.float32))
+    out, logz = _tempered_forward(logits, targets, temperature)
+    return out, (logits, logz)
+
+
+def _head_fwd(hidden: Array, head: Array, targets: Array, temperature: Array):
+    out, (logits, logz) = _head_forward(hidden, head, targets, temperature)
+    return out, (hidden, head, targets, temperature, logits, logz)
+
+
+def _head_bwd(residuals, g: Array):
+    hidden, head, targets, temperature, logits, logz = residuals
+    dlogits = _vocab_sharded(_logits_cotangent(logits, targets, temperature, logz, g).astype(hidden.dtype))
+    dhidden = jnp.einsum("...v,dv->...d", dlogits, head, preferred_element_type=jnp.float32)
+    flat_h = hidden.reshape(-1, hidden.shape[-1])
+    flat_dl = dlogits.reshape(-1, dlogits.shape[-1])
+    dhead = jnp.einsum("nv,nd->vd", flat_dl, flat_h, preferred_element_type=jnp.float32).T
+    return (dhidden.astype(hidden.dtype), dhead.astype(head.dtype), _int_zeros(targets),
+            _temperature_cotangent(logits, targets, temperature, logz, g))
+
+
+head_logprobs.defvjp(_head_fwd, _head_bwd)
+
+
+def _vocab_sharded(x: Array) -> Array:
+    return constrain(x, ("batch", "length", "act_vocab")) if x.ndim == 3 else x
+
+
+def _int_zeros(x: Array) -> Array:
+    """The (symbolic-zero) cotangent of an integer input."""
+    return np.zeros(x.shape, dtype=jax.dtypes.float0)
 
 
 def packed_token_logprobs(logits: Array, batch: Batch, temperature: float = 1.0) -> Array:

@@ -411,3 +411,50 @@ def test_hand_built_config_exports_and_is_checked(tmp_path):
         ModelConfig(hidden_act="silu", **fields)
     with pytest.raises(UnsupportedModelError, match="num_kv_heads=2"):
         ModelConfig(hidden_act="gelu_new", **{**fields, "num_kv_heads": 2})
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2_tied", "neox_parallel", "gpt2_untied_gelu"])
+def test_logprob_gradients_match_torch(ckpt, tiny_checkpoint, name):
+    """The trainer's scoring path (`sequence_logprobs`: the hand-written VJPs of the vocabulary
+    projection + tempered log-softmax, of every MLP matmul and of SwiGLU) against torch autograd,
+    gradient by gradient in the HF layout, with the layers scanned and unrolled."""
+    from transformers import AutoModelForCausalLM
+
+    from tbajax.batch import Batch
+    from tbajax.models.hf import hf_tensors
+    from tbajax.training import sequence_logprobs
+
+    directory = tiny_checkpoint(name) if name in ("llama", "qwen2_tied") else ckpt(name)
+    temperature = 0.7
+    ids, mask = _batch(3)
+    scored = mask * np.pad(mask[:, :-1], ((0, 0), (1, 0)))  # a real token after a real one
+    #   (what a pad position predicts is not defined the same way on both sides)
+    weights = np.random.RandomState(1).normal(size=ids.shape).astype(np.float32) * scored
+
+    torch_model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    pos = torch.tensor(np.maximum(np.cumsum(mask, -1) - 1, 0))
+    logits = torch_model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), position_ids=pos).logits
+    lp = torch.log_softmax(logits[:, :-1] / temperature, -1).gather(-1, torch.tensor(ids[:, 1:, None]))[..., 0]
+    (lp * torch.tensor(weights[:, 1:])).sum().backward()
+    want = {n: p.grad.numpy() for n, p in torch_model.named_parameters()}
+
+    zeros = np.zeros(ids.shape, np.float32)
+    rows = ids.shape[0]
+    batch = Batch(tokens=jnp.asarray(ids, jnp.int32), attention_mask=jnp.asarray(mask, bool),
+                  loss_mask=jnp.asarray(mask, bool), behavior_logprobs=zeros, reference_logprobs=zeros,
+                  reward=np.zeros(rows, np.float32), group_id=np.zeros(rows, np.int32),
+                  sample_mask=np.ones(rows, bool), policy_version=np.zeros(rows, np.int32),
+                  prompt_id=np.zeros(rows, np.int32), beta=np.float32(0), token_versions=zeros.astype(np.int32),
+                  current_version=np.int32(0))
+    for scan in (True, False):
+        model = load_model(directory, scan_layers=scan)
+        graphdef, state = nnx.split(model)
+        grads = jax.jit(jax.grad(lambda s: (sequence_logprobs(graphdef, s, batch, temperature) * weights).sum()))(state)
+        got = dict(hf_tensors(nnx.merge(graphdef, grads)))
+        for hf_name, g in got.items():
+            # torch names the Pythia head lm_head (the checkpoint's embed_out), GPT-2's under transformer.
+            ref = want.get({"embed_out.weight": "lm_head.weight"}.get(hf_name, hf_name),
+                           want.get(f"transformer.{hf_name}"))
+            assert ref is not None, hf_name
+            scale = max(np.abs(ref).max(), 1e-3)
+            np.testing.assert_allclose(g, ref, atol=2e-4 * scale, rtol=0, err_msg=f"{hf_name} scan={scan}")

@@ -232,3 +232,54 @@ def test_hub_id_while_offline_fails_fast(monkeypatch, tmp_path):
         load_model("Qwen/Qwen2.5-7B")
     with pytest.raises(CheckpointError, match="neither a local directory"):
         load_model(tmp_path / "does-not-exist")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_hand_written_vjps_match_autodiff(dtype):
+    """head_logprobs / tempered_logprobs (incl. the temperature's gradient), linear (both layouts
+    of its weight gradient) and swiglu against autodiff of the plain compositions."""
+    from tbajax.batch import hidden_token_logprobs, tempered_logprobs
+    from tbajax.models.layers import linear, swiglu
+
+    k = jax.random.split(jax.random.PRNGKey(0), 6)
+    hidden = jax.random.normal(k[0], (3, 7, 16)).astype(dtype)
+    head = (jax.random.normal(k[1], (16, 29)) * 0.3).astype(dtype)
+    tokens = jax.random.randint(k[2], (3, 7), 0, 29)
+    weights = jax.random.normal(k[3], (3, 7))
+    tol = 1e-5 if dtype == jnp.float32 else 3e-2
+
+    def plain(h, w, t):
+        logits = jnp.einsum("btd,dv->btv", h, w, preferred_element_type=jnp.float32)[:, :-1] / t
+        lp = jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1)[..., 0]
+        return (jnp.pad(lp, ((0, 0), (1, 0))) * weights).sum()
+
+    def fused(h, w, t):
+        return (hidden_token_logprobs(h, w, tokens, t) * weights).sum()
+
+    t = jnp.float32(0.7)
+    want = jax.grad(plain, argnums=(0, 1))(hidden, head, t)
+    got = jax.grad(fused, argnums=(0, 1))(hidden, head, t)
+    np.testing.assert_allclose(fused(hidden, head, t), plain(hidden, head, t), rtol=tol)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype == dtype
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=tol * 10, rtol=tol)
+    logits = jax.random.normal(k[4], (5, 29)) * 2
+    targets = tokens[0, :5]
+    d_t = jax.grad(lambda t: (tempered_logprobs(logits, targets, t) * weights[0, :5]).sum())(t)
+    d_t_plain = jax.grad(lambda t: (jnp.take_along_axis(jax.nn.log_softmax(logits / t), targets[:, None], -1)[:, 0]
+                                    * weights[0, :5]).sum())(t)
+    np.testing.assert_allclose(d_t, d_t_plain, rtol=1e-5)
+
+    x = jax.random.normal(k[5], (2, 5, 16)).astype(dtype)
+    for shape in ((16, 24), (16, 8)):  # d <= f transposes x, d > f transposes the cotangent
+        w = (jax.random.normal(k[1], shape) * 0.2).astype(dtype)
+        g_lin = jax.grad(lambda x, w: (linear(x, w).astype(jnp.float32) ** 2).sum(), argnums=(0, 1))(x, w)
+        g_ref = jax.grad(lambda x, w: (jnp.einsum("btd,df->btf", x, w).astype(jnp.float32) ** 2).sum(),
+                         argnums=(0, 1))(x, w)
+        for a, b in zip(g_lin, g_ref):
+            np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=tol * 10, rtol=tol)
+    up = jax.random.normal(k[2], x.shape).astype(dtype)
+    g_sw = jax.grad(lambda a, b: (swiglu(a, b).astype(jnp.float32) ** 2).sum(), argnums=(0, 1))(x, up)
+    g_ref = jax.grad(lambda a, b: ((jax.nn.silu(a) * b).astype(jnp.float32) ** 2).sum(), argnums=(0, 1))(x, up)
+    for a, b in zip(g_sw, g_ref):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=tol * 10, rtol=tol)

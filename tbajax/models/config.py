@@ -35,7 +35,7 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Architecture (from the checkpoint) plus runtime choices (dtypes, remat)."""
+    """Architecture (from the checkpoint) plus runtime choices (dtypes, remat, scan_layers)."""
 
     model_type: Literal["llama", "qwen2", "qwen3", "gpt_neox", "gpt2"]
     vocab_size: int
@@ -68,6 +68,10 @@ class ModelConfig:
     param_dtype: str = "float32"
     dtype: str = "float32"
     remat: Literal["none", "full", "dots"] = "none"
+    # Scoring and training (no KV cache) apply the layers as one `lax.scan` (compile time flat in
+    # depth) or unrolled (each layer its own ops: no stacked residual buffers to zero-fill and slice
+    # in the backward, which XLA CPU pays for; compile time grows with depth).
+    scan_layers: bool = True
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -135,7 +139,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], **runtime: Any) -> "ModelConfig":
-        """Build from a `config.json` dict; `runtime` sets param_dtype / dtype / remat.
+        """Build from a `config.json` dict; `runtime` sets param_dtype / dtype / remat / scan_layers.
 
         The family of `model_type` parses (and validates) the architecture; a
         `*ForSequenceClassification` checkpoint also sets `num_labels` (a score head, no LM head).

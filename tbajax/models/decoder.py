@@ -204,7 +204,11 @@ class CausalLM(nnx.Module):
                 h, _ = layer(p, h, tables, mask, None)
                 return h, None
 
-            x, _ = jax.lax.scan(body, x, params)
+            if cfg.scan_layers:
+                x, _ = jax.lax.scan(body, x, params)
+            else:
+                for p in unstack(params, cfg.num_layers):
+                    x, _ = body(x, p)
         else:
             valid = jax.lax.dynamic_update_slice(cache.valid, attention_mask, (0, cache.index))
             if t == 1:
@@ -240,20 +244,22 @@ class CausalLM(nnx.Module):
     def logits(self, hidden: Array, head: Array | None = None) -> Array:
         """fp32 logits for hidden states of any leading shape; `head` is `vocab_major_head()`,
         hoisted out of a decode loop by the caller."""
-        cfg = self.config
         if head is not None:
             out = jnp.einsum("...d,vd->...v", hidden, head, preferred_element_type=jnp.float32)
         else:
-            if self.score is not None:
-                w = self.score[...]
-            elif self.lm_head is not None:
-                w = self.lm_head[...]
-            else:
-                w = self.embed_tokens[...].T
-            out = jnp.einsum(
-                "...d,dv->...v", hidden, w.astype(cfg.jnp_dtype), preferred_element_type=jnp.float32
-            )
+            out = jnp.einsum("...d,dv->...v", hidden, self.head_weight(), preferred_element_type=jnp.float32)
         return constrain(out, ("batch", "length", "act_vocab")) if out.ndim == 3 else out
+
+    def head_weight(self) -> Array:
+        """The output projection as [hidden, vocab or labels] in the compute dtype: the `score`
+        head, the LM head, or the tied embedding's transpose."""
+        if self.score is not None:
+            w = self.score[...]
+        elif self.lm_head is not None:
+            w = self.lm_head[...]
+        else:
+            w = self.embed_tokens[...].T
+        return w.astype(self.config.jnp_dtype)
 
     def per_layer_params(self) -> tuple[dict[str, Array], ...]:
         """Each layer's weights as their own arrays, in the family's decode layout (copied once

@@ -44,6 +44,66 @@ def gelu_tanh(x: Array) -> Array:
 ACTIVATIONS: dict[str, Any] = {"silu": jax.nn.silu, "gelu": gelu_exact, "gelu_new": gelu_tanh}
 
 
+@jax.custom_vjp
+def linear(x: Array, w: Array) -> Array:
+    """x @ w for [..., D] activations and a [D, F] weight.
+
+    Its VJP picks the layout of the weight-gradient product: d w = x^T g contracts the token
+    axis of both, so one operand must be transposed, and XLA CPU transposes g (fusing whatever
+    produced g into a slow transposed-order loop) even when x is the smaller array. Here the
+    smaller of the two is transposed explicitly and materialised first.
+    """
+    return jnp.einsum("...d,df->...f", x, w)
+
+
+def _linear_fwd(x: Array, w: Array) -> tuple[Array, tuple[Array, Array]]:
+    return linear(x, w), (x, w)
+
+
+def _linear_bwd(residuals: tuple[Array, Array], g: Array) -> tuple[Array, Array]:
+    x, w = residuals
+    dx = jnp.einsum("...f,df->...d", g, w)
+    d, f = w.shape
+    xs, gs = x.reshape(-1, d), g.reshape(-1, f)
+    if d <= f:
+        dw = jnp.einsum("dn,nf->df", jax.lax.optimization_barrier(xs.T), gs)
+    else:
+        dw = jnp.einsum("nd,fn->df", xs, jax.lax.optimization_barrier(gs.T))
+    return dx, dw.astype(w.dtype)
+
+
+linear.defvjp(_linear_fwd, _linear_bwd)
+
+
+@jax.custom_vjp
+def swiglu(gate: Array, up: Array) -> Array:
+    """silu(gate) * up, the gated MLP activation (Llama, Qwen).
+
+    Its VJP computes both input gradients row-major in one pass and materialises them (an
+    optimization barrier) before the weight-gradient matmuls read them: left to itself, XLA CPU
+    fuses the sigmoid's gradient into the transpose that the weight gradient's dot wants and runs
+    it in transposed order, several times slower than the forward activation.
+    """
+    return jax.nn.silu(gate) * up
+
+
+def _swiglu_fwd(gate: Array, up: Array) -> tuple[Array, tuple[Array, Array]]:
+    return swiglu(gate, up), (gate, up)
+
+
+def _swiglu_bwd(residuals: tuple[Array, Array], g: Array) -> tuple[Array, Array]:
+    gate, up = residuals
+    x = gate.astype(jnp.float32)
+    sig = jax.nn.sigmoid(x)
+    gf = g.astype(jnp.float32)
+    dgate = gf * up.astype(jnp.float32) * sig * (1.0 + x * (1.0 - sig))
+    dup = gf * x * sig
+    return jax.lax.optimization_barrier((dgate.astype(gate.dtype), dup.astype(up.dtype)))
+
+
+swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
+
+
 def rope_tables(inv_freq: Any, positions: Array) -> tuple[Array, Array]:
     """cos/sin [batch, seq, rotary_dim] for the rotate-half convention."""
     inv = jnp.asarray(inv_freq, jnp.float32)

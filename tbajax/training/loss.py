@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from tbajax.batch import Batch, packed_token_logprobs, token_logprobs
+from tbajax.batch import Batch, hidden_token_logprobs, packed_token_logprobs
 from tbajax.models.decoder import packed_attention_mask
 from tbajax.objectives.base import Metrics
 from tbajax.objectives.registry import EVERYTHING, ObjectiveInputs, ObjectiveSpec, aux_for_loss
@@ -34,8 +34,8 @@ def sequence_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, t
         pk = batch.packed
         logits, _ = model(pk.tokens, pk.positions, packed_attention_mask(pk.segments))
         return packed_token_logprobs(logits, batch, temperature)
-    logits, _ = model(batch.tokens, attention_mask=batch.attention_mask)
-    return token_logprobs(logits, batch.tokens, temperature)
+    hidden, _ = model.hidden_states(batch.tokens, attention_mask=batch.attention_mask)
+    return hidden_token_logprobs(hidden, model.head_weight(), batch.tokens, temperature)
 
 
 def logprobs_and_prompt_features(
@@ -48,7 +48,7 @@ def logprobs_and_prompt_features(
                          "set train.trainer.pack_groups=false")
     model = nnx.merge(graphdef, params)
     hidden, _ = model.hidden_states(batch.tokens, attention_mask=batch.attention_mask)
-    logprobs = token_logprobs(model.logits(hidden), batch.tokens, temperature)
+    logprobs = hidden_token_logprobs(hidden, model.head_weight(), batch.tokens, temperature)
     prompt = batch.attention_mask.astype(bool) & (jnp.cumsum(batch.loss_mask.astype(jnp.int32), axis=-1) == 0)
     weights = prompt.astype(jnp.float32)
     pooled = jnp.einsum("bt,btd->bd", weights, hidden.astype(jnp.float32))

@@ -182,8 +182,8 @@ def block(
     o = jnp.einsum("bthk,hkd->btd", o, w["o_proj"]) + w["o_bias"]
     x = x + o
     h = L.layer_norm(x, w["post_attention_norm"], w["post_attention_norm_bias"], cfg.layer_norm_eps)
-    h = act(jnp.einsum("btd,df->btf", h, w["up_proj"]) + w["up_bias"])
-    x = x + jnp.einsum("btf,fd->btd", h, w["down_proj"]) + w["down_bias"]
+    h = act(L.linear(h, w["up_proj"]) + w["up_bias"])
+    x = x + L.linear(h, w["down_proj"]) + w["down_bias"]
     return constrain(x, ("batch", "length", "act_embed")), new_cache
 
 

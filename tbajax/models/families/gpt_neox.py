@@ -194,8 +194,8 @@ def block(
 
     def mlp(y: Array) -> Array:
         y = L.layer_norm(y, w["post_attention_norm"], w["post_attention_norm_bias"], cfg.layer_norm_eps)
-        y = L.gelu_exact(jnp.einsum("btd,df->btf", y, w["up_proj"]) + w["up_bias"])
-        return jnp.einsum("btf,fd->btd", y, w["down_proj"]) + w["down_bias"]
+        y = L.gelu_exact(L.linear(y, w["up_proj"]) + w["up_bias"])
+        return L.linear(y, w["down_proj"]) + w["down_bias"]
 
     if cfg.parallel_residual:
         x = x + o + mlp(x)

@@ -234,9 +234,9 @@ def block(
     if "gate_up_proj" in w:  # decode_layout
         gate, up = jnp.split(jnp.einsum("btd,df->btf", h, w["gate_up_proj"]), 2, axis=-1)
     else:
-        gate = jnp.einsum("btd,df->btf", h, w["gate_proj"])
-        up = jnp.einsum("btd,df->btf", h, w["up_proj"])
-    x = x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w["down_proj"])
+        gate = L.linear(h, w["gate_proj"])
+        up = L.linear(h, w["up_proj"])
+    x = x + L.linear(L.swiglu(gate, up), w["down_proj"])
     return constrain(x, ("batch", "length", "act_embed")), new_cache
 
 
