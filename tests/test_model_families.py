@@ -413,7 +413,7 @@ def test_hand_built_config_exports_and_is_checked(tmp_path):
         ModelConfig(hidden_act="gelu_new", **{**fields, "num_kv_heads": 2})
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2_tied", "neox_parallel", "gpt2_untied_gelu"])
+@pytest.mark.parametrize("name", ["qwen2_tied", "neox_parallel"])  # SwiGLU + tied head; GELU + untied
 def test_logprob_gradients_match_torch(ckpt, tiny_checkpoint, name):
     """The trainer's scoring path (`sequence_logprobs`: the hand-written VJPs of the vocabulary
     projection + tempered log-softmax, of every MLP matmul and of SwiGLU) against torch autograd,
@@ -424,7 +424,7 @@ def test_logprob_gradients_match_torch(ckpt, tiny_checkpoint, name):
     from tbajax.models.hf import hf_tensors
     from tbajax.training import sequence_logprobs
 
-    directory = tiny_checkpoint(name) if name in ("llama", "qwen2_tied") else ckpt(name)
+    directory = tiny_checkpoint(name) if name == "qwen2_tied" else ckpt(name)
     temperature = 0.7
     ids, mask = _batch(3)
     scored = mask * np.pad(mask[:, :-1], ((0, 0), (1, 0)))  # a real token after a real one
@@ -446,7 +446,7 @@ def test_logprob_gradients_match_torch(ckpt, tiny_checkpoint, name):
                   sample_mask=np.ones(rows, bool), policy_version=np.zeros(rows, np.int32),
                   prompt_id=np.zeros(rows, np.int32), beta=np.float32(0), token_versions=zeros.astype(np.int32),
                   current_version=np.int32(0))
-    for scan in (True, False):
+    for scan in (True, False) if name == "qwen2_tied" else (True,):
         model = load_model(directory, scan_layers=scan)
         graphdef, state = nnx.split(model)
         grads = jax.jit(jax.grad(lambda s: (sequence_logprobs(graphdef, s, batch, temperature) * weights).sum()))(state)

@@ -257,8 +257,8 @@ def test_hand_written_vjps_match_autodiff(dtype):
         return (hidden_token_logprobs(h, w, tokens, t) * weights).sum()
 
     t = jnp.float32(0.7)
-    want = jax.grad(plain, argnums=(0, 1))(hidden, head, t)
-    got = jax.grad(fused, argnums=(0, 1))(hidden, head, t)
+    want = jax.jit(jax.grad(plain, argnums=(0, 1)))(hidden, head, t)  # jit: eager dispatch compiles op by op
+    got = jax.jit(jax.grad(fused, argnums=(0, 1)))(hidden, head, t)
     np.testing.assert_allclose(fused(hidden, head, t), plain(hidden, head, t), rtol=tol)
     for a, b in zip(got, want):
         assert a.dtype == b.dtype == dtype
@@ -273,13 +273,14 @@ def test_hand_written_vjps_match_autodiff(dtype):
     x = jax.random.normal(k[5], (2, 5, 16)).astype(dtype)
     for shape in ((16, 24), (16, 8)):  # d <= f transposes x, d > f transposes the cotangent
         w = (jax.random.normal(k[1], shape) * 0.2).astype(dtype)
-        g_lin = jax.grad(lambda x, w: (linear(x, w).astype(jnp.float32) ** 2).sum(), argnums=(0, 1))(x, w)
-        g_ref = jax.grad(lambda x, w: (jnp.einsum("btd,df->btf", x, w).astype(jnp.float32) ** 2).sum(),
-                         argnums=(0, 1))(x, w)
+        g_lin = jax.jit(jax.grad(lambda x, w: (linear(x, w).astype(jnp.float32) ** 2).sum(), argnums=(0, 1)))(x, w)
+        g_ref = jax.jit(jax.grad(lambda x, w: (jnp.einsum("btd,df->btf", x, w).astype(jnp.float32) ** 2).sum(),
+                                 argnums=(0, 1)))(x, w)
         for a, b in zip(g_lin, g_ref):
             np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=tol * 10, rtol=tol)
     up = jax.random.normal(k[2], x.shape).astype(dtype)
-    g_sw = jax.grad(lambda a, b: (swiglu(a, b).astype(jnp.float32) ** 2).sum(), argnums=(0, 1))(x, up)
-    g_ref = jax.grad(lambda a, b: ((jax.nn.silu(a) * b).astype(jnp.float32) ** 2).sum(), argnums=(0, 1))(x, up)
+    g_sw = jax.jit(jax.grad(lambda a, b: (swiglu(a, b).astype(jnp.float32) ** 2).sum(), argnums=(0, 1)))(x, up)
+    g_ref = jax.jit(jax.grad(lambda a, b: ((jax.nn.silu(a) * b).astype(jnp.float32) ** 2).sum(),
+                             argnums=(0, 1)))(x, up)
     for a, b in zip(g_sw, g_ref):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=tol * 10, rtol=tol)
