@@ -1,7 +1,8 @@
 """The shared causal-decoder skeleton for every family (Llama/Qwen, GPT-NeoX, GPT-2).
 
 Layer parameters are stacked along a leading "layers" axis and applied with `lax.scan`, so a
-28-layer model compiles as fast as a 1-layer one and remat is one switch. The NNX module only
+28-layer model compiles as fast as a 1-layer one and remat is one switch (`scan_layers=False`
+unrolls them for scoring and training: faster on CPU for a few layers). The NNX module only
 owns the parameters; what differs between architectures (config parsing, parameter tables, HF
 names, the block itself) lives in one module per family under `tbajax/models/families/`, and the
 math in small pure functions (`tbajax/models/layers.py`) that the training forward and the

@@ -1,0 +1,92 @@
+"""The default experiment with the static vs the continuous searcher engine: same machine, same
+session, same run length, one run each.
+
+    python experiments/benchmarks/default_engines.py [--experiment tiny_arithmetic] [--steps N]
+        [--slots 128] [--chunk 3] [--json PATH] [--set key=value ...]
+
+Figures per engine (from each run's summary.json): how long the trainer waited for data
+(`trainer_wait_s`), samples generated, the trainer's wall time, and the greedy accuracy at the
+start and the end (the run must still reach its target). The continuous engine refills a decode
+slot as soon as its sample ends and swaps in new params between chunks; the static one decodes
+each call's batch until its longest sample ends, and loads new params between calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import machine, print_table, write_json  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run(engine: str, run_dir: Path, args: argparse.Namespace) -> dict:
+    cmd = [sys.executable, "-m", "tbajax.main", f"--experiment={args.experiment}", f"--run-dir={run_dir}",
+           "--quiet", "--set", f"rollout.engine={engine}"]
+    if args.steps:
+        cmd += ["--set", f"train.steps={args.steps}"]
+    if engine == "continuous":
+        cmd += ["--set", f"rollout.decode_slots={args.slots}", "--set", f"rollout.decode_chunk={args.chunk}"]
+    for item in args.set:
+        cmd += ["--set", item]
+    load_before = os.getloadavg()[0]
+    t0 = time.time()
+    subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    s = json.loads((run_dir / "summary.json").read_text())
+    return {
+        "engine": engine,
+        "launcher_wall_s": time.time() - t0,
+        "trainer_wall_s": s["wall_time_s"],
+        "trainer_wait_s": s["trainer_wait_s"],
+        "wait_share": s["trainer_wait_s"] / s["wall_time_s"],
+        "samples_generated": s["samples_generated"],
+        "trainer_steps": s["trainer_steps"],
+        "eval_score_start": s["eval_score_start"],
+        "eval_score_end": s["eval_score_end"],
+        "policy_lag_mean": s["policy_lag_mean"],
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg()[0],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--experiment", default="tiny_arithmetic")
+    ap.add_argument("--steps", type=int, default=0, help="train.steps (0: the experiment's own)")
+    ap.add_argument("--slots", type=int, default=128, help="rollout.decode_slots of the continuous run")
+    ap.add_argument("--chunk", type=int, default=3, help="rollout.decode_chunk of the continuous run")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="for both runs")
+    ap.add_argument("--json", help="write the figures here")
+    args = ap.parse_args()
+    info = machine()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="engines-") as tmp:
+        for engine in ("static", "continuous"):
+            rows.append(run(engine, Path(tmp) / engine, args))
+            print(f"{engine}: {rows[-1]['trainer_wall_s']:.1f} s, waited {rows[-1]['trainer_wait_s']:.1f} s", flush=True)
+    static, cont = rows
+    ratios = {"trainer_wait_s": cont["trainer_wait_s"] / max(static["trainer_wait_s"], 1e-9),
+              "samples_generated": cont["samples_generated"] / static["samples_generated"],
+              "trainer_wall_s": cont["trainer_wall_s"] / static["trainer_wall_s"]}
+    print_table(rows, ["engine", "trainer_wall_s", "trainer_wait_s", "wait_share", "samples_generated",
+                       "eval_score_start", "eval_score_end", "policy_lag_mean"])
+    print("continuous / static: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
+    print(f"machine: {info['cpu_count']} CPUs, {info['matmul_gflops']:.1f} GFLOP/s fp32 matmul, "
+          f"load {info['load_average_1m']}")
+    write_json(args.json, {"benchmark": "default_engines", "experiment": args.experiment,
+                           "steps": args.steps or None, "slots": args.slots, "chunk": args.chunk,
+                           "overrides": args.set, "runs": rows, "continuous_over_static": ratios,
+                           "machine": info})
+
+
+if __name__ == "__main__":
+    main()
