@@ -1,6 +1,6 @@
 """Trainer-step tokens/s: tbajax's jitted TB step vs torch transformers + torch.optim.AdamW.
 
-    python experiments/benchmarks/train_step.py [--quick] [--json PATH] [--precision fp32|bf16]
+    python experiments/benchmarks/train_step.py [--quick] [--json PATH] [--precision fp32|bf16] [--unrolled]
 
 One step = reference forward (no grad) + policy forward + VarGrad TB loss + backward + AdamW,
 on the same Llama-style checkpoint and the same batch (groups of K = 4) on both sides. Each
@@ -71,7 +71,7 @@ def steady(fn, repeats: int) -> tuple[float, list[float]]:
 # ----------------------------------------------------------------------------- tbajax side
 
 
-def run_jax(ckpt: str, rows: int, seq: int, repeats: int, precision: str) -> dict[str, Any]:
+def run_jax(ckpt: str, rows: int, seq: int, repeats: int, precision: str, scan_layers: bool = True) -> dict[str, Any]:
     import jax
 
     from tbajax.batch import Batch
@@ -88,7 +88,7 @@ def run_jax(ckpt: str, rows: int, seq: int, repeats: int, precision: str) -> dic
     from tbajax.objectives import resolve_objective
     from tbajax.objectives.registry import EVERYTHING
 
-    model = load_model(ckpt)
+    model = load_model(ckpt, scan_layers=scan_layers)
     config = TrainerConfig(
         optimizer=OptimizerConfig(lr=LRSchedule(peak=LR)),
         temperature=TEMPERATURE,
@@ -282,16 +282,19 @@ def _vocab(ckpt: str | Path) -> int:
 
 
 def worker(args: argparse.Namespace) -> None:
-    fn = run_jax if args.worker == "jax" else run_torch
-    result = fn(args.ckpt, args.rows, args.seq, args.repeats, args.precision)
+    if args.worker == "jax":
+        result = run_jax(args.ckpt, args.rows, args.seq, args.repeats, args.precision, not args.unrolled)
+    else:
+        result = run_torch(args.ckpt, args.rows, args.seq, args.repeats, args.precision)
     print("RESULT " + json.dumps(result))
 
 
-def spawn(side: str, ckpt: Path, rows: int, seq: int, repeats: int, precision: str) -> dict[str, Any]:
+def spawn(side: str, ckpt: Path, rows: int, seq: int, repeats: int, precision: str,
+          unrolled: bool = False) -> dict[str, Any]:
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), TRANSFORMERS_VERBOSITY="error")
     env.pop("XLA_FLAGS", None)  # one real CPU device, no fake-device splitting
     cmd = [sys.executable, __file__, "--worker", side, "--ckpt", str(ckpt), "--rows", str(rows),
-           "--seq", str(seq), "--repeats", str(repeats), "--precision", precision]
+           "--seq", str(seq), "--repeats", str(repeats), "--precision", precision] + (["--unrolled"] if unrolled else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode or not lines:
@@ -306,6 +309,8 @@ def main() -> None:
     ap.add_argument("--json", help="write the figures to this path")
     ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                     help="fp32 everywhere, or bf16 compute (tbajax: fp32 master weights; torch: autocast)")
+    ap.add_argument("--unrolled", action="store_true",
+                    help="tbajax with model.scan_layers=false (layers unrolled in the forward and backward)")
     ap.add_argument("--worker", choices=("jax", "torch"), help=argparse.SUPPRESS)
     ap.add_argument("--ckpt", help=argparse.SUPPRESS)
     ap.add_argument("--rows", type=int, default=16, help=argparse.SUPPRESS)
@@ -322,7 +327,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix=f"bench-train-{size}-") as d:
             ckpt = make_llama_checkpoint(size, d)
             params = _num_params(ckpt)
-            ours = spawn("jax", ckpt, n, seq, repeats, args.precision)
+            ours = spawn("jax", ckpt, n, seq, repeats, args.precision, args.unrolled)
             theirs = spawn("torch", ckpt, n, seq, repeats, args.precision)
         tokens = n * seq
         rows.append({
@@ -356,6 +361,7 @@ def main() -> None:
 
     info = {**machine(), "load_avg": os.getloadavg()}
     print(f"trainer step (ref fwd + policy fwd/bwd + AdamW), VarGrad TB, {args.precision}, "
+          f"layers {'unrolled' if args.unrolled else 'scanned'}, "
           f"{info['cpu_count']} CPU cores, load avg {info['load_avg'][0]:.1f}")
     print(machine_line(info))
     print_table(rows, ["size", "params_M", "batch", "tbajax_tok_s", "torch_tok_s", "ratio", "compile_s",
@@ -368,7 +374,8 @@ def main() -> None:
           "time_saving: from the best of the alternating rounds")
     print_table(objective_rows, ["size", "objective", "reference_forward", "xla_gflop", "flop_saving",
                                  "step_s", "best_step_s", "time_saving"])
-    write_json(args.json, {"benchmark": "train_step", "precision": args.precision, "machine": info,
+    write_json(args.json, {"benchmark": "train_step", "precision": args.precision,
+                           "scan_layers": not args.unrolled, "machine": info,
                            "rows": rows, "phases": details, "objective_rows": objective_rows})
 
 
