@@ -83,11 +83,19 @@ def token_logprobs(logits: Array, tokens: Array, temperature: float = 1.0) -> Ar
     logits[:, t] predicts tokens[:, t + 1]. The temperature is the sampling temperature: TBA
     scores trajectories under the same tempered distribution they were sampled from.
     """
-    # every position is scored (the last against a dummy target) and the shift happens on the
-    # [B, T] result: slicing the [B, T, V] logits instead costs a vocab-sized copy and, in the
-    # backward, a pad of the vocab-sized gradient
-    targets = jnp.pad(tokens[:, 1:], ((0, 0), (0, 1)))
-    picked = tempered_logprobs(logits, targets, jnp.float32(temperature))
+    return _aligned(tempered_logprobs(logits, _next_tokens(tokens), jnp.float32(temperature)))
+
+
+# Every position is scored (the last against a dummy target) and the shift happens on the [B, T]
+# result: slicing the [B, T, V] logits instead costs a vocab-sized copy and, in the backward, a
+# pad of the vocab-sized gradient.
+def _next_tokens(tokens: Array) -> Array:
+    """The target of each position: the next token (0 after the last)."""
+    return jnp.pad(tokens[:, 1:], ((0, 0), (0, 1)))
+
+
+def _aligned(picked: Array) -> Array:
+    """Per-position log-probs of the next token -> aligned with the token they score (entry 0 is 0)."""
     return jnp.pad(picked[:, :-1], ((0, 0), (1, 0)))
 
 
@@ -114,27 +122,21 @@ def _tempered_fwd(logits: Array, targets: Array, temperature: Array):
     return out, (logits, targets, temperature, logz)
 
 
-def _logits_cotangent(logits: Array, targets: Array, temperature: Array, logz: Array, g: Array) -> Array:
-    """d(sum g * tempered_logprobs)/d logits = g * (onehot(target) - softmax(logits / T)) / T, f32."""
-    probs = jnp.exp(logits.astype(jnp.float32) / temperature - logz[..., None])
+def _cotangents(logits: Array, targets: Array, temperature: Array, logz: Array, g: Array) -> tuple[Array, Array]:
+    """d(sum g * tempered_logprobs) by logits, g * (onehot(target) - softmax(logits / T)) / T in
+    f32, and by T, which is -sum(d logits * logits) / T (z = logits / T enters only through z);
+    XLA drops the latter unless the caller differentiates through the temperature."""
+    x = logits.astype(jnp.float32)
+    probs = jnp.exp(x / temperature - logz[..., None])
     onehot = jnp.arange(logits.shape[-1], dtype=jnp.int32) == targets[..., None].astype(jnp.int32)
-    return (onehot.astype(jnp.float32) - probs) * (g / temperature)[..., None]
-
-
-def _temperature_cotangent(logits: Array, targets: Array, temperature: Array, logz: Array, g: Array) -> Array:
-    # z = logits / T: d(z_y - logsumexp z)/dT = -(z_y - E_softmax[z]) / T (dead code unless the
-    # caller differentiates through the temperature)
-    z = logits.astype(jnp.float32) / temperature
-    probs = jnp.exp(z - logz[..., None])
-    picked = jnp.take_along_axis(z, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
-    return jnp.sum(g * -(picked - jnp.sum(probs * z, axis=-1)) / temperature).astype(temperature.dtype)
+    dlogits = (onehot.astype(jnp.float32) - probs) * (g / temperature)[..., None]
+    return dlogits, (-jnp.sum(dlogits * x) / temperature).astype(temperature.dtype)
 
 
 def _tempered_bwd(residuals, g: Array):
     logits, targets, temperature, logz = residuals
-    dlogits = _logits_cotangent(logits, targets, temperature, logz, g)
-    return (dlogits.astype(logits.dtype), _int_zeros(targets),
-            _temperature_cotangent(logits, targets, temperature, logz, g))
+    dlogits, dtemp = _cotangents(logits, targets, temperature, logz, g)
+    return dlogits.astype(logits.dtype), _int_zeros(targets), dtemp
 
 
 tempered_logprobs.defvjp(_tempered_fwd, _tempered_bwd)
@@ -144,9 +146,7 @@ def hidden_token_logprobs(hidden: Array, head: Array, tokens: Array, temperature
     """`token_logprobs` of `hidden @ head` ([B, T, D] hidden, [D, V] head) without going through
     autodiff of the vocabulary projection: `head_logprobs` computes the [B, T, V] logit gradient
     once and feeds both weight-gradient matmuls from it."""
-    targets = jnp.pad(tokens[:, 1:], ((0, 0), (0, 1)))
-    picked = head_logprobs(hidden, head, targets, jnp.float32(temperature))
-    return jnp.pad(picked[:, :-1], ((0, 0), (1, 0)))
+    return _aligned(head_logprobs(hidden, head, _next_tokens(tokens), jnp.float32(temperature)))
 
 
 @jax.custom_vjp
@@ -174,13 +174,13 @@ def _head_fwd(hidden: Array, head: Array, targets: Array, temperature: Array):
 
 def _head_bwd(residuals, g: Array):
     hidden, head, targets, temperature, logits, logz = residuals
-    dlogits = _vocab_sharded(_logits_cotangent(logits, targets, temperature, logz, g).astype(hidden.dtype))
+    dlogits, dtemp = _cotangents(logits, targets, temperature, logz, g)
+    dlogits = _vocab_sharded(dlogits.astype(hidden.dtype))
     dhidden = jnp.einsum("...v,dv->...d", dlogits, head, preferred_element_type=jnp.float32)
     flat_h = hidden.reshape(-1, hidden.shape[-1])
     flat_dl = dlogits.reshape(-1, dlogits.shape[-1])
     dhead = jnp.einsum("nv,nd->vd", flat_dl, flat_h, preferred_element_type=jnp.float32).T
-    return (dhidden.astype(hidden.dtype), dhead.astype(head.dtype), _int_zeros(targets),
-            _temperature_cotangent(logits, targets, temperature, logz, g))
+    return dhidden.astype(hidden.dtype), dhead.astype(head.dtype), _int_zeros(targets), dtemp
 
 
 head_logprobs.defvjp(_head_fwd, _head_bwd)

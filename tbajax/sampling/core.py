@@ -17,7 +17,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from tbajax.batch import token_logprobs
+from tbajax.batch import tempered_logprobs
 from tbajax.models import CausalLM, KVCache, ModelConfig, positions_from_mask
 from tbajax.sampling.step import sample_keys, sample_logits, step_keys
 from tbajax.sharding import constrain
@@ -218,9 +218,9 @@ def score(
     def one(args: tuple[Array, Array]) -> Array:
         t, m = args
         hidden, _ = model.hidden_states(t, attention_mask=m)
-        # logits at slot p-1+j predict response token j; token_logprobs aligns entry j+1 with it
+        # logits at slot p-1+j predict response token j
         logits = model.logits(hidden[:, p - 1 : p + r - 1])
-        return token_logprobs(jnp.pad(logits, ((0, 0), (0, 1), (0, 0))), t[:, p - 1 :], temperature)[:, 1:]
+        return tempered_logprobs(logits, t[:, p:], jnp.asarray(temperature, jnp.float32))
 
     if chunk >= n:
         lp = one((tokens, mask))
