@@ -1,5 +1,6 @@
 """Test setup: 8 fake CPU devices for sharding tests, no hub access, tiny HF checkpoints."""
 
+import functools
 import os
 import re
 
@@ -86,6 +87,25 @@ def build_tiny_hf_checkpoint(directory: Path, model_type: str, seed: int = 0, **
             p.add_(torch.randn_like(p) * 0.05)
     model.save_pretrained(directory)
     return directory
+
+
+def logits_of(model: Any, ids: Any, attention_mask: Any = None, positions: Any = None) -> Any:
+    """model(ids, positions, attention_mask)'s logits as numpy, through one jitted forward: eager
+    dispatch compiles every primitive of a forward on its own (40-160 small compiles a call)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    def arr(x: Any) -> Any:
+        return None if x is None else jnp.asarray(x)
+
+    return np.asarray(_jitted_forward()(model, arr(ids), arr(positions), arr(attention_mask)))
+
+
+@functools.cache
+def _jitted_forward() -> Callable[..., Any]:
+    from flax import nnx
+
+    return nnx.jit(lambda model, ids, positions, mask: model(ids, positions, mask)[0])
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import ROLE_XLA_FLAGS
+from tests.conftest import ROLE_XLA_FLAGS, logits_of
 
 from tbajax.config import ExperimentConfig, apply_overrides
 from tbajax.main import load_experiment
@@ -235,7 +235,7 @@ def test_builds_tokenizer_task_and_model_through_the_searcher_path(
     assert scores.reward[1] < 1.0 and RewardStatus(int(scores.status[1])).name == "WRONG"
 
     if STAND_INS[name][1] is None:  # char tokenizer ids fit the tiny vocab: run the real prompt through
-        logits, _ = model(np.asarray(ids)[None])
+        logits = logits_of(model, np.asarray(ids)[None])
         assert logits.shape == (1, len(ids), model.config.vocab_size)
         assert np.isfinite(np.asarray(logits)).all()
 

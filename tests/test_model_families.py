@@ -13,6 +13,7 @@ import pytest
 import torch
 from flax import nnx
 
+from tests.conftest import logits_of
 from tbajax.models import (
     KVCache,
     ModelConfig,
@@ -115,7 +116,7 @@ def _torch_out(directory: Path, ids: np.ndarray, mask: np.ndarray, classifier: b
 
 
 def _ours(model, ids, mask) -> np.ndarray:
-    return np.asarray(model(jnp.asarray(ids), attention_mask=jnp.asarray(mask))[0])
+    return logits_of(model, ids, mask)
 
 
 # ----------------------------------------------------------------------------- decoders
@@ -183,7 +184,7 @@ def test_packed_rows_equal_separate_rows(ckpt):
     packed = np.concatenate([prompt, c1, c2])[None]
     segments = jnp.asarray([[0] * 4 + [1] * 3 + [2] * 3])
     pos = jnp.asarray([[0, 1, 2, 3, 4, 5, 6, 4, 5, 6]])
-    out = np.asarray(model(jnp.asarray(packed), pos, packed_attention_mask(segments))[0])
+    out = logits_of(model, packed, packed_attention_mask(segments), pos)
     rows = np.stack([np.concatenate([prompt, c1]), np.concatenate([prompt, c2])])
     plain = _ours(model, rows, np.ones_like(rows))
     np.testing.assert_allclose(out[0, :7], plain[0], atol=1e-5)

@@ -12,6 +12,7 @@ import torch
 from flax import nnx
 from transformers import AutoModelForCausalLM
 
+from tests.conftest import logits_of
 from tbajax.models import (
     CausalLM,
     CheckpointError,
@@ -53,9 +54,9 @@ def test_logits_match_torch_transformers(tiny_checkpoint, family):
     ids, mask = _batch()
     ref = _torch_logits(directory, ids, mask)
     model = load_model(directory)
-    ours, _ = model(jnp.asarray(ids), attention_mask=jnp.asarray(mask))
+    ours = logits_of(model, ids, mask)
     real = mask.astype(bool)
-    assert np.abs(np.asarray(ours) - ref)[real].max() <= 1e-4
+    assert np.abs(ours - ref)[real].max() <= 1e-4
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
@@ -68,15 +69,17 @@ def test_kv_cache_decode_matches_full_forward(tiny_checkpoint, family):
     mask = np.ones((b, prompt + new), bool)
     mask[1, :2] = False  # left-padded prompts of different lengths
     mask[2, :5] = False
-    full, _ = model(jnp.asarray(ids), attention_mask=jnp.asarray(mask))
+    # jitted: eager dispatch compiles every primitive of the forward separately (~160 compiles)
+    forward = nnx.jit(lambda m, ids, mask: m(ids, attention_mask=mask)[0])
+    step = nnx.jit(lambda m, ids, pos, mask, cache: m(ids, pos, mask, cache))
+    full = forward(model, jnp.asarray(ids), jnp.asarray(mask))
     pos = positions_from_mask(jnp.asarray(mask))
     cache = KVCache.init(model.config, b, prompt + new + 3)
-    logits, cache = model(
-        jnp.asarray(ids[:, :prompt]), pos[:, :prompt], jnp.asarray(mask[:, :prompt]), cache
-    )
+    ids, mask = jnp.asarray(ids), jnp.asarray(mask)
+    logits, cache = step(model, ids[:, :prompt], pos[:, :prompt], mask[:, :prompt], cache)
     steps = [logits[:, -1]]
     for t in range(prompt, prompt + new - 1):
-        logits, cache = model(jnp.asarray(ids[:, t : t + 1]), pos[:, t : t + 1], jnp.asarray(mask[:, t : t + 1]), cache)
+        logits, cache = step(model, ids[:, t : t + 1], pos[:, t : t + 1], mask[:, t : t + 1], cache)
         steps.append(logits[:, -1])
     decoded = np.stack([np.asarray(s) for s in steps], axis=1)
     np.testing.assert_allclose(decoded, np.asarray(full[:, prompt - 1 : -1]), atol=1e-4)
@@ -87,13 +90,18 @@ def test_kv_cache_decode_matches_full_forward(tiny_checkpoint, family):
     layers, head = model.per_layer_params(), model.vocab_major_head()
     if family in ("llama", "qwen2"):
         assert "gate_up_proj" in layers[0] and "q_proj" not in layers[0]
+
+    @nnx.jit
+    def decode_step(m, ids, pos, mask, cache, layers, head):
+        hidden, cache = m.hidden_states(ids, pos, mask, cache, layers)
+        return m.logits(hidden, head), cache
+
     cache = KVCache.init(model.config, b, prompt + new + 3)
-    _, cache = model(jnp.asarray(ids[:, :prompt]), pos[:, :prompt], jnp.asarray(mask[:, :prompt]), cache)
+    _, cache = step(model, ids[:, :prompt], pos[:, :prompt], mask[:, :prompt], cache)
     for t in range(prompt, prompt + new - 1):
-        hidden, cache = model.hidden_states(
-            jnp.asarray(ids[:, t : t + 1]), pos[:, t : t + 1], jnp.asarray(mask[:, t : t + 1]), cache, layers
-        )
-        np.testing.assert_allclose(np.asarray(model.logits(hidden, head)[:, 0]), np.asarray(full[:, t]), atol=1e-4)
+        x = (ids[:, t : t + 1], pos[:, t : t + 1], mask[:, t : t + 1])
+        logits, cache = decode_step(model, *x, cache, layers, head)
+        np.testing.assert_allclose(np.asarray(logits[:, 0]), np.asarray(full[:, t]), atol=1e-4)
 
 
 def test_bf16_compute_and_remat(tiny_checkpoint):
@@ -157,7 +165,7 @@ def test_random_init_model_exports_and_matches_torch(tmp_path):
     out = save_model(model, tmp_path / "m")
     ids = np.random.RandomState(0).randint(0, 50, (2, 7))
     mask = np.ones_like(ids)
-    ours = np.asarray(model(jnp.asarray(ids))[0])
+    ours = logits_of(model, ids)
     assert np.abs(ours - _torch_logits(out, ids, mask)).max() <= 1e-4
     assert abs(cfg.num_params() - sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))) == 0
 
@@ -241,11 +249,11 @@ def test_hand_written_vjps_match_autodiff(dtype):
     from tbajax.batch import hidden_token_logprobs, tempered_logprobs
     from tbajax.models.layers import linear, swiglu
 
-    k = jax.random.split(jax.random.PRNGKey(0), 6)
-    hidden = jax.random.normal(k[0], (3, 7, 16)).astype(dtype)
-    head = (jax.random.normal(k[1], (16, 29)) * 0.3).astype(dtype)
-    tokens = jax.random.randint(k[2], (3, 7), 0, 29)
-    weights = jax.random.normal(k[3], (3, 7))
+    r = np.random.default_rng(0)  # numpy inputs: eager jax.random ops would compile one by one
+    hidden = jnp.asarray(r.normal(size=(3, 7, 16)), dtype)
+    head = jnp.asarray(r.normal(size=(16, 29)) * 0.3, dtype)
+    tokens = jnp.asarray(r.integers(0, 29, (3, 7)))
+    weights = jnp.asarray(r.normal(size=(3, 7)), jnp.float32)
     tol = 1e-5 if dtype == jnp.float32 else 3e-2
 
     def plain(h, w, t):
@@ -259,26 +267,28 @@ def test_hand_written_vjps_match_autodiff(dtype):
     t = jnp.float32(0.7)
     want = jax.jit(jax.grad(plain, argnums=(0, 1, 2)))(hidden, head, t)  # jit: eager dispatch compiles op by op
     got = jax.jit(jax.grad(fused, argnums=(0, 1, 2)))(hidden, head, t)
-    np.testing.assert_allclose(fused(hidden, head, t), plain(hidden, head, t), rtol=tol)
+    np.testing.assert_allclose(jax.jit(fused)(hidden, head, t), jax.jit(plain)(hidden, head, t), rtol=tol)
     for a, b in zip(got, want):
         assert a.dtype == b.dtype == (dtype if a.ndim else jnp.float32)
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=tol * 10, rtol=tol)
-    logits = jax.random.normal(k[4], (5, 29)) * 2
+    logits = jnp.asarray(r.normal(size=(5, 29)) * 2, jnp.float32)
     targets = tokens[0, :5]
-    d_t = jax.grad(lambda t: (tempered_logprobs(logits, targets, t) * weights[0, :5]).sum())(t)
-    d_t_plain = jax.grad(lambda t: (jnp.take_along_axis(jax.nn.log_softmax(logits / t), targets[:, None], -1)[:, 0]
-                                    * weights[0, :5]).sum())(t)
+    d_t = jax.jit(jax.grad(lambda t: (tempered_logprobs(logits, targets, t) * weights[0, :5]).sum()))(t)
+    d_t_plain = jax.jit(jax.grad(
+        lambda t: (jnp.take_along_axis(jax.nn.log_softmax(logits / t), targets[:, None], -1)[:, 0]
+                   * weights[0, :5]).sum()
+    ))(t)
     np.testing.assert_allclose(d_t, d_t_plain, rtol=1e-5)
 
-    x = jax.random.normal(k[5], (2, 5, 16)).astype(dtype)
+    x = jnp.asarray(r.normal(size=(2, 5, 16)), dtype)
     for shape in ((16, 24), (16, 8)):  # d <= f transposes x, d > f transposes the cotangent
-        w = (jax.random.normal(k[1], shape) * 0.2).astype(dtype)
+        w = jnp.asarray(r.normal(size=shape) * 0.2, dtype)
         g_lin = jax.jit(jax.grad(lambda x, w: (linear(x, w).astype(jnp.float32) ** 2).sum(), argnums=(0, 1)))(x, w)
         g_ref = jax.jit(jax.grad(lambda x, w: (jnp.einsum("btd,df->btf", x, w).astype(jnp.float32) ** 2).sum(),
                                  argnums=(0, 1)))(x, w)
         for a, b in zip(g_lin, g_ref):
             np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=tol * 10, rtol=tol)
-    up = jax.random.normal(k[2], x.shape).astype(dtype)
+    up = jnp.asarray(r.normal(size=x.shape), dtype)
     g_sw = jax.jit(jax.grad(lambda a, b: (swiglu(a, b).astype(jnp.float32) ** 2).sum(), argnums=(0, 1)))(x, up)
     g_ref = jax.jit(jax.grad(lambda a, b: ((jax.nn.silu(a) * b).astype(jnp.float32) ** 2).sum(),
                              argnums=(0, 1)))(x, up)

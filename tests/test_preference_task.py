@@ -249,6 +249,7 @@ def _stored_rows(run_dir: Path):
     return rows
 
 
+@pytest.mark.slow  # the async run below covers this task, its scorer and eval; sync mode: test_system.py
 @pytest.mark.processes
 def test_tldr_standin_sync_run(standin, tmp_path):
     run = tmp_path / "run"
