@@ -123,6 +123,26 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str],
     return get
 
 
+@pytest.fixture(scope="session")
+def qwen_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """qwen_tokenizer_dir(variant) -> directory of the real Qwen tokenizer. Building one takes ~5 s
+    (151k BPE ranks), so it is built once per test run and shared by the pytest-xdist workers."""
+    from filelock import FileLock
+
+    from tbajax.tokenizers import build_qwen_tokenizer
+
+    shared = tmp_path_factory.getbasetemp().parent  # the same for every worker of this run
+
+    def get(variant: str) -> Path:
+        directory = shared / f"qwen-tokenizer-{variant}"
+        with FileLock(str(directory) + ".lock"):
+            if not (directory / "tokenizer.json").is_file():
+                build_qwen_tokenizer(directory, variant)
+        return directory
+
+    return get
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under `-n 2 --dist loadgroup` (the README's command) every test that starts role processes

@@ -41,21 +41,6 @@ STAND_INS = {
 # ------------------------------------------------------------------------------ fixtures
 
 
-@pytest.fixture(scope="session")
-def qwen_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory):
-    """qwen_tokenizer_dir(variant) -> directory of the real Qwen tokenizer (~5 s each, built once)."""
-    from tbajax.tokenizers import build_qwen_tokenizer
-
-    cache: dict[str, Path] = {}
-
-    def get(variant: str) -> Path:
-        if variant not in cache:
-            cache[variant] = build_qwen_tokenizer(tmp_path_factory.mktemp(f"tok-{variant}"), variant)
-        return cache[variant]
-
-    return get
-
-
 CHATML = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"

@@ -296,7 +296,10 @@ from tbajax.training import (  # noqa: E402
     init_train_state,
 )
 from tbajax.training.state import init_lora_train_state  # noqa: E402
-from tbajax.training.loss import sequence_logprobs  # noqa: E402
+from tbajax.training.loss import sequence_logprobs as _sequence_logprobs  # noqa: E402
+
+# jitted (graphdef and temperature static): eager dispatch compiles every primitive on its own
+sequence_logprobs = jax.jit(_sequence_logprobs, static_argnums=(0, 3))
 
 TRAIN_LORA = LoraConfig(rank=4, alpha=8.0, targets=("q_proj", "v_proj", "down_proj"))
 TRAIN_CONFIG = TrainerConfig(

@@ -3,17 +3,12 @@
 import pytest
 
 from tbajax.models import CheckpointError
-from tbajax.tokenizers import build_qwen_tokenizer, load_tokenizer
+from tbajax.tokenizers import load_tokenizer
 
 
 @pytest.fixture(scope="module")
-def qwen25_dir(tmp_path_factory):
-    return build_qwen_tokenizer(tmp_path_factory.mktemp("qwen25"), "qwen2.5")
-
-
-@pytest.fixture(scope="module")
-def qwen25(qwen25_dir):
-    return load_tokenizer(qwen25_dir)
+def qwen25(qwen_tokenizer_dir):
+    return load_tokenizer(qwen_tokenizer_dir("qwen2.5"))
 
 
 def test_qwen_ids_match_the_real_vocabulary(qwen25):
@@ -28,13 +23,13 @@ def test_qwen_ids_match_the_real_vocabulary(qwen25):
     assert qwen25.eos_token_id == qwen25.pad_token_id == 151643
 
 
-def test_qwen_chat_templates(qwen25, tmp_path):
+def test_qwen_chat_templates(qwen25, qwen_tokenizer_dir):
     msgs = [{"role": "user", "content": "What is 2+2?"}]
     assert qwen25.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == (
         "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
         "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
     )
-    qwen3 = load_tokenizer(build_qwen_tokenizer(tmp_path / "q3", "qwen3"))
+    qwen3 = load_tokenizer(qwen_tokenizer_dir("qwen3"))
     assert qwen3.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == (
         "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
     )
@@ -61,7 +56,7 @@ def _tokenizer_facts(tok) -> dict:
     return facts
 
 
-def test_generic_fast_tokenizers_load_as_autotokenizer_would_without_torch(qwen25_dir):
+def test_generic_fast_tokenizers_load_as_autotokenizer_would_without_torch(qwen_tokenizer_dir):
     """A tokenizer_config.json that declares the generic fast class is loaded with that class: the
     same tokenizer AutoTokenizer builds (the default experiment's and the offline Qwen one), and the
     role process never imports torch for it."""
@@ -73,7 +68,7 @@ def test_generic_fast_tokenizers_load_as_autotokenizer_would_without_torch(qwen2
     from transformers import AutoTokenizer
 
     tiny = Path(__file__).resolve().parent.parent / "experiments" / "assets" / "tiny-arithmetic"
-    for d in (tiny, qwen25_dir):
+    for d in (tiny, qwen_tokenizer_dir("qwen2.5")):
         assert json.loads((d / "tokenizer_config.json").read_text())["tokenizer_class"] == "TokenizersBackend"
         assert _tokenizer_facts(load_tokenizer(d)) == _tokenizer_facts(AutoTokenizer.from_pretrained(d))
     probe = ("import sys; from tbajax.tokenizers import load_tokenizer; t = load_tokenizer(sys.argv[1]); "
