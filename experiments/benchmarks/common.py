@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import resource
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -32,19 +33,25 @@ def make_llama_checkpoint(size: str, directory: str | None = None) -> Path:
     return directory
 
 
-def timed(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> tuple[float, float]:
-    """(first-call seconds incl. compile, best steady-state seconds per call)."""
-    t0 = time.perf_counter()
-    fn()
-    first = time.perf_counter() - t0
-    for _ in range(warmup - 1):
-        fn()
-    best = float("inf")
-    for _ in range(repeats):
+def timed_in_turns(ours: Callable[[], Any], theirs: Callable[[], Any], repeats: int) -> dict[str, Any]:
+    """Time two blocking calls in alternating rounds (ours, theirs, ours, ...) after one untimed
+    call each (compile / warm-up), so a shared machine's speed drift hits both sides of a round
+    alike. Returns each side's first-call and best seconds, and the median, min and max over
+    rounds of theirs / ours (> 1: ours faster)."""
+    first = {}
+    for name, fn in (("ours", ours), ("theirs", theirs)):
         t0 = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - t0)
-    return first, best
+        first[name] = time.perf_counter() - t0
+    times: dict[str, list[float]] = {"ours": [], "theirs": []}
+    for _ in range(repeats):
+        for name, fn in (("ours", ours), ("theirs", theirs)):
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    paired = [t / o for o, t in zip(times["ours"], times["theirs"])]
+    return {"first_s": first, "best_s": {k: min(v) for k, v in times.items()}, "times": times,
+            "ratio": statistics.median(paired), "ratio_min": min(paired), "ratio_max": max(paired)}
 
 
 def peak_rss_mb() -> float:

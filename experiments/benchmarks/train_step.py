@@ -7,6 +7,11 @@ on the same Llama-style checkpoint and the same batch (groups of K = 4) on both 
 side runs in its own process so that its peak RSS is its own; compile (tbajax) and first-step
 (torch) times are reported apart from the steady state, and the step is split into phases
 (reference forward / policy forward + backward / optimizer) to show where the time goes.
+
+The two processes take turns, round by round: a round is one timed step of one side while the
+other waits (blocked, using no CPU) for its turn. The ratio is the median over rounds of the
+torch / tbajax step-time ratio of each round pair, so a shared machine's speed drift (minutes
+long, tens of percent) hits both sides of a pair alike; ratio_min / ratio_max give the spread.
 The first-step loss and gradient norm of both sides are printed too: same weights, same batch,
 so they must agree (a parity check of the whole loss and backward pass).
 
@@ -58,14 +63,11 @@ def make_batch(rows: int, seq: int, vocab: int, seed: int = 0) -> dict[str, np.n
     }
 
 
-def steady(fn, repeats: int) -> tuple[float, list[float]]:
-    """(median seconds, all timings) of `repeats` calls of fn (which must block)."""
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times)), times
+def take_turn() -> None:
+    """Block until the coordinator gives this worker the machine (see the module docstring)."""
+    print("TURN", flush=True)
+    if not sys.stdin.readline():
+        raise SystemExit("the coordinator went away")
 
 
 # ----------------------------------------------------------------------------- tbajax side
@@ -129,9 +131,11 @@ def run_jax(ckpt: str, rows: int, seq: int, repeats: int, precision: str, scan_l
         )[:2]
     ).lower(state.params, state.ref_params, batch).compile()
 
-    # rounds interleave the three measurements, so load drift on a shared machine hits all alike
+    # rounds interleave the three measurements, so load drift on a shared machine hits all alike;
+    # the step of each round is paired with torch's step of the same round
     times, fwd_t, grad_t = [], [], []
     for _ in range(repeats):
+        take_turn()
         t0 = time.perf_counter()
         fwd(state.params, batch).block_until_ready()
         t1 = time.perf_counter()
@@ -144,6 +148,7 @@ def run_jax(ckpt: str, rows: int, seq: int, repeats: int, precision: str, scan_l
         grad_t.append(t2 - t1)
         times.append(t3 - t2)
     step_s, fwd_s, grad_s = (float(np.median(x)) for x in (times, fwd_t, grad_t))
+    take_turn()  # the dr_grpo arms below run while torch has finished
     objective_steps = _objective_steps(model_state=state, graphdef=graphdef, config=config, batch=batch,
                                        repeats=repeats, resolve_objective=resolve_objective, everything=EVERYTHING)
     return {
@@ -260,7 +265,14 @@ def run_torch(ckpt: str, rows: int, seq: int, repeats: int, precision: str) -> d
     first_s = time.perf_counter() - t0
     for v in phases.values():
         v.clear()
-    step_s, times = steady(one_step, repeats)
+    times = []
+    for _ in range(repeats):
+        take_turn()
+        t0 = time.perf_counter()
+        one_step()
+        times.append(time.perf_counter() - t0)
+    take_turn()
+    step_s = float(np.median(times))
     return {
         "compile_s": 0.0,
         "first_step_s": first_s,
@@ -289,17 +301,56 @@ def worker(args: argparse.Namespace) -> None:
     print("RESULT " + json.dumps(result))
 
 
-def spawn(side: str, ckpt: Path, rows: int, seq: int, repeats: int, precision: str,
-          unrolled: bool = False) -> dict[str, Any]:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), TRANSFORMERS_VERBOSITY="error")
-    env.pop("XLA_FLAGS", None)  # one real CPU device, no fake-device splitting
-    cmd = [sys.executable, __file__, "--worker", side, "--ckpt", str(ckpt), "--rows", str(rows),
-           "--seq", str(seq), "--repeats", str(repeats), "--precision", precision] + (["--unrolled"] if unrolled else [])
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    if proc.returncode or not lines:
-        raise RuntimeError(f"{side} worker failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(lines[-1][len("RESULT ") :])
+class Worker:
+    """One side's process. It sets up (load, compile, first step) on start, then runs one timed
+    round each time it is given the turn, and prints RESULT after its last turn."""
+
+    def __init__(self, side: str, ckpt: Path, rows: int, seq: int, repeats: int, precision: str,
+                 unrolled: bool = False):
+        env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), TRANSFORMERS_VERBOSITY="error")
+        env.pop("XLA_FLAGS", None)  # one real CPU device, no fake-device splitting
+        cmd = [sys.executable, __file__, "--worker", side, "--ckpt", str(ckpt), "--rows", str(rows),
+               "--seq", str(seq), "--repeats", str(repeats), "--precision", precision] + (["--unrolled"] if unrolled else [])
+        self.side = side
+        self.stderr = tempfile.TemporaryFile(mode="w+")  # a pipe could fill up and stall the worker
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr,
+                                     text=True, env=env)
+        self.result: dict[str, Any] | None = None
+
+    def wait_turn(self) -> None:
+        """Until the worker blocks for its next turn (or has printed its result and exited)."""
+        for line in self.proc.stdout:  # type: ignore[union-attr]
+            if line.startswith("TURN"):
+                return
+            if line.startswith("RESULT "):
+                self.result = json.loads(line[len("RESULT "):])
+        code = self.proc.wait()
+        if code or self.result is None:
+            self.stderr.seek(0)
+            raise RuntimeError(f"{self.side} worker failed (exit {code}):\n{self.stderr.read()[-4000:]}")
+
+    def give_turn(self) -> None:
+        self.proc.stdin.write("go\n")  # type: ignore[union-attr]
+        self.proc.stdin.flush()  # type: ignore[union-attr]
+
+
+def run_pair(ckpt: Path, rows: int, seq: int, repeats: int, precision: str, unrolled: bool) -> tuple[dict, dict]:
+    """Both sides' results, their timed rounds taken in turns (jax, torch, jax, torch, ...)."""
+    jax_side = Worker("jax", ckpt, rows, seq, repeats, precision, unrolled)
+    jax_side.wait_turn()  # set up alone: torch starts once tbajax has compiled and warmed up
+    torch_side = Worker("torch", ckpt, rows, seq, repeats, precision)
+    torch_side.wait_turn()
+    try:
+        for _ in range(repeats + 1):  # the last turn: each side finishes (tbajax's dr_grpo arms) alone
+            for w in (jax_side, torch_side):
+                w.give_turn()
+                w.wait_turn()
+    finally:
+        for w in (jax_side, torch_side):
+            if w.proc.poll() is None:
+                w.proc.kill()
+    assert jax_side.result is not None and torch_side.result is not None
+    return jax_side.result, torch_side.result
 
 
 def main() -> None:
@@ -321,19 +372,20 @@ def main() -> None:
         worker(args)
         return
 
-    cases = [("10M", 8, 128, 2)] if args.quick else [("10M", 16, 128, 5), ("50M", 16, 128, 5)]
+    cases = [("10M", 8, 128, 2)] if args.quick else [("10M", 16, 128, 7), ("50M", 16, 128, 7)]
     rows, details = [], []
     for size, n, seq, repeats in cases:
         with tempfile.TemporaryDirectory(prefix=f"bench-train-{size}-") as d:
             ckpt = make_llama_checkpoint(size, d)
             params = _num_params(ckpt)
-            ours = spawn("jax", ckpt, n, seq, repeats, args.precision, args.unrolled)
-            theirs = spawn("torch", ckpt, n, seq, repeats, args.precision)
+            ours, theirs = run_pair(ckpt, n, seq, repeats, args.precision, args.unrolled)
         tokens = n * seq
+        paired = [t / o for o, t in zip(ours["step_times"], theirs["step_times"])]
         rows.append({
             "size": size, "params_M": params / 1e6, "batch": f"{n}x{seq}",
             "tbajax_tok_s": tokens / ours["step_s"], "torch_tok_s": tokens / theirs["step_s"],
-            "ratio": theirs["step_s"] / ours["step_s"],
+            "ratio": float(np.median(paired)), "ratio_min": min(paired), "ratio_max": max(paired),
+            "rounds": len(paired),
             "compile_s": ours["compile_s"], "torch_first_s": theirs["first_step_s"],
             "tbajax_rss_MB": ours["peak_rss_mb"], "torch_rss_MB": theirs["peak_rss_mb"],
         })
@@ -364,9 +416,10 @@ def main() -> None:
           f"layers {'unrolled' if args.unrolled else 'scanned'}, "
           f"{info['cpu_count']} CPU cores, load avg {info['load_avg'][0]:.1f}")
     print(machine_line(info))
-    print_table(rows, ["size", "params_M", "batch", "tbajax_tok_s", "torch_tok_s", "ratio", "compile_s",
-                       "torch_first_s", "tbajax_rss_MB", "torch_rss_MB"])
-    print("ratio = tbajax tokens/s / torch tokens/s (>1: tbajax faster); rss = peak of each side's process")
+    print_table(rows, ["size", "params_M", "batch", "tbajax_tok_s", "torch_tok_s", "ratio", "ratio_min", "ratio_max",
+                       "compile_s", "torch_first_s", "tbajax_rss_MB", "torch_rss_MB"])
+    print("ratio = median over rounds of torch step time / tbajax step time, the sides taking turns round by "
+          "round (>1: tbajax faster); tok/s from each side's median step; rss = peak of each side's process")
     print("\nwhere the time goes (median seconds per step; GFLOP/s = XLA's flop count of the step / time)")
     print_table(details, ["size", "side", "step_s", "ref_fwd_s", "policy_fwd_bwd_s", "optimizer_s",
                           "GFLOP_s", "first_loss", "first_grad_norm"])
