@@ -28,9 +28,10 @@ README = REPO / "README.md"
 # Tables shown per result file: {list key in the JSON: columns}; a file not listed here shows its
 # "rows" (or "results") with the first scalar columns. "total" is a single summary line.
 TABLES: dict[str, dict[str, list[str]]] = {
-    "forward": {"rows": ["model", "size", "batch", "seq", "tbajax_tok_s", "torch_tok_s", "ratio"]},
+    "forward": {"rows": ["model", "size", "batch", "seq", "tbajax_tok_s", "torch_tok_s", "ratio", "ratio_min",
+                         "ratio_max"]},
     "train_step": {
-        "rows": ["size", "batch", "tbajax_tok_s", "torch_tok_s", "ratio"],
+        "rows": ["size", "batch", "tbajax_tok_s", "torch_tok_s", "ratio", "ratio_min", "ratio_max"],
         "objective_rows": ["size", "objective", "reference_forward", "xla_gflop", "flop_saving", "best_step_s",
                            "time_saving"],
     },

@@ -73,6 +73,12 @@ def _declared_class(directory: Path) -> str | None:
         return None
 
 
+def _generic_fast_dir(path: Path) -> bool:
+    """A local tokenizer.json directory whose tokenizer_config.json declares the generic fast class."""
+    return (path.is_dir() and _declared_class(path) in _GENERIC_FAST_CLASSES
+            and (path / "tokenizer.json").is_file())
+
+
 def load_tokenizer(source: str | os.PathLike[str], **kwargs: Any) -> Any:
     """`transformers.AutoTokenizer` from a local directory or a hub id, with a clear offline error.
 
@@ -80,11 +86,11 @@ def load_tokenizer(source: str | os.PathLike[str], **kwargs: Any) -> Any:
     that class directly: the object AutoTokenizer would build, without importing AutoTokenizer's
     config registry, which imports torch when it is installed (3+ s in every role process)."""
     path = Path(source).expanduser()
-    if path.is_dir():
-        if _declared_class(path) in _GENERIC_FAST_CLASSES and (path / "tokenizer.json").is_file():
-            from transformers import PreTrainedTokenizerFast
+    if _generic_fast_dir(path):
+        from transformers import PreTrainedTokenizerFast
 
-            return PreTrainedTokenizerFast.from_pretrained(path, **kwargs)
+        return PreTrainedTokenizerFast.from_pretrained(path, **kwargs)
+    if path.is_dir():
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(path, **kwargs)
@@ -99,6 +105,24 @@ def load_tokenizer(source: str | os.PathLike[str], **kwargs: Any) -> Any:
             + (" (HF_HUB_OFFLINE is set and it is not cached)" if offline else f": {e}")
             + ". Pass a local directory that holds tokenizer.json / tokenizer_config.json."
         ) from None
+
+
+def check_tokenizer(source: str | os.PathLike[str]) -> None:
+    """Raise what `load_tokenizer(source)` would raise on a broken tokenizer, cheaply where possible.
+
+    A local directory declaring the generic fast class is checked by parsing its tokenizer.json
+    with the `tokenizers` library, the file that class loads: the launcher's check then does not
+    import transformers (~1 s of every launch on 2 cores). Anything else is loaded in full."""
+    path = Path(source).expanduser()
+    if _generic_fast_dir(path):
+        from tokenizers import Tokenizer
+
+        try:
+            Tokenizer.from_file(str(path / "tokenizer.json"))
+        except Exception as e:  # the Rust parser raises its own exception type
+            raise CheckpointError(f"{path / 'tokenizer.json'} does not load as a tokenizer: {e}") from None
+        return
+    load_tokenizer(source)
 
 
 def build_qwen_tokenizer(directory: str | os.PathLike[str], variant: Literal["qwen2.5", "qwen3"] = "qwen2.5") -> Path:

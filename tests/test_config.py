@@ -112,8 +112,9 @@ def test_reading_a_config_imports_no_jax():
 
 def test_the_launchers_preflight_imports_no_jax_for_built_in_objectives():
     """Preflight (checkpoint headers, tokenizer, objective and its options, task) runs before any
-    role starts, so every second of it delays the run: it needs transformers for the tokenizer,
-    never jax, flax or ml_dtypes (the objective table defers its losses until called)."""
+    role starts, so every second of it delays the run: never jax, flax or ml_dtypes (the objective
+    table defers its losses until called), and no transformers for a local tokenizer.json of the
+    generic fast class (the `tokenizers` library parses it)."""
     import subprocess
     import sys
     from pathlib import Path
@@ -122,7 +123,8 @@ def test_the_launchers_preflight_imports_no_jax_for_built_in_objectives():
              "from tbajax.system.launcher import preflight; "
              "c = apply_overrides(load_experiment('tiny_arithmetic'), ['train.objective=rloo', "
              "'train.objective_options={\"kl_in_reward\": true}']); preflight(c); "
-             "print(sorted(m for m in ('jax', 'flax', 'ml_dtypes', 'torch') if m in sys.modules))")
+             "print(sorted(m for m in ('jax', 'flax', 'ml_dtypes', 'torch', 'transformers') "
+             "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parent.parent)
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout + out.stderr

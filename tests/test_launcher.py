@@ -272,6 +272,14 @@ def test_truncated_weights_are_refused_before_any_role_starts(tmp_path, capsys):
     assert "no model.safetensors" in _bad_run(tmp_path, capsys, "--set", f"model.checkpoint={ckpt}")
 
 
+def test_a_corrupt_tokenizer_is_refused_before_any_role_starts(tmp_path, capsys):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(TINY, ckpt)
+    (ckpt / "tokenizer.json").write_text('{"model": {"type": "WordLevel"')  # cut off mid-write
+    err = _bad_run(tmp_path, capsys, "--set", f"model.checkpoint={ckpt}")
+    assert "tokenizer.json does not load as a tokenizer" in err and str(ckpt) in err
+
+
 def test_task_typo_and_user_file_syntax_error_are_one_line(tmp_path, capsys):
     assert "unknown task 'arithmatic'" in _bad_run(tmp_path, capsys, "--set", "task.name=arithmatic")
     broken = tmp_path / "my_task.py"

@@ -8,7 +8,7 @@ from typing import Any
 from tbajax.config import ExperimentConfig
 from tbajax.models import resolve_checkpoint
 from tbajax.tasks.base import Task, get_task
-from tbajax.tokenizers import load_tokenizer
+from tbajax.tokenizers import check_tokenizer, load_tokenizer
 
 
 def load_task(config: ExperimentConfig) -> Task:
@@ -18,9 +18,16 @@ def load_task(config: ExperimentConfig) -> Task:
     return task
 
 
+def tokenizer_source(config: ExperimentConfig) -> Any:
+    return config.model.tokenizer or resolve_checkpoint(config.model.checkpoint)
+
+
+def check_tokenizer_for(config: ExperimentConfig) -> None:
+    check_tokenizer(tokenizer_source(config))
+
+
 def load_tokenizer_for(config: ExperimentConfig) -> Any:
-    source = config.model.tokenizer or resolve_checkpoint(config.model.checkpoint)
-    tokenizer = load_tokenizer(source)
+    tokenizer = load_tokenizer(tokenizer_source(config))
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer

@@ -512,7 +512,7 @@ def preflight(config: ExperimentConfig) -> None:
     from tbajax.config import ConfigError
     from tbajax.models import CheckpointError, resolve_checkpoint
     from tbajax.models.safetensors_io import SafetensorsReader
-    from tbajax.system.assets import load_task, load_tokenizer_for
+    from tbajax.system.assets import check_tokenizer_for, load_task
     from tbajax.objectives.registry import resolve_objective  # no jax for built-in objectives
     from tbajax.tasks import check_grading_mode
 
@@ -525,7 +525,7 @@ def preflight(config: ExperimentConfig) -> None:
         ) from None
     SafetensorsReader(directory)  # the weights exist, and every header and size is intact
     try:
-        load_tokenizer_for(config)
+        check_tokenizer_for(config)
         resolve_objective(config.train.objective, overrides=dict(config.train.objective_options))
         task = load_task(config)
         check_grading_mode(task, config.rollout.reward_workers)
