@@ -28,7 +28,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from tbajax.models.config import ModelConfig, UnsupportedModelError
-from tbajax.models.decoder import CausalLM, positions_from_mask
+from tbajax.models.decoder import CausalLM, forward_only_compiler_options, positions_from_mask
 from tbajax.models.hf import load_weights, resolve_checkpoint
 
 Array = jax.Array
@@ -66,7 +66,8 @@ class SequenceScorer:
         self.config: ModelConfig = model.config
         self._graphdef, self._state = nnx.split(model)
         self._fn = jax.jit(
-            lambda state, tokens, mask: sequence_scores(nnx.merge(self._graphdef, state), tokens, mask)
+            lambda state, tokens, mask: sequence_scores(nnx.merge(self._graphdef, state), tokens, mask),
+            compiler_options=forward_only_compiler_options(),
         )
 
     @property
