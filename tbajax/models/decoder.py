@@ -298,7 +298,8 @@ def unstack(params: dict[str, Array], num_layers: int) -> tuple[dict[str, Array]
 
 def forward_only_compiler_options() -> dict[str, Any] | None:
     """XLA options for programs that only run whole-sequence forwards (reward models, the sampler's
-    reference and behaviour scoring, the red-team task's judges and prior): on the CPU backend, XLA's own (Eigen) dot kernels instead of its YNNPACK
+    reference and behaviour scoring, the red-team task's judges and prior, the preference task's
+    evaluation log-probs): on the CPU backend, XLA's own (Eigen) dot kernels instead of its YNNPACK
     fusions. Measured on a 2-core AVX2 CPU (jax 0.10), in one process against the default: a 10M
     GPT-NeoX reward model's forward at 16 x 256 tokens 33% faster, the causal LMs' 8-13%; the
     attention's batched [256 x 256] @ [256 x 32] products ran at half the speed under YNNPACK.
