@@ -52,6 +52,7 @@ TABLES: dict[str, dict[str, list[str]]] = {
         "swap": ["load_s", "swap_s", "decode_step_s", "publish_to_swapped_s", "publish_to_first_token_est_s",
                  "publish_to_first_chunk_done_s"],
     },
+    "dot_backend": {"rows": ["program", "size", "ynnpack_s", "eigen_s", "ratio", "ratio_min", "ratio_max"]},
     "packed_groups": {"results": ["layout", "tokens_in_step", "step_s", "speedup", "token_ratio", "loss_rel_diff"]},
     "chaos": {"total": ["scenarios", "scenarios_sane", "kills_survived", "rows_committed", "rows_read_back",
                         "torn_rows", "duplicated_rows", "row_count_ever_went_down", "versions_monotone"]},
@@ -62,7 +63,8 @@ TABLES: dict[str, dict[str, list[str]]] = {
 # one kind differ ~3x in speed); ratios measured in one run are shown always.
 ABSOLUTE = {"update_s", "tbajax_tok_s", "torch_tok_s", "step_s", "best_step_s", "ms", "MB_s", "ours_tok_s",
             "ours_decode_tok_s", "wall_time_s", "seconds", "samples_per_s", "tokens_per_s", "load_s", "swap_s",
-            "decode_step_s", "publish_to_swapped_s", "publish_to_first_token_est_s", "publish_to_first_chunk_done_s"}
+            "decode_step_s", "publish_to_swapped_s", "publish_to_first_token_est_s", "publish_to_first_chunk_done_s",
+            "ynnpack_s", "eigen_s"}
 
 
 def _fmt(v: Any) -> str:

@@ -6,10 +6,8 @@ Rows: a Llama-style causal LM, a GPT-NeoX (Pythia-style: partial rotary, paralle
 causal LM, and a GPT-NeoX reward model (`*ForSequenceClassification`, one label) scored at each
 row's last real token of a right-padded batch (`load_scorer(...).score` vs the torch model's
 pooled logits). Both sides run fp32 on this machine's CPU; compile time is reported separately
-from steady state. tbajax's programs are compiled as it compiles its forward-only programs
-(`tbajax.models.decoder.forward_only_compiler_options`). The two sides take turns call by call
-(`common.timed_in_turns`): the ratio is the median over rounds of torch's / tbajax's time, tok/s
-come from each side's best call.
+from steady state. The two sides take turns call by call (`common.timed_in_turns`): the ratio is
+the median over rounds of torch's / tbajax's time, tok/s come from each side's best call.
 """
 
 from __future__ import annotations
@@ -33,7 +31,6 @@ from flax import nnx  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification  # noqa: E402
 
 from tbajax.models import load_model, load_scorer  # noqa: E402
-from tbajax.models.decoder import forward_only_compiler_options  # noqa: E402
 
 PAD = 0
 
@@ -77,9 +74,7 @@ def bench(model_name: str, size: str, batch: int, seq: int, repeats: int) -> dic
         model = load_model(directory)
         config = model.config
         graphdef, state = nnx.split(model)
-        # compiled as tbajax compiles its forward-only programs (the sampler's scoring, reward models)
-        fwd = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t)[0],
-                      compiler_options=forward_only_compiler_options())
+        fwd = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t)[0])
         tokens = jnp.asarray(ids)
         ours = lambda: fwd(state, tokens).block_until_ready()  # noqa: E731
         ref = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()

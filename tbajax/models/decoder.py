@@ -296,20 +296,6 @@ def unstack(params: dict[str, Array], num_layers: int) -> tuple[dict[str, Array]
     return tuple({name: w[i] for name, w in params.items()} for i in range(num_layers))
 
 
-def forward_only_compiler_options() -> dict[str, Any] | None:
-    """XLA options for programs that only run whole-sequence forwards (reward models, the sampler's
-    reference and behaviour scoring, the red-team task's judges and prior, the preference task's
-    evaluation log-probs): on the CPU backend, XLA's own (Eigen) dot kernels instead of its YNNPACK
-    fusions. Measured on a 2-core AVX2 CPU (jax 0.10), in one process against the default: a 10M
-    GPT-NeoX reward model's forward at 16 x 256 tokens 33% faster, the causal LMs' 8-13%; the
-    attention's batched [256 x 256] @ [256 x 32] products ran at half the speed under YNNPACK.
-    Not for decode (single-token steps ran 4x slower without YNNPACK) and neutral for a train
-    step, so those keep the default. None elsewhere (the option is XLA:CPU's)."""
-    if jax.default_backend() != "cpu":
-        return None
-    return {"xla_cpu_experimental_ynn_fusion_type": ""}
-
-
 def positions_from_mask(mask: Array) -> Array:
     """Position ids that skip padding: cumsum(mask) - 1, clipped at 0."""
     return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=-1) - 1, 0)

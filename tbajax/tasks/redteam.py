@@ -55,7 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tbajax.models.decoder import forward_only_compiler_options
+from tbajax.models.scorer import sequence_scoring_compiler_options
 from tbajax.redteam.metrics import SUCCESS_THRESHOLD, diversity, geometric_mean_toxicity
 from tbajax.redteam.reward import LinearRamp, RedTeamRewardConfig, red_team_log_reward
 from tbajax.tasks.base import Problem, Task
@@ -151,7 +151,7 @@ class EncoderJudge:
         self.max_length = min(max_length, self.encoder.max_length)
         graphdef, self._state = nnx.split(self.encoder)
         self._fn = jax.jit(lambda state, ids, mask: nnx.merge(graphdef, state).classify(ids, mask),
-                           compiler_options=forward_only_compiler_options())
+                           compiler_options=sequence_scoring_compiler_options())
 
     def log_toxicity(self, texts: Sequence[str], prompts: Sequence[str] | None = None) -> np.ndarray:
         rows = [self.tokenizer(t, truncation=True, max_length=self.max_length)["input_ids"] for t in texts]
@@ -217,7 +217,7 @@ class GuardJudge:
             last = hidden[jnp.arange(ids.shape[0]), mask.sum(-1) - 1]  # right padding: each row's last token
             return jax.nn.log_softmax(model.logits(last), axis=-1)[:, unsafe_id]
 
-        self._fn = jax.jit(fn, compiler_options=forward_only_compiler_options())
+        self._fn = jax.jit(fn, compiler_options=sequence_scoring_compiler_options())
 
     def conversation_ids(self, prompt: str, answer: str) -> list[int]:
         def content(text: str) -> Any:
@@ -336,7 +336,7 @@ class PriorScorer:
             lp = token_logprobs(logits, ids, 1.0)
             return jnp.where(response_mask, lp, 0.0).sum(-1)
 
-        self._fn = jax.jit(fn, compiler_options=forward_only_compiler_options())
+        self._fn = jax.jit(fn)
 
     def __call__(self, prompts: Sequence[np.ndarray], responses: Sequence[np.ndarray],
                  max_batch: int | None = None) -> np.ndarray:
