@@ -49,7 +49,8 @@ def alternate(lowered: Any, make_args: Callable[[], tuple], rounds: int) -> dict
             times[k].append(time.perf_counter() - t0)
     paired = [y / e for y, e in zip(times["ynnpack"], times["eigen"])]
     return {"ynnpack_s": min(times["ynnpack"]), "eigen_s": min(times["eigen"]),
-            "ratio": statistics.median(paired), "ratio_min": min(paired), "ratio_max": max(paired)}
+            "ratio": statistics.median(paired), "ratio_min": min(paired), "ratio_max": max(paired),
+            "times": times}
 
 
 def padded_batch(rows: int, seq: int, vocab: int) -> tuple[jax.Array, jax.Array]:
