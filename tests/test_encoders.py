@@ -369,3 +369,23 @@ def test_real_minilm_paraphrases_and_transformers_parity():
     batch = tokenizer(texts, padding=True, return_tensors="np")
     ref = _torch(AutoModel.from_pretrained(directory).eval(), dict(batch)).last_hidden_state.numpy()
     np.testing.assert_allclose(emb, _st_formula(ref, batch["attention_mask"]), atol=1e-5)
+
+
+def test_embed_texts_in_padded_buckets_equals_each_text_alone(checkpoints):
+    """embed_texts pads chunks to power-of-two rows and widths (few compiled programs): every text
+    still embeds as it does alone and unpadded."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = "abcdefghijklmnopqrstuvwxyz0123456789 "
+    vocab = {t: i for i, t in enumerate(["[PAD]", "[UNK]", "[CLS]", *chars])}  # ids < TINY's 97
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="[PAD]", unk_token="[UNK]")
+    enc = load_encoder(checkpoints["bert", False])
+    rng = np.random.default_rng(0)
+    texts = ["".join(rng.choice(list(chars), n)) for n in (3, 20, 35, 7, 12, 30, 5)]  # widths 16, 32, 40 (cap)
+    got = embed_texts(enc, tokenizer, texts, batch_size=3)  # chunks of 3, 3, 1 rows
+    for text, row in zip(texts, got):
+        ids = jnp.asarray([tokenizer(text)["input_ids"]])
+        np.testing.assert_allclose(row, np.asarray(enc.embed(ids, jnp.ones_like(ids)))[0], atol=1e-5)

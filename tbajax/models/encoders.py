@@ -14,6 +14,7 @@ sharding; export writes files `transformers` loads (`save_encoder`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -809,6 +810,25 @@ def save_encoder(
     return directory
 
 
+def _bucket(n: int, cap: int, minimum: int = 1) -> int:
+    """The power of two >= n (at least `minimum`), capped at `cap` (>= n)."""
+    return min(max(minimum, 1 << max(n - 1, 0).bit_length()), max(cap, n))
+
+
+def _embed_rows(graphdef: nnx.GraphDef, state: nnx.State, ids: Array, mask: Array,
+                types: Array | None) -> Array:
+    return nnx.merge(graphdef, state).embed(ids, mask, types)
+
+
+@functools.cache
+def _embed_program() -> Callable[..., Array]:
+    """`Encoder.embed`, jitted (eager dispatch runs each of its primitives on its own, several
+    times slower) and compiled as a sequence-scoring program."""
+    from tbajax.models.scorer import sequence_scoring_compiler_options
+
+    return jax.jit(_embed_rows, static_argnums=0, compiler_options=sequence_scoring_compiler_options())
+
+
 def embed_texts(
     encoder: Encoder,
     tokenizer: Any,
@@ -825,20 +845,25 @@ def embed_texts(
     limit = min(max_length or encoder.pooling.max_seq_length or encoder.max_length, encoder.max_length)
     texts = list(texts)
     pad = int(tokenizer.pad_token_id or 0)
+    graphdef, state = nnx.split(encoder)
     chunks = []
     for start in range(0, len(texts), batch_size):
         enc = tokenizer(texts[start : start + batch_size], truncation=True, max_length=limit)
         rows, types = enc["input_ids"], enc.get("token_type_ids")
-        width = max(len(r) for r in rows)
-        ids = np.full((len(rows), width), pad, np.int32)
-        mask = np.zeros((len(rows), width), np.int32)
-        token_types = None if types is None else np.zeros((len(rows), width), np.int32)
+        # one compiled program per (rows, width) bucket: powers of two, so a stream of texts of
+        # every length compiles a handful of programs (padding is masked out of every row)
+        n, width = _bucket(len(rows), batch_size), _bucket(max(len(r) for r in rows), limit, minimum=16)
+        ids = np.full((n, width), pad, np.int32)
+        mask = np.zeros((n, width), np.int32)
+        mask[len(rows) :, 0] = 1  # padding rows: one token each, so their (dropped) pooling stays finite
+        token_types = None if types is None else np.zeros((n, width), np.int32)
         for i, r in enumerate(rows):
             ids[i, : len(r)], mask[i, : len(r)] = r, 1
             if token_types is not None:
                 token_types[i, : len(r)] = types[i]
-        out = encoder.embed(jnp.asarray(ids), jnp.asarray(mask), None if token_types is None else jnp.asarray(token_types))
-        chunks.append(np.asarray(out))
+        out = _embed_program()(graphdef, state, jnp.asarray(ids), jnp.asarray(mask),
+                               None if token_types is None else jnp.asarray(token_types))
+        chunks.append(np.asarray(out)[: len(rows)])
     if not chunks:
         return np.zeros((0, encoder.config.hidden_size), np.float32)
     return np.concatenate(chunks)
