@@ -384,7 +384,8 @@ def test_embed_texts_in_padded_buckets_equals_each_text_alone(checkpoints):
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="[PAD]", unk_token="[UNK]")
     enc = load_encoder(checkpoints["bert", False])
     rng = np.random.default_rng(0)
-    texts = ["".join(rng.choice(list(chars), n)) for n in (3, 20, 35, 7, 12, 30, 5)]  # widths 16, 32, 40 (cap)
+    lengths = (3, 20, 35, 7, 12, 30, 5)  # width buckets 16, 32 and 40 (the cap)
+    texts = ["".join(rng.choice(list(chars), n)) for n in lengths]
     got = embed_texts(enc, tokenizer, texts, batch_size=3)  # chunks of 3, 3, 1 rows
     for text, row in zip(texts, got):
         ids = jnp.asarray([tokenizer(text)["input_ids"]])
