@@ -24,6 +24,7 @@ from tbajax.sampling import (
     score,
 )
 from tbajax.sampling.sampler import left_pad
+from tbajax.shapes import next_pow2, pow2_bucket
 from tbajax.sharding import MeshConfig, make_mesh
 
 PROMPTS = [[1, 5, 6, 7], [1, 9], [1, 3, 4, 5, 6, 7, 8, 9, 10, 11], [1, 40, 41]]
@@ -283,6 +284,8 @@ def test_buckets_determinism_and_large_k(llama_sampler):
     assert batch_bucket(1, 4, 8) == 2 and batch_bucket(3, 3, 8) == 8
     assert length_bucket(5, 100, 16) == 16 and length_bucket(17, 100, 16) == 32
     assert length_bucket(70, 100, 16) == 100
+    assert [next_pow2(n) for n in (0, 1, 2, 3, 5, 8, 9)] == [1, 1, 2, 4, 8, 8, 16] and next_pow2(5, 16) == 16
+    assert pow2_bucket(33, 40, 16) == 40 and pow2_bucket(3, 40, 16) == 16 and pow2_bucket(17, 40) == 32
 
     sampler = llama_sampler
     cfg = COMMON

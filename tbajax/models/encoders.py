@@ -32,6 +32,7 @@ from jax.sharding import Mesh, SingleDeviceSharding
 from tbajax.models.config import DTYPES, UnsupportedModelError
 from tbajax.models.hf import resolve_checkpoint
 from tbajax.models.safetensors_io import CheckpointError, SafetensorsReader, write_sharded
+from tbajax.shapes import pow2_bucket
 from tbajax.sharding import constrain, param_shardings
 
 log = logging.getLogger(__name__)
@@ -810,11 +811,6 @@ def save_encoder(
     return directory
 
 
-def _bucket(n: int, cap: int, minimum: int = 1) -> int:
-    """The power of two >= n (at least `minimum`), capped at `cap` (>= n)."""
-    return min(max(minimum, 1 << max(n - 1, 0).bit_length()), max(cap, n))
-
-
 def _embed_rows(graphdef: nnx.GraphDef, state: nnx.State, ids: Array, mask: Array,
                 types: Array | None) -> Array:
     return nnx.merge(graphdef, state).embed(ids, mask, types)
@@ -852,7 +848,7 @@ def embed_texts(
         rows, types = enc["input_ids"], enc.get("token_type_ids")
         # one compiled program per (rows, width) bucket: powers of two, so a stream of texts of
         # every length compiles a handful of programs (padding is masked out of every row)
-        n, width = _bucket(len(rows), batch_size), _bucket(max(len(r) for r in rows), limit, minimum=16)
+        n, width = pow2_bucket(len(rows), batch_size), pow2_bucket(max(len(r) for r in rows), limit, 16)
         ids = np.full((n, width), pad, np.int32)
         mask = np.zeros((n, width), np.int32)
         mask[len(rows) :, 0] = 1  # padding rows: one token each, so their (dropped) pooling stays finite

@@ -35,6 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tbajax.shapes import pow2_bucket
+
 LABELS = ("toxic", "severe_toxic", "obscene", "threat", "insult", "identity_hate")
 TOXIC = LABELS.index("toxic")
 MAXLEN = 100  # the package's MAXLEN
@@ -353,7 +355,7 @@ class ToxicityClassifier:
         out = np.zeros((n, len(LABELS)), np.float32)
         for start in range(0, n, self.max_batch):
             chunk = ids[start : start + self.max_batch]
-            size = min(self.max_batch, max(32, 1 << (len(chunk) - 1).bit_length()))
+            size = pow2_bucket(len(chunk), self.max_batch, 32)
             padded = np.zeros((size, self.maxlen), np.int32)
             padded[: len(chunk)] = chunk
             out[start : start + len(chunk)] = np.asarray(_logits_jit(self.params, padded))[: len(chunk)]

@@ -49,8 +49,9 @@ from jax.sharding import PartitionSpec as P
 from tbajax.models import CausalLM, KVCache, positions_from_mask
 from tbajax.sampling import core
 from tbajax.sampling.config import SamplingConfig
-from tbajax.sampling.sampler import Sampler, left_pad, length_bucket, next_pow2
+from tbajax.sampling.sampler import Sampler, left_pad, length_bucket
 from tbajax.sampling.step import step_keys
+from tbajax.shapes import next_pow2
 from tbajax.sharding import constrain
 
 log = logging.getLogger(__name__)

@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 from tbajax.models import CausalLM, ModelConfig
 from tbajax.sampling import core
 from tbajax.sampling.config import SamplingConfig
+from tbajax.shapes import next_pow2, pow2_bucket
 from tbajax.sharding import MeshConfig, make_mesh, named_sharding, param_shardings
 
 log = logging.getLogger(__name__)
@@ -74,10 +75,6 @@ class CompileEvent:
 # ----------------------------------------------------------------------------- bucketing
 
 
-def next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def batch_bucket(num_prompts: int, num_samples: int, batch_shards: int) -> int:
     """Prompt rows to prefill: a power of two >= num_prompts, raised so that rows * K splits
     evenly over the mesh's batch shards."""
@@ -88,7 +85,7 @@ def batch_bucket(num_prompts: int, num_samples: int, batch_shards: int) -> int:
 
 def length_bucket(longest: int, limit: int, minimum: int) -> int:
     """Prompt slots: a power of two >= longest (at least `minimum`), capped at `limit`."""
-    return min(max(next_pow2(longest), minimum), limit)
+    return pow2_bucket(longest, limit, minimum)
 
 
 # ----------------------------------------------------------------------------- the edge

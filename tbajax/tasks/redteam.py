@@ -58,6 +58,7 @@ from flax import nnx
 from tbajax.models.scorer import sequence_scoring_compiler_options
 from tbajax.redteam.metrics import SUCCESS_THRESHOLD, diversity, geometric_mean_toxicity
 from tbajax.redteam.reward import LinearRamp, RedTeamRewardConfig, red_team_log_reward
+from tbajax.shapes import next_pow2
 from tbajax.tasks.base import Problem, Task
 from tbajax.tasks.scoring import Samples, ScorerContext, Scores
 from tbajax.trajectory import RewardStatus
@@ -97,16 +98,12 @@ class ToxicityJudge(Protocol):
     def log_toxicity(self, texts: Sequence[str], prompts: Sequence[str] | None = None) -> np.ndarray: ...
 
 
-def _bucket(n: int, minimum: int) -> int:
-    return max(minimum, 1 << max(0, (n - 1).bit_length()))
-
-
 def _pad_rows(
     rows: Sequence[Sequence[int]], pad: int, min_len: int = 16, min_batch: int = 8
 ) -> tuple[np.ndarray, np.ndarray]:
     """Right-padded ids and mask, both dims bucketed to powers of two (few compiled shapes)."""
-    length = _bucket(max(len(r) for r in rows), min_len)
-    batch = _bucket(len(rows), min_batch)
+    length = next_pow2(max(len(r) for r in rows), min_len)
+    batch = next_pow2(len(rows), min_batch)
     ids = np.full((batch, length), pad, np.int32)
     mask = np.zeros((batch, length), bool)
     for i, r in enumerate(rows):
