@@ -330,13 +330,20 @@ class PromptStream:
         self.indices = np.arange(len(problems)) if shared else np.arange(shard, len(problems), num_shards)
         self.seed = seed
         self.position = start
+        self._epoch, self._order = -1, self.indices
+
+    def order(self, epoch: int) -> np.ndarray:
+        """The shard's problem order in `epoch`, drawn once per epoch: drawing it per problem
+        permuted the whole shard (1M problems in the default task) for every prompt."""
+        if epoch != self._epoch:
+            self._epoch, self._order = epoch, np.random.default_rng((self.seed, epoch)).permutation(self.indices)
+        return self._order
 
     def take(self, n: int) -> list[Problem]:
         out = []
         for _ in range(n):
             epoch, i = divmod(self.position, len(self.indices))
-            order = np.random.default_rng((self.seed, epoch)).permutation(self.indices)
-            out.append(self.problems[int(order[i])])
+            out.append(self.problems[int(self.order(epoch)[i])])
             self.position += 1
         return out
 
@@ -431,7 +438,9 @@ def run_searcher(run_dir: Path, searcher_id: int, store_url: str | None = None) 
             version=version,
             first_group_id=(searcher_id << 40) + writer.committed_rows(),
         )
+        t_append = time.time()
         writer.append(rows)
+        append_s = time.time() - t_append
         if rollouts.grades.all_failed():
             stop_failing_grader(rollouts, searcher_id)
         calls += 1
@@ -449,7 +458,7 @@ def run_searcher(run_dir: Path, searcher_id: int, store_url: str | None = None) 
             "busy_s": time.time() - t_start,
         }
         rundir.write_status(run_dir, f"searcher-{searcher_id}", status)
-        metrics.write(writer.committed_rows(), {**status, "generate_s": elapsed,
+        metrics.write(writer.committed_rows(), {**status, "generate_s": elapsed, "append_s": append_s,
                                                 "failed_grades": sum(r.reward_status >= RewardStatus.TIMEOUT for r in rows)})
     metrics.close()
     params_reader.close()
