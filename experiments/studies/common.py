@@ -66,7 +66,7 @@ class ArmResult:
     summary: dict[str, Any]
     curve: tuple[tuple[int, float, float], ...]  # (trainer step, seconds since start, eval score)
     generate_s: float  # sync mode: time spent generating (0 in async mode)
-    train_s: float  # time inside train steps
+    train_s: float  # time inside train steps (without the sync mode's generation, which step_time_s counts)
     mean_lag: float  # mean over trained rows of (trainer version - the version that sampled them)
 
     @property
@@ -166,10 +166,11 @@ def collect(arm: Arm, run_dir: Path, summary: dict[str, Any]) -> ArmResult:
     evals = eval_records(run_dir)  # the trainer's (eval.mode=inline) or the evaluator role's
     curve = tuple((int(r["step"]), float(r.get("elapsed_s", 0.0)), float(r["eval_score"])) for r in evals)
     steps = [r for r in records if "step_time_s" in r]
+    generate_s = float(sum(r.get("generate_s", 0.0) for r in steps))  # sync mode only: 0 in async runs
     return ArmResult(
         arm=arm, summary=summary, curve=curve,
-        generate_s=float(sum(r.get("generate_s", 0.0) for r in steps)),
-        train_s=float(sum(r["step_time_s"] for r in steps)),
+        generate_s=generate_s,
+        train_s=float(sum(r["step_time_s"] for r in steps)) - generate_s,  # a sync step's time includes its generation
         mean_lag=float(np.mean([r.get("policy_lag_mean", 0.0) for r in steps])) if steps else 0.0,
     )
 
