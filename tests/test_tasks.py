@@ -12,6 +12,7 @@ import time
 from fractions import Fraction
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tbajax.tasks import (
@@ -687,3 +688,16 @@ def test_prompt_streams_shard_the_problems_or_share_them_when_too_few():
     assert [p.id for p in PromptStream(one, 2, 3, seed=0).take(3)] == [7, 7, 7]
     with pytest.raises(ValueError, match="no training problems"):
         PromptStream([], 0, 1, seed=0)
+
+
+def test_prompt_stream_order_is_one_permutation_per_epoch():
+    """The stream draws each epoch's order once; the problems it hands out are those of the
+    per-epoch permutation of (seed, epoch), as before, so a run resumed across the change (or
+    across an epoch boundary) streams the same problems."""
+    from tbajax.system.searcher import PromptStream
+
+    problems = [Problem(i, f"q{i}", "a") for i in range(7)]
+    stream = PromptStream(problems, 1, 2, seed=5, start=2)
+    shard = np.arange(1, 7, 2)
+    expected = [int(np.random.default_rng((5, pos // 3)).permutation(shard)[pos % 3]) for pos in range(2, 12)]
+    assert [p.id for p in stream.take(4)] + [p.id for p in stream.take(6)] == expected
