@@ -559,7 +559,8 @@ class StepLoop:
     Timings per record (see `tbajax.system.pipeline.UpdateClock` for the idle definition):
     `device_idle_s` (no update in flight before this one), `batch_prep_s` (host time drawing this
     batch), `batch_wait_s` (the loop waited for it), `step_time_s` (wall time since the previous
-    update's record, evaluation/checkpoints and data waits excluded).
+    update's record, evaluation/checkpoints and data waits excluded; in sync mode it includes the
+    generation of the step's batch, also reported alone as `generate_s`).
     """
 
     def __init__(self, config: ExperimentConfig, learner: Learner, buffer: TrajectoryBuffer, source: Any,
