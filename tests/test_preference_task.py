@@ -20,7 +20,7 @@ import torch
 from tbajax.preference.metrics import wilson_interval
 from tbajax.tasks import get_task
 from tbajax.tasks.base import Problem
-from tbajax.tasks.preference import PreferenceScorer, cut_after_stop, pad_rows, preference_eval, sampled_kl_of_rows
+from tbajax.tasks.preference import cut_after_stop, pad_rows, preference_eval, sampled_kl_of_rows
 from tbajax.tasks.scoring import Samples, ScorerContext, Scores
 from tbajax.trajectory import RewardStatus
 
