@@ -691,9 +691,9 @@ def test_prompt_streams_shard_the_problems_or_share_them_when_too_few():
 
 
 def test_prompt_stream_order_is_one_permutation_per_epoch():
-    """The stream draws each epoch's order once; the problems it hands out are those of the
-    per-epoch permutation of (seed, epoch), as before, so a run resumed across the change (or
-    across an epoch boundary) streams the same problems."""
+    """The stream draws each epoch's order once (not once per prompt); the problems it hands out
+    are those of the per-epoch permutation of (seed, epoch), as before, so a run resumed across
+    the change (or across an epoch boundary) streams the same problems."""
     from tbajax.system.searcher import PromptStream
 
     problems = [Problem(i, f"q{i}", "a") for i in range(7)]
@@ -701,3 +701,4 @@ def test_prompt_stream_order_is_one_permutation_per_epoch():
     shard = np.arange(1, 7, 2)
     expected = [int(np.random.default_rng((5, pos // 3)).permutation(shard)[pos % 3]) for pos in range(2, 12)]
     assert [p.id for p in stream.take(4)] + [p.id for p in stream.take(6)] == expected
+    assert stream.order(3) is stream.order(3)  # drawn once, then reused within the epoch

@@ -12,8 +12,8 @@ each call's batch until its longest sample ends, and loads new params between ca
 
 `--baseline REV` first runs the static engine with the code of git revision REV (exported with
 `git archive` into a temporary directory and run from there), so that a change's effect on the
-default run is measured on the same machine in the same session; `baseline_ratios` are this
-checkout's static run over the baseline's.
+default run is measured on the same machine in the same session; the ratios are this
+checkout's static run over the baseline's (`static_over_baseline` in the JSON).
 """
 
 from __future__ import annotations
