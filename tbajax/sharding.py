@@ -128,6 +128,18 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, logical_to_spec(logical_axes, x.shape, mesh))
 
 
+def batch_shards(rows: int) -> int:
+    """How many devices the mesh in context splits a batch of `rows` over (1 with no mesh)."""
+    import jax
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty:
+        return 1
+    axes = logical_to_spec(("batch",), (rows,), mesh)[0]
+    if axes is None:
+        return 1
+    return math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
+
+
 def param_shardings(abstract_state: Any, mesh: Mesh) -> Any:
     """Map an nnx State of Params (abstract or concrete) to NamedShardings by their metadata."""
     import jax

@@ -294,3 +294,44 @@ def test_hand_written_vjps_match_autodiff(dtype):
                              argnums=(0, 1)))(x, up)
     for a, b in zip(g_sw, g_ref):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=tol * 10, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_attention_and_its_vjp_match_a_plain_softmax(dtype):
+    """The row-looped attention (and its flash-style VJP) against a plain einsum softmax, for
+    grouped queries, right padding, a query row that sees no key and both key layouts."""
+    from tbajax.models.layers import _MASK_VALUE, attention, cached_attention
+
+    r = np.random.default_rng(0)
+    b, t, h, kv, d = 3, 6, 4, 2, 8
+    q, k, v = (jnp.asarray(r.normal(size=shape), dtype) for shape in ((b, t, h, d), (b, kv, t, d), (b, kv, t, d)))
+    causal = np.tril(np.ones((t, t), bool))
+    real = np.arange(t)[None, :] < np.array([6, 4, 6])[:, None]
+    mask = causal[None] & real[:, None, :]
+    mask[2, 1] = False  # a query that attends to nothing: a uniform average, no gradient to q or k
+    mask = jnp.asarray(mask)
+    weights = jnp.asarray(r.normal(size=(b, t, h, d)), jnp.float32)
+
+    def plain(q, k, v):
+        kh = jnp.repeat(k, h // kv, axis=1).astype(jnp.float32)  # [b, h, s, d]
+        vh = jnp.repeat(v, h // kv, axis=1).astype(jnp.float32)
+        scores = jnp.einsum("bthd,bhsd->bhts", q.astype(jnp.float32), kh) * d**-0.5
+        probs = jax.nn.softmax(jnp.where(mask[:, None], scores, _MASK_VALUE), axis=-1)
+        return jnp.einsum("bhts,bhsd->bthd", probs, vh)
+
+    variants = {
+        "heads-major keys": lambda q, k, v: attention(q, k, v, mask),
+        "d-major keys": lambda q, k, v: cached_attention(q, k.swapaxes(2, 3), v, mask),
+    }
+    tol = 1e-5 if dtype == jnp.float32 else 3e-2
+    loss = lambda f: lambda q, k, v: (f(q, k, v).astype(jnp.float32) * weights).sum()  # noqa: E731
+    want = jax.jit(jax.grad(loss(plain), argnums=(0, 1, 2)))(q, k, v)
+    for name, f in variants.items():
+        out = jax.jit(f)(q, k, v)
+        assert out.dtype == dtype and out.shape == (b, t, h, d), name
+        np.testing.assert_allclose(np.asarray(out, np.float32), jax.jit(plain)(q, k, v), atol=tol * 3, err_msg=name)
+        got = jax.jit(jax.grad(loss(f), argnums=(0, 1, 2)))(q, k, v)
+        for a, w_, what in zip(got, want, "qkv"):
+            np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(w_, np.float32), atol=tol * 10,
+                                       rtol=tol, err_msg=f"{name}: d{what}")
+    assert not np.asarray(got[0][2, 1]).any()  # the blind query gets no gradient

@@ -63,3 +63,22 @@ def test_mesh_config_errors():
     with pytest.raises(ValueError, match="at most one"):
         MeshConfig(data=-1, tensor=-1).shape(8)
     assert make_mesh(MeshConfig(tensor=2)).shape == {"data": 4, "fsdp": 1, "tensor": 2}
+
+
+def test_data_parallel_forward_keeps_rows_on_their_device(divisible_checkpoint):
+    """The attention's loop over batch rows runs within each device's shard: a data-parallel
+    forward and backward compile to no all-gather (a loop over the sharded axis would gather
+    the whole batch onto every device)."""
+    from tbajax.sharding import batch_shards
+
+    mesh = make_mesh(MeshConfig(data=8))
+    model = load_model(divisible_checkpoint, mesh=mesh)
+    graphdef, state = nnx.split(model)
+    batch = jax.NamedSharding(mesh, P(("data", "fsdp")))
+    ids = jax.device_put(np.random.RandomState(0).randint(3, 128, (16, 10)), batch)
+    with jax.set_mesh(mesh):
+        assert batch_shards(16) == 8 and batch_shards(12) == 1  # 8 does not divide 12: replicated
+        loss = lambda s, t: nnx.merge(graphdef, s)(t)[0].mean()  # noqa: E731
+        hlo = jax.jit(jax.value_and_grad(loss)).lower(state, ids).compile().as_text()
+    assert "all-gather" not in hlo
+    assert batch_shards(16) == 1  # no mesh in context
