@@ -288,5 +288,19 @@ def print_summary(summary: dict, run_dir: Path) -> None:
     print(f"(summary.json, metrics.jsonl, tensorboard/ and plots/learning_curve.png are in {run_dir})")
 
 
+def entry_point() -> int:
+    """`python -m tbajax.main` and the `tbajax` command: the process is ours, so its host allocator
+    is set up first, before any thread allocates (tbajax/system/host_memory.py); `main()` called
+    from other code leaves the caller's process alone."""
+    from tbajax.system.host_memory import keep_freed_memory
+
+    try:
+        keep_freed_memory()
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return main()
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry_point())

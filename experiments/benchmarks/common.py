@@ -72,12 +72,22 @@ def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
         print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
 
 
+def keep_freed_memory() -> str:
+    """Configure the host allocator as `python -m tbajax.main` does for every role process
+    (`tbajax.system.host_memory`); a benchmark calls it first thing, so both sides of its
+    comparison run with it ($TBAJAX_HOST_MALLOC=system measures glibc's defaults instead)."""
+    from tbajax.system.host_memory import keep_freed_memory as keep
+
+    return keep()
+
+
 def machine() -> dict[str, Any]:
     """Where a figure was measured, with the machine's fp32 matmul rate measured now (the same
-    record a run's summary.json carries)."""
+    record a run's summary.json carries) and the host allocator mode asked for."""
+    from tbajax.system.host_memory import requested_mode
     from tbajax.system.metrics import machine_info
 
-    return machine_info()
+    return {**machine_info(), "host_malloc": requested_mode()}
 
 
 def machine_line(info: dict[str, Any]) -> str:

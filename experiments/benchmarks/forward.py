@@ -25,7 +25,8 @@ import tempfile  # noqa: E402
 
 import torch  # noqa: E402
 from common import (  # noqa: E402
-    SIZES, machine, machine_line, make_llama_checkpoint, peak_rss_mb, print_table, timed_in_turns, write_json,
+    SIZES, keep_freed_memory, machine, machine_line, make_llama_checkpoint, peak_rss_mb, print_table, timed_in_turns,
+    write_json,
 )
 from flax import nnx  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification  # noqa: E402
@@ -106,6 +107,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="one small size, few repeats")
     ap.add_argument("--json", help="write the figures to this path")
     args = ap.parse_args()
+    keep_freed_memory()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     if args.quick:
         cases = [("llama", "10M", 8, 128), ("neox", "10M", 8, 128), ("neox_rm", "10M", 8, 128)]

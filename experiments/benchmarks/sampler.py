@@ -40,7 +40,7 @@ from tbajax.models import ModelConfig, load_model
 from tbajax.system.metrics import machine_info, matmul_flops_per_s
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine_line  # noqa: E402
+from common import keep_freed_memory, machine_line  # noqa: E402
 from tbajax.sampling import Sampler, SamplingConfig
 
 log = logging.getLogger("bench.sampler")
@@ -281,6 +281,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, help="timed calls per setting, best kept (default 3; --quick: 1)")
     ap.add_argument("--no-torch", action="store_true", help="skip the transformers baseline")
     args = ap.parse_args(argv)
+    host_malloc = keep_freed_memory()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
 
     quick = args.quick
@@ -311,7 +312,7 @@ def main(argv: list[str] | None = None) -> None:
                 ap.error(f"unknown model {name!r}; choose from {[*SIZES, 'smollm2']}")
             rows += bench_model(label, d, batches, prompt_len, new_tokens, repeats, not args.no_torch, peak)
     print_table(rows, peak)
-    info = machine_info()
+    info = {**machine_info(), "host_malloc": host_malloc}
     print(machine_line(info))
     for s in skipped:
         print("skipped:", s)

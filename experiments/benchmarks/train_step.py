@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(ROOT)]
 
 import numpy as np  # noqa: E402
-from common import machine, machine_line, make_llama_checkpoint, peak_rss_mb, print_table, write_json  # noqa: E402
+from common import keep_freed_memory, machine, machine_line, make_llama_checkpoint, peak_rss_mb, print_table, write_json  # noqa: E402
 
 GROUP = 4  # K samples per prompt
 PROMPT = 16  # prompt tokens per row (the rest of the row is the scored response)
@@ -294,6 +294,7 @@ def _vocab(ckpt: str | Path) -> int:
 
 
 def worker(args: argparse.Namespace) -> None:
+    keep_freed_memory()  # both sides (common.keep_freed_memory)
     if args.worker == "jax":
         result = run_jax(args.ckpt, args.rows, args.seq, args.repeats, args.precision, not args.unrolled)
     else:
