@@ -27,7 +27,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from common import machine, machine_line, make_llama_checkpoint, print_table, write_json  # noqa: E402
+from common import keep_freed_memory, machine, machine_line, make_llama_checkpoint, print_table, write_json  # noqa: E402
 from flax import nnx  # noqa: E402
 from forward import PAD, make_neox_checkpoint  # noqa: E402
 
@@ -139,6 +139,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="10M only, 3 rounds instead of 7")
     ap.add_argument("--json", help="write the figures to this path")
     args = ap.parse_args()
+    keep_freed_memory()
     if jax.default_backend() != "cpu":
         raise SystemExit("dot_backend.py compares XLA:CPU's dot kernels; run it on a CPU backend")
     rounds = 3 if args.quick else 7

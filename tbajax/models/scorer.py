@@ -39,9 +39,11 @@ def sequence_scoring_compiler_options() -> dict[str, Any] | None:
     classifiers, the red-team judges): on the CPU backend, XLA's own (Eigen) dot kernels instead
     of its YNNPACK fusions, under which the attention's batched [256 x 256] @ [256 x 32] products
     ran far below the matmul rate. `experiments/benchmarks/dot_backend.py` measures each kind of
-    program both ways: a GPT-NeoX reward model's forward gains, while causal-LM forwards with a
-    vocabulary head come out even, decode loses and a train step is within noise, so those keep
-    XLA's default. None on other backends (the option is XLA:CPU's)."""
+    program both ways: a GPT-NeoX reward model's forward gained, while causal-LM forwards with a
+    vocabulary head came out even, decode lost and a train step was within noise, so those keep
+    XLA's default. Since the decoders' attention loops over batch rows the reward model comes out
+    even too (the encoders' attention does not loop and is not timed there). None on other
+    backends (the option is XLA:CPU's)."""
     if jax.default_backend() != "cpu":
         return None
     return {"xla_cpu_experimental_ynn_fusion_type": ""}
