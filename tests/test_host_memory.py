@@ -1,5 +1,6 @@
 """The host allocator setting that `python -m tbajax.main` applies: freed memory is reused, not
-page-faulted in anew; a bad $TBAJAX_HOST_MALLOC is refused with the choices named."""
+page-faulted in anew, by default where JAX runs on CPU; a bad $TBAJAX_HOST_MALLOC is refused
+with the choices named."""
 
 import os
 import platform
@@ -45,9 +46,23 @@ def test_freed_memory_is_reused_instead_of_faulted_in_again():
     assert applied == "system" and faults > 10 * (64 << 20) // 4096 // 2
 
 
+def test_auto_reuses_where_jax_runs_on_cpu_only(monkeypatch):
+    from tbajax.system import host_memory
+
+    monkeypatch.delenv("TBAJAX_HOST_MALLOC", raising=False)
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    assert host_memory.requested_mode() == "auto" and host_memory.jax_runs_on_cpu()
+    if platform.libc_ver()[0] == "glibc":
+        assert host_memory.effective_mode() == "reuse"
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda,cpu")  # an accelerator host keeps glibc's defaults
+    assert not host_memory.jax_runs_on_cpu() and host_memory.effective_mode() == "system"
+    monkeypatch.setenv("TBAJAX_HOST_MALLOC", "reuse")  # unless asked
+    assert host_memory.effective_mode() in ("reuse", "unsupported")
+
+
 def test_a_bad_mode_is_refused_with_the_choices():
     env = {**os.environ, "TBAJAX_HOST_MALLOC": "jemalloc", "PYTHONPATH": ROOT}
     out = subprocess.run([sys.executable, "-m", "tbajax.main", "--print-config"], env=env, capture_output=True,
                          text=True)
     assert out.returncode == 2
-    assert "TBAJAX_HOST_MALLOC='jemalloc'" in out.stderr and "reuse, system" in out.stderr
+    assert "TBAJAX_HOST_MALLOC='jemalloc'" in out.stderr and "auto, reuse, system" in out.stderr

@@ -83,11 +83,11 @@ def keep_freed_memory() -> str:
 
 def machine() -> dict[str, Any]:
     """Where a figure was measured, with the machine's fp32 matmul rate measured now (the same
-    record a run's summary.json carries) and the host allocator mode asked for."""
-    from tbajax.system.host_memory import requested_mode
+    record a run's summary.json carries) and the host allocator mode in effect."""
+    from tbajax.system.host_memory import effective_mode
     from tbajax.system.metrics import machine_info
 
-    return {**machine_info(), "host_malloc": requested_mode()}
+    return {**machine_info(), "host_malloc": effective_mode()}
 
 
 def machine_line(info: dict[str, Any]) -> str:

@@ -10,10 +10,13 @@ the next step reuses them: its median step went from 5.5 to 4.8 s (torch's, give
 setting, from 4.6 to 4.0 s; the benchmarks record the mode they ran with).
 
 The price is resident memory: it stays at its peak, and fragmentation raises the peak (the
-train-step benchmark's tbajax process: 1.8 -> 2.9 GB at 10M, 4.1 -> 5.0 GB at 50M). `python -m tbajax.main` applies it at startup, before any thread exists (every
-role process of a run starts there); `tbajax.main.main()` called from other code (a test, a
-notebook) leaves that process alone, and code that drives tbajax from its own entry point may
-call `keep_freed_memory()` first thing. `TBAJAX_HOST_MALLOC=system` keeps glibc's defaults.
+train-step benchmark's tbajax process: 1.8 -> 2.9 GB at 10M, 4.1 -> 5.0 GB at 50M).
+
+`python -m tbajax.main` applies it at startup, before any thread exists (every role process of a
+run starts there); `tbajax.main.main()` called from other code (a test, a notebook) leaves that
+process alone, and code that drives tbajax from its own entry point may call
+`keep_freed_memory()` first thing. It applies where JAX runs on CPU (`TBAJAX_HOST_MALLOC=auto`,
+the default); `reuse` forces it, `system` keeps glibc's defaults.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import os
 import platform
 
 ENV = "TBAJAX_HOST_MALLOC"
-MODES = ("reuse", "system")
+MODES = ("auto", "reuse", "system")
 
 # mallopt(3) parameters
 _M_TRIM_THRESHOLD = -1
@@ -32,22 +35,45 @@ _M_ARENA_MAX = -8
 
 
 def requested_mode() -> str:
-    """The mode $TBAJAX_HOST_MALLOC asks for ("reuse" when unset)."""
-    mode = os.environ.get(ENV, "reuse").strip().lower() or "reuse"
+    """The mode $TBAJAX_HOST_MALLOC asks for ("auto" when unset)."""
+    mode = os.environ.get(ENV, "auto").strip().lower() or "auto"
     if mode not in MODES:
         raise ValueError(f"{ENV}={os.environ[ENV]!r}: choose one of {', '.join(MODES)}")
     return mode
 
 
-def keep_freed_memory() -> str:
-    """Configure glibc malloc to keep freed memory (see the module docstring), unless
-    $TBAJAX_HOST_MALLOC=system. Call it before threads start allocating. Returns the mode in
-    effect: "reuse", "system", or "unsupported" (not glibc: nothing to change)."""
+def jax_runs_on_cpu() -> bool:
+    """Whether this process's JAX will pick the CPU backend, decided without initialising JAX:
+    $JAX_PLATFORMS if set (its first entry), else whether no accelerator plugin is installed (JAX
+    finds GPU plugins through the `jax_plugins` entry points, TPUs through `libtpu`)."""
+    platforms = os.environ.get("JAX_PLATFORMS", "").strip()
+    if platforms:
+        return platforms.split(",")[0].strip().lower() == "cpu"
+    from importlib.metadata import entry_points
+    from importlib.util import find_spec
+
+    return not list(entry_points(group="jax_plugins")) and find_spec("libtpu") is None
+
+
+def effective_mode() -> str:
+    """What `keep_freed_memory()` does here: "reuse", "system" or "unsupported" (not glibc).
+    "auto" reuses on hosts where JAX runs on CPU, the case measured; on accelerator hosts, whose
+    large buffers live in device memory, one malloc arena shared by every host thread would be a
+    cost with nothing measured against it, so they keep glibc's defaults unless asked."""
     mode = requested_mode()
-    if mode == "system":
-        return mode
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+    if mode == "auto":
+        mode = "reuse" if jax_runs_on_cpu() else "system"
+    if mode == "reuse" and (platform.system() != "Linux" or platform.libc_ver()[0] != "glibc"):
         return "unsupported"
+    return mode
+
+
+def keep_freed_memory() -> str:
+    """Configure glibc malloc to keep freed memory (see the module docstring) where
+    `effective_mode()` says "reuse"; returns that mode. Call it before threads start allocating."""
+    mode = effective_mode()
+    if mode != "reuse":
+        return mode
     libc = ctypes.CDLL(None)
     settings = ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, -1))  # -1: never trim
     failed = [param for param, value in settings if libc.mallopt(param, value) != 1]
