@@ -27,7 +27,9 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from common import keep_freed_memory, machine, machine_line, make_llama_checkpoint, print_table, write_json  # noqa: E402
+from common import (  # noqa: E402
+    keep_freed_memory, machine, machine_line, make_llama_checkpoint, print_table, write_json,
+)
 from flax import nnx  # noqa: E402
 from forward import PAD, make_neox_checkpoint  # noqa: E402
 

@@ -37,7 +37,9 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(ROOT)]
 
 import numpy as np  # noqa: E402
-from common import keep_freed_memory, machine, machine_line, make_llama_checkpoint, peak_rss_mb, print_table, write_json  # noqa: E402
+from common import (  # noqa: E402
+    keep_freed_memory, machine, machine_line, make_llama_checkpoint, peak_rss_mb, print_table, write_json,
+)
 
 GROUP = 4  # K samples per prompt
 PROMPT = 16  # prompt tokens per row (the rest of the row is the scored response)

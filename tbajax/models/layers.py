@@ -151,9 +151,7 @@ def attention(q: Array, k: Array, v: Array, mask: Array) -> Array:
     Both matmuls are batched over kv heads with the query group folded into the rows, one batch
     row at a time (`_attend_rows`).
     """
-    b, t, h, d = q.shape
-    kv = k.shape[1]
-    return _attend_rows(_group_queries(q, kv), k, v, mask, keys_d_major=False)
+    return _attend_rows(_group_queries(q, k.shape[1]), k, v, mask, keys_d_major=False)
 
 
 def cached_attention(q: Array, kt: Array, v: Array, mask: Array) -> Array:
