@@ -296,17 +296,19 @@ def test_hand_written_vjps_match_autodiff(dtype):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=tol * 10, rtol=tol)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_attention_and_its_vjp_match_a_plain_softmax(dtype):
+@pytest.mark.parametrize("dtype,t", [(jnp.float32, 6), (jnp.bfloat16, 6), (jnp.float32, 128)])
+def test_attention_and_its_vjp_match_a_plain_softmax(dtype, t):
     """The row-looped attention (and its flash-style VJP) against a plain einsum softmax, for
-    grouped queries, right padding, a query row that sees no key and both key layouts."""
-    from tbajax.models.layers import _MASK_VALUE, attention, cached_attention
+    grouped queries, right padding, a query row that sees no key, both key layouts and (t = 128)
+    the causal query blocks that skip the keys above the diagonal."""
+    from tbajax.models.layers import _MASK_VALUE, attention, cached_attention, causal_blocks
 
+    assert [causal_blocks(n) for n in (6, 40, 64, 96, 128, 256)] == [1, 1, 2, 2, 4, 4]
     r = np.random.default_rng(0)
-    b, t, h, kv, d = 3, 6, 4, 2, 8
+    b, h, kv, d = 3, 4, 2, 8
     q, k, v = (jnp.asarray(r.normal(size=shape), dtype) for shape in ((b, t, h, d), (b, kv, t, d), (b, kv, t, d)))
     causal = np.tril(np.ones((t, t), bool))
-    real = np.arange(t)[None, :] < np.array([6, 4, 6])[:, None]
+    real = np.arange(t)[None, :] < np.array([t, t - 2, t])[:, None]
     mask = causal[None] & real[:, None, :]
     mask[2, 1] = False  # a query that attends to nothing: a uniform average, no gradient to q or k
     mask = jnp.asarray(mask)
@@ -322,16 +324,23 @@ def test_attention_and_its_vjp_match_a_plain_softmax(dtype):
     variants = {
         "heads-major keys": lambda q, k, v: attention(q, k, v, mask),
         "d-major keys": lambda q, k, v: cached_attention(q, k.swapaxes(2, 3), v, mask),
+        "causal blocks": lambda q, k, v: attention(q, k, v, mask, causal=True),
     }
+    # the causal blocks average a blind query's values over its own block's keys, not all keys
+    # (padding output that no real position reads): compare the queries that see a key
+    sees = np.asarray(mask).any(-1)[..., None, None]
     tol = 1e-5 if dtype == jnp.float32 else 3e-2
-    loss = lambda f: lambda q, k, v: (f(q, k, v).astype(jnp.float32) * weights).sum()  # noqa: E731
-    want = jax.jit(jax.grad(loss(plain), argnums=(0, 1, 2)))(q, k, v)
     for name, f in variants.items():
+        w = weights * sees if name == "causal blocks" else weights
+        loss = lambda f: lambda q, k, v: (f(q, k, v).astype(jnp.float32) * w).sum()  # noqa: E731
         out = jax.jit(f)(q, k, v)
         assert out.dtype == dtype and out.shape == (b, t, h, d), name
-        np.testing.assert_allclose(np.asarray(out, np.float32), jax.jit(plain)(q, k, v), atol=tol * 3, err_msg=name)
+        want_out = np.asarray(jax.jit(plain)(q, k, v))
+        np.testing.assert_allclose(np.where(sees, np.asarray(out, np.float32), 0), np.where(sees, want_out, 0),
+                                   atol=tol * 3, err_msg=name)
+        want = jax.jit(jax.grad(loss(plain), argnums=(0, 1, 2)))(q, k, v)
         got = jax.jit(jax.grad(loss(f), argnums=(0, 1, 2)))(q, k, v)
         for a, w_, what in zip(got, want, "qkv"):
             np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(w_, np.float32), atol=tol * 10,
                                        rtol=tol, err_msg=f"{name}: d{what}")
-    assert not np.asarray(got[0][2, 1]).any()  # the blind query gets no gradient
+        assert not np.asarray(got[0][2, 1]).any(), name  # the blind query gets no gradient

@@ -24,7 +24,7 @@ from flax import nnx
 
 from tbajax.models.config import ModelConfig, rope_inv_freq
 from tbajax.models.families import Family, ParamSpec, family_for
-from tbajax.models.layers import apply_rope, attention, rms_norm  # noqa: F401  (re-exported)
+from tbajax.models.layers import CausalMask, apply_rope, attention, rms_norm  # noqa: F401  (re-exported)
 from tbajax.models.layers import rope_tables as _rope_tables
 from tbajax.sharding import constrain
 
@@ -199,7 +199,7 @@ class CausalLM(nnx.Module):
                 mask = attention_mask
             else:
                 slots = jnp.arange(t)
-                mask = (slots[None, :] <= slots[:, None])[None] & attention_mask[:, None, :]
+                mask = CausalMask((slots[None, :] <= slots[:, None])[None] & attention_mask[:, None, :])
 
             def body(h: Array, p: dict[str, Array]) -> tuple[Array, None]:
                 h, _ = layer(p, h, tables, mask, None)

@@ -3,6 +3,7 @@ the KV-cache write. Each family's block (tbajax/models/families/*.py) is compose
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any
@@ -130,28 +131,46 @@ def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
     return (xf * cos[:, :, None] + rot * sin[:, :, None]).astype(x.dtype)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class CausalMask:
+    """A [b, t, t] attention mask that the decoder built as causal & padding: no query sees a later
+    position, so attention may skip the blocks above the diagonal. The family blocks pass masks
+    through to `self_attention` without looking at them. A query that sees no key (a left-padding
+    position) then averages the values of its own block's keys rather than of all keys: padding
+    output either way, which no real position reads."""
+
+    mask: Array
+
+
 def self_attention(
-    q: Array, k: Array, v: Array, mask: Array, cache: LayerCache | None, dtype: Any
+    q: Array, k: Array, v: Array, mask: Array | CausalMask, cache: LayerCache | None, dtype: Any
 ) -> tuple[Array, tuple[Array, Array] | None]:
     """Attention of this step's queries q [b,t,h,d] over its keys/values [b,t,kv,d], or, with a
     layer cache, over the whole cache after writing this step's keys/values into it at the write
     slot. Returns ([b,t,h,d], the updated (keys, values) buffers or None)."""
     if cache is None:
-        return attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask), None
+        causal = isinstance(mask, CausalMask)
+        keys, values = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+        return attention(q, keys, values, mask.mask if causal else mask, causal=causal), None
+    if isinstance(mask, CausalMask):
+        raise TypeError("a KV-cache step takes its mask over cache slots, not a CausalMask")
     kt, cv, index = cache
     kt = jax.lax.dynamic_update_slice(kt, k.transpose(0, 2, 3, 1).astype(kt.dtype), (0, 0, 0, index))
     cv = jax.lax.dynamic_update_slice(cv, v.transpose(0, 2, 1, 3).astype(cv.dtype), (0, 0, index, 0))
     return cached_attention(q, kt.astype(dtype), cv.astype(dtype), mask), (kt, cv)
 
 
-def attention(q: Array, k: Array, v: Array, mask: Array) -> Array:
+def attention(q: Array, k: Array, v: Array, mask: Array, causal: bool = False) -> Array:
     """Grouped-query attention scaled by 1/sqrt(head_dim).
     q [b,t,h,d]; k,v heads-major [b,kv,s,d]; mask [b,t,s] -> [b,t,h,d].
 
     Both matmuls are batched over kv heads with the query group folded into the rows, one batch
-    row at a time (`_attend_rows`).
+    row at a time (`_attend_rows`). causal=True promises that no query sees a later position
+    (s = t, mask within the lower triangle), so the blocks above the diagonal are skipped.
     """
-    return _attend_rows(_group_queries(q, k.shape[1]), k, v, mask, keys_d_major=False)
+    blocks = causal_blocks(q.shape[1]) if causal else 1
+    return _attend_rows(_group_queries(q, k.shape[1]), k, v, mask, keys_d_major=False, blocks=blocks)
 
 
 def cached_attention(q: Array, kt: Array, v: Array, mask: Array) -> Array:
@@ -182,7 +201,7 @@ def _group_queries(q: Array, kv: int) -> Array:
     return q.reshape(b, t, kv, h // kv, d).transpose(0, 2, 3, 1, 4).reshape(b, kv, (h // kv) * t, d)
 
 
-def _attend_rows(q: Array, k: Array, v: Array, mask: Array, keys_d_major: bool) -> Array:
+def _attend_rows(q: Array, k: Array, v: Array, mask: Array, keys_d_major: bool, blocks: int = 1) -> Array:
     """Scaled, masked softmax attention of grouped queries q [b,kv,g*t,d] over k ([b,kv,s,d], or
     d-major [b,kv,d,s]) and v [b,kv,s,d], mask [b,t,s] -> [b,t,g*kv,d].
 
@@ -197,7 +216,7 @@ def _attend_rows(q: Array, k: Array, v: Array, mask: Array, keys_d_major: bool) 
     def loop_major(x: Array) -> Array:  # [b, ...] -> [b / shards, shards, ...]
         return x.reshape(shards, b // shards, *x.shape[1:]).swapaxes(0, 1)
 
-    out = _looped_attention(keys_d_major, *(loop_major(x) for x in (q, k, v, mask)))
+    out = _looped_attention(keys_d_major, blocks, *(loop_major(x) for x in (q, k, v, mask)))
     out = out.swapaxes(0, 1).reshape(b, kv, gt // t, t, d)
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, gt * kv // t, d)
 
@@ -228,9 +247,89 @@ def _row_attention(keys_d_major: bool, xs: tuple[Array, ...]) -> tuple[Array, Ar
     return (out / total).astype(vi.dtype), top, total
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _looped_attention(keys_d_major: bool, q: Array, k: Array, v: Array, mask: Array) -> Array:
-    """Attention with a leading loop axis ([n, rows, ...] inputs -> [n, rows, kv, g, t, d]).
+def _row_grads(keys_d_major: bool, xs: tuple[Array, ...]) -> tuple[Array, Array, Array]:
+    """One loop step of the VJP: the scores recomputed from q and k, then (dq, dk, dv)."""
+    qi, ki, vi, mi, oi, top, total, gi = xs
+    rows, kv, gt, d = qi.shape
+    p = jnp.exp(_row_scores(qi, ki, mi, keys_d_major) - top) / total  # [rows, kv, g, t, s]
+    gf = gi.astype(jnp.float32)
+    dv = _bdot(p.reshape(rows, kv, gt, -1), gf.reshape(rows, kv, gt, d), 2, 2)  # [rows, kv, s, d]
+    dp = _bdot(gf.reshape(rows, kv, gt, d), vi.astype(jnp.float32), 3, 3).reshape(p.shape)
+    delta = (gf * oi.astype(jnp.float32)).sum(-1, keepdims=True)
+    ds = jnp.where(mi[:, None, None], p * (dp - delta), 0.0).reshape(rows, kv, gt, -1) * (d**-0.5)
+    dq = _bdot(ds, ki.astype(jnp.float32), 3, 3 if keys_d_major else 2)  # [rows, kv, g*t, d]
+    if keys_d_major:
+        dk = _bdot(qi.astype(jnp.float32), ds, 2, 2)  # [rows, kv, d, s]
+    else:
+        dk = _bdot(ds, qi.astype(jnp.float32), 2, 2)  # [rows, kv, s, d]
+    return dq.astype(qi.dtype), dk.astype(ki.dtype), dv.astype(vi.dtype)
+
+
+def _query_blocks(q: Array, t: int, blocks: int) -> list[Array]:
+    """Grouped queries [rows, kv, g*t, d] -> `blocks` consecutive position blocks, each grouped."""
+    rows, kv, gt, d = q.shape
+    q5 = q.reshape(rows, kv, gt // t, t, d)
+    tb = t // blocks
+    return [q5[:, :, :, i * tb:(i + 1) * tb].reshape(rows, kv, -1, d) for i in range(blocks)]
+
+
+def _causal_row_attention(keys_d_major: bool, blocks: int, xs: tuple[Array, ...]) -> tuple[Array, Array, Array]:
+    """`_row_attention` for a mask that sees no later position, in `blocks` query blocks: block i
+    attends to the first (i + 1) / blocks of the keys only (the rest are masked anyway)."""
+    if blocks == 1:
+        return _row_attention(keys_d_major, xs)
+    qi, ki, vi, mi = xs
+    t = mi.shape[1]
+    tb = t // blocks
+    parts = [
+        _row_attention(keys_d_major, (qb, _first_keys(ki, (i + 1) * tb, keys_d_major), vi[:, :, :(i + 1) * tb],
+                                      mi[:, i * tb:(i + 1) * tb, :(i + 1) * tb]))
+        for i, qb in enumerate(_query_blocks(qi, t, blocks))
+    ]
+    return tuple(jnp.concatenate(x, axis=3) for x in zip(*parts))  # type: ignore[return-value]
+
+
+def _causal_row_grads(keys_d_major: bool, blocks: int, xs: tuple[Array, ...]) -> tuple[Array, Array, Array]:
+    """`_row_grads` in the query blocks of `_causal_row_attention`; key and value gradients add up
+    over the blocks that read them."""
+    if blocks == 1:
+        return _row_grads(keys_d_major, xs)
+    qi, ki, vi, mi, oi, top, total, gi = xs
+    rows, kv, gt, d = qi.shape
+    t, s = mi.shape[1], mi.shape[2]
+    tb = t // blocks
+    dqs, dk, dv = [], jnp.zeros(ki.shape, jnp.float32), jnp.zeros(vi.shape, jnp.float32)
+    for i, qb in enumerate(_query_blocks(qi, t, blocks)):
+        n, rows_t = (i + 1) * tb, slice(i * tb, (i + 1) * tb)
+        dq_b, dk_b, dv_b = _row_grads(keys_d_major, (
+            qb, _first_keys(ki, n, keys_d_major), vi[:, :, :n], mi[:, rows_t, :n],
+            oi[:, :, :, rows_t], top[:, :, :, rows_t], total[:, :, :, rows_t], gi[:, :, :, rows_t]))
+        dqs.append(dq_b.reshape(rows, kv, -1, tb, d))
+        pad_k = ((0, 0), (0, 0), (0, 0), (0, s - n)) if keys_d_major else ((0, 0), (0, 0), (0, s - n), (0, 0))
+        dk = dk + jnp.pad(dk_b.astype(jnp.float32), pad_k)
+        dv = dv + jnp.pad(dv_b.astype(jnp.float32), ((0, 0), (0, 0), (0, s - n), (0, 0)))
+    dq = jnp.concatenate(dqs, axis=3).reshape(rows, kv, gt, d)
+    return dq, dk.astype(ki.dtype), dv.astype(vi.dtype)
+
+
+def _first_keys(k: Array, n: int, keys_d_major: bool) -> Array:
+    return k[..., :n] if keys_d_major else k[:, :, :n]
+
+
+def causal_blocks(t: int) -> int:
+    """How many query blocks a causal attention over t positions is split into: 4 skips 3/8 of
+    the score and value products; blocks of fewer than 32 positions would cost more in per-block
+    overhead than they skip."""
+    for blocks in (4, 2):
+        if t % blocks == 0 and t // blocks >= 32:
+            return blocks
+    return 1
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _looped_attention(keys_d_major: bool, blocks: int, q: Array, k: Array, v: Array, mask: Array) -> Array:
+    """Attention with a leading loop axis ([n, rows, ...] inputs -> [n, rows, kv, g, t, d]);
+    blocks > 1 promises a causal mask (`_causal_row_attention`).
 
     The whole batch's scores ([b,kv,g*t,s] fp32, 33 MB for 16 x 256 tokens at 8 heads) would be
     written and re-read by the masking, exponent, sum and product passes at memory speed, while
@@ -240,33 +339,20 @@ def _looped_attention(keys_d_major: bool, q: Array, k: Array, v: Array, mask: Ar
     row at a time, instead of storing every probability (2.2x faster than autodiff of the loop,
     and no [b,kv,g*t,s] residual).
     """
-    return jax.lax.map(functools.partial(_row_attention, keys_d_major), (q, k, v, mask))[0]
+    return jax.lax.map(functools.partial(_causal_row_attention, keys_d_major, blocks), (q, k, v, mask))[0]
 
 
-def _looped_attention_fwd(keys_d_major: bool, q: Array, k: Array, v: Array, mask: Array) -> tuple[Array, Any]:
-    out, top, total = jax.lax.map(functools.partial(_row_attention, keys_d_major), (q, k, v, mask))
+def _looped_attention_fwd(keys_d_major: bool, blocks: int, q: Array, k: Array, v: Array, mask: Array
+                          ) -> tuple[Array, Any]:
+    out, top, total = jax.lax.map(functools.partial(_causal_row_attention, keys_d_major, blocks), (q, k, v, mask))
     return out, (q, k, v, mask, out, top, total)
 
 
-def _looped_attention_bwd(keys_d_major: bool, residuals: Any, g_out: Array) -> tuple[Array, Array, Array, None]:
-    def row(xs: tuple[Array, ...]) -> tuple[Array, Array, Array]:
-        qi, ki, vi, mi, oi, top, total, gi = xs
-        rows, kv, gt, d = qi.shape
-        p = jnp.exp(_row_scores(qi, ki, mi, keys_d_major) - top) / total  # [rows, kv, g, t, s]
-        gf = gi.astype(jnp.float32)
-        dv = _bdot(p.reshape(rows, kv, gt, -1), gf.reshape(rows, kv, gt, d), 2, 2)  # [rows, kv, s, d]
-        dp = _bdot(gf.reshape(rows, kv, gt, d), vi.astype(jnp.float32), 3, 3).reshape(p.shape)
-        delta = (gf * oi.astype(jnp.float32)).sum(-1, keepdims=True)
-        ds = jnp.where(mi[:, None, None], p * (dp - delta), 0.0).reshape(rows, kv, gt, -1) * (d**-0.5)
-        dq = _bdot(ds, ki.astype(jnp.float32), 3, 3 if keys_d_major else 2)  # [rows, kv, g*t, d]
-        if keys_d_major:
-            dk = _bdot(qi.astype(jnp.float32), ds, 2, 2)  # [rows, kv, d, s]
-        else:
-            dk = _bdot(ds, qi.astype(jnp.float32), 2, 2)  # [rows, kv, s, d]
-        return dq.astype(qi.dtype), dk.astype(ki.dtype), dv.astype(vi.dtype)
-
+def _looped_attention_bwd(keys_d_major: bool, blocks: int, residuals: Any, g_out: Array
+                          ) -> tuple[Array, Array, Array, None]:
     q, k, v, mask, out, top, total = residuals
-    dq, dk, dv = jax.lax.map(row, (q, k, v, mask, out, top, total, g_out))
+    dq, dk, dv = jax.lax.map(functools.partial(_causal_row_grads, keys_d_major, blocks),
+                             (q, k, v, mask, out, top, total, g_out))
     return dq, dk, dv, None
 
 
