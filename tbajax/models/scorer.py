@@ -35,14 +35,13 @@ Array = jax.Array
 
 
 def sequence_scoring_compiler_options() -> dict[str, Any] | None:
-    """XLA options for programs that score whole sequences to one value per row (reward models,
-    classifiers, the red-team judges): on the CPU backend, XLA's own (Eigen) dot kernels instead
-    of its YNNPACK fusions, under which the attention's batched [256 x 256] @ [256 x 32] products
-    ran far below the matmul rate. `experiments/benchmarks/dot_backend.py` measures each kind of
-    program both ways: a GPT-NeoX reward model's forward gained, while causal-LM forwards with a
-    vocabulary head came out even, decode lost and a train step was within noise, so those keep
-    XLA's default. Since the decoders' attention loops over batch rows the reward model comes out
-    even too (the encoders' attention does not loop and is not timed there). None on other
+    """XLA options for the encoders' sequence-scoring programs (sentence embeddings, classifiers,
+    the red-team toxicity judge): on the CPU backend, XLA's own (Eigen) dot kernels instead of its
+    YNNPACK fusions, under which their attention's batched [256 x 256] @ [256 x 32] products ran
+    far below the matmul rate. Decoder programs, this module's reward-model scorer included, keep
+    XLA's default: since their attention loops over batch rows and skips the causal upper blocks,
+    `experiments/benchmarks/dot_backend.py` measures YNNPACK faster for every one of them (the
+    encoders' attention does neither, and that benchmark does not time them). None on other
     backends (the option is XLA:CPU's)."""
     if jax.default_backend() != "cpu":
         return None
@@ -82,7 +81,6 @@ class SequenceScorer:
         self._graphdef, self._state = nnx.split(model)
         self._fn = jax.jit(
             lambda state, tokens, mask: sequence_scores(nnx.merge(self._graphdef, state), tokens, mask),
-            compiler_options=sequence_scoring_compiler_options(),
         )
 
     @property

@@ -214,7 +214,7 @@ class GuardJudge:
             last = hidden[jnp.arange(ids.shape[0]), mask.sum(-1) - 1]  # right padding: each row's last token
             return jax.nn.log_softmax(model.logits(last), axis=-1)[:, unsafe_id]
 
-        self._fn = jax.jit(fn, compiler_options=sequence_scoring_compiler_options())
+        self._fn = jax.jit(fn)  # a decoder: XLA's default dots (see sequence_scoring_compiler_options)
 
     def conversation_ids(self, prompt: str, answer: str) -> list[int]:
         def content(text: str) -> Any:
