@@ -62,7 +62,7 @@ def test_auto_reuses_where_jax_runs_on_cpu_only(monkeypatch):
 
 def test_a_bad_mode_is_refused_with_the_choices():
     env = {**os.environ, "TBAJAX_HOST_MALLOC": "jemalloc", "PYTHONPATH": ROOT}
-    out = subprocess.run([sys.executable, "-m", "tbajax.main", "--print-config"], env=env, capture_output=True,
-                         text=True)
+    command = [sys.executable, "-m", "tbajax.main", "--print-config"]
+    out = subprocess.run(command, env=env, capture_output=True, text=True)
     assert out.returncode == 2
     assert "TBAJAX_HOST_MALLOC='jemalloc'" in out.stderr and "auto, reuse, system" in out.stderr

@@ -273,7 +273,8 @@ def _query_blocks(q: Array, t: int, blocks: int) -> list[Array]:
     return [q5[:, :, :, i * tb:(i + 1) * tb].reshape(rows, kv, -1, d) for i in range(blocks)]
 
 
-def _causal_row_attention(keys_d_major: bool, blocks: int, xs: tuple[Array, ...]) -> tuple[Array, Array, Array]:
+def _causal_row_attention(keys_d_major: bool, blocks: int, xs: tuple[Array, ...]
+                          ) -> tuple[Array, Array, Array]:
     """`_row_attention` for a mask that sees no later position, in `blocks` query blocks: block i
     attends to the first (i + 1) / blocks of the keys only (the rest are masked anyway)."""
     if blocks == 1:
@@ -282,8 +283,8 @@ def _causal_row_attention(keys_d_major: bool, blocks: int, xs: tuple[Array, ...]
     t = mi.shape[1]
     tb = t // blocks
     parts = [
-        _row_attention(keys_d_major, (qb, _first_keys(ki, (i + 1) * tb, keys_d_major), vi[:, :, :(i + 1) * tb],
-                                      mi[:, i * tb:(i + 1) * tb, :(i + 1) * tb]))
+        _row_attention(keys_d_major, (qb, _first_keys(ki, (i + 1) * tb, keys_d_major),
+                                      vi[:, :, :(i + 1) * tb], mi[:, i * tb:(i + 1) * tb, :(i + 1) * tb]))
         for i, qb in enumerate(_query_blocks(qi, t, blocks))
     ]
     return tuple(jnp.concatenate(x, axis=3) for x in zip(*parts))  # type: ignore[return-value]
@@ -344,7 +345,8 @@ def _looped_attention(keys_d_major: bool, blocks: int, q: Array, k: Array, v: Ar
 
 def _looped_attention_fwd(keys_d_major: bool, blocks: int, q: Array, k: Array, v: Array, mask: Array
                           ) -> tuple[Array, Any]:
-    out, top, total = jax.lax.map(functools.partial(_causal_row_attention, keys_d_major, blocks), (q, k, v, mask))
+    step = functools.partial(_causal_row_attention, keys_d_major, blocks)
+    out, top, total = jax.lax.map(step, (q, k, v, mask))
     return out, (q, k, v, mask, out, top, total)
 
 
