@@ -334,13 +334,12 @@ def _looped_attention(keys_d_major: bool, blocks: int, q: Array, k: Array, v: Ar
 
     The whole batch's scores ([b,kv,g*t,s] fp32, 33 MB for 16 x 256 tokens at 8 heads) would be
     written and re-read by the masking, exponent, sum and product passes at memory speed, while
-    one row's stay in cache: 3.7x faster for that shape on a 2-core CPU (torch runs a fused
-    kernel there). The softmax is normalised after the value product (fewer divisions). The
-    VJP is flash-attention's: it keeps only each row's max and sum and recomputes the scores a
-    row at a time, instead of storing every probability (2.2x faster than autodiff of the loop,
-    and no [b,kv,g*t,s] residual).
+    one row's stay in cache (`experiments/benchmarks/attention.py` times both against torch's
+    fused kernel). The softmax is normalised after the value product (fewer divisions). The VJP
+    is flash-attention's: it keeps only each row's max and sum and recomputes the scores a row at
+    a time, instead of storing every probability (no [b,kv,g*t,s] residual).
     """
-    return jax.lax.map(functools.partial(_causal_row_attention, keys_d_major, blocks), (q, k, v, mask))[0]
+    return _looped_attention_fwd(keys_d_major, blocks, q, k, v, mask)[0]
 
 
 def _looped_attention_fwd(keys_d_major: bool, blocks: int, q: Array, k: Array, v: Array, mask: Array

@@ -4,13 +4,14 @@ XLA's CPU runtime allocates every large temporary and output of a program with t
 and frees it when the program ends. glibc hands out allocations above its mmap threshold (32 MB
 at most) as fresh mappings and unmaps them on free; smaller ones come from per-thread arenas
 that shrink when freed. Either way the next step writes to pages the kernel must fault in and
-zero again: a 50M-parameter train step on a 2-core CPU took ~250k page faults (1 GB) per call.
-With one arena, no per-allocation mappings and no trimming, the freed pages stay in the heap and
-the next step reuses them: its median step went from 5.5 to 4.8 s (torch's, given the same
-setting, from 4.6 to 4.0 s; the benchmarks record the mode they ran with).
+zero again. With one arena, no per-allocation mappings and no trimming, the freed pages stay
+in the heap and the next step reuses them: on a 2-core CPU the 50M train step went from 5.60 to
+4.24 s, torch's given the same setting from 4.53 to 4.21 s
+(`experiments/results/benchmarks/train_step_system_malloc.json` against `train_step.json`; the
+benchmarks record the mode they ran with).
 
-The price is resident memory: it stays at its peak, and fragmentation raises the peak (the
-train-step benchmark's tbajax process: 1.8 -> 2.9 GB at 10M, 4.1 -> 5.0 GB at 50M).
+The price is resident memory: it stays at its peak, and fragmentation raises the peak (that
+benchmark's tbajax process: 1.8 -> 2.0 GB at 10M, 4.1 -> 6.5 GB at 50M).
 
 `python -m tbajax.main` applies it at startup, before any thread exists (every role process of a
 run starts there); `tbajax.main.main()` called from other code (a test, a notebook) leaves that
