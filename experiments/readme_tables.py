@@ -42,8 +42,8 @@ TABLES: dict[str, dict[str, list[str]]] = {
     "sampler_quick": {"rows": ["model", "batch", "prompt_len", "new_tokens", "ours_tok_s", "ours_decode_tok_s",
                                "torch_tok_s", "ratio", "roofline_frac"]},
     "sampler": {"rows": ["model", "batch", "prompt_len", "new_tokens", "ours_tok_s", "ours_decode_tok_s",
-                         "torch_tok_s", "torch_threads", "ratio", "roofline_frac", "ours_step_ms", "ours_matmul_ms",
-                         "torch_matmul_ms", "bound_ratio"]},
+                         "torch_tok_s", "torch_threads", "ratio", "roofline_frac", "ours_step_ms",
+                         "ours_matmul_ms", "ours_attention_ms", "torch_matmul_ms", "bound_ratio"]},
     "redteam_trainer_memory": {"arms": ["arm", "rss_after_load_mb", "state_mb", "rss_after_updates_mb", "update_s"],
                                "ratios_after_over_before": ["rss_after_updates_mb", "state_mb", "update_s"]},
     "continuous_batching": {
@@ -65,7 +65,8 @@ TABLES: dict[str, dict[str, list[str]]] = {
 ABSOLUTE = {"update_s", "tbajax_tok_s", "torch_tok_s", "step_s", "best_step_s", "ms", "MB_s", "ours_tok_s",
             "ours_decode_tok_s", "wall_time_s", "seconds", "samples_per_s", "tokens_per_s", "load_s", "swap_s",
             "decode_step_s", "publish_to_swapped_s", "publish_to_first_token_est_s", "publish_to_first_chunk_done_s",
-            "ynnpack_s", "eigen_s", "ours_step_ms", "ours_matmul_ms", "torch_matmul_ms"}
+            "ynnpack_s", "eigen_s", "ours_step_ms", "ours_matmul_ms", "torch_matmul_ms",
+            "ours_attention_ms"}
 
 
 def _fmt(v: Any) -> str:

@@ -74,6 +74,7 @@ class Row:
     roofline_frac: float
     ours_step_ms: float  # one decode step (the decode loop alone, per step)
     ours_matmul_ms: float  # one decode step's weight matmuls alone (`decode_matmul_seconds`)
+    ours_attention_ms: float  # one decode step's attention over the whole cache (`decode_attention_seconds`)
     torch_matmul_ms: float | None  # the same products with torch's linear layers
     bound_ratio: float | None  # torch_s / (prefill + (new - 1) x ours_matmul): the ratio's ceiling
     flops_per_token: float
@@ -157,6 +158,35 @@ def decode_matmul_seconds(model: Any, batch: int, repeats: int = 20) -> float:
     for _ in range(repeats):
         t = time.perf_counter()
         chain(x, layers, head).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def decode_attention_seconds(model: Any, batch: int, slots: int, repeats: int = 20) -> float:
+    """Best time of one decode step's attention over the KV cache alone: `layers.cached_attention`
+    (what a single-token step runs) over every layer's own [batch, kv, d, slots] keys and values,
+    chained through the layers. The cache writes are left out."""
+    from tbajax.models.layers import cached_attention
+
+    cfg = model.config
+    rng = np.random.default_rng(0)
+    kv, hd, dt = cfg.num_kv_heads, cfg.head_dim, cfg.jnp_dtype
+    keys = [jnp.asarray(rng.standard_normal((batch, kv, hd, slots)), dt) for _ in range(cfg.num_layers)]
+    values = [jnp.asarray(rng.standard_normal((batch, kv, slots, hd)), dt) for _ in range(cfg.num_layers)]
+    q = jnp.asarray(rng.standard_normal((batch, 1, cfg.num_heads, hd)), dt)
+    mask = jnp.ones((batch, 1, slots), bool)
+
+    @jax.jit
+    def chain(x: jax.Array, keys: Any, values: Any) -> jax.Array:
+        for k, v in zip(keys, values):
+            x = x + cached_attention(x, k, v, mask)
+        return x
+
+    chain(q, keys, values).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        chain(q, keys, values).block_until_ready()
         best = min(best, time.perf_counter() - t)
     return best
 
@@ -288,7 +318,7 @@ def bench_model(
             ours_s = min(ours_s, ours(r))
             if torch_gen is not None:
                 torch_s = min(torch_s, torch_gen(r))
-        kv_mb = sampler.cache_bytes / 2**20
+        kv_mb, slots = sampler.cache_bytes / 2**20, sampler.cache_slots  # before the 1-token calls
         ours(0, prefill_cfg)  # compile the 1-token program (not timed)
         prefill_s = min(ours(r, prefill_cfg) for r in range(repeats))
         ours_tok_s = batch * new_tokens / ours_s
@@ -296,6 +326,7 @@ def bench_model(
         fpt = flops_per_token(cfg, prompt_len + new_tokens / 2)
         step_s = (ours_s - prefill_s) / max(new_tokens - 1, 1)
         matmul_s = decode_matmul_seconds(model, batch)
+        attention_s = decode_attention_seconds(model, batch, slots)
         torch_matmul_s = (torch_decode_matmul_seconds(torch_model, batch, torch_gen.threads)
                           if torch_gen is not None else None)
         bound = prefill_s + (new_tokens - 1) * matmul_s
@@ -309,6 +340,7 @@ def bench_model(
             torch_threads=torch_gen.threads if torch_gen is not None else 0, torch_tok_s=torch_tok_s,
             ratio=ours_tok_s / torch_tok_s if torch_tok_s else None,
             roofline_frac=ours_tok_s * fpt / peak, ours_step_ms=step_s * 1e3, ours_matmul_ms=matmul_s * 1e3,
+            ours_attention_ms=attention_s * 1e3,
             torch_matmul_ms=torch_matmul_s * 1e3 if torch_matmul_s is not None else None,
             bound_ratio=torch_s / bound if torch_gen is not None else None,
             flops_per_token=fpt, kv_cache_mb=kv_mb,
@@ -323,11 +355,13 @@ def print_table(rows: list[Row], peak: float) -> None:
           f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} CPUs")
     print("tok/s = generated tokens per second of one call, prefill included; decode tok/s = the "
           "decode loop alone (call minus a 1-token call); thr = torch threads used")
-    print("step ms = one decode step; mm ms / torch mm = its weight matmuls alone on each side; bound = the "
-          "ratio if tbajax's decode steps took only their matmul time (no ratio target above it can be met)")
+    print("step ms = one decode step; mm ms / torch mm = its weight matmuls alone on each side; attn ms = "
+          "its "
+          "attention over the cache alone (ours); bound = the ratio if tbajax's decode steps took only their "
+          "matmul time (no ratio target above it can be met)")
     cols = [("model", 7), ("params", 7), ("batch", 5), ("P+new", 8), ("compile s", 9), ("ours s", 7),
             ("prefill s", 9), ("ours tok/s", 10), ("decode tok/s", 12), ("torch s", 8), ("thr", 3),
-            ("torch tok/s", 11), ("ratio", 6), ("roofline", 8), ("step ms", 7), ("mm ms", 6),
+            ("torch tok/s", 11), ("ratio", 6), ("roofline", 8), ("step ms", 7), ("mm ms", 6), ("attn ms", 7),
             ("torch mm", 8), ("bound", 6), ("KV MiB", 7), ("RSS MiB", 8), ("peak MiB", 8)]
     print(" ".join(f"{c:>{w}}" for c, w in cols))
     print("-" * (sum(w for _, w in cols) + len(cols) - 1))
@@ -340,6 +374,7 @@ def print_table(rows: list[Row], peak: float) -> None:
             f"{r.torch_s:.2f}" if r.torch_s else dash, r.torch_threads or dash,
             f"{r.torch_tok_s:.0f}" if r.torch_tok_s else dash, f"{r.ratio:.2f}x" if r.ratio else dash,
             f"{r.roofline_frac:.1%}", f"{r.ours_step_ms:.1f}", f"{r.ours_matmul_ms:.1f}",
+            f"{r.ours_attention_ms:.1f}",
             f"{r.torch_matmul_ms:.1f}" if r.torch_matmul_ms else dash,
             f"{r.bound_ratio:.2f}x" if r.bound_ratio else dash, f"{r.kv_cache_mb:.1f}", f"{r.rss_mb:.0f}", f"{r.peak_rss_mb:.0f}",
         ]
@@ -401,8 +436,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(
-            {"matmul_flops": peak, "matmul_flops_start": start, "jax": jax.__version__, "cpus": os.cpu_count(),
-             "machine": info, "rows": [dataclasses.asdict(r) for r in rows], "skipped": skipped}, indent=2))
+            {"matmul_flops": peak, "matmul_flops_start": start, "jax": jax.__version__,
+             "cpus": os.cpu_count(), "machine": info, "rows": [dataclasses.asdict(r) for r in rows], "skipped": skipped}, indent=2))
         print(f"wrote {args.json}")
 
 

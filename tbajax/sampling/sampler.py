@@ -357,6 +357,11 @@ class Sampler:
     def cache_bytes(self) -> int:
         return 0 if self._cache is None else self._cache.nbytes()
 
+    @property
+    def cache_slots(self) -> int:
+        """Slots per row of the last call's KV cache (its prompt bucket + max_new_tokens); 0 before any."""
+        return 0 if self._cache is None else self._cache.slots
+
     def _put_key(self, key: jax.Array) -> jax.Array:
         if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
             key = jax.random.wrap_key_data(jnp.asarray(key, jnp.uint32))
