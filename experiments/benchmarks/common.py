@@ -54,6 +54,17 @@ def timed_in_turns(ours: Callable[[], Any], theirs: Callable[[], Any], repeats: 
             "ratio": statistics.median(paired), "ratio_min": min(paired), "ratio_max": max(paired)}
 
 
+def best_seconds(fn: Callable[[], Any], repeats: int) -> float:
+    """Best time of a blocking call over `repeats` calls, after one untimed warm-up call."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def peak_rss_mb() -> float:
     """Peak resident set size of this process so far (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -40,7 +41,7 @@ from tbajax.models import ModelConfig, load_model
 from tbajax.system.metrics import machine_info, matmul_flops_per_s
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import keep_freed_memory, machine_line  # noqa: E402
+from common import best_seconds, keep_freed_memory, machine_line, timed_in_turns  # noqa: E402
 from tbajax.sampling import Sampler, SamplingConfig
 
 log = logging.getLogger("bench.sampler")
@@ -53,6 +54,7 @@ SIZES: dict[str, dict[str, int]] = {
             "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 24576},
 }
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MATMUL_REPEATS = 20  # timed calls of each one-step part (matmuls, attention), best kept
 
 
 @dataclasses.dataclass
@@ -73,8 +75,8 @@ class Row:
     ratio: float | None
     roofline_frac: float
     ours_step_ms: float  # one decode step (the decode loop alone, per step)
-    ours_matmul_ms: float  # one decode step's weight matmuls alone (`decode_matmul_seconds`)
-    ours_attention_ms: float  # one decode step's attention over the whole cache (`decode_attention_seconds`)
+    ours_matmul_ms: float  # one decode step's weight matmuls alone (`decode_matmul_chain`)
+    ours_attention_ms: float  # one decode step's attention over the whole cache (`decode_attention_chain`)
     torch_matmul_ms: float | None  # the same products with torch's linear layers
     bound_ratio: float | None  # torch_s / (prefill + (new - 1) x ours_matmul): the ratio's ceiling
     flops_per_token: float
@@ -133,11 +135,11 @@ def flops_per_token(cfg: ModelConfig, context: float) -> float:
     return 2 * (weights + attention)
 
 
-def decode_matmul_seconds(model: Any, batch: int, repeats: int = 20) -> float:
-    """Best time of one decode step's weight matmuls alone: each layer's q/k/v, o, gate/up and
-    down products (in the sampler's decode layout) and the LM head, chained so that each reads the
-    last one's output, on [batch, hidden] rows. The weights total more than the CPU's caches, so
-    each product reads its weights from memory as it does in a real step."""
+def decode_matmul_chain(model: Any, batch: int) -> Callable[[], None]:
+    """A blocking call running one decode step's weight matmuls alone: each layer's q/k/v, o,
+    gate/up and down products (in the sampler's decode layout) and the LM head, chained so that
+    each reads the last one's output, on [batch, hidden] rows. The weights total more than the
+    CPU's caches, so each product reads its weights from memory as it does in a real step."""
     cfg = model.config
     if model.family.name != "llama":
         raise ValueError("the matmul bound follows the Llama decode layout")
@@ -153,19 +155,13 @@ def decode_matmul_seconds(model: Any, batch: int, repeats: int = 20) -> float:
         return jnp.einsum("bd,vd->bv", x, head)
 
     x = jnp.asarray(np.random.default_rng(0).standard_normal((batch, d)), cfg.jnp_dtype) * 0.01
-    chain(x, layers, head).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        chain(x, layers, head).block_until_ready()
-        best = min(best, time.perf_counter() - t)
-    return best
+    return lambda: chain(x, layers, head).block_until_ready()
 
 
-def decode_attention_seconds(model: Any, batch: int, slots: int, repeats: int = 20) -> float:
-    """Best time of one decode step's attention over the KV cache alone: `layers.cached_attention`
-    (what a single-token step runs) over every layer's own [batch, kv, d, slots] keys and values,
-    chained through the layers. The cache writes are left out."""
+def decode_attention_chain(model: Any, batch: int, slots: int) -> Callable[[], None]:
+    """A blocking call running one decode step's attention over the KV cache alone:
+    `layers.cached_attention` (what a single-token step runs) over every layer's own
+    [batch, kv, d, slots] keys and values, chained through the layers; cache writes left out."""
     from tbajax.models.layers import cached_attention
 
     cfg = model.config
@@ -182,44 +178,32 @@ def decode_attention_seconds(model: Any, batch: int, slots: int, repeats: int = 
             x = x + cached_attention(x, k, v, mask)
         return x
 
-    chain(q, keys, values).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        chain(q, keys, values).block_until_ready()
-        best = min(best, time.perf_counter() - t)
-    return best
+    return lambda: chain(q, keys, values).block_until_ready()
 
 
-def torch_decode_matmul_seconds(model: Any, batch: int, threads: int, repeats: int = 20) -> float:
-    """`decode_matmul_seconds` for the transformers model, with its own linear layers (q, k, v,
+def torch_decode_matmul_chain(model: Any, batch: int, threads: int) -> Callable[[], None]:
+    """`decode_matmul_chain` for the transformers model, with its own linear layers (q, k, v,
     o, gate, up, down, lm_head) as its decode step runs them."""
     import torch
     import torch.nn.functional as F
 
-    torch.set_num_threads(threads)
-    inner = model.model
     x0 = torch.randn(batch, model.config.hidden_size) * 0.01
 
-    def chain() -> Any:
-        x = x0
-        for layer in inner.layers:
-            a, m = layer.self_attn, layer.mlp
-            qv = F.linear(x, a.q_proj.weight)
-            F.linear(x, a.k_proj.weight), F.linear(x, a.v_proj.weight)
-            x = x + F.linear(qv, a.o_proj.weight)
-            gated = F.linear(x, m.gate_proj.weight) * F.linear(x, m.up_proj.weight)
-            x = x + F.linear(gated, m.down_proj.weight)
-        return F.linear(x, model.lm_head.weight)
+    def chain() -> None:
+        torch.set_num_threads(threads)
+        with torch.inference_mode():
+            x = x0
+            for layer in model.model.layers:
+                a, m = layer.self_attn, layer.mlp
+                q = F.linear(x, a.q_proj.weight)
+                F.linear(x, a.k_proj.weight)  # computed and unused, as keys and values are here
+                F.linear(x, a.v_proj.weight)
+                x = x + F.linear(q, a.o_proj.weight)
+                gated = F.linear(x, m.gate_proj.weight) * F.linear(x, m.up_proj.weight)
+                x = x + F.linear(gated, m.down_proj.weight)
+            F.linear(x, model.lm_head.weight)
 
-    best = float("inf")
-    with torch.inference_mode():
-        chain()
-        for _ in range(repeats):
-            t = time.perf_counter()
-            chain()
-            best = min(best, time.perf_counter() - t)
-    return best
+    return chain
 
 
 def rss_mb() -> tuple[float, float]:
@@ -325,10 +309,14 @@ def bench_model(
         torch_tok_s = batch * new_tokens / torch_s if torch_gen is not None else None
         fpt = flops_per_token(cfg, prompt_len + new_tokens / 2)
         step_s = (ours_s - prefill_s) / max(new_tokens - 1, 1)
-        matmul_s = decode_matmul_seconds(model, batch)
-        attention_s = decode_attention_seconds(model, batch, slots)
-        torch_matmul_s = (torch_decode_matmul_seconds(torch_model, batch, torch_gen.threads)
-                          if torch_gen is not None else None)
+        ours_mm, torch_matmul_s = decode_matmul_chain(model, batch), None
+        if torch_gen is not None:  # the two sides take turns, like the calls above
+            best = timed_in_turns(ours_mm, torch_decode_matmul_chain(torch_model, batch, torch_gen.threads),
+                                  MATMUL_REPEATS)["best_s"]
+            matmul_s, torch_matmul_s = best["ours"], best["theirs"]
+        else:
+            matmul_s = best_seconds(ours_mm, MATMUL_REPEATS)
+        attention_s = best_seconds(decode_attention_chain(model, batch, slots), MATMUL_REPEATS)
         bound = prefill_s + (new_tokens - 1) * matmul_s
         rss, peak_rss = rss_mb()
         rows.append(Row(
@@ -356,9 +344,8 @@ def print_table(rows: list[Row], peak: float) -> None:
     print("tok/s = generated tokens per second of one call, prefill included; decode tok/s = the "
           "decode loop alone (call minus a 1-token call); thr = torch threads used")
     print("step ms = one decode step; mm ms / torch mm = its weight matmuls alone on each side; attn ms = "
-          "its "
-          "attention over the cache alone (ours); bound = the ratio if tbajax's decode steps took only their "
-          "matmul time (no ratio target above it can be met)")
+          "its attention over the cache alone (ours); bound = the ratio if tbajax's decode steps took only "
+          "their matmul time (no ratio target above it can be met)")
     cols = [("model", 7), ("params", 7), ("batch", 5), ("P+new", 8), ("compile s", 9), ("ours s", 7),
             ("prefill s", 9), ("ours tok/s", 10), ("decode tok/s", 12), ("torch s", 8), ("thr", 3),
             ("torch tok/s", 11), ("ratio", 6), ("roofline", 8), ("step ms", 7), ("mm ms", 6), ("attn ms", 7),
@@ -376,7 +363,8 @@ def print_table(rows: list[Row], peak: float) -> None:
             f"{r.roofline_frac:.1%}", f"{r.ours_step_ms:.1f}", f"{r.ours_matmul_ms:.1f}",
             f"{r.ours_attention_ms:.1f}",
             f"{r.torch_matmul_ms:.1f}" if r.torch_matmul_ms else dash,
-            f"{r.bound_ratio:.2f}x" if r.bound_ratio else dash, f"{r.kv_cache_mb:.1f}", f"{r.rss_mb:.0f}", f"{r.peak_rss_mb:.0f}",
+            f"{r.bound_ratio:.2f}x" if r.bound_ratio else dash, f"{r.kv_cache_mb:.1f}", f"{r.rss_mb:.0f}",
+            f"{r.peak_rss_mb:.0f}",
         ]
         print(" ".join(f"{c!s:>{w}}" for c, (_, w) in zip(cells, cols)))
 
@@ -437,7 +425,8 @@ def main(argv: list[str] | None = None) -> None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(
             {"matmul_flops": peak, "matmul_flops_start": start, "jax": jax.__version__,
-             "cpus": os.cpu_count(), "machine": info, "rows": [dataclasses.asdict(r) for r in rows], "skipped": skipped}, indent=2))
+             "cpus": os.cpu_count(), "machine": info, "rows": [dataclasses.asdict(r) for r in rows],
+             "skipped": skipped}, indent=2))
         print(f"wrote {args.json}")
 
 
