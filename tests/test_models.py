@@ -296,19 +296,39 @@ def test_hand_written_vjps_match_autodiff(dtype):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=tol * 10, rtol=tol)
 
 
-@pytest.mark.parametrize("dtype,t", [(jnp.float32, 6), (jnp.bfloat16, 6), (jnp.float32, 128)])
-def test_attention_and_its_vjp_match_a_plain_softmax(dtype, t):
+def test_rows_per_step_takes_the_batch_when_its_scores_fit_else_a_divisor_within_half():
+    from tbajax.models.layers import ROW_SCORES_BUDGET, rows_per_step
+
+    mib = 1 << 20
+    assert ROW_SCORES_BUDGET == 8 * mib
+    assert rows_per_step(16, mib // 2) == 16  # 16 x 128 at 4 kv heads x 2 query groups: 8 MiB
+    assert rows_per_step(16, 2 * mib) == 2  # 16 x 256: 32 MiB > 8, and 2 rows fill half
+    assert rows_per_step(6, 100, budget=599) == 2  # 600 > 599; half the budget holds 2 rows
+    assert rows_per_step(7, 100, budget=599) == 1  # 7 is prime: one row a step
+    assert rows_per_step(4, 10 * mib) == 1  # one row beyond the budget still takes a step
+    assert rows_per_step(4, 100, budget=0) == 1
+
+
+@pytest.mark.parametrize("dtype,t,budget", [(jnp.float32, 6, None), (jnp.bfloat16, 6, None), (jnp.float32, 128, None),
+                                            (jnp.float32, 6, 0), (jnp.float32, 6, 3000), (jnp.float32, 128, 0)])
+def test_attention_and_its_vjp_match_a_plain_softmax(dtype, t, budget, monkeypatch):
     """The row-looped attention (and its flash-style VJP) against a plain einsum softmax, for
     grouped queries, right padding, a query row that sees no key, both key layouts and (t = 128)
-    the causal query blocks that skip the keys above the diagonal."""
+    the causal query blocks that skip the keys above the diagonal; with all rows in one loop
+    step (the default budget here), one row a step (budget 0) and two rows in each of 3 steps."""
+    from tbajax.models import layers
     from tbajax.models.layers import _MASK_VALUE, attention, cached_attention, causal_blocks
 
     assert [causal_blocks(n) for n in (6, 40, 64, 96, 128, 256)] == [1, 1, 2, 2, 4, 4]
     r = np.random.default_rng(0)
-    b, h, kv, d = 3, 4, 2, 8
+    b, h, kv, d = 6, 4, 2, 8
+    if budget is not None:
+        monkeypatch.setattr(layers, "ROW_SCORES_BUDGET", budget)
+    # a row's scores: kv x (g t) x t fp32 = 576 bytes at t = 6; 3000 bytes: 2 rows a step
+    assert layers.rows_per_step(b, kv * (h // kv) * t * t * 4) == {None: b, 0: 1, 3000: 2}[budget]
     q, k, v = (jnp.asarray(r.normal(size=shape), dtype) for shape in ((b, t, h, d), (b, kv, t, d), (b, kv, t, d)))
     causal = np.tril(np.ones((t, t), bool))
-    real = np.arange(t)[None, :] < np.array([t, t - 2, t])[:, None]
+    real = np.arange(t)[None, :] < np.array([t, t - 2, t, t - 1, t, t - 3])[:, None]
     mask = causal[None] & real[:, None, :]
     mask[2, 1] = False  # a query that attends to nothing: a uniform average, no gradient to q or k
     mask = jnp.asarray(mask)

@@ -1,10 +1,11 @@
-"""Causal attention alone, forward and VJP: tbajax's row loop (with and without the causal key
-blocks) vs the whole batch's scores materialised at once vs torch's fused SDPA.
+"""Causal attention alone, forward and VJP: tbajax's row loop (one row a step, with and without the
+causal key blocks; `layers.rows_per_step` rows a step, with them: what the models run) vs the
+whole batch's scores materialised at once vs torch's fused SDPA.
 
     python experiments/benchmarks/attention.py [--quick] [--json PATH]
 
 Shapes are those of the decoders in `forward.py` / `train_step.py`: 10M (16 x 256, 8 heads over 4
-KV heads of 32), the 50M train step (16 x 128, 8 over 4 of 64) and GPT-NeoX 50M (16 x 256, 8 heads
+KV heads of 32), the 10M train step (16 x 128), the 50M train step (16 x 128, 8 over 4 of 64) and GPT-NeoX 50M (16 x 256, 8 heads
 of 64). "whole batch" is the same grouped-query math with every row's [kv, g*t, s] scores
 materialised together (what `layers.attention` did before the row loop). The VJP is of
 sum(out * w) for a fixed random w. fp32; all arms take turns round by round and the figures are
@@ -18,6 +19,7 @@ import argparse
 import statistics
 import sys
 import time
+from unittest import mock
 from pathlib import Path
 from typing import Any, Callable
 
@@ -29,9 +31,10 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from common import keep_freed_memory, machine, machine_line, print_table, write_json  # noqa: E402
 
+from tbajax.models import layers  # noqa: E402
 from tbajax.models.layers import _MASK_VALUE, attention  # noqa: E402
 
-SHAPES = {"10M": (16, 256, 8, 4, 32), "50M train": (16, 128, 8, 4, 64), "NeoX 50M": (16, 256, 8, 8, 64)}
+SHAPES = {"10M": (16, 256, 8, 4, 32), "10M train": (16, 128, 8, 4, 32), "50M train": (16, 128, 8, 4, 64), "NeoX 50M": (16, 256, 8, 8, 64)}
 
 
 def whole_batch(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
@@ -48,6 +51,14 @@ def whole_batch(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> ja
     return out.reshape(b, kv, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
 
 
+def one_row_a_step(f: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+    """`f` traced with a loop step of one batch row (the row loop before `layers.rows_per_step`)."""
+    def traced(*args: jax.Array) -> jax.Array:
+        with mock.patch.object(layers, "ROW_SCORES_BUDGET", 0):
+            return f(*args)
+    return traced
+
+
 def bench(label: str, shape: tuple[int, ...], rounds: int) -> list[dict[str, Any]]:
     b, t, h, kv, d = shape
     r = np.random.default_rng(0)
@@ -57,8 +68,9 @@ def bench(label: str, shape: tuple[int, ...], rounds: int) -> list[dict[str, Any
     mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool))[None], (b, t, t))
     arms_jax = {
         "whole batch": lambda q, k, v: whole_batch(q, k, v, mask),
-        "row loop": lambda q, k, v: attention(q, k, v, mask),
-        "row loop + causal blocks": lambda q, k, v: attention(q, k, v, mask, causal=True),
+        "row loop": one_row_a_step(lambda q, k, v: attention(q, k, v, mask)),
+        "row loop + causal blocks": one_row_a_step(lambda q, k, v: attention(q, k, v, mask, causal=True)),
+        "rows_per_step + causal blocks": lambda q, k, v: attention(q, k, v, mask, causal=True),
     }
     calls: dict[str, dict[str, Callable[[], Any]]] = {"forward": {}, "vjp": {}}
     for name, f in arms_jax.items():
