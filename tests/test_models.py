@@ -309,8 +309,10 @@ def test_rows_per_step_takes_the_batch_when_its_scores_fit_else_a_divisor_within
     assert rows_per_step(4, 100, budget=0) == 1
 
 
-@pytest.mark.parametrize("dtype,t,budget", [(jnp.float32, 6, None), (jnp.bfloat16, 6, None), (jnp.float32, 128, None),
-                                            (jnp.float32, 6, 0), (jnp.float32, 6, 3000), (jnp.float32, 128, 0)])
+@pytest.mark.parametrize("dtype,t,budget", [
+    (jnp.float32, 6, None), (jnp.bfloat16, 6, None), (jnp.float32, 128, None),
+    (jnp.float32, 6, 0), (jnp.float32, 6, 3000), (jnp.float32, 128, 0),
+])
 def test_attention_and_its_vjp_match_a_plain_softmax(dtype, t, budget, monkeypatch):
     """The row-looped attention (and its flash-style VJP) against a plain einsum softmax, for
     grouped queries, right padding, a query row that sees no key, both key layouts and (t = 128)

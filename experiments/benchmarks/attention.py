@@ -5,12 +5,12 @@ whole batch's scores materialised at once vs torch's fused SDPA.
     python experiments/benchmarks/attention.py [--quick] [--json PATH]
 
 Shapes are those of the decoders in `forward.py` / `train_step.py`: 10M (16 x 256, 8 heads over 4
-KV heads of 32), the 10M train step (16 x 128), the 50M train step (16 x 128, 8 over 4 of 64) and GPT-NeoX 50M (16 x 256, 8 heads
-of 64). "whole batch" is the same grouped-query math with every row's [kv, g*t, s] scores
-materialised together (what `layers.attention` did before the row loop). The VJP is of
-sum(out * w) for a fixed random w. fp32; all arms take turns round by round and the figures are
-medians, so the machine's drift hits every arm alike; ratio = torch time / arm time (> 1: faster
-than torch).
+KV heads of 32), the 10M train step (16 x 128), the 50M train step (16 x 128, 8 over 4 of 64) and
+GPT-NeoX 50M (16 x 256, 8 heads of 64). "whole batch" is the same grouped-query math with every
+row's [kv, g*t, s] scores materialised together (what `layers.attention` did before the row
+loop). The VJP is of sum(out * w) for a fixed random w. fp32; all arms take turns round by
+round and the figures are medians, so the machine's drift hits every arm alike; ratio = torch
+time / arm time (> 1: faster than torch).
 """
 
 from __future__ import annotations
@@ -34,7 +34,10 @@ from common import keep_freed_memory, machine, machine_line, print_table, write_
 from tbajax.models import layers  # noqa: E402
 from tbajax.models.layers import _MASK_VALUE, attention  # noqa: E402
 
-SHAPES = {"10M": (16, 256, 8, 4, 32), "10M train": (16, 128, 8, 4, 32), "50M train": (16, 128, 8, 4, 64), "NeoX 50M": (16, 256, 8, 8, 64)}
+SHAPES = {
+    "10M": (16, 256, 8, 4, 32), "10M train": (16, 128, 8, 4, 32), "50M train": (16, 128, 8, 4, 64),
+    "NeoX 50M": (16, 256, 8, 8, 64),
+}
 
 
 def whole_batch(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:

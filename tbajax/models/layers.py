@@ -165,8 +165,8 @@ def attention(q: Array, k: Array, v: Array, mask: Array, causal: bool = False) -
     """Grouped-query attention scaled by 1/sqrt(head_dim).
     q [b,t,h,d]; k,v heads-major [b,kv,s,d]; mask [b,t,s] -> [b,t,h,d].
 
-    Both matmuls are batched over kv heads with the query group folded into the rows, one batch
-    row at a time (`_attend_rows`). causal=True promises that no query sees a later position
+    Both matmuls are batched over kv heads with the query group folded into the rows, a few
+    batch rows at a time (`_attend_rows`). causal=True promises that no query sees a later position
     (s = t, mask within the lower triangle), so the blocks above the diagonal are skipped.
     """
     blocks = causal_blocks(q.shape[1]) if causal else 1
