@@ -229,11 +229,10 @@ ROW_SCORES_BUDGET = 8 << 20
 
 def rows_per_step(rows: int, row_score_bytes: int, budget: int | None = None) -> int:
     """How many of a device's batch rows one attention loop step takes: all of them when their
-    fp32 scores fit in `budget` (no loop is left: the small ops of a loop body barely use a
-    second CPU thread, the whole batch's ops do), else the largest divisor of `rows` within
-    half the budget (a step's scores then stay in cache while a few rows share its ops), at least 1.
-    Measured on 2 cores: the row loop's VJP ran 53 ms on one core and 50 ms on two.
-    budget None: ROW_SCORES_BUDGET, read at trace time.
+    fp32 scores fit in `budget` (no loop is left: the small ops of a one-row step leave the
+    second CPU core mostly idle), else the largest divisor of `rows` within half the budget (a
+    step's scores still stay in cache), at least 1. `experiments/benchmarks/attention.py`
+    compares it with one row a step. budget None: ROW_SCORES_BUDGET, read at trace time.
     """
     budget = ROW_SCORES_BUDGET if budget is None else budget
     if rows * row_score_bytes <= budget:
