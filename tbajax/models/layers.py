@@ -193,8 +193,11 @@ def cached_attention(q: Array, kt: Array, v: Array, mask: Array) -> Array:
     qg = q.reshape(b, kv, g, d, 1).astype(jnp.float32)
     scores = (qg * kt[:, :, None].astype(jnp.float32)).sum(3) * (d**-0.5)  # [b, kv, g, s]
     scores = jnp.where(mask[:, :1, None], scores, _MASK_VALUE)  # mask [b, 1, s]
-    probs = jax.nn.softmax(scores, axis=-1)
-    out = (probs[..., None] * v[:, :, None].astype(jnp.float32)).sum(3)  # [b, kv, g, d]
+    # normalised after the values' sum, not before: XLA:CPU then reads the values at a higher
+    # rate (`experiments/benchmarks/sampler.py`, its attn ms column)
+    weights = jnp.exp(scores - scores.max(-1, keepdims=True))
+    out = (weights[..., None] * v[:, :, None].astype(jnp.float32)).sum(3)  # [b, kv, g, d]
+    out = out / weights.sum(-1)[..., None]
     return out.reshape(b, 1, h, d).astype(v.dtype)
 
 
