@@ -173,6 +173,22 @@ def _draw(key, logits, **kw):
     return f(key, logits, jnp.arange(len(logits)) if rows is None else rows)
 
 
+def test_fusion_break_is_an_exact_identity_that_xla_keeps():
+    """`unfuse_from_producer` changes no bit of an fp32 value (infinities, NaN, subnormals
+    included) and survives XLA's optimisations on CPU: if a future XLA drops it, the vocabulary
+    matmul fuses with the sampling step's row max again (`experiments/benchmarks/decode_head.py`)."""
+    from tbajax.sampling.step import unfuse_from_producer
+
+    x = np.array([0.0, -0.0, 1.5, -3.25e-3, 3.4e38, 1e-40, -1e-45, np.inf, -np.inf, np.nan], np.float32)
+    x = np.concatenate([x, np.random.default_rng(0).standard_normal(1000).astype(np.float32) * 50])
+    f = jax.jit(unfuse_from_producer)
+    np.testing.assert_array_equal(np.asarray(f(jnp.asarray(x))).view(np.uint32), x.view(np.uint32))
+    if jax.default_backend() == "cpu":
+        hlo = jax.jit(lambda h, w: sample_logits(None, h @ w, keys=jax.random.split(jax.random.key(0), 4))[0]
+                      ).lower(jnp.ones((4, 8)), jnp.ones((8, 300))).compile().as_text()
+        assert "reduce-precision" in hlo
+
+
 def test_sample_logits_statistics():
     logits = jnp.array([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
     v, n, t = 6, 20_000, 0.8
