@@ -79,10 +79,10 @@ def unfuse_from_producer(logits: Array) -> Array:
     produced `logits` runs alone.
 
     XLA's CPU backend (YNNPACK) fuses a dot with the row max that the softmax takes over its
-    output, and the fused program runs 2-3x slower than the dot alone once a decode step has about
-    96 rows or more (38.9 vs 12.7 ms for 128 x 512 x 24576 with the sampling step after it; 16.0 ms
-    with this identity in between: `experiments/benchmarks/decode_head.py`). For a few rows the
-    two cost the same. GPU programs are left as they were (unmeasured there).
+    output, and from about 96 rows on the fused program runs far slower than the dot alone
+    (`experiments/benchmarks/decode_head.py`: at 128 x 512 x 24576 with the sampling step after
+    it, 1.7x slower than with this identity in between). For a few rows the two cost the same.
+    GPU programs are left as they were (unmeasured there).
     """
     def identity(x: Array) -> Array:
         return jax.lax.reduce_precision(x, exponent_bits=8, mantissa_bits=23)
