@@ -79,7 +79,7 @@ def unfuse_from_producer(logits: Array) -> Array:
     produced `logits` runs alone.
 
     XLA's CPU backend (YNNPACK) fuses a dot with the row max that the softmax takes over its
-    output, and from about 96 rows on the fused program runs far slower than the dot alone
+    output, and at 128 rows and more the fused program runs far slower than the dot alone
     (`experiments/benchmarks/decode_head.py`: at 128 x 512 x 24576 with the sampling step after
     it, 1.7x slower than with this identity in between). For a few rows the two cost the same.
     GPU programs are left as they were (unmeasured there).
