@@ -22,7 +22,9 @@ from tbajax.models import (
     load_model,
     positions_from_mask,
     save_model,
+    serving,
 )
+from tbajax.models.serving import ServingParams
 
 FAMILIES = ["llama", "llama_tied_rope3", "qwen2", "qwen2_tied", "qwen3"]
 
@@ -85,23 +87,38 @@ def test_kv_cache_decode_matches_full_forward(tiny_checkpoint, family):
     np.testing.assert_allclose(decoded, np.asarray(full[:, prompt - 1 : -1]), atol=1e-4)
     assert int(cache.index) == prompt + new - 1
 
-    # the sampler's decode inputs: per-layer weights in the family's decode layout (llama: fused
-    # q/k/v and gate/up) and the vocab-major head give the same logits
-    layers, head = model.per_layer_params(), model.vocab_major_head()
+    # the sampler's layout (llama: per-layer weights with q/k/v and gate/up fused, the head
+    # vocab-major) is a copy of the same weights: it converts back exactly
+    params = nnx.jit(ServingParams.of)(model)
     if family in ("llama", "qwen2"):
-        assert "gate_up_proj" in layers[0] and "q_proj" not in layers[0]
+        assert "gate_up_proj" in params.layers[0] and "q_proj" not in params.layers[0]
+    back = jax.jit(lambda p: serving.stacked_params(model.config, p))(params)
+    flat = lambda tree: {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(tree)}
+    original = flat(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    assert flat(back).keys() == original.keys()
+    for name, value in flat(back).items():
+        np.testing.assert_array_equal(value, original[name], err_msg=name)
 
-    @nnx.jit
-    def decode_step(m, ids, pos, mask, cache, layers, head):
-        hidden, cache = m.hidden_states(ids, pos, mask, cache, layers)
-        return m.logits(hidden, head), cache
+    # the prompt pass attends over the prompt's own keys (no cache) and hands back the keys and
+    # values the cached path wrote at the prompt's real tokens (a padding column's differ: its
+    # query sees no key), and the last column's logits
+    @jax.jit
+    def prompt_pass(params, ids, mask, pos):
+        last, keys, values = serving.prompt_pass(model.config, params, ids, mask, pos)
+        return serving.logits(model.config, params, last), keys, values
 
+    first, keys, values = prompt_pass(params, ids[:, :prompt], mask[:, :prompt], pos[:, :prompt])
+    np.testing.assert_allclose(np.asarray(first), np.asarray(full[:, prompt - 1]), atol=1e-4)
     cache = KVCache.init(model.config, b, prompt + new + 3)
     _, cache = step(model, ids[:, :prompt], pos[:, :prompt], mask[:, :prompt], cache)
-    for t in range(prompt, prompt + new - 1):
-        x = (ids[:, t : t + 1], pos[:, t : t + 1], mask[:, t : t + 1])
-        logits, cache = decode_step(model, *x, cache, layers, head)
-        np.testing.assert_allclose(np.asarray(logits[:, 0]), np.asarray(full[:, t]), atol=1e-4)
+    real = np.asarray(mask[:, :prompt])
+    for layer in range(model.config.num_layers):
+        k_ours, k_cached = np.asarray(keys[layer]), np.asarray(cache.k[layer][..., :prompt])
+        v_ours, v_cached = np.asarray(values[layer]), np.asarray(cache.v[layer][:, :, :prompt])
+        for row in range(b):
+            cols = real[row]
+            np.testing.assert_allclose(k_ours[row][..., cols], k_cached[row][..., cols], atol=1e-5)
+            np.testing.assert_allclose(v_ours[row][:, cols], v_cached[row][:, cols], atol=1e-5)
 
 
 def test_bf16_compute_and_remat(tiny_checkpoint):

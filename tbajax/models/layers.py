@@ -143,16 +143,26 @@ class CausalMask:
     mask: Array
 
 
+class EmitKV:
+    """The `cache` argument of a prompt pass (`serving.prompt_pass`): no cache to read, attend over
+    this step's own keys like a training forward, and hand them back in the cache's layout."""
+
+
+EMIT_KV = EmitKV()
+
+
 def self_attention(
-    q: Array, k: Array, v: Array, mask: Array | CausalMask, cache: LayerCache | None, dtype: Any
+    q: Array, k: Array, v: Array, mask: Array | CausalMask, cache: LayerCache | EmitKV | None, dtype: Any
 ) -> tuple[Array, tuple[Array, Array] | None]:
     """Attention of this step's queries q [b,t,h,d] over its keys/values [b,t,kv,d], or, with a
     layer cache, over the whole cache after writing this step's keys/values into it at the write
-    slot. Returns ([b,t,h,d], the updated (keys, values) buffers or None)."""
-    if cache is None:
+    slot. Returns ([b,t,h,d], the updated (keys, values) buffers, or with EMIT_KV this step's own
+    keys d-major [b,kv,d,t] and values [b,kv,t,d], or None)."""
+    if cache is None or isinstance(cache, EmitKV):
         causal = isinstance(mask, CausalMask)
         keys, values = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-        return attention(q, keys, values, mask.mask if causal else mask, causal=causal), None
+        out = attention(q, keys, values, mask.mask if causal else mask, causal=causal)
+        return out, None if cache is None else (k.transpose(0, 2, 3, 1), values)
     if isinstance(mask, CausalMask):
         raise TypeError("a KV-cache step takes its mask over cache slots, not a CausalMask")
     kt, cv, index = cache

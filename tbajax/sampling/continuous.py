@@ -10,7 +10,7 @@ S = P_max + max_new_tokens slots whose write index advances mod S with every dec
 newcomer's prompt is prefilled on its own (positions 0..len-1, RoPE applied before caching) and
 its keys/values are written into its row at the P_bucket slots that end at the current index,
 `valid` set for its real prompt tokens only; its generated tokens then follow at the ring index.
-A single-token step attends to every valid slot of its row (`CausalLM.hidden_states`), and
+A single-token step attends to every valid slot of its row (`serving.cached_pass`), and
 attention is order-invariant given the mask, so a row's logits are those of a linear cache. A row
 writes at most P_bucket + max_new - 1 slots before it ends, fewer than S, so the ring never
 overwrites live history.
@@ -46,7 +46,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from tbajax.models import CausalLM, KVCache, positions_from_mask
+from tbajax.models import ModelConfig, positions_from_mask, serving
+from tbajax.models.serving import KVCache, ServingParams
 from tbajax.sampling import core
 from tbajax.sampling.config import SamplingConfig
 from tbajax.sampling.sampler import Sampler, left_pad, length_bucket
@@ -102,7 +103,8 @@ def ring_sources(index: Array, ring: int, prompt_slots: int) -> Array:
 
 
 def admit(
-    model: CausalLM,
+    cfg: ModelConfig,
+    params: ServingParams,
     cache: KVCache,
     state: SlotState,
     tokens: Array,
@@ -118,13 +120,11 @@ def admit(
     """Prefill B left-padded prompts [B, P] and place each one's keys/values, K times, into the
     cache rows `slots` [B*K] (prompt-major; an index >= the slot count drops that row), ending at
     the ring index; sample each sample's first token from its key (step 0)."""
-    cfg = model.config
     b, p = tokens.shape
     ring = cache.slots
     mask = mask.astype(bool)
-    small = KVCache.init(cfg, b, p, cache.dtype)
-    hidden, small = model.hidden_states(tokens, positions_from_mask(mask), mask, small)
-    logits = jnp.repeat(model.logits(hidden[:, -1]), num_samples, axis=0)
+    last, keys_p, values_p = serving.prompt_pass(cfg, params, tokens, mask, positions_from_mask(mask))
+    logits = jnp.repeat(serving.logits(cfg, params, last), num_samples, axis=0)
     src = ring_sources(cache.index, ring, p)
     take = jnp.minimum(src, p - 1)
     placed = src < p
@@ -132,12 +132,12 @@ def admit(
     def place(buf: Array, x: Array, slot_axis: int, axes: tuple[str, ...]) -> Array:
         # a layer's [B, ...P...] prompt buffer -> its B*K cache rows, the P columns in ring order
         rows = jnp.repeat(jnp.take(x, take, axis=slot_axis), num_samples, axis=0)
-        return constrain(buf.at[slots].set(rows, mode="drop"), axes)
+        return constrain(buf.at[slots].set(rows.astype(buf.dtype), mode="drop"), axes)
 
     valid = jnp.repeat(jnp.take(mask, take, axis=1) & placed[None, :], num_samples, axis=0)
     cache = KVCache(
-        k=tuple(place(buf, x, 3, KVCache.K_AXES) for buf, x in zip(cache.k, small.k)),
-        v=tuple(place(buf, x, 2, KVCache.V_AXES) for buf, x in zip(cache.v, small.v)),
+        k=tuple(place(buf, x, 3, KVCache.K_AXES) for buf, x in zip(cache.k, keys_p)),
+        v=tuple(place(buf, x, 2, KVCache.V_AXES) for buf, x in zip(cache.v, values_p)),
         valid=constrain(cache.valid.at[slots].set(valid, mode="drop"), ("batch", "length")),
         index=cache.index,
     )
@@ -161,7 +161,7 @@ def admit(
 
 
 def decode_chunk(
-    model: CausalLM, cache: KVCache, state: SlotState, knobs: core.Knobs, spec: core.DecodeSpec,
+    cfg: ModelConfig, params: ServingParams, cache: KVCache, state: SlotState, knobs: core.Knobs, spec: core.DecodeSpec,
     refill_at: Array, *, chunk: int
 ) -> tuple[KVCache, SlotState, ChunkOut]:
     """Up to `chunk` decode steps over every slot; exits early once no slot is live, or after at
@@ -172,7 +172,6 @@ def decode_chunk(
     n = state.prev.shape[0]
     ring = cache.slots
     ones = jnp.ones((n, 1), bool)
-    head, layers = model.vocab_major_head(), model.per_layer_params()  # once, outside the loop
     out = ChunkOut(
         tokens=constrain(jnp.full((n, chunk), spec.pad_token_id, jnp.int32), ("batch", "length")),
         logprobs=constrain(jnp.zeros((n, chunk), jnp.float32), ("batch", "length")),
@@ -186,9 +185,9 @@ def decode_chunk(
 
     def body(carry: tuple[Array, KVCache, SlotState, ChunkOut]) -> tuple[Array, KVCache, SlotState, ChunkOut]:
         c, cache, st, out = carry
-        hidden, cache = model.hidden_states(st.prev[:, None], st.position[:, None], ones, cache, layers)
+        hidden, cache = serving.cached_pass(cfg, params, st.prev[:, None], st.position[:, None], ones, cache)
         cache = dataclasses.replace(cache, index=jnp.mod(cache.index, ring))
-        logits = model.logits(hidden[:, 0], head)
+        logits = serving.logits(cfg, params, hidden[:, 0])
         tok, lp = core.pick_tokens(logits, step_keys(st.keys, st.count), st.count, knobs=knobs, spec=spec)
         live = st.live
         tok = jnp.where(live, tok, spec.pad_token_id)
@@ -413,8 +412,8 @@ class ContinuousEngine:
         cache, state, out = self.sampler._run(
             ("decode_chunk", (("slots", self.slots), ("ring", self.ring), ("chunk", self.chunk),
                               ("spec", self.spec))),
-            lambda: _jit_chunk(self.sampler._policy, self.spec, self.chunk),
-            self.sampler._policy.leaves, self._cache, self._state, self.knobs,
+            lambda: _jit_chunk(self.sampler.config, self.spec, self.chunk),
+            self.sampler.serving_params, self._cache, self._state, self.knobs,
             self.sampler._put(np.int32(k if self._queue else self.slots + 1), ()),
         )
         self._cache, self._state = cache, state
@@ -470,8 +469,8 @@ class ContinuousEngine:
         put = self.sampler._put
         self._cache, self._state, first = self.sampler._run(
             ("admit", shape),
-            lambda: _jit_admit(self.sampler._policy, self.spec, k),
-            self.sampler._policy.leaves, self._cache, self._state,
+            lambda: _jit_admit(self.sampler.config, self.spec, k),
+            self.sampler.serving_params, self._cache, self._state,
             put(tokens, ()), put(mask, ()), put(slots, ()),
             jax.device_put(keys, NamedSharding(self.sampler.mesh, P())),
             put(limit, ()), self.knobs,
@@ -522,16 +521,16 @@ def _constrain_state(state: SlotState) -> SlotState:
     return SlotState(*(x if i == 5 else constrain(x, ("batch",)) for i, x in enumerate(state)))
 
 
-def _jit_admit(params: Any, spec: core.DecodeSpec, num_samples: int) -> Any:
-    def fn(leaves, cache, state, tokens, mask, slots, keys, limit, knobs):  # type: ignore[no-untyped-def]
-        return admit(params.model(leaves), cache, state, tokens, mask, slots, keys, limit, knobs, spec,
+def _jit_admit(cfg: ModelConfig, spec: core.DecodeSpec, num_samples: int) -> Any:
+    def fn(params, cache, state, tokens, mask, slots, keys, limit, knobs):  # type: ignore[no-untyped-def]
+        return admit(cfg, params, cache, state, tokens, mask, slots, keys, limit, knobs, spec,
                      num_samples=num_samples)
 
     return jax.jit(fn, donate_argnums=(1, 2))
 
 
-def _jit_chunk(params: Any, spec: core.DecodeSpec, chunk: int) -> Any:
-    def fn(leaves, cache, state, knobs, refill_at):  # type: ignore[no-untyped-def]
-        return decode_chunk(params.model(leaves), cache, state, knobs, spec, refill_at, chunk=chunk)
+def _jit_chunk(cfg: ModelConfig, spec: core.DecodeSpec, chunk: int) -> Any:
+    def fn(params, cache, state, knobs, refill_at):  # type: ignore[no-untyped-def]
+        return decode_chunk(cfg, params, cache, state, knobs, spec, refill_at, chunk=chunk)
 
     return jax.jit(fn, donate_argnums=(1, 2))

@@ -1,7 +1,8 @@
-"""The pure sampling core: prefill, decode loop and scoring as functions of (model, arrays).
+"""The pure sampling core: prefill and the decode loop as functions of (config, the policy's
+`ServingParams`, arrays), and scoring as a function of (model, arrays).
 
 Nothing here holds state or does I/O; `tbajax.sampling.sampler.Sampler` jits these once per shape
-bucket with the model's graphdef static and its params passed as arguments.
+bucket with the config (or the model's graphdef) static and the weights passed as arguments.
 
 Layout: prompts are LEFT-padded to P slots, so every row's next token is written at the same
 cache slot (`KVCache.index`); a row's position ids skip its padding (cumsum(mask) - 1). Response
@@ -18,7 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from tbajax.batch import tempered_logprobs
-from tbajax.models import CausalLM, KVCache, ModelConfig, positions_from_mask
+from tbajax.models import CausalLM, ModelConfig, positions_from_mask, serving
+from tbajax.models.serving import KVCache, ServingParams
 from tbajax.sampling.step import sample_keys, sample_logits, step_keys
 from tbajax.sharding import constrain
 
@@ -53,38 +55,37 @@ class Knobs(NamedTuple):
 
 
 def prefill(
-    model: CausalLM, cache: KVCache, tokens: Array, mask: Array, *, num_samples: int
+    cfg: ModelConfig, params: ServingParams, cache: KVCache, tokens: Array, mask: Array, *, num_samples: int
 ) -> tuple[KVCache, Array, Array]:
-    """Run the prompts [B, P] once and write their keys/values, repeated K times per prompt, into
-    the preallocated `cache` ([B*K] rows; its old contents are overwritten, so pass it donated).
+    """Run the prompts [B, P] once (`serving.prompt_pass`) and write their keys/values, repeated K
+    times per prompt, into the first P slots of the preallocated `cache` ([B*K] rows, pass it
+    donated: the writes then happen in place); every later slot is marked invalid, so whatever
+    an earlier call left there is never read.
 
     Returns the cache, the next-token logits [B*K, V] and the real prompt lengths [B*K]; rows are
     prompt-major (row = prompt * K + k).
     """
-    cfg = model.config
-    b, _ = tokens.shape
+    b, p = tokens.shape
     if cache.rows != b * num_samples:
         raise ValueError(f"cache has {cache.rows} rows, need {b} prompts x {num_samples} samples")
     mask = mask.astype(bool)
-    small = KVCache.init(cfg, b, cache.slots, cache.dtype)
-    hidden, small = model.hidden_states(tokens, positions_from_mask(mask), mask, small)
-    logits = model.logits(hidden[:, -1])  # left padding: the last column is every row's last token
+    last, keys, values = serving.prompt_pass(cfg, params, tokens, mask, positions_from_mask(mask))
+    logits = serving.logits(cfg, params, last)  # left padding: the last column is every row's last token
 
     def rep(x: Array) -> Array:
         return jnp.repeat(x, num_samples, axis=0) if num_samples > 1 else x
 
-    def fill(buf: Array, x: Array, axes: tuple[str, ...]) -> Array:
-        # a full overwrite of the donated buffer, so XLA writes the result in place
-        return constrain(jax.lax.dynamic_update_slice(buf, x, (0,) * x.ndim), axes)
+    def write(buf: Array, x: Array, axes: tuple[str, ...]) -> Array:
+        return constrain(jax.lax.dynamic_update_slice(buf, rep(x).astype(buf.dtype), (0,) * x.ndim), axes)
 
+    valid = jnp.zeros((b, cache.slots), bool).at[:, :p].set(mask)
     cache = KVCache(
-        k=tuple(fill(buf, rep(x), KVCache.K_AXES) for buf, x in zip(cache.k, small.k)),
-        v=tuple(fill(buf, rep(x), KVCache.V_AXES) for buf, x in zip(cache.v, small.v)),
-        valid=fill(cache.valid, rep(small.valid), ("batch", "length")),
-        index=small.index,
+        k=tuple(write(buf, x, KVCache.K_AXES) for buf, x in zip(cache.k, keys)),
+        v=tuple(write(buf, x, KVCache.V_AXES) for buf, x in zip(cache.v, values)),
+        valid=write(cache.valid, valid, ("batch", "length")),
+        index=jnp.asarray(p, jnp.int32),
     )
-    logits = constrain(rep(logits), ("batch", "act_vocab"))
-    return cache, logits, rep(mask.sum(-1, dtype=jnp.int32))
+    return cache, constrain(rep(logits), ("batch", "act_vocab")), rep(mask.sum(-1, dtype=jnp.int32))
 
 
 def init_cache(cfg: ModelConfig, rows: int, slots: int) -> KVCache:
@@ -99,7 +100,8 @@ def init_cache(cfg: ModelConfig, rows: int, slots: int) -> KVCache:
 
 
 def decode(
-    model: CausalLM,
+    cfg: ModelConfig,
+    params: ServingParams,
     cache: KVCache,
     first_logits: Array,
     prompt_len: Array,
@@ -122,7 +124,6 @@ def decode(
     if limit is None:
         limit = jnp.full((n,), spec.max_new_tokens, jnp.int32)
     pick = functools.partial(pick_tokens, knobs=knobs, spec=spec)
-    head, layers = model.vocab_major_head(), model.per_layer_params()  # once, outside the loop
 
     def emit(out: DecodeOut, tok: Array, lp: Array, step: Array) -> tuple[DecodeOut, Array]:
         """Write step's token (pad for done rows); return the new outputs and the written token."""
@@ -160,8 +161,8 @@ def decode(
     def body(carry: tuple[Array, KVCache, Array, DecodeOut]) -> tuple[Array, KVCache, Array, DecodeOut]:
         step, cache, prev, out = carry
         positions = (prompt_len + step - 1)[:, None]
-        hidden, cache = model.hidden_states(prev[:, None], positions, ones, cache, layers)
-        logits = model.logits(hidden[:, 0], head)
+        hidden, cache = serving.cached_pass(cfg, params, prev[:, None], positions, ones, cache)
+        logits = serving.logits(cfg, params, hidden[:, 0])
         out, tok = emit(out, *pick(logits, step_keys(keys, step), step), step)
         return step + 1, cache, tok, out
 

@@ -5,8 +5,10 @@ compiled `lax.while_loop`, optionally score the samples under a reference model,
 numpy arrays. Shapes are bucketed (prompt batch to a power of two, prompt length to a power of
 two) so a long-running searcher compiles a handful of programs, each logged once.
 
-The model's graphdef is static in every program and its params are an argument, so publishing new
-weights (`update_params`) never recompiles.
+The policy is held only in its serving layout (`tbajax.models.serving.ServingParams`: per-layer
+weights in the family's decode layout, the head vocab-major), built once per params version by
+`update_params`, not inside every call; every program takes it as an argument, so publishing new
+weights never recompiles.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tbajax.models import CausalLM, ModelConfig
+from tbajax.models.serving import ServingParams, stacked_params
 from tbajax.sampling import core
 from tbajax.sampling.config import SamplingConfig
 from tbajax.shapes import next_pow2, pow2_bucket
@@ -122,7 +125,7 @@ class Sampler:
             raise ValueError(f"min_prompt_bucket must be >= 1, got {min_prompt_bucket}")
         self.min_prompt_bucket = min_prompt_bucket
         self.batch_shards = self.mesh.shape.get("data", 1) * self.mesh.shape.get("fsdp", 1)
-        self._policy = _Params.from_model(model, self.mesh)
+        self._policy = _ServingPolicy.from_model(model, self.mesh)
         self._reference = _Params.from_model(reference, self.mesh) if reference is not None else None
         self._compiled: dict[tuple[Any, ...], Any] = {}
         self._cache: core.KVCache | None = None  # the last call's cache, reused when shapes match
@@ -131,12 +134,19 @@ class Sampler:
     # -- state updates -------------------------------------------------------------------
 
     def update_params(self, model_or_state: CausalLM | nnx.State) -> None:
-        """Swap in new policy weights (same architecture); compiled programs are kept."""
+        """Swap in new policy weights (same architecture); compiled programs are kept. Builds
+        their serving layout (a copy of every weight, `ServingParams`), which every program reads
+        until the next update."""
         self._policy = self._policy.replace(model_or_state)
 
+    @property
+    def serving_params(self) -> ServingParams:
+        """The policy's current weights in their serving layout, placed on the mesh."""
+        return self._policy.params
+
     def policy_model(self) -> CausalLM:
-        """The policy with its current weights (a view of the sampler's placed params, no copy)."""
-        return self._policy.model(self._policy.leaves)
+        """The policy with its current weights, rebuilt from the serving layout (a copy)."""
+        return self._policy.model()
 
     def set_reference(self, model: CausalLM | None) -> None:
         if model is not None and model.config.vocab_size != self.config.vocab_size:
@@ -217,8 +227,8 @@ class Sampler:
         shape = (("batch", b), ("prompt_len", p_len), ("num_samples", k), ("spec", spec))
         out, self._cache = self._run(
             ("generate", shape),
-            lambda: _jit_generate(self._policy, k, spec),
-            self._policy.leaves,
+            lambda: _jit_generate(self.config, k, spec),
+            self._policy.params,
             self._take_cache(n, slots),
             self._put(tokens, ("batch", "length")),
             self._put(mask, ("batch", "length")),
@@ -414,13 +424,15 @@ def score_chunk(rows: int, seq: int, vocab: int, batch_shards: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class _Params:
-    """A model split once: static graphdef + treedef, and the param leaves placed on the mesh."""
+    """A model split once: static graphdef + treedef, each param's path, shape, dtype and
+    sharding, and the param leaves placed on the mesh."""
 
     graphdef: Any
     treedef: Any
     paths: list[str]  # one per leaf, e.g. "['layers']['q_proj']"
-    leaves: list[jax.Array]
+    specs: list[jax.ShapeDtypeStruct]
     shardings: list[Any]
+    leaves: list[jax.Array]
 
     @classmethod
     def from_model(cls, model: CausalLM, mesh: Mesh) -> _Params:
@@ -432,16 +444,18 @@ class _Params:
         paths = list(_flat_by_path(state))
         if len(paths) != len(leaves):
             raise ValueError("the model holds state besides its params; the sampler expects params only")
-        return cls(graphdef, treedef, paths, _place(leaves, shardings), shardings)
+        specs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
+        return cls(graphdef, treedef, paths, specs, shardings, _place(leaves, shardings))
 
-    def replace(self, model_or_state: Any) -> _Params:
-        """The same model with new weights: a CausalLM, an nnx.State of its params (e.g. restored
-        from a checkpoint) or the matching pure dict. Matched by param path, shape and dtype."""
+    def placed(self, model_or_state: Any) -> list[jax.Array]:
+        """New weights for the same model, placed on the mesh: a CausalLM, an nnx.State of its
+        params (e.g. restored from a checkpoint) or the matching pure dict. Matched by param path,
+        shape and dtype."""
         state = model_or_state
         if isinstance(state, nnx.Module):
             state = nnx.state(state, nnx.Param)
         new = _flat_by_path(state)
-        old = dict(zip(self.paths, self.leaves))
+        old = dict(zip(self.paths, self.specs))
         if set(new) != set(old) or any(
             new[k].shape != old[k].shape or new[k].dtype != old[k].dtype for k in old
         ):
@@ -451,10 +465,49 @@ class _Params:
                 f"dtypes; missing {missing[:3]}, unexpected {extra[:3]}); build a new Sampler for "
                 "a different architecture"
             )
-        return dataclasses.replace(self, leaves=_place([new[k] for k in self.paths], self.shardings))
+        return _place([new[k] for k in self.paths], self.shardings)
+
+    def replace(self, model_or_state: Any) -> _Params:
+        return dataclasses.replace(self, leaves=self.placed(model_or_state))
 
     def model(self, leaves: list[jax.Array]) -> CausalLM:
         return nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, leaves))
+
+
+@dataclasses.dataclass(frozen=True)
+class _ServingPolicy:
+    """The policy as a sampler holds it: its weights only in their serving layout, on the mesh
+    (`params`), plus what checking, converting and rebuilding a version takes (`layout`: the
+    model's own structure and param shardings, its leaves dropped; `convert`, compiled once)."""
+
+    config: ModelConfig
+    mesh: Mesh
+    layout: _Params
+    convert: Any  # jitted: the model's param leaves -> ServingParams
+    params: ServingParams
+
+    @classmethod
+    def from_model(cls, model: CausalLM, mesh: Mesh) -> _ServingPolicy:
+        layout = _Params.from_model(model, mesh)
+
+        @jax.jit
+        def convert(leaves: list[jax.Array]) -> ServingParams:
+            return ServingParams.of(layout.model(leaves))
+
+        with jax.set_mesh(mesh):
+            params = convert(layout.leaves)
+        return cls(model.config, mesh, dataclasses.replace(layout, leaves=[]), convert, params)
+
+    def replace(self, model_or_state: Any) -> _ServingPolicy:
+        leaves = self.layout.placed(model_or_state)
+        with jax.set_mesh(self.mesh):
+            return dataclasses.replace(self, params=self.convert(leaves))
+
+    def model(self) -> CausalLM:
+        with jax.set_mesh(self.mesh):
+            stacked = jax.jit(functools.partial(stacked_params, self.config))(self.params)
+        flat = _flat_by_path(stacked)
+        return self.layout.model(_place([flat[k] for k in self.layout.paths], self.layout.shardings))
 
 
 def _flat_by_path(tree: Any) -> dict[str, Any]:
@@ -471,13 +524,13 @@ def _place(leaves: list[Any], shardings: list[Any]) -> list[jax.Array]:
     return [jax.device_put(x, s) for x, s in zip(leaves, shardings)]
 
 
-def _jit_generate(params: _Params, num_samples: int, spec: core.DecodeSpec) -> Any:
-    """Prefill + decode as one program; the cache is donated and comes back updated in place."""
+def _jit_generate(cfg: ModelConfig, num_samples: int, spec: core.DecodeSpec) -> Any:
+    """Prefill + decode as one program over the serving params; the cache is donated and comes
+    back updated in place."""
 
-    def fn(leaves, cache, tokens, mask, active, key, knobs, limit):  # type: ignore[no-untyped-def]
-        model = params.model(leaves)
-        cache, first_logits, prompt_len = core.prefill(model, cache, tokens, mask, num_samples=num_samples)
-        return core.decode(model, cache, first_logits, prompt_len, active, key, knobs, spec, limit)
+    def fn(params, cache, tokens, mask, active, key, knobs, limit):  # type: ignore[no-untyped-def]
+        cache, first_logits, prompt_len = core.prefill(cfg, params, cache, tokens, mask, num_samples=num_samples)
+        return core.decode(cfg, params, cache, first_logits, prompt_len, active, key, knobs, spec, limit)
 
     return jax.jit(fn, donate_argnums=(1,))
 

@@ -80,6 +80,7 @@ class Family:
     # one layer's weights -> the same weights laid out for decoding a few rows (e.g. projections
     # that read the same input concatenated into one matmul); `block` accepts both layouts
     decode_layout: Callable[["ModelConfig", dict[str, Any]], dict[str, Any]] | None = None
+    undo_decode_layout: Callable[["ModelConfig", dict[str, Any]], dict[str, Any]] | None = None  # its inverse
 
     def check(self, cfg: "ModelConfig") -> None:
         from tbajax.models.config import UnsupportedModelError

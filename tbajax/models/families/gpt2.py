@@ -169,7 +169,7 @@ def block(
     x: Array,
     tables: None,
     mask: Array,
-    cache: L.LayerCache | None,
+    cache: L.LayerCache | L.EmitKV | None,
 ) -> tuple[Array, tuple[Array, Array] | None]:
     dt = cfg.jnp_dtype
     w = {k: v.astype(dt) for k, v in p.items()}

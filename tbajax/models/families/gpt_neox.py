@@ -175,7 +175,7 @@ def block(
     x: Array,
     tables: tuple[Array, Array],
     mask: Array,
-    cache: L.LayerCache | None,
+    cache: L.LayerCache | L.EmitKV | None,
 ) -> tuple[Array, tuple[Array, Array] | None]:
     dt = cfg.jnp_dtype
     cos, sin = tables

@@ -201,7 +201,7 @@ def block(
     x: Array,
     tables: tuple[Array, Array],
     mask: Array,
-    cache: L.LayerCache | None,
+    cache: L.LayerCache | L.EmitKV | None,
 ) -> tuple[Array, tuple[Array, Array] | None]:
     dt = cfg.jnp_dtype
     cos, sin = tables
@@ -250,6 +250,19 @@ def decode_layout(cfg: ModelConfig, p: dict[str, Array]) -> dict[str, Array]:
     return p
 
 
+def undo_decode_layout(cfg: ModelConfig, p: dict[str, Array]) -> dict[str, Array]:
+    """The inverse of `decode_layout`."""
+    p = dict(p)
+    d, hd = cfg.hidden_size, cfg.head_dim
+    nq, nkv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    qkv = p.pop("qkv_proj")
+    p["q_proj"] = qkv[:, :nq].reshape(d, cfg.num_heads, hd)
+    p["k_proj"] = qkv[:, nq : nq + nkv].reshape(d, cfg.num_kv_heads, hd)
+    p["v_proj"] = qkv[:, nq + nkv :].reshape(d, cfg.num_kv_heads, hd)
+    p["gate_proj"], p["up_proj"] = jnp.split(p.pop("gate_up_proj"), 2, axis=1)
+    return p
+
+
 FAMILY = Family(
     name="llama",
     model_types=("llama", "qwen2", "qwen3"),
@@ -271,4 +284,5 @@ FAMILY = Family(
     ignored_suffixes=("rotary_emb.inv_freq",),
     fixed={"hidden_act": ("silu",), "rotary_pct": (1.0,), "parallel_residual": (False,)},
     decode_layout=decode_layout,
+    undo_decode_layout=undo_decode_layout,
 )

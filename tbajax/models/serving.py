@@ -1,0 +1,191 @@
+"""A causal LM's weights laid out for sampling, the KV cache, and the two passes a sampler runs.
+
+A decode step reads every weight once per token, so where the weights lie matters more than in
+training: each layer as its own arrays (XLA copies a layer's slice out of a stacked array at every
+step of a while loop), projections that read the same input fused into one matmul
+(`Family.decode_layout`), and the LM head vocab-major. Building that layout copies every weight,
+so a sampler builds it once per params version (`ServingParams.of`), not inside every generate
+call, and holds only this copy (`stacked_params` gives the model's own layout back).
+
+The two passes:
+  - `prompt_pass`: whole left-padded prompts at once, causal attention over their own keys (no
+    cache to read or zero first), every layer's keys and values handed back to be written into a
+    cache;
+  - `cached_pass`: new tokens (usually one per row) written at the cache's index, attending to
+    every valid slot of their row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from tbajax.models.config import ModelConfig
+from tbajax.models.families import Family, family_for
+from tbajax.models.layers import EMIT_KV, CausalMask
+from tbajax.sharding import constrain
+
+Array = jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+    """Preallocated keys/values, one buffer per layer, plus which slots hold real tokens.
+
+    Keys are stored d-major ([batch, kv_heads, head_dim, slots]) and values slot-major
+    ([batch, kv_heads, slots, head_dim]) so that a decode step reads both in place at memory speed
+    (`layers.cached_attention`); separate per-layer buffers let every layer's write and read happen
+    in place (a stacked [layers, ...] buffer inside a loop is copied a layer at a time).
+    All rows share the write position `index` (prompts are left-padded), so one
+    `dynamic_update_slice` per layer writes the whole batch. The continuous-batching engine
+    (`tbajax.sampling.continuous`) uses it as a ring: index advances mod `slots` and each row's
+    history is wherever it was written (single-token steps attend by `valid` alone).
+    """
+
+    k: tuple[Array, ...]  # per layer [batch, kv_heads, head_dim, slots]
+    v: tuple[Array, ...]  # per layer [batch, kv_heads, slots, head_dim]
+    valid: Array  # [batch, slots] bool
+    index: Array  # int32 scalar: next slot to write
+
+    K_AXES = ("batch", "kv_heads", "head_dim", "length")
+    V_AXES = ("batch", "kv_heads", "length", "head_dim")
+
+    @classmethod
+    def init(cls, cfg: ModelConfig, batch: int, slots: int, dtype: Any = None) -> "KVCache":
+        dtype = dtype or cfg.jnp_dtype
+        kv, hd = cfg.num_kv_heads, cfg.head_dim
+        return cls(
+            k=tuple(jnp.zeros((batch, kv, hd, slots), dtype) for _ in range(cfg.num_layers)),
+            v=tuple(jnp.zeros((batch, kv, slots, hd), dtype) for _ in range(cfg.num_layers)),
+            valid=jnp.zeros((batch, slots), bool),
+            index=jnp.zeros((), jnp.int32),
+        )
+
+    @property
+    def rows(self) -> int:
+        return self.valid.shape[0]
+
+    @property
+    def slots(self) -> int:
+        return self.valid.shape[1]
+
+    @property
+    def dtype(self) -> Any:
+        return self.k[0].dtype
+
+    def nbytes(self) -> int:
+        return sum(x.nbytes for x in (*self.k, *self.v)) + self.valid.nbytes
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ServingParams:
+    """The weights a sampler reads: the family's top params (embeddings, final norm), each
+    layer's own weights in the family's decode layout, and the LM head as [vocab, hidden] in the
+    compute dtype (None when tied: the embedding already is vocab-major)."""
+
+    top: dict[str, Array]
+    layers: tuple[dict[str, Array], ...]
+    head: Array | None
+
+    @classmethod
+    def of(cls, model: Any) -> "ServingParams":
+        """The serving layout of a `CausalLM` (a copy of every layer weight; call it once per params
+        version, inside a jitted function)."""
+        cfg = model.config
+        if cfg.num_labels is not None:
+            raise ValueError("a sequence classifier has no LM head to sample from")
+        family = family_for(cfg.model_type)
+        stacked = model.layers.stacked(cfg)
+        layers = tuple({name: w[i] for name, w in stacked.items()} for i in range(cfg.num_layers))
+        if family.decode_layout is not None:
+            layers = tuple(family.decode_layout(cfg, p) for p in layers)
+        head = None
+        if model.lm_head is not None:
+            head = constrain(model.lm_head[...].astype(cfg.jnp_dtype).T, ("vocab", "embed"))
+        top = {name: getattr(model, name)[...] for name in family.top_params(cfg)}
+        return cls(top=top, layers=layers, head=head)
+
+    def head_matrix(self, cfg: ModelConfig) -> Array:
+        """The LM head as [vocab, hidden] in the compute dtype."""
+        return self.top["embed_tokens"].astype(cfg.jnp_dtype) if self.head is None else self.head
+
+
+def stacked_params(cfg: ModelConfig, params: ServingParams) -> dict[str, Any]:
+    """The inverse of `ServingParams.of`: the model's params as the pure dict `nnx.to_pure_dict`
+    gives (layers stacked, the untied head [hidden, vocab])."""
+    family = family_for(cfg.model_type)
+    layers = params.layers
+    if family.undo_decode_layout is not None:
+        layers = tuple(family.undo_decode_layout(cfg, p) for p in layers)
+    out: dict[str, Any] = dict(params.top)
+    out["layers"] = {name: jnp.stack([p[name] for p in layers]) for name in layers[0]}
+    if params.head is not None:
+        out["lm_head"] = params.head.T
+    return out
+
+
+def logits(cfg: ModelConfig, params: ServingParams, hidden: Array) -> Array:
+    """fp32 logits [..., vocab] of final hidden states."""
+    out = jnp.einsum("...d,vd->...v", hidden, params.head_matrix(cfg), preferred_element_type=jnp.float32)
+    return constrain(out, ("batch", "act_vocab")) if out.ndim == 2 else out
+
+
+def prompt_pass(
+    cfg: ModelConfig, params: ServingParams, tokens: Array, mask: Array, positions: Array
+) -> tuple[Array, tuple[Array, ...], tuple[Array, ...]]:
+    """Left-padded prompts [b, p] through every layer, attending causally over their own keys.
+
+    Returns the final hidden state of the last column [b, hidden] (every row's last prompt token)
+    and each layer's keys d-major [b, kv, d, p] and values [b, kv, p, d] in the cache's layout,
+    for the caller to write into its cache (slots of padding columns must be marked invalid)."""
+    family = family_for(cfg.model_type)
+    _, t = tokens.shape
+    mask = mask.astype(bool)
+    x = _embed(cfg, family, params, tokens, positions)
+    tables = family.position_tables(cfg, positions)
+    slots = jnp.arange(t)
+    causal = CausalMask((slots[None, :] <= slots[:, None])[None] & mask[:, None, :])
+    keys, values = [], []
+    for p in params.layers:
+        x, (k, v) = family.block(cfg, p, x, tables, causal, EMIT_KV)
+        keys.append(k)
+        values.append(v)
+    return family.final_norm(cfg, params.top, x[:, -1]), tuple(keys), tuple(values)
+
+
+def cached_pass(
+    cfg: ModelConfig, params: ServingParams, tokens: Array, positions: Array, mask: Array, cache: KVCache
+) -> tuple[Array, KVCache]:
+    """Tokens [b, t] written at slots cache.index ... index + t, each attending to the valid slots
+    of its row up to its own; returns the final hidden states [b, t, hidden] and the cache.
+
+    One new token (t = 1) attends to every valid slot: the same as the causal mask for a linear
+    cache (no later slot is valid yet), and right for a ring cache whose older history sits at
+    higher slots (continuous batching). Layers are unrolled over their own cache buffers, so each
+    write and read happens in place."""
+    family = family_for(cfg.model_type)
+    t = tokens.shape[1]
+    valid = jax.lax.dynamic_update_slice(cache.valid, mask.astype(bool), (0, cache.index))
+    if t == 1:
+        attend = valid[:, None, :]
+    else:
+        q_slot = cache.index + jnp.arange(t)
+        attend = (jnp.arange(cache.slots)[None, :] <= q_slot[:, None])[None] & valid[:, None, :]
+    x = _embed(cfg, family, params, tokens, positions)
+    tables = family.position_tables(cfg, positions)
+    ks, vs = [], []
+    for i, p in enumerate(params.layers):
+        x, (k, v) = family.block(cfg, p, x, tables, attend, (cache.k[i], cache.v[i], cache.index))
+        ks.append(k)
+        vs.append(v)
+    cache = KVCache(k=tuple(ks), v=tuple(vs), valid=valid, index=cache.index + t)
+    return family.final_norm(cfg, params.top, x), cache
+
+
+def _embed(cfg: ModelConfig, family: Family, params: ServingParams, tokens: Array, positions: Array) -> Array:
+    return constrain(family.embed(cfg, params.top, tokens, positions), ("batch", "length", "act_embed"))
