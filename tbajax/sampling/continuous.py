@@ -19,8 +19,9 @@ Randomness: every sample has its own key and draws its step-s token from fold_in
 as the static sampler's row keys do, so for the same per-sample keys both engines give the same
 tokens and log-probs whatever slot or batch a sample lands in.
 
-In-flight weight updates: params are program arguments, so `update_params` between chunks swaps
-them without a recompile and without dropping the sequences in flight. Their cached keys/values
+In-flight weight updates: params are program arguments (in their serving layout, built once per
+version by `update_params`, not by every chunk), so `update_params` between chunks swaps them
+without a recompile and without dropping the sequences in flight. Their cached keys/values
 from the old version are kept (recomputing them would cost a prefill of every live row); each
 token records the version whose forward produced its logits (`token_versions`), so a sample that
 straddles a swap carries tokens of both versions, and its log-probs are those the model that
@@ -368,7 +369,8 @@ class ContinuousEngine:
 
     def update_params(self, model_or_state: Any, version: int) -> float:
         """Swap the policy for the next chunk (samples in flight keep their cache); returns the
-        seconds the swap took (placing the params on the mesh)."""
+        seconds the swap took (placing the params on the mesh and building their serving layout,
+        `Sampler.update_params`)."""
         t0 = time.perf_counter()
         self.sampler.update_params(model_or_state)
         self.version = version
