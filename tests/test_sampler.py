@@ -332,6 +332,20 @@ def test_buckets_determinism_and_large_k(llama_sampler):
     assert (greedy.tokens[:48] == greedy.tokens[0]).all() and (greedy.tokens[48:] == greedy.tokens[48]).all()
 
 
+def test_a_reused_cache_leaks_nothing_into_the_next_call(llama):
+    """The cache is reused (donated) across calls and prefill rewrites only the prompt's slots: a
+    non-finite value left past them (0 x NaN is NaN) must not reach the next call's samples."""
+    sampler = Sampler(llama)
+    cfg = SamplingConfig(max_new_tokens=6, temperature=1.0, num_samples=2)
+    first = sampler.sample(PROMPTS, cfg, jax.random.key(3))
+    cache = sampler._cache
+    sampler._cache = dataclasses.replace(cache, k=tuple(jnp.full_like(x, jnp.nan) for x in cache.k),
+                                         v=tuple(jnp.full_like(x, jnp.nan) for x in cache.v))
+    again = sampler.sample(PROMPTS, cfg, jax.random.key(3))
+    np.testing.assert_array_equal(again.tokens, first.tokens)
+    np.testing.assert_array_equal(again.logprobs, first.logprobs)
+
+
 def test_update_params_keeps_programs(tiny_checkpoint, llama):
     sampler = Sampler(llama)
     cfg = SamplingConfig(max_new_tokens=4, greedy=True)

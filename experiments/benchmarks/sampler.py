@@ -37,7 +37,10 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import jax
 import jax.numpy as jnp
 
+from flax import nnx
+
 from tbajax.models import ModelConfig, load_model
+from tbajax.models.serving import ServingParams
 from tbajax.system.metrics import machine_info, matmul_flops_per_s
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -143,7 +146,8 @@ def decode_matmul_chain(model: Any, batch: int) -> Callable[[], None]:
     cfg = model.config
     if model.family.name != "llama":
         raise ValueError("the matmul bound follows the Llama decode layout")
-    layers, head = model.per_layer_params(), model.vocab_major_head()
+    params = nnx.jit(ServingParams.of)(model)
+    layers, head = params.layers, params.head_matrix(cfg)
     q, d, f = cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
 
     @jax.jit

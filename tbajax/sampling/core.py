@@ -59,8 +59,9 @@ def prefill(
 ) -> tuple[KVCache, Array, Array]:
     """Run the prompts [B, P] once (`serving.prompt_pass`) and write their keys/values, repeated K
     times per prompt, into the first P slots of the preallocated `cache` ([B*K] rows, pass it
-    donated: the writes then happen in place); every later slot is marked invalid, so whatever
-    an earlier call left there is never read.
+    donated: the writes then happen in place). Every later slot is marked invalid and its values
+    zeroed: a masked slot's weight is exactly 0, but 0 x NaN is not, so a non-finite value an
+    earlier call left there must not stay (its keys may: masking selects their scores away).
 
     Returns the cache, the next-token logits [B*K, V] and the real prompt lengths [B*K]; rows are
     prompt-major (row = prompt * K + k).
@@ -78,10 +79,15 @@ def prefill(
     def write(buf: Array, x: Array, axes: tuple[str, ...]) -> Array:
         return constrain(jax.lax.dynamic_update_slice(buf, rep(x).astype(buf.dtype), (0,) * x.ndim), axes)
 
+    def write_values(buf: Array, x: Array) -> Array:
+        rows, kv, slots, d = buf.shape
+        tail = jnp.zeros((rows, kv, slots - p, d), buf.dtype)
+        return write(jax.lax.dynamic_update_slice(buf, tail, (0, 0, p, 0)), x, KVCache.V_AXES)
+
     valid = jnp.zeros((b, cache.slots), bool).at[:, :p].set(mask)
     cache = KVCache(
         k=tuple(write(buf, x, KVCache.K_AXES) for buf, x in zip(cache.k, keys)),
-        v=tuple(write(buf, x, KVCache.V_AXES) for buf, x in zip(cache.v, values)),
+        v=tuple(write_values(buf, x) for buf, x in zip(cache.v, values)),
         valid=write(cache.valid, valid, ("batch", "length")),
         index=jnp.asarray(p, jnp.int32),
     )
