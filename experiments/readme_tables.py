@@ -50,8 +50,8 @@ TABLES: dict[str, dict[str, list[str]]] = {
         "rows": ["engine", "samples", "tokens", "seconds", "samples_per_s", "tokens_per_s", "slot_occupancy",
                  "vs_static"],
         "workload": ["prompts", "num_samples", "median_len", "max_len", "decode_slots", "decode_chunk"],
-        "swap": ["load_s", "swap_s", "decode_step_s", "publish_to_swapped_s", "publish_to_first_token_est_s",
-                 "publish_to_first_chunk_done_s"],
+        "swap": ["load_s", "load_and_prepare_s", "swap_s", "decode_step_s", "publish_to_swapped_s",
+                 "publish_to_first_token_est_s", "publish_to_first_chunk_done_s"],
     },
     "decode_head": {"rows": ["model", "rows", "hidden", "vocab", "dot_ms", "fused_ms", "unfused_ms", "ratio",
                              "ratio_min", "ratio_max", "overhead"]},
@@ -61,14 +61,17 @@ TABLES: dict[str, dict[str, list[str]]] = {
                         "torn_rows", "duplicated_rows", "row_count_ever_went_down", "versions_monotone"]},
 }
 # sampler.py's files carry no "benchmark" key: these names show the sampler's columns
-TABLES.update({name: TABLES["sampler"] for name in ("sampler_before_decode_fixes", "sampler_smollm2")})
+TABLES.update({name: TABLES["sampler"] for name in (
+    "sampler_before_decode_fixes", "sampler_before_serving_layout", "sampler_smollm2",
+    "sampler_smollm2_before_serving_layout")})
 
 
 # Absolute times and rates: shown only when the file records the machine's matmul rate (machines of
 # one kind differ ~3x in speed); ratios measured in one run are shown always.
 ABSOLUTE = {"update_s", "tbajax_tok_s", "torch_tok_s", "step_s", "best_step_s", "ms", "MB_s", "ours_tok_s",
             "ours_decode_tok_s", "wall_time_s", "seconds", "samples_per_s", "tokens_per_s", "load_s", "swap_s",
-            "decode_step_s", "publish_to_swapped_s", "publish_to_first_token_est_s", "publish_to_first_chunk_done_s",
+            "decode_step_s", "load_and_prepare_s", "publish_to_swapped_s", "publish_to_first_token_est_s",
+            "publish_to_first_chunk_done_s",
             "ynnpack_s", "eigen_s", "ours_step_ms", "ours_matmul_ms", "torch_matmul_ms",
             "ours_attention_ms"}
 

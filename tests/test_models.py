@@ -93,7 +93,10 @@ def test_kv_cache_decode_matches_full_forward(tiny_checkpoint, family):
     if family in ("llama", "qwen2"):
         assert "gate_up_proj" in params.layers[0] and "q_proj" not in params.layers[0]
     back = jax.jit(lambda p: serving.stacked_params(model.config, p))(params)
-    flat = lambda tree: {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(tree)}
+
+    def flat(tree):
+        return {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(tree)}
+
     original = flat(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
     assert flat(back).keys() == original.keys()
     for name, value in flat(back).items():

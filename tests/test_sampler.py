@@ -361,10 +361,19 @@ def test_update_params_keeps_programs(tiny_checkpoint, llama):
     np.testing.assert_array_equal(sampler.sample(PROMPTS, cfg, jax.random.key(0)).tokens, before.tokens)
     sampler.update_params(nnx.to_pure_dict(perturbed))
     np.testing.assert_array_equal(sampler.sample(PROMPTS, cfg, jax.random.key(0)).tokens, after.tokens)
+    # prepared apart (a loader thread's work), swapped in later; another sampler's are refused
+    prepared = sampler.prepare_params(llama)
+    np.testing.assert_array_equal(sampler.sample(PROMPTS, cfg, jax.random.key(0)).tokens, after.tokens)
+    sampler.update_params(prepared)
+    np.testing.assert_array_equal(sampler.sample(PROMPTS, cfg, jax.random.key(0)).tokens, before.tokens)
+    with pytest.raises(ValueError, match="another Sampler"):
+        sampler.update_params(Sampler(llama).prepare_params(perturbed))
+    sampler.update_params(perturbed)
     assert len(sampler.compile_events) == 2  # cache + generate, once
     # the sampler holds only the serving layout; the policy it rebuilds has the weights last set
     rebuilt = nnx.to_pure_dict(nnx.state(sampler.policy_model(), nnx.Param))
-    for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(rebuilt), jax.tree.leaves(nnx.to_pure_dict(perturbed))):
+    wanted = jax.tree.leaves(nnx.to_pure_dict(perturbed))
+    for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(rebuilt), wanted):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=jax.tree_util.keystr(path))
     assert sampler._policy.layout.leaves == []  # no second (stacked) copy of the weights
 

@@ -13,8 +13,10 @@ Both are warmed up on the same workload first (every program compiled), then tim
 (two different tokens' log-probs), so it is large whenever any sample diverged.
 
 Swap: a real param store in a temp dir; mid-run the benchmark publishes new params, the engine
-loop notices them, loads, swaps between chunks and goes on. Reported: publish -> swapped in,
-publish -> end of the first chunk with new-version tokens, one decode step, one param load.
+loop notices them, loads and lays them out for serving (`prepare_params`: what the searcher's
+loader thread does while decoding goes on; here in line), swaps between chunks and goes on.
+Reported: publish -> swapped in, publish -> end of the first chunk with new-version tokens, one
+decode step, one param load, one load + serving layout, the swap itself.
 
     python experiments/benchmarks/continuous_batching.py --quick
     python experiments/benchmarks/continuous_batching.py \
@@ -135,6 +137,7 @@ def measure_swap(engine: ContinuousEngine, model: Any, prompts: list, lengths: n
                       max_new_per_sample=lengths[i * k:(i + 1) * k])
     chunk_s: list[float] = []
     published = swapped = first = None
+    prepare_s = float("nan")
     new = jax.tree.map(lambda x: x * 1.01, nnx.to_pure_dict(state))
     while not engine.idle:
         if published is None and len(chunk_s) == 2:
@@ -143,7 +146,11 @@ def measure_swap(engine: ContinuousEngine, model: Any, prompts: list, lengths: n
         if published is not None and swapped is None:
             latest = reader.latest_version()
             if latest is not None and latest > engine.version:
-                engine.update_params(resident.load(reader, latest), latest)
+                loaded = time.perf_counter()
+                # what the searcher's loader thread does while decoding goes on
+                prepared = engine.prepare_params(resident.load(reader, latest))
+                prepare_s = time.perf_counter() - loaded
+                engine.update_params(prepared, latest)
                 swapped = time.perf_counter()
         t = time.perf_counter()
         done = engine.step()
@@ -156,7 +163,8 @@ def measure_swap(engine: ContinuousEngine, model: Any, prompts: list, lengths: n
     if published is None or swapped is None or first is None:
         raise RuntimeError(f"the run ended before the swap was used ({len(chunk_s)} chunks): "
                            "give it more prompts")
-    return {"load_s": load_s, "swap_s": engine.stats.last_swap_s, "decode_step_s": step_s,
+    return {"load_s": load_s, "load_and_prepare_s": prepare_s, "swap_s": engine.stats.last_swap_s,
+            "decode_step_s": step_s,
             "chunk_s": float(np.median(chunk_s[1:])),
             "publish_to_swapped_s": swapped - published,
             "publish_to_first_chunk_done_s": first - published,

@@ -11,9 +11,7 @@ sampler's passes (`tbajax/models/serving.py`, over per-layer weights and a KV ca
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -15,6 +15,7 @@ _EXPORTS = {  # public name -> the submodule that defines it
     "prefill": "core",
     "score": "core",
     "CompileEvent": "sampler",
+    "PreparedParams": "sampler",
     "SampleOutput": "sampler",
     "Sampler": "sampler",
     "batch_bucket": "sampler",

@@ -51,7 +51,7 @@ from tbajax.models import ModelConfig, positions_from_mask, serving
 from tbajax.models.serving import KVCache, ServingParams
 from tbajax.sampling import core
 from tbajax.sampling.config import SamplingConfig
-from tbajax.sampling.sampler import Sampler, left_pad, length_bucket
+from tbajax.sampling.sampler import PreparedParams, Sampler, left_pad, length_bucket
 from tbajax.sampling.step import step_keys
 from tbajax.shapes import next_pow2
 from tbajax.sharding import constrain
@@ -162,7 +162,8 @@ def admit(
 
 
 def decode_chunk(
-    cfg: ModelConfig, params: ServingParams, cache: KVCache, state: SlotState, knobs: core.Knobs, spec: core.DecodeSpec,
+    cfg: ModelConfig, params: ServingParams, cache: KVCache, state: SlotState, knobs: core.Knobs,
+    spec: core.DecodeSpec,
     refill_at: Array, *, chunk: int
 ) -> tuple[KVCache, SlotState, ChunkOut]:
     """Up to `chunk` decode steps over every slot; exits early once no slot is live, or after at
@@ -367,10 +368,15 @@ class ContinuousEngine:
         self._requests[rid] = _Request(tag, arr, keys, limit)
         self._queue.append(rid)
 
+    def prepare_params(self, model_or_state: Any) -> PreparedParams:
+        """`Sampler.prepare_params`: a version placed and laid out for serving, for a loader
+        thread to build while decoding goes on."""
+        return self.sampler.prepare_params(model_or_state)
+
     def update_params(self, model_or_state: Any, version: int) -> float:
         """Swap the policy for the next chunk (samples in flight keep their cache); returns the
-        seconds the swap took (placing the params on the mesh and building their serving layout,
-        `Sampler.update_params`)."""
+        seconds the swap took: none to speak of for `prepare_params`' result, else placing the
+        params on the mesh and building their serving layout first."""
         t0 = time.perf_counter()
         self.sampler.update_params(model_or_state)
         self.version = version

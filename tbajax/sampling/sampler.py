@@ -125,7 +125,7 @@ class Sampler:
             raise ValueError(f"min_prompt_bucket must be >= 1, got {min_prompt_bucket}")
         self.min_prompt_bucket = min_prompt_bucket
         self.batch_shards = self.mesh.shape.get("data", 1) * self.mesh.shape.get("fsdp", 1)
-        self._policy = _ServingPolicy.from_model(model, self.mesh)
+        self._policy = PreparedParams.from_model(model, self.mesh)
         self._reference = _Params.from_model(reference, self.mesh) if reference is not None else None
         self._compiled: dict[tuple[Any, ...], Any] = {}
         self._cache: core.KVCache | None = None  # the last call's cache, reused when shapes match
@@ -133,11 +133,25 @@ class Sampler:
 
     # -- state updates -------------------------------------------------------------------
 
-    def update_params(self, model_or_state: CausalLM | nnx.State) -> None:
-        """Swap in new policy weights (same architecture); compiled programs are kept. Builds
-        their serving layout (a copy of every weight, `ServingParams`), which every program reads
-        until the next update."""
-        self._policy = self._policy.replace(model_or_state)
+    def prepare_params(self, model_or_state: CausalLM | nnx.State | dict) -> PreparedParams:
+        """New policy weights (same architecture), checked, placed on the mesh and laid out for
+        serving (a copy of every weight, `ServingParams`), without swapping them in: a loader
+        thread can prepare a version while decoding goes on, and `update_params` then swaps it in
+        at once. Waits until the layout is built."""
+        prepared = self._policy.replace(model_or_state)
+        jax.block_until_ready(prepared.params)
+        return prepared
+
+    def update_params(self, new: CausalLM | nnx.State | dict | PreparedParams) -> None:
+        """Swap in new policy weights (same architecture; `prepare_params`' result, or weights to
+        prepare now); compiled programs are kept, and every program reads the new serving layout
+        from its next call."""
+        if isinstance(new, PreparedParams):
+            if new.layout is not self._policy.layout:
+                raise ValueError("these params were prepared by another Sampler; prepare them with this one")
+            self._policy = new
+        else:
+            self._policy = self.prepare_params(new)
 
     @property
     def serving_params(self) -> ServingParams:
@@ -475,10 +489,11 @@ class _Params:
 
 
 @dataclasses.dataclass(frozen=True)
-class _ServingPolicy:
-    """The policy as a sampler holds it: its weights only in their serving layout, on the mesh
-    (`params`), plus what checking, converting and rebuilding a version takes (`layout`: the
-    model's own structure and param shardings, its leaves dropped; `convert`, compiled once)."""
+class PreparedParams:
+    """A params version as a sampler holds it (`Sampler.prepare_params`): its weights only in their
+    serving layout, on the mesh (`params`), plus what checking, converting and rebuilding a version
+    takes (`layout`: the model's own structure and param shardings, its leaves dropped; `convert`,
+    compiled once per sampler)."""
 
     config: ModelConfig
     mesh: Mesh
@@ -487,7 +502,7 @@ class _ServingPolicy:
     params: ServingParams
 
     @classmethod
-    def from_model(cls, model: CausalLM, mesh: Mesh) -> _ServingPolicy:
+    def from_model(cls, model: CausalLM, mesh: Mesh) -> PreparedParams:
         layout = _Params.from_model(model, mesh)
 
         @jax.jit
@@ -498,7 +513,7 @@ class _ServingPolicy:
             params = convert(layout.leaves)
         return cls(model.config, mesh, dataclasses.replace(layout, leaves=[]), convert, params)
 
-    def replace(self, model_or_state: Any) -> _ServingPolicy:
+    def replace(self, model_or_state: Any) -> PreparedParams:
         leaves = self.layout.placed(model_or_state)
         with jax.set_mesh(self.mesh):
             return dataclasses.replace(self, params=self.convert(leaves))
@@ -529,7 +544,8 @@ def _jit_generate(cfg: ModelConfig, num_samples: int, spec: core.DecodeSpec) -> 
     back updated in place."""
 
     def fn(params, cache, tokens, mask, active, key, knobs, limit):  # type: ignore[no-untyped-def]
-        cache, first_logits, prompt_len = core.prefill(cfg, params, cache, tokens, mask, num_samples=num_samples)
+        cache, first_logits, prompt_len = core.prefill(cfg, params, cache, tokens, mask,
+                                                       num_samples=num_samples)
         return core.decode(cfg, params, cache, first_logits, prompt_len, active, key, knobs, spec, limit)
 
     return jax.jit(fn, donate_argnums=(1,))

@@ -22,7 +22,7 @@ from flax import nnx
 
 from tbajax.config import ExperimentConfig
 from tbajax.models import CausalLM, load_model
-from tbajax.sampling import Sampler, SampleOutput, SamplingConfig
+from tbajax.sampling import PreparedParams, Sampler, SampleOutput, SamplingConfig
 from tbajax.sampling.continuous import Completed, ContinuousEngine, request_keys
 from tbajax.sharding import make_mesh
 from tbajax.stores import ParamReader, ParamVersionError, TrajectoryWriter, param_store_url, trajectory_store_url
@@ -467,6 +467,13 @@ def run_searcher(run_dir: Path, searcher_id: int, store_url: str | None = None) 
     log.info("searcher %d: stopping after %d calls, %d samples", searcher_id, calls, samples)
 
 
+def _load_prepared(engine: ContinuousEngine, resident: SearcherParams, reader: ParamReader,
+                   version: int) -> PreparedParams:
+    """The loader thread's work: read a published version and lay it out for serving, so that the
+    decode loop's swap is only a swap."""
+    return engine.prepare_params(resident.load(reader, version))
+
+
 def _continuous_loop(
     config: ExperimentConfig, run_dir: Path, searcher_id: int, rollouts: Rollouts, stream: PromptStream,
     writer: TrajectoryWriter, params_reader: ParamReader, resident: SearcherParams, metrics: MetricsWriter,
@@ -507,7 +514,8 @@ def _continuous_loop(
             if loading is None and now >= retry_at:
                 latest = params_reader.latest_version()
                 if latest is not None and latest > version:
-                    loading = (latest, loads.submit(resident.load, params_reader, latest), now)
+                    future = loads.submit(_load_prepared, engine, resident, params_reader, latest)
+                    loading = (latest, future, now)
             if loading is not None and loading[1].done():
                 latest, future, t0 = loading
                 loading = None
@@ -521,8 +529,9 @@ def _continuous_loop(
                 else:
                     retry_s = 0.0
                     swap_s = engine.update_params(params, latest)
-                    log.info("searcher %d: params version %d loaded in %.2fs (decoding went on), swapped in "
-                             "%.3fs", searcher_id, latest, time.time() - t0 - swap_s, swap_s)
+                    log.info("searcher %d: params version %d loaded and laid out for serving in %.2fs "
+                             "(decoding went on), swapped in %.3fs", searcher_id, latest,
+                             time.time() - t0 - swap_s, swap_s)
                     version, submitted_this_version = latest, 0
             paused = lead_limit is not None and submitted_this_version >= lead_limit * ppc
             while not paused and engine.pending < depth:
