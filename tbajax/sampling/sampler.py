@@ -492,13 +492,14 @@ class _Params:
 class PreparedParams:
     """A params version as a sampler holds it (`Sampler.prepare_params`): its weights only in their
     serving layout, on the mesh (`params`), plus what checking, converting and rebuilding a version
-    takes (`layout`: the model's own structure and param shardings, its leaves dropped; `convert`,
-    compiled once per sampler)."""
+    takes (`layout`: the model's own structure and param shardings, its leaves dropped; `convert`
+    and `unconvert`, compiled once per sampler)."""
 
     config: ModelConfig
     mesh: Mesh
     layout: _Params
     convert: Any  # jitted: the model's param leaves -> ServingParams
+    unconvert: Any  # jitted: ServingParams -> the model's params as a pure dict
     params: ServingParams
 
     @classmethod
@@ -511,7 +512,8 @@ class PreparedParams:
 
         with jax.set_mesh(mesh):
             params = convert(layout.leaves)
-        return cls(model.config, mesh, dataclasses.replace(layout, leaves=[]), convert, params)
+        unconvert = jax.jit(functools.partial(stacked_params, model.config))
+        return cls(model.config, mesh, dataclasses.replace(layout, leaves=[]), convert, unconvert, params)
 
     def replace(self, model_or_state: Any) -> PreparedParams:
         leaves = self.layout.placed(model_or_state)
@@ -520,7 +522,7 @@ class PreparedParams:
 
     def model(self) -> CausalLM:
         with jax.set_mesh(self.mesh):
-            stacked = jax.jit(functools.partial(stacked_params, self.config))(self.params)
+            stacked = self.unconvert(self.params)
         flat = _flat_by_path(stacked)
         return self.layout.model(_place([flat[k] for k in self.layout.paths], self.layout.shardings))
 
