@@ -21,7 +21,7 @@ from tbajax.models.config import ModelConfig, rope_inv_freq
 from tbajax.models.families import Family, ParamSpec, family_for
 from tbajax.models.layers import CausalMask, apply_rope, attention, rms_norm  # noqa: F401  (re-exported)
 from tbajax.models.layers import rope_tables as _rope_tables
-from tbajax.models.serving import KVCache, ServingParams, cached_pass
+from tbajax.models.serving import KVCache, ServingParams, cached_pass, unstack
 from tbajax.sharding import constrain
 
 Array = jax.Array
@@ -176,11 +176,6 @@ class CausalLM(nnx.Module):
 
 
 # ---------------------------------------------------------------------------- pure pieces
-
-
-def unstack(params: dict[str, Array], num_layers: int) -> tuple[dict[str, Array], ...]:
-    """Stacked [layers, ...] weights -> one dict of per-layer weights per layer."""
-    return tuple({name: w[i] for name, w in params.items()} for i in range(num_layers))
 
 
 def positions_from_mask(mask: Array) -> Array:

@@ -100,8 +100,7 @@ class ServingParams:
         if cfg.num_labels is not None:
             raise ValueError("a sequence classifier has no LM head to sample from")
         family = family_for(cfg.model_type)
-        stacked = model.layers.stacked(cfg)
-        layers = tuple({name: w[i] for name, w in stacked.items()} for i in range(cfg.num_layers))
+        layers = unstack(model.layers.stacked(cfg), cfg.num_layers)
         if family.decode_layout is not None:
             layers = tuple(family.decode_layout(cfg, p) for p in layers)
         head = None
@@ -113,6 +112,11 @@ class ServingParams:
     def head_matrix(self, cfg: ModelConfig) -> Array:
         """The LM head as [vocab, hidden] in the compute dtype."""
         return self.top["embed_tokens"].astype(cfg.jnp_dtype) if self.head is None else self.head
+
+
+def unstack(params: dict[str, Array], num_layers: int) -> tuple[dict[str, Array], ...]:
+    """Stacked [layers, ...] weights -> one dict of per-layer weights per layer."""
+    return tuple({name: w[i] for name, w in params.items()} for i in range(num_layers))
 
 
 def stacked_params(cfg: ModelConfig, params: ServingParams) -> dict[str, Any]:

@@ -82,6 +82,10 @@ class Family:
     decode_layout: Callable[["ModelConfig", dict[str, Any]], dict[str, Any]] | None = None
     undo_decode_layout: Callable[["ModelConfig", dict[str, Any]], dict[str, Any]] | None = None  # its inverse
 
+    def __post_init__(self) -> None:
+        if (self.decode_layout is None) != (self.undo_decode_layout is None):
+            raise ValueError(f"family {self.name}: decode_layout and undo_decode_layout come together")
+
     def check(self, cfg: "ModelConfig") -> None:
         from tbajax.models.config import UnsupportedModelError
 
