@@ -316,6 +316,45 @@ def test_hand_written_vjps_match_autodiff(dtype):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=tol * 10, rtol=tol)
 
 
+def test_project_matches_the_einsum_of_a_multi_axis_weight_and_its_gradients():
+    """`project` (q_proj-like [d, heads, head_dim] and o_proj-like [heads, head_dim, d] weights)
+    equals the einsum it replaces in the family blocks, value and gradients."""
+    from tbajax.models.layers import project
+
+    r = np.random.default_rng(1)
+    h = jnp.asarray(r.normal(size=(2, 5, 16)), jnp.float32)
+    w_in = jnp.asarray(r.normal(size=(16, 4, 3)) * 0.2, jnp.float32)
+    w_out = jnp.asarray(r.normal(size=(4, 3, 16)) * 0.2, jnp.float32)
+
+    def ours(h, w_in, w_out):
+        return (project(jnp.tanh(project(h, w_in)), w_out, in_axes=2) ** 2).sum()
+
+    def plain(h, w_in, w_out):
+        q = jnp.tanh(jnp.einsum("btd,dhk->bthk", h, w_in))
+        return (jnp.einsum("bthk,hkd->btd", q, w_out) ** 2).sum()
+
+    np.testing.assert_allclose(jax.jit(ours)(h, w_in, w_out), jax.jit(plain)(h, w_in, w_out), rtol=1e-5)
+    got = jax.jit(jax.grad(ours, argnums=(0, 1, 2)))(h, w_in, w_out)
+    want = jax.jit(jax.grad(plain, argnums=(0, 1, 2)))(h, w_in, w_out)
+    for a, b in zip(got, want):
+        assert a.shape == b.shape
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_unfused_transpose_is_the_transpose_whatever_its_first_element():
+    """The CPU lowering keeps the transpose in a conditional (so XLA cannot fuse it into its
+    producer); both branches transpose, so a NaN or negative first element changes nothing."""
+    from tbajax.models.layers import unfused_transpose
+
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    f = jax.jit(lambda a: unfused_transpose(a * 2.0))
+    for first in (5.0, -5.0, np.nan):
+        x[0, 0] = first
+        np.testing.assert_array_equal(f(x), (x * 2).T)
+    assert unfused_transpose(jnp.zeros((0, 3))).shape == (3, 0)
+    assert "conditional" in f.lower(x).compile().as_text()
+
+
 def test_rows_per_step_takes_the_batch_when_its_scores_fit_else_a_divisor_within_half():
     from tbajax.models.layers import ROW_SCORES_BUDGET, rows_per_step
 

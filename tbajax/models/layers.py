@@ -53,9 +53,10 @@ def linear(x: Array, w: Array) -> Array:
     """x @ w for [..., D] activations and a [D, F] weight.
 
     Its VJP picks the layout of the weight-gradient product: d w = x^T g contracts the token
-    axis of both, so one operand must be transposed, and XLA CPU transposes g (fusing whatever
-    produced g into a slow transposed-order loop) even when x is the smaller array. Here the
-    smaller of the two is transposed explicitly and materialised first.
+    axis of both, so one operand must be transposed. XLA CPU transposes g, fusing whatever
+    produced g (a RoPE backward, a residual sum) into a loop that runs in the transposed order,
+    even when x is the smaller array. Here the smaller of the two is transposed, as a kernel of
+    its own (`unfused_transpose`).
     """
     return jnp.einsum("...d,df->...f", x, w)
 
@@ -70,13 +71,43 @@ def _linear_bwd(residuals: tuple[Array, Array], g: Array) -> tuple[Array, Array]
     d, f = w.shape
     xs, gs = x.reshape(-1, d), g.reshape(-1, f)
     if d <= f:
-        dw = jnp.einsum("dn,nf->df", jax.lax.optimization_barrier(xs.T), gs)
+        dw = jnp.einsum("dn,nf->df", unfused_transpose(xs), gs)
     else:
-        dw = jnp.einsum("nd,fn->df", xs, jax.lax.optimization_barrier(gs.T))
+        dw = jnp.einsum("nd,fn->df", xs, unfused_transpose(gs))
     return dx, dw.astype(w.dtype)
 
 
 linear.defvjp(_linear_fwd, _linear_bwd)
+
+
+def project(x: Array, w: Array, in_axes: int = 1) -> Array:
+    """`linear` for a weight with several input or output axes: x [..., *in] and w [*in, *out]
+    (q_proj [embed, heads, head_dim] takes in_axes=1, o_proj [heads, head_dim, embed] in_axes=2)
+    -> [..., *out], through the flattened [prod(in), prod(out)] matrix."""
+    ins, outs = w.shape[:in_axes], w.shape[in_axes:]
+    lead = x.shape[: x.ndim - in_axes]
+    y = linear(x.reshape(*lead, math.prod(ins)), w.reshape(math.prod(ins), math.prod(outs)))
+    return y.reshape(*lead, *outs)
+
+
+def unfused_transpose(x: Array) -> Array:
+    """x.T of a 2-D array, on CPU as a kernel of its own.
+
+    XLA CPU fuses a transpose into the loop that produces its operand (an elementwise op, a
+    dynamic slice out of a scan's stacked residuals) and runs that loop in the transposed
+    order: 4-10x slower than its tiled transpose of the same array (`experiments/benchmarks/
+    train_step.py`, the policy forward+backward). Barriers (`optimization_barrier`) are gone
+    before fusion; a conditional's branch is a computation of its own, so the transpose sits in
+    a `cond` whose two branches are the same transpose (whatever the predicate reads, the
+    result is x.T). Other backends transpose in place.
+    """
+    if x.size == 0:
+        return x.T
+
+    def in_branch(y: Array) -> Array:
+        return jax.lax.cond(y[0, 0] > 0, jnp.transpose, jnp.transpose, y)
+
+    return jax.lax.platform_dependent(x, cpu=in_branch, default=jnp.transpose)
 
 
 @jax.custom_vjp

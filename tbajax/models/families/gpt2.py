@@ -175,11 +175,11 @@ def block(
     w = {k: v.astype(dt) for k, v in p.items()}
     act = L.ACTIVATIONS[cfg.hidden_act]
     h = L.layer_norm(x, w["input_norm"], w["input_norm_bias"], cfg.layer_norm_eps)
-    qkv = jnp.einsum("btd,djhk->btjhk", h, w["qkv_proj"]) + w["qkv_bias"]
+    qkv = L.project(h, w["qkv_proj"]) + w["qkv_bias"]
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     q = constrain(q, ("batch", "length", "act_heads", None))
     o, new_cache = L.self_attention(q, k, v, mask, cache, dt)
-    o = jnp.einsum("bthk,hkd->btd", o, w["o_proj"]) + w["o_bias"]
+    o = L.project(o, w["o_proj"], in_axes=2) + w["o_bias"]
     x = x + o
     h = L.layer_norm(x, w["post_attention_norm"], w["post_attention_norm_bias"], cfg.layer_norm_eps)
     h = act(L.linear(h, w["up_proj"]) + w["up_bias"])

@@ -181,14 +181,14 @@ def block(
     cos, sin = tables
     w = {k: v.astype(dt) for k, v in p.items()}
     h = L.layer_norm(x, w["input_norm"], w["input_norm_bias"], cfg.layer_norm_eps)
-    qkv = jnp.einsum("btd,dhjk->bthjk", h, w["qkv_proj"])
+    qkv = L.project(h, w["qkv_proj"])
     if cfg.qkv_bias:
         qkv = qkv + w["qkv_bias"]
     q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
     q, k = L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin)
     q = constrain(q, ("batch", "length", "act_heads", None))
     o, new_cache = L.self_attention(q, k, v, mask, cache, dt)
-    o = jnp.einsum("bthk,hkd->btd", o, w["o_proj"])
+    o = L.project(o, w["o_proj"], in_axes=2)
     if cfg.qkv_bias:
         o = o + w["o_bias"]
 

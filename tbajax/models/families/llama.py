@@ -215,9 +215,7 @@ def block(
         k = qkv[..., nq : nq + nkv].reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
         v = qkv[..., nq + nkv :].reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
     else:
-        q = jnp.einsum("btd,dhk->bthk", h, w["q_proj"])
-        k = jnp.einsum("btd,dhk->bthk", h, w["k_proj"])
-        v = jnp.einsum("btd,dhk->bthk", h, w["v_proj"])
+        q, k, v = (L.project(h, w[name]) for name in ("q_proj", "k_proj", "v_proj"))
     if cfg.qkv_bias:
         q, k, v = q + w["q_bias"], k + w["k_bias"], v + w["v_bias"]
     if cfg.qk_norm:
@@ -226,7 +224,7 @@ def block(
     q, k = L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin)
     q = constrain(q, ("batch", "length", "act_heads", None))
     o, new_cache = L.self_attention(q, k, v, mask, cache, dt)
-    o = jnp.einsum("bthk,hkd->btd", o, w["o_proj"])
+    o = L.project(o, w["o_proj"], in_axes=2)
     if cfg.o_bias:
         o = o + w["o_bias"]
     x = x + o
