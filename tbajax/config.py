@@ -33,9 +33,9 @@ class ModelSpec:
     lora: train LoRA adapters (rank, alpha, targets: weight names or glob patterns such as
       "q_proj" or "layers.*_proj"; dropout must stay 0) on the frozen checkpoint instead of all
       its weights; null = full fine-tuning. E.g. `--set model.lora.rank=8`.
-    scan_layers: the trainer's forward and backward apply the layers as one scan (compile time
-      flat in depth) or unrolled (`false`: faster on CPU for a few layers, slower and much longer
-      to compile for deep models; see `ModelConfig.scan_layers`).
+    scan_layers: the trainer's forward and backward apply the layers as one scan (`true`: compile
+      time flat in depth) or unrolled (`false`: faster for a few layers, much longer to compile
+      for deep models); "auto" unrolls up to `models.config.UNROLLED_MAX_LAYERS` (8) layers.
     """
 
     checkpoint: str = ""
@@ -43,7 +43,7 @@ class ModelSpec:
     param_dtype: str = "float32"
     dtype: str = "float32"
     remat: Literal["none", "full", "dots"] = "none"
-    scan_layers: bool = True
+    scan_layers: bool | Literal["auto"] = "auto"
     lora: LoraConfig | None = None
 
 

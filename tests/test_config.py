@@ -29,8 +29,11 @@ def test_overrides_are_typed():
             "task.options.digits=2",
             "train.trainer.optimizer.max_grad_norm=null",
             "model.remat=none",  # YAML reads `none` as null; the literal "none" is meant
+            "model.scan_layers=false",
         ],
     )
+    assert out.model.scan_layers is False and cfg.model.scan_layers == "auto"
+    assert apply_overrides(cfg, ["model.scan_layers=true"]).model.scan_layers is True
     assert out.train.steps == 7 and isinstance(out.train.steps, int)
     assert out.train.trainer.optimizer.lr.peak == 3e-4
     assert out.train.objective == "dr_grpo" and out.system.mode == "sync"

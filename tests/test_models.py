@@ -232,6 +232,26 @@ def test_v4_config_layout_is_read():
     assert cfg.rope_theta == 5e5 and cfg.rope_scaling.factor == 2.0 and cfg.num_kv_heads == 2
 
 
+def test_scan_layers_auto_unrolls_shallow_models_only():
+    from tbajax.models.config import UNROLLED_MAX_LAYERS, scan_layers_for
+
+    def hf(layers: int) -> dict:
+        return dict(model_type="llama", vocab_size=10, hidden_size=8, intermediate_size=16,
+                    num_hidden_layers=layers, num_attention_heads=2)
+
+    assert scan_layers_for("auto", UNROLLED_MAX_LAYERS) is False
+    assert scan_layers_for("auto", UNROLLED_MAX_LAYERS + 1) is True
+    assert scan_layers_for(True, 1) is True and scan_layers_for(False, 64) is False
+    assert ModelConfig.from_hf(hf(2), scan_layers="auto").scan_layers is False
+    assert ModelConfig.from_hf(hf(UNROLLED_MAX_LAYERS + 1), scan_layers="auto").scan_layers is True
+    assert ModelConfig.from_hf(hf(2)).scan_layers is True  # load_model's default stays the scan
+    with pytest.raises(ValueError, match="choose true, false or 'auto'"):
+        ModelConfig.from_hf(hf(2), scan_layers="yes")
+    cfg = ModelConfig.from_hf(hf(2))
+    with pytest.raises(ValueError, match="'auto' is resolved by ModelConfig.from_hf"):
+        type(cfg)(**{**cfg.__dict__, "scan_layers": "auto"})
+
+
 def test_missing_weights_file(tiny_checkpoint, tmp_path):
     d = _copy(tiny_checkpoint("llama"), tmp_path)
     (d / "model.safetensors").unlink()

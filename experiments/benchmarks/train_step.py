@@ -1,6 +1,11 @@
 """Trainer-step tokens/s: tbajax's jitted TB step vs torch transformers + torch.optim.AdamW.
 
-    python experiments/benchmarks/train_step.py [--quick] [--json PATH] [--precision fp32|bf16] [--unrolled]
+    python experiments/benchmarks/train_step.py [--quick] [--json PATH] [--precision fp32|bf16]
+        [--scanned | --unrolled]
+
+tbajax's layers are applied as the trainer's default `model.scan_layers="auto"` applies them
+(unrolled at these depths, `tbajax.models.config.scan_layers_for`), or as one scan (`--scanned`),
+or unrolled (`--unrolled`); each row records which (`scan_layers`).
 
 One step = reference forward (no grad) + policy forward + VarGrad TB loss + backward + AdamW,
 on the same Llama-style checkpoint and the same batch (groups of K = 4) on both sides. Each
@@ -75,7 +80,8 @@ def take_turn() -> None:
 # ----------------------------------------------------------------------------- tbajax side
 
 
-def run_jax(ckpt: str, rows: int, seq: int, repeats: int, precision: str, scan_layers: bool = True) -> dict[str, Any]:
+def run_jax(ckpt: str, rows: int, seq: int, repeats: int, precision: str, scan_layers: bool | str = "auto"
+            ) -> dict[str, Any]:
     import jax
 
     from tbajax.batch import Batch
@@ -92,7 +98,9 @@ def run_jax(ckpt: str, rows: int, seq: int, repeats: int, precision: str, scan_l
     from tbajax.objectives import resolve_objective
     from tbajax.objectives.registry import EVERYTHING
 
-    model = load_model(ckpt, scan_layers=scan_layers)
+    choice = {"scanned": True, "unrolled": False}.get(scan_layers, scan_layers)
+    model = load_model(ckpt, scan_layers=choice)
+    model_scan_layers = model.config.scan_layers
     config = TrainerConfig(
         optimizer=OptimizerConfig(lr=LRSchedule(peak=LR)),
         temperature=TEMPERATURE,
@@ -168,6 +176,7 @@ def run_jax(ckpt: str, rows: int, seq: int, repeats: int, precision: str, scan_l
         "peak_rss_mb": peak_rss_mb(),
         "threads": os.cpu_count(),
         "version": jax.__version__,
+        "scan_layers": model_scan_layers,
     }
 
 
@@ -298,7 +307,7 @@ def _vocab(ckpt: str | Path) -> int:
 def worker(args: argparse.Namespace) -> None:
     keep_freed_memory()  # both sides (common.keep_freed_memory)
     if args.worker == "jax":
-        result = run_jax(args.ckpt, args.rows, args.seq, args.repeats, args.precision, not args.unrolled)
+        result = run_jax(args.ckpt, args.rows, args.seq, args.repeats, args.precision, args.layers)
     else:
         result = run_torch(args.ckpt, args.rows, args.seq, args.repeats, args.precision)
     print("RESULT " + json.dumps(result))
@@ -309,11 +318,11 @@ class Worker:
     round each time it is given the turn, and prints RESULT after its last turn."""
 
     def __init__(self, side: str, ckpt: Path, rows: int, seq: int, repeats: int, precision: str,
-                 unrolled: bool = False):
+                 layers: str = "auto"):
         env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), TRANSFORMERS_VERBOSITY="error")
         env.pop("XLA_FLAGS", None)  # one real CPU device, no fake-device splitting
         cmd = [sys.executable, __file__, "--worker", side, "--ckpt", str(ckpt), "--rows", str(rows),
-               "--seq", str(seq), "--repeats", str(repeats), "--precision", precision] + (["--unrolled"] if unrolled else [])
+               "--seq", str(seq), "--repeats", str(repeats), "--precision", precision, "--layers", layers]
         self.side = side
         self.stderr = tempfile.TemporaryFile(mode="w+")  # a pipe could fill up and stall the worker
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr,
@@ -337,9 +346,9 @@ class Worker:
         self.proc.stdin.flush()  # type: ignore[union-attr]
 
 
-def run_pair(ckpt: Path, rows: int, seq: int, repeats: int, precision: str, unrolled: bool) -> tuple[dict, dict]:
+def run_pair(ckpt: Path, rows: int, seq: int, repeats: int, precision: str, layers: str) -> tuple[dict, dict]:
     """Both sides' results, their timed rounds taken in turns (jax, torch, jax, torch, ...)."""
-    jax_side = Worker("jax", ckpt, rows, seq, repeats, precision, unrolled)
+    jax_side = Worker("jax", ckpt, rows, seq, repeats, precision, layers)
     jax_side.wait_turn()  # set up alone: torch starts once tbajax has compiled and warmed up
     torch_side = Worker("torch", ckpt, rows, seq, repeats, precision)
     torch_side.wait_turn()
@@ -363,8 +372,13 @@ def main() -> None:
     ap.add_argument("--json", help="write the figures to this path")
     ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                     help="fp32 everywhere, or bf16 compute (tbajax: fp32 master weights; torch: autocast)")
-    ap.add_argument("--unrolled", action="store_true",
-                    help="tbajax with model.scan_layers=false (layers unrolled in the forward and backward)")
+    how = ap.add_mutually_exclusive_group()
+    how.add_argument("--scanned", action="store_const", dest="layers", const="scanned",
+                     help="tbajax with model.scan_layers=true (the layers as one scan)")
+    how.add_argument("--unrolled", action="store_const", dest="layers", const="unrolled",
+                     help="tbajax with model.scan_layers=false (layers unrolled in the forward and backward)")
+    ap.add_argument("--layers", choices=("auto", "scanned", "unrolled"), help=argparse.SUPPRESS)
+    ap.set_defaults(layers="auto")
     ap.add_argument("--worker", choices=("jax", "torch"), help=argparse.SUPPRESS)
     ap.add_argument("--ckpt", help=argparse.SUPPRESS)
     ap.add_argument("--rows", type=int, default=16, help=argparse.SUPPRESS)
@@ -381,14 +395,14 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix=f"bench-train-{size}-") as d:
             ckpt = make_llama_checkpoint(size, d)
             params = _num_params(ckpt)
-            ours, theirs = run_pair(ckpt, n, seq, repeats, args.precision, args.unrolled)
+            ours, theirs = run_pair(ckpt, n, seq, repeats, args.precision, args.layers)
         tokens = n * seq
         paired = [t / o for o, t in zip(ours["step_times"], theirs["step_times"])]
         rows.append({
             "size": size, "params_M": params / 1e6, "batch": f"{n}x{seq}",
             "tbajax_tok_s": tokens / ours["step_s"], "torch_tok_s": tokens / theirs["step_s"],
             "ratio": float(np.median(paired)), "ratio_min": min(paired), "ratio_max": max(paired),
-            "rounds": len(paired),
+            "rounds": len(paired), "scan_layers": ours["scan_layers"],
             "compile_s": ours["compile_s"], "torch_first_s": theirs["first_step_s"],
             "tbajax_rss_MB": ours["peak_rss_mb"], "torch_rss_MB": theirs["peak_rss_mb"],
         })
@@ -415,8 +429,9 @@ def main() -> None:
             })
 
     info = {**machine(), "load_avg": os.getloadavg()}
+    how_applied = ", ".join(f"{r['size']}: {'scanned' if r['scan_layers'] else 'unrolled'}" for r in rows)
     print(f"trainer step (ref fwd + policy fwd/bwd + AdamW), VarGrad TB, {args.precision}, "
-          f"layers {'unrolled' if args.unrolled else 'scanned'}, "
+          f"layers {args.layers} ({how_applied}), "
           f"{info['cpu_count']} CPU cores, load avg {info['load_avg'][0]:.1f}")
     print(machine_line(info))
     print_table(rows, ["size", "params_M", "batch", "tbajax_tok_s", "torch_tok_s", "ratio", "ratio_min", "ratio_max",
@@ -431,7 +446,7 @@ def main() -> None:
     print_table(objective_rows, ["size", "objective", "reference_forward", "xla_gflop", "flop_saving",
                                  "step_s", "best_step_s", "time_saving"])
     write_json(args.json, {"benchmark": "train_step", "precision": args.precision,
-                           "scan_layers": not args.unrolled, "machine": info,
+                           "layers": args.layers, "machine": info,
                            "rows": rows, "phases": details, "objective_rows": objective_rows})
 
 

@@ -33,6 +33,22 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
 
 
+
+# Up to this many layers "auto" unrolls them: the 10M and 50M train steps (6 and 8 layers) ran
+# ~8% faster unrolled on a 2-core CPU and compiled in the same time (`experiments/benchmarks/
+# train_step.py --scanned`); deeper models keep the scan, whose compile time is flat in depth.
+UNROLLED_MAX_LAYERS = 8
+
+
+def scan_layers_for(choice: bool | str, num_layers: int) -> bool:
+    """The `scan_layers` a model with `num_layers` gets for True, False or "auto"."""
+    if choice == "auto":
+        return num_layers > UNROLLED_MAX_LAYERS
+    if not isinstance(choice, bool):
+        raise ValueError(f"scan_layers={choice!r}; choose true, false or 'auto'")
+    return choice
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Architecture (from the checkpoint) plus runtime choices (dtypes, remat, scan_layers)."""
@@ -70,7 +86,8 @@ class ModelConfig:
     remat: Literal["none", "full", "dots"] = "none"
     # Scoring and training (no KV cache) apply the layers as one `lax.scan` (compile time flat in
     # depth) or unrolled (each layer its own ops: no stacked residual buffers to zero-fill and slice
-    # in the backward, which XLA CPU pays for; compile time grows with depth).
+    # in the backward, which XLA CPU pays for; compile time grows with depth). `from_hf` (and so
+    # `load_model`) also takes "auto": `scan_layers_for`.
     scan_layers: bool = True
 
     def __post_init__(self) -> None:
@@ -85,6 +102,9 @@ class ModelConfig:
         for name in ("param_dtype", "dtype"):
             if getattr(self, name) not in DTYPES:
                 raise ValueError(f"{name}={getattr(self, name)!r}; choose one of {sorted(DTYPES)}")
+        if not isinstance(self.scan_layers, bool):
+            raise ValueError(f"scan_layers={self.scan_layers!r}; a ModelConfig takes True or False "
+                             "('auto' is resolved by ModelConfig.from_hf / load_model)")
         if self.remat not in ("none", "full", "dots"):
             raise ValueError(f"remat={self.remat!r}; choose 'none', 'full' or 'dots'")
         if self.hidden_act not in ("silu", "gelu", "gelu_new"):
@@ -165,6 +185,8 @@ class ModelConfig:
             eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
             pad_token_id=hf.get("pad_token_id"),
         )
+        if "scan_layers" in runtime:
+            runtime["scan_layers"] = scan_layers_for(runtime["scan_layers"], fields["num_layers"])
         return cls(**fields, **runtime)
 
     def to_hf(self) -> dict[str, Any]:
