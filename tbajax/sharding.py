@@ -119,12 +119,19 @@ def named_sharding(logical_axes: Sequence[str | None], shape: Sequence[int], mes
     return NamedSharding(mesh, logical_to_spec(logical_axes, shape, mesh))
 
 
+def devices_in_context() -> int:
+    """How many devices the mesh in context spans (1 with no mesh)."""
+    import jax
+    mesh = jax.sharding.get_abstract_mesh()
+    return 1 if mesh is None or mesh.empty else math.prod(mesh.shape.values())
+
+
 def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
     """Sharding hint for an activation inside jit; a no-op when no mesh is in context."""
     import jax
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh is None or mesh.empty or math.prod(mesh.shape.values()) == 1:
+    if devices_in_context() == 1:
         return x
+    mesh = jax.sharding.get_abstract_mesh()
     return jax.lax.with_sharding_constraint(x, logical_to_spec(logical_axes, x.shape, mesh))
 
 

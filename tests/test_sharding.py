@@ -81,4 +81,6 @@ def test_data_parallel_forward_keeps_rows_on_their_device(divisible_checkpoint):
         loss = lambda s, t: nnx.merge(graphdef, s)(t)[0].mean()  # noqa: E731
         hlo = jax.jit(jax.value_and_grad(loss)).lower(state, ids).compile().as_text()
     assert "all-gather" not in hlo
+    # layers.unfused_transpose keeps its cond off a mesh: its predicate would be a collective
+    assert "conditional" not in hlo
     assert batch_shards(16) == 1  # no mesh in context

@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from tbajax.sharding import batch_shards
+from tbajax.sharding import batch_shards, devices_in_context
 
 Array = jax.Array
 _MASK_VALUE = -1e30
@@ -99,9 +99,11 @@ def unfused_transpose(x: Array) -> Array:
     train_step.py`, the policy forward+backward). Barriers (`optimization_barrier`) are gone
     before fusion; a conditional's branch is a computation of its own, so the transpose sits in
     a `cond` whose two branches are the same transpose (whatever the predicate reads, the
-    result is x.T). Other backends transpose in place.
+    result is x.T). Other backends transpose in place, and so does a program under a mesh of
+    several devices: there the predicate would come from one device's shard, a collective that
+    the transpose (and the weight gradient after it) would wait for.
     """
-    if x.size == 0:
+    if x.size == 0 or devices_in_context() > 1:
         return x.T
 
     def in_branch(y: Array) -> Array:
