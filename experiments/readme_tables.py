@@ -55,6 +55,7 @@ TABLES: dict[str, dict[str, list[str]]] = {
     },
     "decode_head": {"rows": ["model", "rows", "hidden", "vocab", "dot_ms", "fused_ms", "unfused_ms", "ratio",
                              "ratio_min", "ratio_max", "overhead"]},
+    "transpose_fusion": {"rows": ["producer", "shape", "MB", "fused_ms", "unfused_ms", "producer_only_ms", "ratio"]},
     "batched_dot": {"rows": ["shape", "xla_gflops", "torch_gflops", "xla_vs_torch", "xla_1core_gflops",
                              "torch_1core_gflops", "xla_cores_speedup", "torch_cores_speedup"]},
     "dot_backend": {"rows": ["program", "size", "ynnpack_s", "eigen_s", "ratio", "ratio_min", "ratio_max"]},
@@ -75,7 +76,8 @@ ABSOLUTE = {"update_s", "tbajax_tok_s", "torch_tok_s", "step_s", "best_step_s", 
             "decode_step_s", "load_and_prepare_s", "publish_to_swapped_s", "publish_to_first_token_est_s",
             "publish_to_first_chunk_done_s",
             "ynnpack_s", "eigen_s", "ours_step_ms", "ours_matmul_ms", "torch_matmul_ms",
-            "ours_attention_ms", "xla_gflops", "torch_gflops", "xla_1core_gflops", "torch_1core_gflops"}
+            "ours_attention_ms", "xla_gflops", "torch_gflops", "xla_1core_gflops", "torch_1core_gflops",
+            "fused_ms", "unfused_ms", "producer_only_ms"}
 
 
 def _fmt(v: Any) -> str:

@@ -1,5 +1,6 @@
 """Parity of our Flax decoder with torch transformers, the KV-cache path, and HF checkpoint I/O."""
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -247,9 +248,8 @@ def test_scan_layers_auto_unrolls_shallow_models_only():
     assert ModelConfig.from_hf(hf(2)).scan_layers is True  # load_model's default stays the scan
     with pytest.raises(ValueError, match="choose true, false or 'auto'"):
         ModelConfig.from_hf(hf(2), scan_layers="yes")
-    cfg = ModelConfig.from_hf(hf(2))
     with pytest.raises(ValueError, match="'auto' is resolved by ModelConfig.from_hf"):
-        type(cfg)(**{**cfg.__dict__, "scan_layers": "auto"})
+        dataclasses.replace(ModelConfig.from_hf(hf(2)), scan_layers="auto")
 
 
 def test_missing_weights_file(tiny_checkpoint, tmp_path):

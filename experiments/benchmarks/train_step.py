@@ -80,8 +80,8 @@ def take_turn() -> None:
 # ----------------------------------------------------------------------------- tbajax side
 
 
-def run_jax(ckpt: str, rows: int, seq: int, repeats: int, precision: str, scan_layers: bool | str = "auto"
-            ) -> dict[str, Any]:
+def run_jax(ckpt: str, rows: int, seq: int, repeats: int, precision: str, layers: str = "auto") -> dict[str, Any]:
+    """layers: "auto" (the trainer's default), "scanned" or "unrolled"."""
     import jax
 
     from tbajax.batch import Batch
@@ -98,9 +98,8 @@ def run_jax(ckpt: str, rows: int, seq: int, repeats: int, precision: str, scan_l
     from tbajax.objectives import resolve_objective
     from tbajax.objectives.registry import EVERYTHING
 
-    choice = {"scanned": True, "unrolled": False}.get(scan_layers, scan_layers)
-    model = load_model(ckpt, scan_layers=choice)
-    model_scan_layers = model.config.scan_layers
+    model = load_model(ckpt, scan_layers={"auto": "auto", "scanned": True, "unrolled": False}[layers])
+    scan_layers = model.config.scan_layers
     config = TrainerConfig(
         optimizer=OptimizerConfig(lr=LRSchedule(peak=LR)),
         temperature=TEMPERATURE,
@@ -176,7 +175,7 @@ def run_jax(ckpt: str, rows: int, seq: int, repeats: int, precision: str, scan_l
         "peak_rss_mb": peak_rss_mb(),
         "threads": os.cpu_count(),
         "version": jax.__version__,
-        "scan_layers": model_scan_layers,
+        "scan_layers": scan_layers,
     }
 
 

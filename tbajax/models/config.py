@@ -35,8 +35,9 @@ class RopeScaling:
 
 
 # Up to this many layers "auto" unrolls them: the 10M and 50M train steps (6 and 8 layers) ran
-# ~8% faster unrolled on a 2-core CPU and compiled in the same time (`experiments/benchmarks/
-# train_step.py --scanned`); deeper models keep the scan, whose compile time is flat in depth.
+# faster unrolled on a 2-core CPU in about the same compile time (`experiments/benchmarks/
+# train_step.py`: `train_step.json` against `train_step_scanned.json`); deeper models keep the
+# scan, whose compile time is flat in depth.
 UNROLLED_MAX_LAYERS = 8
 
 

@@ -93,13 +93,14 @@ def project(x: Array, w: Array, in_axes: int = 1) -> Array:
 def unfused_transpose(x: Array) -> Array:
     """x.T of a 2-D array, on CPU as a kernel of its own.
 
-    XLA CPU fuses a transpose into the loop that produces its operand (an elementwise op, a
-    dynamic slice out of a scan's stacked residuals) and runs that loop in the transposed
-    order: 4-10x slower than its tiled transpose of the same array (`experiments/benchmarks/
-    train_step.py`, the policy forward+backward). Barriers (`optimization_barrier`) are gone
-    before fusion; a conditional's branch is a computation of its own, so the transpose sits in
-    a `cond` whose two branches are the same transpose (whatever the predicate reads, the
-    result is x.T). Other backends transpose in place, and so does a program under a mesh of
+    XLA CPU fuses a transpose into the loop that produces its operand and runs that loop in the
+    transposed order. For the producers a weight gradient has (a key gradient through RoPE's
+    VJP, a dynamic slice of a scan's stacked residuals) that is 1.3-3.7x slower than this
+    (`experiments/benchmarks/transpose_fusion.py`; a lone elementwise product fuses faster), and
+    the train step gains (`train_step.py`). Barriers (`optimization_barrier`) are gone before
+    fusion; a conditional's branch is a computation of its own, so the transpose sits in a
+    `cond` whose two branches are the same transpose (whatever the predicate reads, the result
+    is x.T). Other backends transpose in place, and so does a program under a mesh of
     several devices: there the predicate would come from one device's shard, a collective that
     the transpose (and the weight gradient after it) would wait for.
     """
