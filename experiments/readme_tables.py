@@ -66,7 +66,8 @@ TABLES: dict[str, dict[str, list[str]]] = {
 # sampler.py's files carry no "benchmark" key: these names show the sampler's columns
 TABLES.update({name: TABLES["sampler"] for name in (
     "sampler_before_decode_fixes", "sampler_before_serving_layout", "sampler_smollm2",
-    "sampler_smollm2_before_serving_layout")})
+    "sampler_smollm2_before_serving_layout", "sampler_before_out_major", "sampler_smollm2_before_out_major",
+    "sampler_0.5B", "sampler_0.5B_before_out_major")})
 
 
 # Absolute times and rates: shown only when the file records the machine's matmul rate (machines of

@@ -23,7 +23,10 @@ from tbajax.models import (
     packed_attention_mask,
     positions_from_mask,
     save_model,
+    serving,
 )
+from tbajax.models import layers as L
+from tbajax.models.serving import ServingParams
 from tbajax.sampling import Sampler, SamplingConfig
 from tbajax.sharding import MeshConfig, make_mesh
 
@@ -152,8 +155,27 @@ def test_gpt2_positions_ignore_left_padding(ckpt):
 
 
 @pytest.mark.parametrize("name", ["neox_parallel", "gpt2"])
-def test_kv_cache_decode_matches_full_forward(ckpt, name):
+@pytest.mark.parametrize("out_major", [False, True])
+def test_kv_cache_decode_matches_full_forward(ckpt, name, out_major, monkeypatch):
+    """Prefill, then decode token by token through the sampler's layout (q/k/v and o as matrices;
+    with out_major all four products [out, in], as the large ones are): the logits of one forward.
+    The layout converts back to the model's params exactly."""
+    if out_major:
+        monkeypatch.setattr(L, "OUT_MAJOR_MIN_BYTES", 0)
     model = load_model(ckpt(name))
+    serving_params = nnx.jit(ServingParams.of)(model)
+    products = {"qkv_proj", "o_proj", "up_proj", "down_proj"}
+    held = {n.removesuffix(L.OUT_MAJOR) for n in serving_params.layers[0] if n.endswith(L.OUT_MAJOR)}
+    assert held == (products if out_major else set())
+    back = jax.jit(lambda p: serving.stacked_params(model.config, p))(serving_params)
+
+    def flat(tree):
+        return {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(tree)}
+
+    original = flat(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    assert flat(back).keys() == original.keys()
+    for name, value in flat(back).items():
+        np.testing.assert_array_equal(value, original[name], err_msg=name)
     rng = np.random.RandomState(1)
     b, prompt, new = 3, 6, 5
     ids = rng.randint(3, VOCAB, (b, prompt + new))

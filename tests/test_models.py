@@ -25,6 +25,7 @@ from tbajax.models import (
     save_model,
     serving,
 )
+from tbajax.models import layers as L
 from tbajax.models.serving import ServingParams
 
 FAMILIES = ["llama", "llama_tied_rope3", "qwen2", "qwen2_tied", "qwen3"]
@@ -62,9 +63,15 @@ def test_logits_match_torch_transformers(tiny_checkpoint, family):
     assert np.abs(ours - ref)[real].max() <= 1e-4
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
-def test_kv_cache_decode_matches_full_forward(tiny_checkpoint, family):
-    """Prefill a left-padded prompt, then decode token by token: same logits as one forward."""
+@pytest.mark.parametrize(
+    "family, out_major", [("llama", False), ("qwen2", False), ("qwen3", False), ("qwen2", True)]
+)
+def test_kv_cache_decode_matches_full_forward(tiny_checkpoint, family, out_major, monkeypatch):
+    """Prefill a left-padded prompt, then decode token by token: same logits as one forward.
+    out_major: the sampler's layout holds all four of its layer products [out, in], as it does
+    the large ones (`layers.orient_for_decode`)."""
+    if out_major:
+        monkeypatch.setattr(L, "OUT_MAJOR_MIN_BYTES", 0)
     model = load_model(tiny_checkpoint(family))
     rng = np.random.RandomState(1)
     b, prompt, new = 3, 6, 5
@@ -88,11 +95,15 @@ def test_kv_cache_decode_matches_full_forward(tiny_checkpoint, family):
     np.testing.assert_allclose(decoded, np.asarray(full[:, prompt - 1 : -1]), atol=1e-4)
     assert int(cache.index) == prompt + new - 1
 
-    # the sampler's layout (llama: per-layer weights with q/k/v and gate/up fused, the head
-    # vocab-major) is a copy of the same weights: it converts back exactly
+    # the sampler's layout (llama: per-layer weights with q/k/v and gate/up fused, o_proj a
+    # matrix, the head vocab-major) is a copy of the same weights: it converts back exactly
     params = nnx.jit(ServingParams.of)(model)
-    if family in ("llama", "qwen2"):
-        assert "gate_up_proj" in params.layers[0] and "q_proj" not in params.layers[0]
+    fused = {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+    if out_major:
+        assert {name + L.OUT_MAJOR for name in fused} <= params.layers[0].keys()
+        assert not fused & params.layers[0].keys()
+    else:  # the tiny model's weights are far below the size that is stored out-major
+        assert fused <= params.layers[0].keys() and "q_proj" not in params.layers[0]
     back = jax.jit(lambda p: serving.stacked_params(model.config, p))(params)
 
     def flat(tree):
@@ -359,6 +370,28 @@ def test_project_matches_the_einsum_of_a_multi_axis_weight_and_its_gradients():
     for a, b in zip(got, want):
         assert a.shape == b.shape
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_orient_for_decode_moves_only_large_weights_out_major_and_undoes_exactly(monkeypatch):
+    """A weight of at least OUT_MAJOR_MIN_BYTES moves to name + OUT_MAJOR as [out, in], a smaller
+    one and unnamed ones stay; `decode_product` gives the same product either way; undo is exact."""
+    monkeypatch.setattr(L, "OUT_MAJOR_MIN_BYTES", 4 * 6 * 5)  # a [6, 5] fp32 weight's bytes
+    r = np.random.default_rng(2)
+    p = {
+        "big": jnp.asarray(r.normal(size=(6, 5)), jnp.float32),
+        "small": jnp.asarray(r.normal(size=(6, 4)), jnp.float32),
+        "norm": jnp.ones((6,), jnp.float32),
+    }
+    oriented = L.orient_for_decode(p, ("big", "small"))
+    assert set(oriented) == {"big" + L.OUT_MAJOR, "small", "norm"} and set(p) == {"big", "small", "norm"}
+    np.testing.assert_array_equal(oriented["big" + L.OUT_MAJOR], np.asarray(p["big"]).T)
+    x = jnp.asarray(r.normal(size=(2, 3, 6)), jnp.float32)
+    for name in ("big", "small"):
+        np.testing.assert_allclose(L.decode_product(x, oriented, name), x @ p[name], rtol=1e-5, atol=1e-6)
+    back = L.undo_orient(oriented)
+    assert set(back) == set(p)
+    for name in p:
+        np.testing.assert_array_equal(back[name], p[name])
 
 
 def test_unfused_transpose_is_the_transpose_whatever_its_first_element():

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tbajax.models import ModelConfig, load_model
+from tbajax.models.layers import decode_product
 from tbajax.models.serving import ServingParams
 from tbajax.system.metrics import machine_info, matmul_flops_per_s
 
@@ -55,6 +56,10 @@ SIZES: dict[str, dict[str, int]] = {
             "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 8192},
     "50M": {"hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 8,
             "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 24576},
+    # Qwen2.5-0.5B's shapes (tied embeddings) in Llama form: no q/k/v bias
+    "0.5B": {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+             "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936,
+             "tie_word_embeddings": True},
 }
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MATMUL_REPEATS = 20  # timed calls of each one-step part (matmuls, attention), best kept
@@ -96,8 +101,8 @@ def build_random_llama(directory: Path, arch: dict[str, int], seed: int = 0) -> 
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     config = LlamaConfig(
-        **arch, max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-        tie_word_embeddings=False,
+        **{"tie_word_embeddings": False, **arch}, max_position_embeddings=2048, bos_token_id=1,
+        eos_token_id=2, pad_token_id=0,
     )
     torch.manual_seed(seed)
     AutoModelForCausalLM.from_config(config).float().save_pretrained(directory)
@@ -152,10 +157,10 @@ def decode_matmul_chain(model: Any, batch: int) -> Callable[[], None]:
 
     @jax.jit
     def chain(x: jax.Array, layers: Any, head: jax.Array) -> jax.Array:
-        for p in layers:
-            qkv = x @ p["qkv_proj"]
-            x = x + qkv[:, :q] @ p["o_proj"].reshape(q, d)
-            x = x + (x @ p["gate_up_proj"])[:, :f] @ p["down_proj"]
+        for p in layers:  # each weight in the orientation the sampler holds it
+            qkv = decode_product(x, p, "qkv_proj")
+            x = x + decode_product(qkv[:, :q], p, "o_proj")
+            x = x + decode_product(decode_product(x, p, "gate_up_proj")[:, :f], p, "down_proj")
         return jnp.einsum("bd,vd->bv", x, head)
 
     x = jnp.asarray(np.random.default_rng(0).standard_normal((batch, d)), cfg.jnp_dtype) * 0.01
@@ -377,7 +382,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="10M only, batch 32, short sequences (< 1 min)")
     ap.add_argument("--json", type=Path, help="write the figures here")
-    ap.add_argument("--models", nargs="+", help="subset of 10M 50M smollm2")
+    ap.add_argument("--models", nargs="+", help="subset of 10M 50M smollm2 0.5B (default: all but 0.5B)")
     ap.add_argument("--batch", type=int, nargs="+", help="batch sizes (default 32 128; --quick: 32)")
     ap.add_argument("--prompt-len", type=int, help="prompt tokens (default 64; --quick: 16)")
     ap.add_argument("--new-tokens", type=int, help="generated tokens (default 128; --quick: 32)")

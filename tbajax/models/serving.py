@@ -3,7 +3,8 @@
 A decode step reads every weight once per token, so where the weights lie matters more than in
 training: each layer as its own arrays (XLA copies a layer's slice out of a stacked array at every
 step of a while loop), projections that read the same input fused into one matmul
-(`Family.decode_layout`), and the LM head vocab-major. Building that layout copies every weight,
+(`Family.decode_layout`), large weights output-major (`layers.orient_for_decode`), and the LM
+head vocab-major. Building that layout copies every weight,
 so a sampler builds it once per params version (`ServingParams.of`), not inside every generate
 call, and holds only this copy (`stacked_params` gives the model's own layout back).
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from tbajax.models import layers as L
 from tbajax.models.config import ModelConfig, UnsupportedModelError
-from tbajax.models.families import Family, Mapping, ParamSpec, same, transposed
+from tbajax.models.families import Family, Mapping, ParamSpec, matrix_decode_layout, same, transposed
 from tbajax.sharding import constrain
 
 Array = jax.Array
@@ -175,16 +175,20 @@ def block(
     w = {k: v.astype(dt) for k, v in p.items()}
     act = L.ACTIVATIONS[cfg.hidden_act]
     h = L.layer_norm(x, w["input_norm"], w["input_norm_bias"], cfg.layer_norm_eps)
-    qkv = L.project(h, w["qkv_proj"]) + w["qkv_bias"]
+    qkv = L.decode_matrix_product(h, w, "qkv_proj", out_shape=(3, cfg.num_heads)) + w["qkv_bias"]
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     q = constrain(q, ("batch", "length", "act_heads", None))
     o, new_cache = L.self_attention(q, k, v, mask, cache, dt)
-    o = L.project(o, w["o_proj"], in_axes=2) + w["o_bias"]
+    o = L.decode_matrix_product(o, w, "o_proj", in_axes=2) + w["o_bias"]
     x = x + o
     h = L.layer_norm(x, w["post_attention_norm"], w["post_attention_norm_bias"], cfg.layer_norm_eps)
-    h = act(L.linear(h, w["up_proj"]) + w["up_bias"])
-    x = x + L.linear(h, w["down_proj"]) + w["down_bias"]
+    h = act(L.decode_product(h, w, "up_proj") + w["up_bias"])
+    x = x + L.decode_product(h, w, "down_proj") + w["down_bias"]
     return constrain(x, ("batch", "length", "act_embed")), new_cache
+
+
+PRODUCTS = ("qkv_proj", "o_proj", "up_proj", "down_proj")
+decode_layout, undo_decode_layout = matrix_decode_layout(layer_params, PRODUCTS)
 
 
 FAMILY = Family(
@@ -201,6 +205,8 @@ FAMILY = Family(
     position_tables=position_tables,
     block=block,
     final_norm=final_norm,
+    decode_layout=decode_layout,
+    undo_decode_layout=undo_decode_layout,
     # old checkpoints carry the causal-mask buffers
     ignored_suffixes=(".attn.bias", ".attn.masked_bias"),
     fixed={"hidden_act": ("gelu_new", "gelu"), "qkv_bias": (True,), "o_bias": (True,), "qk_norm": (False,),

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from tbajax.models import layers as L
 from tbajax.models.config import ModelConfig, UnsupportedModelError
-from tbajax.models.families import Family, Mapping, ParamSpec, same, transposed
+from tbajax.models.families import Family, Mapping, ParamSpec, matrix_decode_layout, same, transposed
 from tbajax.models.families.llama import embed, heads_out, position_tables  # rotary: as Llama
 from tbajax.sharding import constrain
 
@@ -181,21 +181,21 @@ def block(
     cos, sin = tables
     w = {k: v.astype(dt) for k, v in p.items()}
     h = L.layer_norm(x, w["input_norm"], w["input_norm_bias"], cfg.layer_norm_eps)
-    qkv = L.project(h, w["qkv_proj"])
+    qkv = L.decode_matrix_product(h, w, "qkv_proj", out_shape=(cfg.num_heads, 3))
     if cfg.qkv_bias:
         qkv = qkv + w["qkv_bias"]
     q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
     q, k = L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin)
     q = constrain(q, ("batch", "length", "act_heads", None))
     o, new_cache = L.self_attention(q, k, v, mask, cache, dt)
-    o = L.project(o, w["o_proj"], in_axes=2)
+    o = L.decode_matrix_product(o, w, "o_proj", in_axes=2)
     if cfg.qkv_bias:
         o = o + w["o_bias"]
 
     def mlp(y: Array) -> Array:
         y = L.layer_norm(y, w["post_attention_norm"], w["post_attention_norm_bias"], cfg.layer_norm_eps)
-        y = L.gelu_exact(L.linear(y, w["up_proj"]) + w["up_bias"])
-        return L.linear(y, w["down_proj"]) + w["down_bias"]
+        y = L.gelu_exact(L.decode_product(y, w, "up_proj") + w["up_bias"])
+        return L.decode_product(y, w, "down_proj") + w["down_bias"]
 
     if cfg.parallel_residual:
         x = x + o + mlp(x)
@@ -203,6 +203,10 @@ def block(
         x = x + o
         x = x + mlp(x)
     return constrain(x, ("batch", "length", "act_embed")), new_cache
+
+
+PRODUCTS = ("qkv_proj", "o_proj", "up_proj", "down_proj")
+decode_layout, undo_decode_layout = matrix_decode_layout(layer_params, PRODUCTS)
 
 
 FAMILY = Family(
@@ -219,6 +223,8 @@ FAMILY = Family(
     position_tables=position_tables,
     block=block,
     final_norm=final_norm,
+    decode_layout=decode_layout,
+    undo_decode_layout=undo_decode_layout,
     # old checkpoints carry causal-mask and rotary buffers
     ignored_suffixes=(".attention.bias", ".attention.masked_bias", "rotary_emb.inv_freq"),
     fixed={"hidden_act": ("gelu",), "qk_norm": (False,), "rope_scaling": (None,)},
