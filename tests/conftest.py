@@ -101,6 +101,26 @@ def logits_of(model: Any, ids: Any, attention_mask: Any = None, positions: Any =
     return np.asarray(_jitted_forward()(model, arr(ids), arr(positions), arr(attention_mask)))
 
 
+def assert_serving_layout_converts_back(model: Any, params: Any) -> None:
+    """The sampler's layout of `model`'s weights (`serving.ServingParams`) converts back to the
+    model's params exactly (same names, same values)."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from tbajax.models import serving
+
+    back = jax.jit(lambda p: serving.stacked_params(model.config, p))(params)
+
+    def flat(tree: Any) -> dict[str, Any]:
+        return {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(tree)}
+
+    original = flat(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    assert flat(back).keys() == original.keys()
+    for name, value in flat(back).items():
+        np.testing.assert_array_equal(value, original[name], err_msg=name)
+
+
 @functools.cache
 def _jitted_forward() -> Callable[..., Any]:
     from flax import nnx

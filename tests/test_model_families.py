@@ -13,7 +13,7 @@ import pytest
 import torch
 from flax import nnx
 
-from tests.conftest import logits_of
+from tests.conftest import assert_serving_layout_converts_back, logits_of
 from tbajax.models import (
     KVCache,
     ModelConfig,
@@ -23,7 +23,6 @@ from tbajax.models import (
     packed_attention_mask,
     positions_from_mask,
     save_model,
-    serving,
 )
 from tbajax.models import layers as L
 from tbajax.models.serving import ServingParams
@@ -167,15 +166,7 @@ def test_kv_cache_decode_matches_full_forward(ckpt, name, out_major, monkeypatch
     products = {"qkv_proj", "o_proj", "up_proj", "down_proj"}
     held = {n.removesuffix(L.OUT_MAJOR) for n in serving_params.layers[0] if n.endswith(L.OUT_MAJOR)}
     assert held == (products if out_major else set())
-    back = jax.jit(lambda p: serving.stacked_params(model.config, p))(serving_params)
-
-    def flat(tree):
-        return {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(tree)}
-
-    original = flat(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
-    assert flat(back).keys() == original.keys()
-    for name, value in flat(back).items():
-        np.testing.assert_array_equal(value, original[name], err_msg=name)
+    assert_serving_layout_converts_back(model, serving_params)
     rng = np.random.RandomState(1)
     b, prompt, new = 3, 6, 5
     ids = rng.randint(3, VOCAB, (b, prompt + new))

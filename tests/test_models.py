@@ -13,7 +13,7 @@ import torch
 from flax import nnx
 from transformers import AutoModelForCausalLM
 
-from tests.conftest import logits_of
+from tests.conftest import assert_serving_layout_converts_back, logits_of
 from tbajax.models import (
     CausalLM,
     CheckpointError,
@@ -104,15 +104,7 @@ def test_kv_cache_decode_matches_full_forward(tiny_checkpoint, family, out_major
         assert not fused & params.layers[0].keys()
     else:  # the tiny model's weights are far below the size that is stored out-major
         assert fused <= params.layers[0].keys() and "q_proj" not in params.layers[0]
-    back = jax.jit(lambda p: serving.stacked_params(model.config, p))(params)
-
-    def flat(tree):
-        return {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(tree)}
-
-    original = flat(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
-    assert flat(back).keys() == original.keys()
-    for name, value in flat(back).items():
-        np.testing.assert_array_equal(value, original[name], err_msg=name)
+    assert_serving_layout_converts_back(model, params)
 
     # the prompt pass attends over the prompt's own keys (no cache) and hands back the keys and
     # values the cached path wrote at the prompt's real tokens (a padding column's differ: its
