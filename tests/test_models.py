@@ -382,8 +382,8 @@ def test_orient_for_decode_moves_only_large_weights_out_major_and_undoes_exactly
         np.testing.assert_allclose(L.decode_product(x, oriented, name), x @ p[name], rtol=1e-5, atol=1e-6)
     back = L.undo_orient(oriented)
     assert set(back) == set(p)
-    for name in p:
-        np.testing.assert_array_equal(back[name], p[name])
+    for name, value in p.items():
+        np.testing.assert_array_equal(back[name], value)
 
 
 def test_unfused_transpose_is_the_transpose_whatever_its_first_element():

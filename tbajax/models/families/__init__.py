@@ -56,19 +56,19 @@ def same(hf_name: str, *aliases: str) -> Mapping:
 
 
 def matrix_decode_layout(
-    layer_params: Callable[["ModelConfig"], dict[str, ParamSpec]], products: tuple[str, ...]
+    layer_params: Callable[[ModelConfig], dict[str, ParamSpec]], products: tuple[str, ...]
 ) -> tuple[Callable[..., dict[str, Any]], Callable[..., dict[str, Any]]]:
     """(decode_layout, undo_decode_layout) for a family whose fused qkv_proj and o_proj weights
     have head axes: the sampler holds both as matrices (`layers.decode_matrix_product` reads
     either layout), and its large products output-major (`layers.orient_for_decode`)."""
     from tbajax.models import layers as L
 
-    def layout(cfg: "ModelConfig", p: dict[str, Any]) -> dict[str, Any]:
+    def layout(cfg: ModelConfig, p: dict[str, Any]) -> dict[str, Any]:
         d = cfg.hidden_size
         p = dict(p, qkv_proj=p["qkv_proj"].reshape(d, -1), o_proj=p["o_proj"].reshape(-1, d))
         return L.orient_for_decode(p, products)
 
-    def undo(cfg: "ModelConfig", p: dict[str, Any]) -> dict[str, Any]:
+    def undo(cfg: ModelConfig, p: dict[str, Any]) -> dict[str, Any]:
         p, shapes = L.undo_orient(p), layer_params(cfg)
         return dict(p, **{n: p[n].reshape(shapes[n].shape) for n in ("qkv_proj", "o_proj")})
 

@@ -15,7 +15,14 @@ import jax.numpy as jnp
 
 from tbajax.models import layers as L
 from tbajax.models.config import ModelConfig, UnsupportedModelError
-from tbajax.models.families import Family, Mapping, ParamSpec, matrix_decode_layout, same, transposed
+from tbajax.models.families import (
+    Family,
+    Mapping,
+    ParamSpec,
+    matrix_decode_layout,
+    same,
+    transposed,
+)
 from tbajax.sharding import constrain
 
 Array = jax.Array
