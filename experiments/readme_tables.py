@@ -67,7 +67,8 @@ TABLES: dict[str, dict[str, list[str]]] = {
 TABLES.update({name: TABLES["sampler"] for name in (
     "sampler_before_decode_fixes", "sampler_before_serving_layout", "sampler_smollm2",
     "sampler_smollm2_before_serving_layout", "sampler_before_out_major", "sampler_smollm2_before_out_major",
-    "sampler_0.5B", "sampler_0.5B_before_out_major")})
+    "sampler_0.5B", "sampler_0.5B_before_out_major", "sampler_pythia410M", "sampler_pythia410M_before_out_major",
+    "sampler_pythia410M_before_mha_attention")})
 
 
 # Absolute times and rates: shown only when the file records the machine's matmul rate (machines of

@@ -60,6 +60,10 @@ SIZES: dict[str, dict[str, int]] = {
     "0.5B": {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
              "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936,
              "tie_word_embeddings": True},
+    # Pythia-410M's shapes (GPT-NeoX: fused q/k/v, GELU MLP, partial rotary, parallel residual)
+    "pythia-410M": {"model_type": "gpt_neox", "hidden_size": 1024, "intermediate_size": 4096,
+                    "num_hidden_layers": 24, "num_attention_heads": 16, "vocab_size": 50304,
+                    "rotary_pct": 0.25, "use_parallel_residual": True},
 }
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MATMUL_REPEATS = 20  # timed calls of each one-step part (matmuls, attention), best kept
@@ -96,13 +100,15 @@ class Row:
 # ----------------------------------------------------------------------------- checkpoints
 
 
-def build_random_llama(directory: Path, arch: dict[str, int], seed: int = 0) -> Path:
+def build_random_llama(directory: Path, arch: dict[str, Any], seed: int = 0) -> Path:
+    """A random-init checkpoint of SIZES' architecture (Llama unless it names another model_type)."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = LlamaConfig(
-        **{"tie_word_embeddings": False, **arch}, max_position_embeddings=2048, bos_token_id=1,
-        eos_token_id=2, pad_token_id=0,
+    arch = {"model_type": "llama", "tie_word_embeddings": False, **arch}
+    config = AutoConfig.for_model(
+        arch.pop("model_type"), **arch, max_position_embeddings=2048, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0,
     )
     torch.manual_seed(seed)
     AutoModelForCausalLM.from_config(config).float().save_pretrained(directory)
@@ -138,7 +144,8 @@ def flops_per_token(cfg: ModelConfig, context: float) -> float:
     """Matmul FLOPs to generate one token: 2 x (layer weights + lm_head) + attention over `context`."""
     d, f, l = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    weights = l * (d * (q + 2 * kv) + q * d + 3 * d * f) + d * cfg.vocab_size
+    mlp = (3 if cfg.model_type in ("llama", "qwen2", "qwen3") else 2) * d * f  # gated or not
+    weights = l * (d * (q + 2 * kv) + q * d + mlp) + d * cfg.vocab_size
     attention = l * 2 * q * context  # scores + weighted sum
     return 2 * (weights + attention)
 
@@ -149,18 +156,19 @@ def decode_matmul_chain(model: Any, batch: int) -> Callable[[], None]:
     each reads the last one's output, on [batch, hidden] rows. The weights total more than the
     CPU's caches, so each product reads its weights from memory as it does in a real step."""
     cfg = model.config
-    if model.family.name != "llama":
-        raise ValueError("the matmul bound follows the Llama decode layout")
+    if model.family.name not in ("llama", "gpt_neox"):
+        raise ValueError("the matmul bound follows the Llama and GPT-NeoX decode layouts")
     params = nnx.jit(ServingParams.of)(model)
     layers, head = params.layers, params.head_matrix(cfg)
     q, d, f = cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
+    up = "gate_up_proj" if model.family.name == "llama" else "up_proj"
 
     @jax.jit
     def chain(x: jax.Array, layers: Any, head: jax.Array) -> jax.Array:
         for p in layers:  # each weight in the orientation the sampler holds it
             qkv = decode_product(x, p, "qkv_proj")
             x = x + decode_product(qkv[:, :q], p, "o_proj")
-            x = x + decode_product(decode_product(x, p, "gate_up_proj")[:, :f], p, "down_proj")
+            x = x + decode_product(decode_product(x, p, up)[:, :f], p, "down_proj")
         return jnp.einsum("bd,vd->bv", x, head)
 
     x = jnp.asarray(np.random.default_rng(0).standard_normal((batch, d)), cfg.jnp_dtype) * 0.01
@@ -191,8 +199,9 @@ def decode_attention_chain(model: Any, batch: int, slots: int) -> Callable[[], N
 
 
 def torch_decode_matmul_chain(model: Any, batch: int, threads: int) -> Callable[[], None]:
-    """`decode_matmul_chain` for the transformers model, with its own linear layers (q, k, v,
-    o, gate, up, down, lm_head) as its decode step runs them."""
+    """`decode_matmul_chain` for the transformers model, with its own linear layers (Llama: q, k,
+    v, o, gate, up, down, lm_head; GPT-NeoX: query_key_value, dense, the MLP's two, embed_out) as
+    its decode step runs them."""
     import torch
     import torch.nn.functional as F
 
@@ -202,6 +211,14 @@ def torch_decode_matmul_chain(model: Any, batch: int, threads: int) -> Callable[
         torch.set_num_threads(threads)
         with torch.inference_mode():
             x = x0
+            if model.config.model_type == "gpt_neox":
+                for layer in model.gpt_neox.layers:
+                    a, m = layer.attention, layer.mlp
+                    qkv = F.linear(x, a.query_key_value.weight)
+                    x = x + F.linear(qkv[:, : x.shape[1]], a.dense.weight)
+                    x = x + F.linear(F.linear(x, m.dense_h_to_4h.weight), m.dense_4h_to_h.weight)
+                F.linear(x, model.get_output_embeddings().weight)
+                return
             for layer in model.model.layers:
                 a, m = layer.self_attn, layer.mlp
                 q = F.linear(x, a.q_proj.weight)
@@ -382,7 +399,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="10M only, batch 32, short sequences (< 1 min)")
     ap.add_argument("--json", type=Path, help="write the figures here")
-    ap.add_argument("--models", nargs="+", help="subset of 10M 50M smollm2 0.5B (default: all but 0.5B)")
+    ap.add_argument("--models", nargs="+", help="subset of 10M 50M smollm2 0.5B pythia-410M (default: 10M 50M smollm2)")
     ap.add_argument("--batch", type=int, nargs="+", help="batch sizes (default 32 128; --quick: 32)")
     ap.add_argument("--prompt-len", type=int, help="prompt tokens (default 64; --quick: 16)")
     ap.add_argument("--new-tokens", type=int, help="generated tokens (default 128; --quick: 32)")

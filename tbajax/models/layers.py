@@ -279,6 +279,14 @@ def cached_attention(q: Array, kt: Array, v: Array, mask: Array) -> Array:
     g = h // kv
     if t > 1:
         return _attend_rows(_group_queries(q, kv), kt, v, mask, keys_d_major=True)
+    if g == 1:  # one query per kv head (MHA): without a size-1 group axis, which XLA:CPU ran
+        # ~40x slower (Pythia-410M's decode attention, `sampler_pythia410M*.json`)
+        qh = q.reshape(b, kv, d, 1).astype(jnp.float32)
+        scores = (qh * kt.astype(jnp.float32)).sum(2) * (d**-0.5)  # [b, kv, s]
+        scores = jnp.where(mask[:, :1], scores, _MASK_VALUE)  # mask [b, 1, s]
+        weights = jnp.exp(scores - scores.max(-1, keepdims=True))
+        out = (weights[..., None] * v.astype(jnp.float32)).sum(2)  # [b, kv, d]
+        return (out / weights.sum(-1)[..., None]).reshape(b, 1, h, d).astype(v.dtype)
     qg = q.reshape(b, kv, g, d, 1).astype(jnp.float32)
     scores = (qg * kt[:, :, None].astype(jnp.float32)).sum(3) * (d**-0.5)  # [b, kv, g, s]
     scores = jnp.where(mask[:, :1, None], scores, _MASK_VALUE)  # mask [b, 1, s]
