@@ -84,8 +84,8 @@ linear.defvjp(_linear_fwd, _linear_bwd)
 # nn.Linear holds it). At a few rows a step, XLA:CPU's product against a large [in, out] matrix
 # runs well below the same product against its transpose: with a 0.5B model's layer weights
 # (3-33 MB) output-major, the decode step's weight products took 218 instead of 319 ms at batch 32
-# (`sampler_0.5B.json` vs `sampler_0.5B_before_out_major.json`). Small weights (the 10M model's,
-# at most 1.4 MB) keep the training layout, which measured as fast or faster for them.
+# (`sampler_0.5B.json` vs `sampler_0.5B_before_out_major.json`). Smaller weights keep the
+# training layout: the 2 MiB line comes from local per-product runs, not a committed figure.
 OUT_MAJOR_MIN_BYTES = 2 * 2**20
 OUT_MAJOR = "_out_major"  # key suffix of a weight stored [out, in]
 
@@ -279,8 +279,8 @@ def cached_attention(q: Array, kt: Array, v: Array, mask: Array) -> Array:
     g = h // kv
     if t > 1:
         return _attend_rows(_group_queries(q, kv), kt, v, mask, keys_d_major=True)
-    if g == 1:  # one query per kv head (MHA): without a size-1 group axis, which XLA:CPU ran
-        # ~40x slower (Pythia-410M's decode attention, `sampler_pythia410M*.json`)
+    if g == 1:  # one query per kv head (MHA): without a size-1 group axis, with which XLA:CPU
+        # ran Pythia-410M's decode attention 20x slower (`sampler_pythia410M*.json`)
         qh = q.reshape(b, kv, d, 1).astype(jnp.float32)
         scores = (qh * kt.astype(jnp.float32)).sum(2) * (d**-0.5)  # [b, kv, s]
         scores = jnp.where(mask[:, :1], scores, _MASK_VALUE)  # mask [b, 1, s]

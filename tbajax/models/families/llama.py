@@ -207,7 +207,7 @@ def block(
     cos, sin = tables
     w = {k: v.astype(dt) for k, v in p.items()}
     h = L.rms_norm(x, w["input_norm"], cfg.rms_norm_eps)
-    if "qkv_proj" in w or "qkv_proj" + L.OUT_MAJOR in w:  # decode_layout
+    if "q_proj" not in w:  # decode_layout
         b, t, _ = h.shape
         qkv = L.decode_product(h, w, "qkv_proj")
         nq, nkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
