@@ -60,6 +60,9 @@ TABLES: dict[str, dict[str, list[str]]] = {
                              "torch_1core_gflops", "xla_cores_speedup", "torch_cores_speedup"]},
     "dot_backend": {"rows": ["program", "size", "ynnpack_s", "eigen_s", "ratio", "ratio_min", "ratio_max"]},
     "packed_groups": {"results": ["layout", "tokens_in_step", "step_s", "speedup", "token_ratio", "loss_rel_diff"]},
+    "op_profile": {"rows": ["program", "model", "size", "batch", "tokens", "wall_ms", "op_ms", "attention_share",
+                            "matmul_share", "lm_head_share", "sampling_share", "other_share"],
+                   "part_rows": ["program", "model", "size", "batch", "part", "direction", "ms", "share"]},
     "chaos": {"total": ["scenarios", "scenarios_sane", "kills_survived", "rows_committed", "rows_read_back",
                         "torn_rows", "duplicated_rows", "row_count_ever_went_down", "versions_monotone"]},
 }
@@ -79,7 +82,7 @@ ABSOLUTE = {"update_s", "tbajax_tok_s", "torch_tok_s", "step_s", "best_step_s", 
             "publish_to_first_chunk_done_s",
             "ynnpack_s", "eigen_s", "ours_step_ms", "ours_matmul_ms", "torch_matmul_ms",
             "ours_attention_ms", "xla_gflops", "torch_gflops", "xla_1core_gflops", "torch_1core_gflops",
-            "fused_ms", "unfused_ms", "producer_only_ms"}
+            "fused_ms", "unfused_ms", "producer_only_ms", "wall_ms", "op_ms"}
 
 
 def _fmt(v: Any) -> str:

@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tbajax import op_scopes as S
+from tbajax.op_scopes import scoped
 from tbajax.sharding import constrain
 
 Array = jax.Array
@@ -100,6 +102,7 @@ def _aligned(picked: Array) -> Array:
 
 
 @jax.custom_vjp
+@scoped(S.LOGPROBS)
 def tempered_logprobs(logits: Array, targets: Array, temperature: Array) -> Array:
     """log softmax(logits / temperature)[..., target]: [..., V] logits, [...] targets -> [...] f32.
 
@@ -110,6 +113,7 @@ def tempered_logprobs(logits: Array, targets: Array, temperature: Array) -> Arra
     return _tempered_forward(logits, targets, temperature)[0]
 
 
+@scoped(S.LOGPROBS)
 def _tempered_forward(logits: Array, targets: Array, temperature: Array) -> tuple[Array, Array]:
     scaled = logits.astype(jnp.float32) / temperature
     logz = jax.nn.logsumexp(scaled, axis=-1)
@@ -117,11 +121,13 @@ def _tempered_forward(logits: Array, targets: Array, temperature: Array) -> tupl
     return picked - logz, logz
 
 
+@scoped(S.LOGPROBS)
 def _tempered_fwd(logits: Array, targets: Array, temperature: Array):
     out, logz = _tempered_forward(logits, targets, temperature)
     return out, (logits, targets, temperature, logz)
 
 
+@scoped(S.LOGPROBS)
 def _cotangents(logits: Array, targets: Array, temperature: Array, logz: Array, g: Array) -> tuple[Array, Array]:
     """d(sum g * tempered_logprobs) by logits, g * (onehot(target) - softmax(logits / T)) / T in
     f32, and by T, which is -sum(d logits * logits) / T (z = logits / T enters only through z);
@@ -133,6 +139,7 @@ def _cotangents(logits: Array, targets: Array, temperature: Array, logz: Array, 
     return dlogits, (-jnp.sum(dlogits * x) / temperature).astype(temperature.dtype)
 
 
+@scoped(S.LOGPROBS)
 def _tempered_bwd(residuals, g: Array):
     logits, targets, temperature, logz = residuals
     dlogits, dtemp = _cotangents(logits, targets, temperature, logz, g)
@@ -162,7 +169,8 @@ def head_logprobs(hidden: Array, head: Array, targets: Array, temperature: Array
 
 
 def _head_forward(hidden: Array, head: Array, targets: Array, temperature: Array):
-    logits = _vocab_sharded(jnp.einsum("...d,dv->...v", hidden, head, preferred_element_type=jnp.float32))
+    with jax.named_scope(S.LM_HEAD):
+        logits = _vocab_sharded(jnp.einsum("...d,dv->...v", hidden, head, preferred_element_type=jnp.float32))
     out, logz = _tempered_forward(logits, targets, temperature)
     return out, (logits, logz)
 
@@ -176,10 +184,11 @@ def _head_bwd(residuals, g: Array):
     hidden, head, targets, temperature, logits, logz = residuals
     dlogits, dtemp = _cotangents(logits, targets, temperature, logz, g)
     dlogits = _vocab_sharded(dlogits.astype(hidden.dtype))
-    dhidden = jnp.einsum("...v,dv->...d", dlogits, head, preferred_element_type=jnp.float32)
-    flat_h = hidden.reshape(-1, hidden.shape[-1])
-    flat_dl = dlogits.reshape(-1, dlogits.shape[-1])
-    dhead = jnp.einsum("nv,nd->vd", flat_dl, flat_h, preferred_element_type=jnp.float32).T
+    with jax.named_scope(S.LM_HEAD):
+        dhidden = jnp.einsum("...v,dv->...d", dlogits, head, preferred_element_type=jnp.float32)
+        flat_h = hidden.reshape(-1, hidden.shape[-1])
+        flat_dl = dlogits.reshape(-1, dlogits.shape[-1])
+        dhead = jnp.einsum("nv,nd->vd", flat_dl, flat_h, preferred_element_type=jnp.float32).T
     return dhidden.astype(hidden.dtype), dhead.astype(head.dtype), _int_zeros(targets), dtemp
 
 

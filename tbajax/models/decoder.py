@@ -17,11 +17,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from tbajax import op_scopes as S
 from tbajax.models.config import ModelConfig, rope_inv_freq
 from tbajax.models.families import Family, ParamSpec, family_for
 from tbajax.models.layers import CausalMask, apply_rope, attention, rms_norm  # noqa: F401  (re-exported)
 from tbajax.models.layers import rope_tables as _rope_tables
 from tbajax.models.serving import KVCache, ServingParams, cached_pass, unstack
+from tbajax.op_scopes import scoped
 from tbajax.sharding import constrain
 
 Array = jax.Array
@@ -128,7 +130,8 @@ class CausalLM(nnx.Module):
             return cached_pass(cfg, ServingParams.of(self), tokens, positions, attention_mask, cache)
         family = self.family
         top = {name: getattr(self, name)[...] for name in family.top_params(cfg)}
-        x = family.embed(cfg, top, tokens, positions)
+        with jax.named_scope(S.EMBED):
+            x = family.embed(cfg, top, tokens, positions)
         x = constrain(x, ("batch", "length", "act_embed"))
         tables = family.position_tables(cfg, positions)
         params = self.layers.stacked(cfg)
@@ -158,6 +161,7 @@ class CausalLM(nnx.Module):
                 x, _ = body(x, p)
         return family.final_norm(cfg, top, x), None
 
+    @scoped(S.LM_HEAD)
     def logits(self, hidden: Array) -> Array:
         """fp32 logits for hidden states of any leading shape."""
         out = jnp.einsum("...d,dv->...v", hidden, self.head_weight(), preferred_element_type=jnp.float32)

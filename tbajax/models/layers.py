@@ -11,6 +11,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from tbajax import op_scopes as S
+from tbajax.op_scopes import scoped
 from tbajax.sharding import batch_shards, devices_in_context
 
 Array = jax.Array
@@ -20,12 +22,14 @@ _MASK_VALUE = -1e30
 LayerCache = tuple[Array, Array, Array]
 
 
+@scoped(S.NORM)
 def rms_norm(x: Array, w: Array, eps: float) -> Array:
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return (w.astype(jnp.float32) * xf).astype(x.dtype)
 
 
+@scoped(S.NORM)
 def layer_norm(x: Array, w: Array, b: Array, eps: float) -> Array:
     """LayerNorm with bias (GPT-2, GPT-NeoX), computed in fp32 like torch's fused kernel."""
     xf = x.astype(jnp.float32)
@@ -35,11 +39,13 @@ def layer_norm(x: Array, w: Array, b: Array, eps: float) -> Array:
     return (xf * w.astype(jnp.float32) + b.astype(jnp.float32)).astype(x.dtype)
 
 
+@scoped(S.ACTIVATION)
 def gelu_exact(x: Array) -> Array:
     """transformers' "gelu": x * Phi(x) with the erf CDF."""
     return jax.nn.gelu(x, approximate=False)
 
 
+@scoped(S.ACTIVATION)
 def gelu_tanh(x: Array) -> Array:
     """transformers' "gelu_new" (OpenAI GPT-2): the tanh approximation."""
     return 0.5 * x * (1.0 + jnp.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
@@ -49,6 +55,7 @@ ACTIVATIONS: dict[str, Any] = {"silu": jax.nn.silu, "gelu": gelu_exact, "gelu_ne
 
 
 @jax.custom_vjp
+@scoped(S.MATMUL)
 def linear(x: Array, w: Array) -> Array:
     """x @ w for [..., D] activations and a [D, F] weight.
 
@@ -61,10 +68,12 @@ def linear(x: Array, w: Array) -> Array:
     return jnp.einsum("...d,df->...f", x, w)
 
 
+@scoped(S.MATMUL)
 def _linear_fwd(x: Array, w: Array) -> tuple[Array, tuple[Array, Array]]:
     return linear(x, w), (x, w)
 
 
+@scoped(S.MATMUL)
 def _linear_bwd(residuals: tuple[Array, Array], g: Array) -> tuple[Array, Array]:
     x, w = residuals
     dx = jnp.einsum("...f,df->...d", g, w)
@@ -105,6 +114,7 @@ def undo_orient(p: dict[str, Array]) -> dict[str, Array]:
     return {k.removesuffix(OUT_MAJOR): v.T if k.endswith(OUT_MAJOR) else v for k, v in p.items()}
 
 
+@scoped(S.MATMUL)
 def decode_product(x: Array, p: dict[str, Array], name: str) -> Array:
     """x [..., in] times the weight `name` of p, stored [in, out] (through `linear`, whose VJP
     training needs) or output-major by `orient_for_decode`."""
@@ -125,6 +135,7 @@ def decode_matrix_product(x: Array, p: dict[str, Array], name: str, in_axes: int
     return decode_product(x.reshape(*lead, -1), p, name).reshape(*lead, *out_shape, -1)
 
 
+@scoped(S.MATMUL)
 def project(x: Array, w: Array, in_axes: int = 1) -> Array:
     """`linear` for a weight with several input or output axes: x [..., *in] and w [*in, *out]
     (q_proj [embed, heads, head_dim] takes in_axes=1, o_proj [heads, head_dim, embed] in_axes=2)
@@ -159,6 +170,7 @@ def unfused_transpose(x: Array) -> Array:
 
 
 @jax.custom_vjp
+@scoped(S.ACTIVATION)
 def swiglu(gate: Array, up: Array) -> Array:
     """silu(gate) * up, the gated MLP activation (Llama, Qwen).
 
@@ -170,10 +182,12 @@ def swiglu(gate: Array, up: Array) -> Array:
     return jax.nn.silu(gate) * up
 
 
+@scoped(S.ACTIVATION)
 def _swiglu_fwd(gate: Array, up: Array) -> tuple[Array, tuple[Array, Array]]:
     return swiglu(gate, up), (gate, up)
 
 
+@scoped(S.ACTIVATION)
 def _swiglu_bwd(residuals: tuple[Array, Array], g: Array) -> tuple[Array, Array]:
     gate, up = residuals
     x = gate.astype(jnp.float32)
@@ -195,6 +209,7 @@ def rope_tables(inv_freq: Any, positions: Array) -> tuple[Array, Array]:
     return jnp.cos(ang), jnp.sin(ang)
 
 
+@scoped(S.ROPE)
 def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
     """Rotate-half RoPE (the HF convention). x: [batch, seq, heads, head_dim].
 
@@ -230,6 +245,7 @@ class EmitKV:
 EMIT_KV = EmitKV()
 
 
+@scoped(S.ATTENTION)
 def self_attention(
     q: Array, k: Array, v: Array, mask: Array | CausalMask, cache: LayerCache | EmitKV | None, dtype: Any
 ) -> tuple[Array, tuple[Array, Array] | None]:
@@ -245,8 +261,9 @@ def self_attention(
     if isinstance(mask, CausalMask):
         raise TypeError("a KV-cache step takes its mask over cache slots, not a CausalMask")
     kt, cv, index = cache
-    kt = jax.lax.dynamic_update_slice(kt, k.transpose(0, 2, 3, 1).astype(kt.dtype), (0, 0, 0, index))
-    cv = jax.lax.dynamic_update_slice(cv, v.transpose(0, 2, 1, 3).astype(cv.dtype), (0, 0, index, 0))
+    with jax.named_scope(S.KV_WRITE):
+        kt = jax.lax.dynamic_update_slice(kt, k.transpose(0, 2, 3, 1).astype(kt.dtype), (0, 0, 0, index))
+        cv = jax.lax.dynamic_update_slice(cv, v.transpose(0, 2, 1, 3).astype(cv.dtype), (0, 0, index, 0))
     return cached_attention(q, kt.astype(dtype), cv.astype(dtype), mask), (kt, cv)
 
 
@@ -472,6 +489,7 @@ def _looped_attention_fwd(keys_d_major: bool, blocks: int, q: Array, k: Array, v
     return out, (q, k, v, mask, out, top, total)
 
 
+@scoped(S.ATTENTION)
 def _looped_attention_bwd(keys_d_major: bool, blocks: int, residuals: Any, g_out: Array
                           ) -> tuple[Array, Array, Array, None]:
     q, k, v, mask, out, top, total = residuals

@@ -24,7 +24,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from tbajax import op_scopes as S
 from tbajax.models.config import ModelConfig
+from tbajax.op_scopes import scoped
 from tbajax.models.families import Family, family_for
 from tbajax.models.layers import EMIT_KV, CausalMask
 from tbajax.sharding import constrain
@@ -134,6 +136,7 @@ def stacked_params(cfg: ModelConfig, params: ServingParams) -> dict[str, Any]:
     return out
 
 
+@scoped(S.LM_HEAD)
 def logits(cfg: ModelConfig, params: ServingParams, hidden: Array) -> Array:
     """fp32 logits [..., vocab] of final hidden states."""
     out = jnp.einsum("...d,vd->...v", hidden, params.head_matrix(cfg), preferred_element_type=jnp.float32)
@@ -192,5 +195,6 @@ def cached_pass(
     return family.final_norm(cfg, params.top, x), cache
 
 
+@scoped(S.EMBED)
 def _embed(cfg: ModelConfig, family: Family, params: ServingParams, tokens: Array, positions: Array) -> Array:
     return constrain(family.embed(cfg, params.top, tokens, positions), ("batch", "length", "act_embed"))

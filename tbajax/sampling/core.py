@@ -18,10 +18,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from tbajax import op_scopes as S
 from tbajax.batch import tempered_logprobs
 from tbajax.models import CausalLM, ModelConfig, positions_from_mask, serving
 from tbajax.models.serving import KVCache, ServingParams
 from tbajax.sampling.step import sample_keys, sample_logits, step_keys
+from tbajax.op_scopes import scoped
 from tbajax.sharding import constrain
 
 Array = jax.Array
@@ -54,6 +56,7 @@ class Knobs(NamedTuple):
     min_new_tokens: Array  # int32 scalar
 
 
+@scoped(S.PREFILL)
 def prefill(
     cfg: ModelConfig, params: ServingParams, cache: KVCache, tokens: Array, mask: Array, *, num_samples: int
 ) -> tuple[KVCache, Array, Array]:
@@ -105,6 +108,7 @@ def init_cache(cfg: ModelConfig, rows: int, slots: int) -> KVCache:
     )
 
 
+@scoped(S.DECODE)
 def decode(
     cfg: ModelConfig,
     params: ServingParams,
@@ -182,6 +186,7 @@ def is_stop(tokens: Array, spec: DecodeSpec) -> Array:
     return (tokens[:, None] == stop_ids[None, :]).any(-1)
 
 
+@scoped(S.SAMPLING)
 def pick_tokens(
     logits: Array, keys: Array, steps: Array, *, knobs: Knobs, spec: DecodeSpec
 ) -> tuple[Array, Array]:

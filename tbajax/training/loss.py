@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from tbajax import op_scopes as S
 from tbajax.batch import Batch, hidden_token_logprobs, packed_token_logprobs
 from tbajax.models.decoder import packed_attention_mask
 from tbajax.objectives.base import Metrics
@@ -116,9 +117,10 @@ def microbatch_loss(
         batch = dataclasses.replace(
             batch, reference_logprobs=jnp.where(batch.loss_mask, jax.lax.stop_gradient(ref), 0.0)
         )
-    if aux is None:
-        loss, metrics = objective(batch, logprobs, objective_config)
-    else:
-        loss, metrics = objective(batch, logprobs, objective_config, aux_for_loss(objective, aux, batch.prompt_id))
+    with jax.named_scope(S.OBJECTIVE):
+        if aux is None:
+            loss, metrics = objective(batch, logprobs, objective_config)
+        else:
+            loss, metrics = objective(batch, logprobs, objective_config, aux_for_loss(objective, aux, batch.prompt_id))
     row_ok = rows_finite(batch, jax.lax.stop_gradient(logprobs), inputs)
     return loss.total, (jax.lax.stop_gradient(loss.count), metrics, row_ok)

@@ -32,6 +32,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from tbajax import op_scopes as S
 from tbajax.batch import Batch, PackedGroups
 from tbajax.objectives.base import Metrics, Ratio
 from tbajax.objectives.registry import resolve_objective
@@ -162,8 +163,9 @@ def train_step(
     def apply(operand: tuple[TrainState, Any]) -> TrainState:
         old, g = operand
         trainable = (old.params, old.aux)
-        updates, opt_state = tx.update(g, old.opt_state, trainable, **extra_args)
-        params, aux = optax.apply_updates(trainable, updates)
+        with jax.named_scope(S.OPTIMIZER):
+            updates, opt_state = tx.update(g, old.opt_state, trainable, **extra_args)
+            params, aux = optax.apply_updates(trainable, updates)
         new = dataclasses.replace(old, params=params, aux=aux, opt_state=opt_state, step=update)
         if config.reference_reset_every is not None:
             reset = functools.partial(
