@@ -35,9 +35,12 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from common import keep_freed_memory, machine, machine_line, write_json  # noqa: E402
 
 from tbajax.op_scopes import PARTS, PHASES  # noqa: E402
+
+# The benchmark helpers (`common`, `sampler`, ...) are imported where they are used: tests import
+# this module's parsing functions, and a module named `common` cached here would shadow
+# experiments/studies/common.py for every later import in the same process.
 
 LOOP_OPCODES = {"while", "conditional", "call"}
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = .*? ([a-z][\w\-]*)\(")
@@ -324,6 +327,8 @@ def main() -> None:
                     choices=["decode", "forward", "train_step"])
     ap.add_argument("--top", type=int, default=12, help="parts printed per row")
     args = ap.parse_args()
+    from common import keep_freed_memory, machine, machine_line, write_json
+
     dump_dir = dump_hlo()
     keep_freed_memory()
     calls = 1 if args.quick else 3
