@@ -55,7 +55,8 @@ def test_a_decode_step_program_names_its_parts(tiny_checkpoint):
     cache = KVCache.init(cfg, 2, 8)
 
     def step(params: ServingParams, cache: KVCache, tokens: jax.Array) -> jax.Array:
-        hidden, cache = cached_pass(cfg, params, tokens, jnp.zeros((2, 1), jnp.int32), jnp.ones((2, 1), bool), cache)
+        positions, mask = jnp.zeros((2, 1), jnp.int32), jnp.ones((2, 1), bool)
+        hidden, cache = cached_pass(cfg, params, tokens, positions, mask, cache)
         return logits(cfg, params, hidden[:, 0]), cache
 
     params = jax.jit(ServingParams.of)(model)
@@ -91,5 +92,6 @@ def test_group_shares_put_every_fused_attention_op_under_attention():
     assert group_of("activation+matmul") == "matmul"
     assert group_of("lm_head+norm") == "lm_head"
     assert group_of("norm") == "other"
-    row = with_group_shares({"parts": [{"part": "attention+matmul", "ms": 3.0}, {"part": "matmul", "ms": 1.0}]})
+    parts = [{"part": "attention+matmul", "ms": 3.0}, {"part": "matmul", "ms": 1.0}]
+    row = with_group_shares({"parts": parts})
     assert row["attention_share"] == 0.75 and row["matmul_share"] == 0.25 and row["other_share"] == 0.0

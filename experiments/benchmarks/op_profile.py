@@ -11,7 +11,7 @@ norms, the LM head, sampling, ... An op that XLA fused from several parts counts
 their names joined ("attention+matmul": a fusion cannot be split). Loop and call ops are not
 counted (their time is their body's). On a multi-core CPU two ops may run at once, so op time
 can add up to more than the wall time: shares are of op time, and the wall time is measured
-apart, without the profiler.
+apart, without the profiler. Written for and run on XLA:CPU; not tried on a GPU.
 
 Rows: the sampler's decode step (Llama 10M / 50M of `sampler.py`, batch 32 and 128, 64 prompt +
 128 new tokens; per decode step, prefill apart), the forward pass (Llama and GPT-NeoX 50M,
@@ -107,7 +107,7 @@ def dump_hlo() -> str:
 def load_modules(dump_dir: str) -> dict[int, Module]:
     """The modules XLA dumped, by program id (the number in their file name)."""
     out = {}
-    for path in Path(dump_dir).glob("module_*.cpu_after_optimizations.txt"):
+    for path in Path(dump_dir).glob("module_*after_optimizations.txt"):
         out[int(path.name.split(".")[0].removeprefix("module_"))] = Module(path.read_text())
     return out
 
@@ -127,11 +127,14 @@ def op_seconds(trace_dir: str) -> dict[tuple[int, str], float]:
     return seconds
 
 
+TRACE_ROOT: str | None = None  # --keep-trace: each program's trace goes to a directory under it
+
+
 def profile(run: Callable[[], Any], calls: int, dump_dir: str) -> list[dict[str, Any]]:
     """Op seconds of `calls` runs (after one untimed run), by (part, phase, direction), largest first,
     each with its three largest ops."""
     run()
-    trace_dir = tempfile.mkdtemp(prefix="op-profile-trace-")
+    trace_dir = tempfile.mkdtemp(prefix="op-profile-trace-", dir=TRACE_ROOT)
     with jax.profiler.trace(trace_dir):
         for _ in range(calls):
             run()
@@ -165,8 +168,8 @@ def best_wall(run: Callable[[], Any], calls: int) -> float:
     return min(times)
 
 
-def summarise(name: str, setting: dict[str, Any], groups: list[dict[str, Any]], wall_s: float | None, per: float,
-              phase: str | None = None) -> dict[str, Any]:
+def summarise(name: str, setting: dict[str, Any], groups: list[dict[str, Any]], wall_s: float | None,
+              per: float, phase: str | None = None) -> dict[str, Any]:
     """A result row: op ms by part (per `per` units of the program: calls or decode steps)."""
     chosen = [g for g in groups if phase is None or g["phase"] == phase]
     total = sum(g["s"] for g in chosen)
@@ -316,7 +319,8 @@ def print_rows(rows: list[dict], top: int) -> None:
               f"op time {r['op_ms']:.2f} ms{wall}")
         for p in r["parts"][:top]:
             biggest = p["top_ops"][0][0] if p["top_ops"] else ""
-            print(f"  {p['part']:28s} {p['direction']:8s} {p['ms']:9.3f} ms  {100 * p['share']:5.1f}%   {biggest}")
+            share = 100 * p["share"]
+            print(f"  {p['part']:28s} {p['direction']:8s} {p['ms']:9.3f} ms  {share:5.1f}%   {biggest}")
 
 
 def main() -> None:
@@ -326,7 +330,13 @@ def main() -> None:
     ap.add_argument("--programs", nargs="+", default=["decode", "forward", "train_step"],
                     choices=["decode", "forward", "train_step"])
     ap.add_argument("--top", type=int, default=12, help="parts printed per row")
+    ap.add_argument("--keep-trace", metavar="DIR",
+                    help="keep each program's trace under DIR (for TensorBoard's profile plugin or Perfetto)")
     args = ap.parse_args()
+    global TRACE_ROOT
+    if args.keep_trace:
+        Path(args.keep_trace).mkdir(parents=True, exist_ok=True)
+        TRACE_ROOT = args.keep_trace
     from common import keep_freed_memory, machine, machine_line, write_json
 
     dump_dir = dump_hlo()
@@ -348,7 +358,8 @@ def main() -> None:
     print("\nms per decode step (decode rows), per call (prefill, forward) or per step (train); op time sums "
           "every op's duration (two ops may overlap on two cores); parts joined by + are fused ops")
     rows = [with_group_shares(r) for r in rows]
-    write_json(args.json, {"benchmark": "op_profile", "machine": info, "rows": rows, "part_rows": part_rows(rows)})
+    write_json(args.json, {"benchmark": "op_profile", "machine": info, "rows": rows,
+                           "part_rows": part_rows(rows)})
 
 
 if __name__ == "__main__":
