@@ -43,7 +43,7 @@ TABLES: dict[str, dict[str, list[str]]] = {
                                "torch_tok_s", "ratio", "roofline_frac"]},
     "sampler": {"rows": ["model", "batch", "prompt_len", "new_tokens", "ours_tok_s", "ours_decode_tok_s",
                          "torch_tok_s", "torch_threads", "ratio", "roofline_frac", "ours_step_ms",
-                         "ours_matmul_ms", "ours_attention_ms", "torch_matmul_ms", "bound_ratio"]},
+                         "ours_matmul_ms", "ours_attention_ms", "torch_matmul_ms", "bound_ratio", "bandwidth_frac"]},
     "redteam_trainer_memory": {"arms": ["arm", "rss_after_load_mb", "state_mb", "rss_after_updates_mb", "update_s"],
                                "ratios_after_over_before": ["rss_after_updates_mb", "state_mb", "update_s"]},
     "continuous_batching": {

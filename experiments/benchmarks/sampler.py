@@ -60,6 +60,10 @@ SIZES: dict[str, dict[str, int]] = {
     "0.5B": {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
              "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936,
              "tie_word_embeddings": True},
+    # SmolLM2-135M's shapes with random weights (no wheel needed: a device machine has no network)
+    "smollm2-135M": {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+                     "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152,
+                     "tie_word_embeddings": True},
     # Pythia-410M's shapes (GPT-NeoX: fused q/k/v, GELU MLP, partial rotary, parallel residual)
     "pythia-410M": {"model_type": "gpt_neox", "hidden_size": 1024, "intermediate_size": 4096,
                     "num_hidden_layers": 24, "num_attention_heads": 16, "vocab_size": 50304,
@@ -95,6 +99,10 @@ class Row:
     kv_cache_mb: float
     rss_mb: float
     peak_rss_mb: float
+    dtype: str = "float32"  # the weights' and compute dtype (--dtype)
+    decode_mb_per_step: float = 0.0  # what a decode step reads: every weight it multiplies + the KV cache
+    decode_gb_s: float = 0.0  # decode_mb_per_step / ours_step_ms
+    bandwidth_frac: float = 0.0  # decode_gb_s / the memory bandwidth measured in the same run
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -242,6 +250,24 @@ def rss_mb() -> tuple[float, float]:
         return float("nan"), peak
 
 
+def decode_weight_bytes(model: Any) -> int:
+    """Bytes of the weights one decode step multiplies: every parameter but an untied input
+    embedding, of which a step gathers only its tokens' rows (a tied one is read whole as the head)."""
+    total = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    if model.lm_head is not None:
+        total -= model.embed_tokens[...].nbytes
+    return total
+
+
+def memory_bytes_per_s(mib: int = 512, repeats: int = 5) -> float:
+    """Measured memory bandwidth of this backend: bytes read + written per second by a jitted
+    elementwise pass over a `mib` MiB fp32 array (best of `repeats`), the reference for a decode
+    step's bandwidth share."""
+    x = jnp.ones((mib * 2**20 // 4,), jnp.float32)
+    f = jax.jit(lambda a: a * 2.0)
+    return 2 * x.nbytes / best_seconds(lambda: f(x).block_until_ready(), repeats)
+
+
 def prompts_for(batch: int, prompt_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [[1] + rng.integers(3, vocab, prompt_len - 1).tolist() for _ in range(batch)]
@@ -293,12 +319,13 @@ class TorchGenerate:
 
 def bench_model(
     name: str, directory: Path, batches: list[int], prompt_len: int, new_tokens: int,
-    repeats: int, with_torch: bool, peak: float,
+    repeats: int, with_torch: bool, peak: float, dtype: str = "float32", memory_bytes_s: float = 0.0,
 ) -> list[Row]:
     """Ours and torch alternate call by call (best of `repeats` each), so a change in the load of
-    a shared machine hits both sides alike."""
-    model = load_model(directory)
+    a shared machine hits both sides alike. Both sides hold and compute in `dtype`."""
+    model = load_model(directory, param_dtype=dtype, dtype=dtype)
     cfg = model.config
+    weight_bytes = decode_weight_bytes(model)
     sampler = Sampler(model, max_cache_length=max(prompt_len + new_tokens, 64), min_prompt_bucket=prompt_len)
     scfg = SamplingConfig(max_new_tokens=new_tokens, temperature=1.0, stop_token_ids=())
     prefill_cfg = dataclasses.replace(scfg, max_new_tokens=1)
@@ -306,7 +333,9 @@ def bench_model(
     if with_torch:
         from transformers import AutoModelForCausalLM
 
-        torch_model = AutoModelForCausalLM.from_pretrained(directory).float().eval()
+        import torch
+
+        torch_model = AutoModelForCausalLM.from_pretrained(directory).to(getattr(torch, dtype)).eval()
     rows = []
     for batch in batches:
         prompts = prompts_for(batch, prompt_len, cfg.vocab_size)
@@ -345,6 +374,7 @@ def bench_model(
         attention_s = best_seconds(decode_attention_chain(model, batch, slots), MATMUL_REPEATS)
         bound = prefill_s + (new_tokens - 1) * matmul_s
         rss, peak_rss = rss_mb()
+        step_bytes = weight_bytes + kv_mb * 2**20  # a decode step reads the whole cache
         rows.append(Row(
             model=name, params_m=cfg.num_params() / 1e6, batch=batch, prompt_len=prompt_len,
             new_tokens=new_tokens, ours_compile_s=compile_s, ours_s=ours_s, ours_tok_s=ours_tok_s,
@@ -358,7 +388,9 @@ def bench_model(
             torch_matmul_ms=torch_matmul_s * 1e3 if torch_matmul_s is not None else None,
             bound_ratio=torch_s / bound if torch_gen is not None else None,
             flops_per_token=fpt, kv_cache_mb=kv_mb,
-            rss_mb=rss, peak_rss_mb=peak_rss,
+            rss_mb=rss, peak_rss_mb=peak_rss, dtype=dtype, decode_mb_per_step=step_bytes / 2**20,
+            decode_gb_s=step_bytes / step_s / 1e9,
+            bandwidth_frac=step_bytes / step_s / memory_bytes_s if memory_bytes_s else 0.0,
         ))
         log.info("%s", rows[-1])
     return rows
@@ -375,7 +407,8 @@ def print_table(rows: list[Row], peak: float) -> None:
     cols = [("model", 7), ("params", 7), ("batch", 5), ("P+new", 8), ("compile s", 9), ("ours s", 7),
             ("prefill s", 9), ("ours tok/s", 10), ("decode tok/s", 12), ("torch s", 8), ("thr", 3),
             ("torch tok/s", 11), ("ratio", 6), ("roofline", 8), ("step ms", 7), ("mm ms", 6), ("attn ms", 7),
-            ("torch mm", 8), ("bound", 6), ("KV MiB", 7), ("RSS MiB", 8), ("peak MiB", 8)]
+            ("torch mm", 8), ("bound", 6), ("KV MiB", 7), ("RSS MiB", 8), ("peak MiB", 8), ("GB/s", 6),
+            ("BW", 6)]
     print(" ".join(f"{c:>{w}}" for c, w in cols))
     print("-" * (sum(w for _, w in cols) + len(cols) - 1))
     dash = "-"
@@ -390,7 +423,7 @@ def print_table(rows: list[Row], peak: float) -> None:
             f"{r.ours_attention_ms:.1f}",
             f"{r.torch_matmul_ms:.1f}" if r.torch_matmul_ms else dash,
             f"{r.bound_ratio:.2f}x" if r.bound_ratio else dash, f"{r.kv_cache_mb:.1f}", f"{r.rss_mb:.0f}",
-            f"{r.peak_rss_mb:.0f}",
+            f"{r.peak_rss_mb:.0f}", f"{r.decode_gb_s:.1f}", f"{r.bandwidth_frac:.1%}",
         ]
         print(" ".join(f"{c!s:>{w}}" for c, (_, w) in zip(cells, cols)))
 
@@ -399,12 +432,17 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="10M only, batch 32, short sequences (< 1 min)")
     ap.add_argument("--json", type=Path, help="write the figures here")
-    ap.add_argument("--models", nargs="+", help="subset of 10M 50M smollm2 0.5B pythia-410M (default: 10M 50M smollm2)")
+    ap.add_argument("--models", nargs="+",
+                    help="subset of 10M 50M smollm2 smollm2-135M 0.5B pythia-410M (default: 10M 50M smollm2)")
     ap.add_argument("--batch", type=int, nargs="+", help="batch sizes (default 32 128; --quick: 32)")
     ap.add_argument("--prompt-len", type=int, help="prompt tokens (default 64; --quick: 16)")
     ap.add_argument("--new-tokens", type=int, help="generated tokens (default 128; --quick: 32)")
     ap.add_argument("--repeats", type=int, help="timed calls per setting, best kept (default 3; --quick: 1)")
     ap.add_argument("--no-torch", action="store_true", help="skip the transformers baseline")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="weights and compute dtype of both sides (default float32)")
+    ap.add_argument("--memory-mib", type=int, default=512,
+                    help="array size of the memory-bandwidth reference (default 512 MiB)")
     args = ap.parse_args(argv)
     host_malloc = keep_freed_memory()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
@@ -417,6 +455,7 @@ def main(argv: list[str] | None = None) -> None:
     names = args.models or (["10M"] if quick else ["10M", "50M", "smollm2"])
 
     peak = matmul_flops_per_s()
+    memory = memory_bytes_per_s(args.memory_mib)
     rows: list[Row] = []
     skipped: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -435,7 +474,8 @@ def main(argv: list[str] | None = None) -> None:
                 label = name
             else:
                 ap.error(f"unknown model {name!r}; choose from {[*SIZES, 'smollm2']}")
-            rows += bench_model(label, d, batches, prompt_len, new_tokens, repeats, not args.no_torch, peak)
+            rows += bench_model(label, d, batches, prompt_len, new_tokens, repeats, not args.no_torch, peak,
+                                args.dtype, memory)
     # the roofline is the best matmul rate seen in the run (before, after, and in machine_info):
     # on a machine whose speed drifts, the start's rate alone can flatter the fraction
     start = peak
@@ -444,13 +484,17 @@ def main(argv: list[str] | None = None) -> None:
     for r in rows:
         r.roofline_frac = r.ours_tok_s * r.flops_per_token / peak
     print_table(rows, peak)
+    print(f"memory bandwidth: {memory / 1e9:.1f} GB/s (read + write of a {args.memory_mib} MiB array); "
+          f"GB/s = a decode step's weights (every one it multiplies) + whole KV cache / step time; "
+          f"BW = its share of that bandwidth; dtype {args.dtype}")
     print(machine_line(info))
     for s in skipped:
         print("skipped:", s)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(
-            {"matmul_flops": peak, "matmul_flops_start": start, "jax": jax.__version__,
+            {"matmul_flops": peak, "matmul_flops_start": start, "memory_bytes_s": memory, "dtype": args.dtype,
+             "jax": jax.__version__,
              "cpus": os.cpu_count(), "machine": info, "rows": [dataclasses.asdict(r) for r in rows],
              "skipped": skipped}, indent=2))
         print(f"wrote {args.json}")
