@@ -102,7 +102,6 @@ def _aligned(picked: Array) -> Array:
 
 
 @jax.custom_vjp
-@scoped(S.LOGPROBS)
 def tempered_logprobs(logits: Array, targets: Array, temperature: Array) -> Array:
     """log softmax(logits / temperature)[..., target]: [..., V] logits, [...] targets -> [...] f32.
 
@@ -121,7 +120,6 @@ def _tempered_forward(logits: Array, targets: Array, temperature: Array) -> tupl
     return picked - logz, logz
 
 
-@scoped(S.LOGPROBS)
 def _tempered_fwd(logits: Array, targets: Array, temperature: Array):
     out, logz = _tempered_forward(logits, targets, temperature)
     return out, (logits, targets, temperature, logz)
@@ -139,7 +137,6 @@ def _cotangents(logits: Array, targets: Array, temperature: Array, logz: Array, 
     return dlogits, (-jnp.sum(dlogits * x) / temperature).astype(temperature.dtype)
 
 
-@scoped(S.LOGPROBS)
 def _tempered_bwd(residuals, g: Array):
     logits, targets, temperature, logz = residuals
     dlogits, dtemp = _cotangents(logits, targets, temperature, logz, g)

@@ -8,7 +8,8 @@ kernel, a copy) is a trace event that names its HLO module and instruction; the 
 HLO, dumped by XLA in this run, gives the instruction's `op_name`, whose named scopes
 (`tbajax.op_scopes`) say which part it belongs to: weight matmuls, attention, KV-cache writes,
 norms, the LM head, sampling, ... An op that XLA fused from several parts counts under all of
-their names joined ("attention+matmul": a fusion cannot be split). Loop and call ops are not
+their names joined ("attention+matmul": a fusion cannot be split); its direction is "backward"
+when it comes from a VJP and "forward" otherwise (the optimizer update too). Loop and call ops are not
 counted (their time is their body's). On a multi-core CPU two ops may run at once, so op time
 can add up to more than the wall time: shares are of op time, and the wall time is measured
 apart, without the profiler. Written for and run on XLA:CPU; not tried on a GPU.
@@ -22,11 +23,11 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import os
 import re
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -95,13 +96,22 @@ class Module:
         return "+".join(parts), phase, backward, opcode
 
 
-def dump_hlo() -> str:
+@dataclasses.dataclass(frozen=True)
+class Capture:
+    """Where a run's profiles come from: the directory XLA dumps every compiled module's optimized
+    HLO to, and where traces go (None: a temporary directory each)."""
+
+    hlo_dir: str
+    trace_root: str | None = None
+
+
+def dump_hlo(trace_root: str | None = None) -> Capture:
     """Have XLA write the optimized HLO of every module this process compiles to a new directory
     (XLA reads the flag when jax starts its backend: call this before anything runs)."""
     directory = tempfile.mkdtemp(prefix="op-profile-hlo-")
     flags = os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = f"{flags} --xla_dump_to={directory} --xla_dump_hlo_as_text".strip()
-    return directory
+    return Capture(directory, trace_root)
 
 
 def load_modules(dump_dir: str) -> dict[int, Module]:
@@ -127,18 +137,15 @@ def op_seconds(trace_dir: str) -> dict[tuple[int, str], float]:
     return seconds
 
 
-TRACE_ROOT: str | None = None  # --keep-trace: each program's trace goes to a directory under it
-
-
-def profile(run: Callable[[], Any], calls: int, dump_dir: str) -> list[dict[str, Any]]:
+def profile(run: Callable[[], Any], calls: int, capture: Capture) -> list[dict[str, Any]]:
     """Op seconds of `calls` runs (after one untimed run), by (part, phase, direction), largest first,
     each with its three largest ops."""
     run()
-    trace_dir = tempfile.mkdtemp(prefix="op-profile-trace-", dir=TRACE_ROOT)
+    trace_dir = tempfile.mkdtemp(prefix="op-profile-trace-", dir=capture.trace_root)
     with jax.profiler.trace(trace_dir):
         for _ in range(calls):
             run()
-    modules = load_modules(dump_dir)
+    modules = load_modules(capture.hlo_dir)
     groups: dict[tuple[str, str | None, bool], dict[str, Any]] = {}
     for (program, instruction), s in op_seconds(trace_dir).items():
         module = modules.get(program)
@@ -156,16 +163,6 @@ def profile(run: Callable[[], Any], calls: int, dump_dir: str) -> list[dict[str,
     for g in rows:
         g["top_ops"] = [[name, s] for name, s in g.pop("ops").most_common(3)]
     return rows
-
-
-def best_wall(run: Callable[[], Any], calls: int) -> float:
-    run()
-    times = []
-    for _ in range(calls):
-        t = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - t)
-    return min(times)
 
 
 def summarise(name: str, setting: dict[str, Any], groups: list[dict[str, Any]], wall_s: float | None,
@@ -186,8 +183,9 @@ def summarise(name: str, setting: dict[str, Any], groups: list[dict[str, Any]], 
 
 
 def decode_rows(sizes: list[str], batches: list[int], prompt_len: int, new_tokens: int, calls: int,
-                dump_dir: str) -> list[dict]:
+                capture: Capture) -> list[dict]:
     import sampler as bench_sampler
+    from common import best_seconds
 
     from tbajax.models import load_model
     from tbajax.sampling import Sampler, SamplingConfig
@@ -205,8 +203,8 @@ def decode_rows(sizes: list[str], batches: list[int], prompt_len: int, new_token
             def run(prompts: list[list[int]] = prompts) -> None:
                 sampler.sample(prompts, config, jax.random.key(0))
 
-            groups = profile(run, calls, dump_dir)
-            wall = best_wall(run, calls)
+            groups = profile(run, calls, capture)
+            wall = best_seconds(run, calls)
             setting = {"model": "llama", "size": size, "batch": batch, "tokens": f"{prompt_len}+{new_tokens}"}
             steps = new_tokens - 1
             rows.append(summarise("decode step", setting, groups, wall, steps, phase="decode"))
@@ -215,9 +213,10 @@ def decode_rows(sizes: list[str], batches: list[int], prompt_len: int, new_token
     return rows
 
 
-def forward_rows(models: list[str], size: str, batch: int, seq: int, calls: int, dump_dir: str) -> list[dict]:
+def forward_rows(models: list[str], size: str, batch: int, seq: int, calls: int,
+                 capture: Capture) -> list[dict]:
     import jax.numpy as jnp
-    from common import make_llama_checkpoint
+    from common import best_seconds, make_llama_checkpoint
     from flax import nnx
     from forward import make_neox_checkpoint
 
@@ -233,14 +232,15 @@ def forward_rows(models: list[str], size: str, batch: int, seq: int, calls: int,
         def run(forward: Any = forward, state: Any = state) -> None:
             forward(state, tokens).block_until_ready()
 
-        groups = profile(run, calls, dump_dir)
+        groups = profile(run, calls, capture)
         rows.append(summarise("forward", {"model": name, "size": size, "batch": batch, "tokens": seq}, groups,
-                              best_wall(run, calls), 1))
+                              best_seconds(run, calls), 1))
     return rows
 
 
-def train_step_rows(sizes: list[str], rows_per_batch: int, seq: int, calls: int, dump_dir: str) -> list[dict]:
-    from common import make_llama_checkpoint
+def train_step_rows(sizes: list[str], rows_per_batch: int, seq: int, calls: int,
+                    capture: Capture) -> list[dict]:
+    from common import best_seconds, make_llama_checkpoint
     from train_step import BETA, LR, TEMPERATURE, make_batch
 
     from tbajax.batch import Batch
@@ -269,9 +269,9 @@ def train_step_rows(sizes: list[str], rows_per_batch: int, seq: int, calls: int,
             holder[0], o = step(holder[0], batch)  # donates the old state
             o.metrics["loss"].block_until_ready()
 
-        groups = profile(run, calls, dump_dir)
+        groups = profile(run, calls, capture)
         out.append(summarise("train step (TB)", {"model": "llama", "size": size, "batch": rows_per_batch,
-                                                 "tokens": seq}, groups, best_wall(run, calls), 1))
+                                                 "tokens": seq}, groups, best_seconds(run, calls), 1))
     return out
 
 
@@ -333,25 +333,23 @@ def main() -> None:
     ap.add_argument("--keep-trace", metavar="DIR",
                     help="keep each program's trace under DIR (for TensorBoard's profile plugin or Perfetto)")
     args = ap.parse_args()
-    global TRACE_ROOT
     if args.keep_trace:
         Path(args.keep_trace).mkdir(parents=True, exist_ok=True)
-        TRACE_ROOT = args.keep_trace
     from common import keep_freed_memory, machine, machine_line, write_json
 
-    dump_dir = dump_hlo()
+    capture = dump_hlo(args.keep_trace)
     keep_freed_memory()
     calls = 1 if args.quick else 3
     rows: list[dict] = []
     if "decode" in args.programs:
         rows += decode_rows(["10M"] if args.quick else ["10M", "50M"], [8] if args.quick else [32, 128],
-                            16 if args.quick else 64, 32 if args.quick else 128, calls, dump_dir)
+                            16 if args.quick else 64, 32 if args.quick else 128, calls, capture)
     if "forward" in args.programs:
         rows += forward_rows(["llama", "neox"], "10M" if args.quick else "50M", 4 if args.quick else 16,
-                             64 if args.quick else 256, calls, dump_dir)
+                             64 if args.quick else 256, calls, capture)
     if "train_step" in args.programs:
         rows += train_step_rows(["10M"] if args.quick else ["10M", "50M"], 8 if args.quick else 16,
-                                64 if args.quick else 128, calls, dump_dir)
+                                64 if args.quick else 128, calls, capture)
     info = machine()
     print(machine_line(info))
     print_rows(rows, args.top)

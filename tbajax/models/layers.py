@@ -68,7 +68,6 @@ def linear(x: Array, w: Array) -> Array:
     return jnp.einsum("...d,df->...f", x, w)
 
 
-@scoped(S.MATMUL)
 def _linear_fwd(x: Array, w: Array) -> tuple[Array, tuple[Array, Array]]:
     return linear(x, w), (x, w)
 
@@ -114,13 +113,13 @@ def undo_orient(p: dict[str, Array]) -> dict[str, Array]:
     return {k.removesuffix(OUT_MAJOR): v.T if k.endswith(OUT_MAJOR) else v for k, v in p.items()}
 
 
-@scoped(S.MATMUL)
 def decode_product(x: Array, p: dict[str, Array], name: str) -> Array:
     """x [..., in] times the weight `name` of p, stored [in, out] (through `linear`, whose VJP
     training needs) or output-major by `orient_for_decode`."""
     if name in p:
         return linear(x, p[name])
-    return jnp.einsum("...d,fd->...f", x, p[name + OUT_MAJOR])
+    with jax.named_scope(S.MATMUL):
+        return jnp.einsum("...d,fd->...f", x, p[name + OUT_MAJOR])
 
 
 def decode_matrix_product(x: Array, p: dict[str, Array], name: str, in_axes: int = 1,
@@ -135,7 +134,6 @@ def decode_matrix_product(x: Array, p: dict[str, Array], name: str, in_axes: int
     return decode_product(x.reshape(*lead, -1), p, name).reshape(*lead, *out_shape, -1)
 
 
-@scoped(S.MATMUL)
 def project(x: Array, w: Array, in_axes: int = 1) -> Array:
     """`linear` for a weight with several input or output axes: x [..., *in] and w [*in, *out]
     (q_proj [embed, heads, head_dim] takes in_axes=1, o_proj [heads, head_dim, embed] in_axes=2)
@@ -182,7 +180,6 @@ def swiglu(gate: Array, up: Array) -> Array:
     return jax.nn.silu(gate) * up
 
 
-@scoped(S.ACTIVATION)
 def _swiglu_fwd(gate: Array, up: Array) -> tuple[Array, tuple[Array, Array]]:
     return swiglu(gate, up), (gate, up)
 

@@ -26,9 +26,9 @@ import jax.numpy as jnp
 
 from tbajax import op_scopes as S
 from tbajax.models.config import ModelConfig
-from tbajax.op_scopes import scoped
 from tbajax.models.families import Family, family_for
 from tbajax.models.layers import EMIT_KV, CausalMask
+from tbajax.op_scopes import scoped
 from tbajax.sharding import constrain
 
 Array = jax.Array

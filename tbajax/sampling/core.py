@@ -22,8 +22,8 @@ from tbajax import op_scopes as S
 from tbajax.batch import tempered_logprobs
 from tbajax.models import CausalLM, ModelConfig, positions_from_mask, serving
 from tbajax.models.serving import KVCache, ServingParams
-from tbajax.sampling.step import sample_keys, sample_logits, step_keys
 from tbajax.op_scopes import scoped
+from tbajax.sampling.step import sample_keys, sample_logits, step_keys
 from tbajax.sharding import constrain
 
 Array = jax.Array
