@@ -23,6 +23,7 @@ from tbajax.sampling import (
     sample_logits,
     score,
 )
+from tbajax.sampling.core import phase_slots
 from tbajax.sampling.sampler import left_pad
 from tbajax.shapes import next_pow2, pow2_bucket
 from tbajax.sharding import MeshConfig, make_mesh
@@ -344,6 +345,44 @@ def test_a_reused_cache_leaks_nothing_into_the_next_call(llama):
     again = sampler.sample(PROMPTS, cfg, jax.random.key(3))
     np.testing.assert_array_equal(again.tokens, first.tokens)
     np.testing.assert_array_equal(again.logprobs, first.logprobs)
+
+
+def test_decode_phases_match_one_cache(tiny_checkpoint, llama):
+    """Decoding over caches that grow (`core.phase_slots`) gives the samples of one full-length
+    cache: same tokens, stops and lengths, log-probs up to summation order; a NaN left in the held
+    cache past the copied slots does not leak; sharded == single device."""
+    assert phase_slots(16, 128, 64) == (80, 144)
+    assert phase_slots(16, 24, 4) == (20, 24, 32, 40)
+    assert phase_slots(16, 100, 64) == (80, 116) and phase_slots(16, 95, 64) == (111,)
+    assert phase_slots(16, 130, 64) == (80, 146) and phase_slots(16, 256, 64) == (80, 144, 272)
+    assert phase_slots(16, 128, 0) == (144,)
+
+    cfg = SamplingConfig(max_new_tokens=24, num_samples=2, temperature=1.0, min_new_tokens=3,
+                         stop_token_ids=(2, 3, 4))
+    key = jax.random.key(11)
+    one = Sampler(llama, first_decode_phase=0).sample(PROMPTS, cfg, key)
+    phased = Sampler(llama, first_decode_phase=4)
+    out = phased.sample(PROMPTS, cfg, key)
+    assert [e.shape[-1][1] for e in phased.compile_events if e.kind == "generate"] == [(20, 24, 32, 40)]
+    assert out.finished.any() and (~out.finished).any() and out.length.max() > 8, "exercise every phase"
+    np.testing.assert_array_equal(out.tokens, one.tokens)
+    np.testing.assert_array_equal(out.length, one.length)
+    np.testing.assert_array_equal(out.finished, one.finished)
+    np.testing.assert_allclose(out.logprobs, one.logprobs, atol=1e-5)
+
+    cache = phased._cache  # the donated full-length cache comes back and is reused
+    assert cache.slots == 40
+    phased._cache = dataclasses.replace(cache, k=tuple(jnp.full_like(x, jnp.nan) for x in cache.k),
+                                        v=tuple(jnp.full_like(x, jnp.nan) for x in cache.v))
+    again = phased.sample(PROMPTS, cfg, key)
+    np.testing.assert_array_equal(again.tokens, out.tokens)
+    np.testing.assert_array_equal(again.logprobs, out.logprobs)
+
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    sharded = Sampler(load_model(tiny_checkpoint("llama"), mesh=mesh), mesh=mesh, first_decode_phase=4)
+    got = sharded.sample(PROMPTS, cfg, key)
+    np.testing.assert_array_equal(got.tokens, out.tokens)
+    np.testing.assert_allclose(got.logprobs, out.logprobs, atol=1e-5)
 
 
 def test_update_params_keeps_programs(tiny_checkpoint, llama):

@@ -47,6 +47,7 @@ from tbajax.system.metrics import machine_info, matmul_flops_per_s
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import best_seconds, keep_freed_memory, machine_line, timed_in_turns  # noqa: E402
 from tbajax.sampling import Sampler, SamplingConfig
+from tbajax.sampling.core import phase_slots
 
 log = logging.getLogger("bench.sampler")
 
@@ -100,9 +101,10 @@ class Row:
     rss_mb: float
     peak_rss_mb: float
     dtype: str = "float32"  # the weights' and compute dtype (--dtype)
-    decode_mb_per_step: float = 0.0  # what a decode step reads: every weight it multiplies + the KV cache
+    decode_mb_per_step: float = 0.0  # a decode step reads every weight it multiplies + its phase's KV cache
     decode_gb_s: float = 0.0  # decode_mb_per_step / ours_step_ms
     bandwidth_frac: float = 0.0  # decode_gb_s / the memory bandwidth measured in the same run
+    decode_phase_slots: list[int] = dataclasses.field(default_factory=list)  # the caches decode moves through
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -320,13 +322,15 @@ class TorchGenerate:
 def bench_model(
     name: str, directory: Path, batches: list[int], prompt_len: int, new_tokens: int,
     repeats: int, with_torch: bool, peak: float, dtype: str = "float32", memory_bytes_s: float = 0.0,
+    first_decode_phase: int = 64,
 ) -> list[Row]:
     """Ours and torch alternate call by call (best of `repeats` each), so a change in the load of
     a shared machine hits both sides alike. Both sides hold and compute in `dtype`."""
     model = load_model(directory, param_dtype=dtype, dtype=dtype)
     cfg = model.config
     weight_bytes = decode_weight_bytes(model)
-    sampler = Sampler(model, max_cache_length=max(prompt_len + new_tokens, 64), min_prompt_bucket=prompt_len)
+    sampler = Sampler(model, max_cache_length=max(prompt_len + new_tokens, 64), min_prompt_bucket=prompt_len,
+                      first_decode_phase=first_decode_phase)
     scfg = SamplingConfig(max_new_tokens=new_tokens, temperature=1.0, stop_token_ids=())
     prefill_cfg = dataclasses.replace(scfg, max_new_tokens=1)
     torch_model = None
@@ -374,7 +378,10 @@ def bench_model(
         attention_s = best_seconds(decode_attention_chain(model, batch, slots), MATMUL_REPEATS)
         bound = prefill_s + (new_tokens - 1) * matmul_s
         rss, peak_rss = rss_mb()
-        step_bytes = weight_bytes + kv_mb * 2**20  # a decode step reads the whole cache
+        # a decode step reads the whole cache of its phase (`core.phase_slots`)
+        prompt_slots = slots - new_tokens
+        phases = phase_slots(prompt_slots, new_tokens, first_decode_phase)
+        step_bytes = weight_bytes + kv_mb * 2**20 * mean_cache_slots(prompt_slots, new_tokens, phases) / slots
         rows.append(Row(
             model=name, params_m=cfg.num_params() / 1e6, batch=batch, prompt_len=prompt_len,
             new_tokens=new_tokens, ours_compile_s=compile_s, ours_s=ours_s, ours_tok_s=ours_tok_s,
@@ -391,9 +398,17 @@ def bench_model(
             rss_mb=rss, peak_rss_mb=peak_rss, dtype=dtype, decode_mb_per_step=step_bytes / 2**20,
             decode_gb_s=step_bytes / step_s / 1e9,
             bandwidth_frac=step_bytes / step_s / memory_bytes_s if memory_bytes_s else 0.0,
+            decode_phase_slots=list(phases),
         ))
         log.info("%s", rows[-1])
     return rows
+
+
+def mean_cache_slots(prompt_len: int, new_tokens: int, phases: tuple[int, ...]) -> float:
+    """Cache slots a decode step reads, averaged over the call's steps: step s (1 .. new - 1)
+    writes slot prompt_len + s - 1 into the first phase's cache that has room for it."""
+    sizes = [next(p for p in phases if p > prompt_len + s - 1) for s in range(1, new_tokens)]
+    return sum(sizes) / max(len(sizes), 1)
 
 
 def print_table(rows: list[Row], peak: float) -> None:
@@ -441,6 +456,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-torch", action="store_true", help="skip the transformers baseline")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                     help="weights and compute dtype of both sides (default float32)")
+    ap.add_argument("--first-decode-phase", type=int, default=64,
+                    help="Sampler(first_decode_phase=...): new tokens before the cache grows (0: one cache)")
     ap.add_argument("--memory-mib", type=int, default=512,
                     help="array size of the memory-bandwidth reference (default 512 MiB)")
     args = ap.parse_args(argv)
@@ -475,7 +492,7 @@ def main(argv: list[str] | None = None) -> None:
             else:
                 ap.error(f"unknown model {name!r}; choose from {[*SIZES, 'smollm2']}")
             rows += bench_model(label, d, batches, prompt_len, new_tokens, repeats, not args.no_torch, peak,
-                                args.dtype, memory)
+                                args.dtype, memory, args.first_decode_phase)
     # the roofline is the best matmul rate seen in the run (before, after, and in machine_info):
     # on a machine whose speed drifts, the start's rate alone can flatter the fraction
     start = peak
@@ -485,7 +502,8 @@ def main(argv: list[str] | None = None) -> None:
         r.roofline_frac = r.ours_tok_s * r.flops_per_token / peak
     print_table(rows, peak)
     print(f"memory bandwidth: {memory / 1e9:.1f} GB/s (read + write of a {args.memory_mib} MiB array); "
-          f"GB/s = a decode step's weights (every one it multiplies) + whole KV cache / step time; "
+          "GB/s = a decode step's weights (every one it multiplies) + the whole KV cache of its phase / step "
+          f"time; "
           f"BW = its share of that bandwidth; dtype {args.dtype}")
     print(machine_line(info))
     for s in skipped:

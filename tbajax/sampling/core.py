@@ -83,9 +83,7 @@ def prefill(
         return constrain(jax.lax.dynamic_update_slice(buf, rep(x).astype(buf.dtype), (0,) * x.ndim), axes)
 
     def write_values(buf: Array, x: Array) -> Array:
-        rows, kv, slots, d = buf.shape
-        tail = jnp.zeros((rows, kv, slots - p, d), buf.dtype)
-        return write(jax.lax.dynamic_update_slice(buf, tail, (0, 0, p, 0)), x, KVCache.V_AXES)
+        return write(_zero_from(buf, p), x, KVCache.V_AXES)
 
     valid = jnp.zeros((b, cache.slots), bool).at[:, :p].set(mask)
     cache = KVCache(
@@ -95,6 +93,49 @@ def prefill(
         index=jnp.asarray(p, jnp.int32),
     )
     return cache, constrain(rep(logits), ("batch", "act_vocab")), rep(mask.sum(-1, dtype=jnp.int32))
+
+
+def _zero_from(values: Array, slot: int) -> Array:
+    """A value buffer [rows, kv, slots, d] with slots >= `slot` zeroed."""
+    rows, kv, slots, d = values.shape
+    tail = jnp.zeros((rows, kv, slots - slot, d), values.dtype)
+    return jax.lax.dynamic_update_slice(values, tail, (0, 0, slot, 0))
+
+
+def phase_slots(prompt_slots: int, max_new_tokens: int, first: int) -> tuple[int, ...]:
+    """Slot counts of the caches one decode call moves through (`decode`'s `larger`).
+
+    Attention reads every slot of its cache at every step, filled or not, so a loop over the
+    full-length cache spends its early steps on empty slots. Starting over prompt + `first` slots
+    and doubling the new-token room halves that waste per phase, for one cache copy and one more
+    compiled loop body each. A phase is added only if it runs at least half as many steps as all
+    phases before it, so a short tail does not cost a copy. first <= 0: one full-length cache."""
+    full = prompt_slots + max_new_tokens
+    if first <= 0:
+        return (full,)
+    sizes, room = [], first
+    while room + room // 2 <= max_new_tokens:
+        sizes.append(prompt_slots + room)
+        room *= 2
+    return (*sizes, full)
+
+
+def grow_cache(small: KVCache, big: KVCache) -> KVCache:
+    """`small`'s slots copied into the first slots of `big` (pass it donated: written in place);
+    its later slots are marked invalid and their values zeroed (see `prefill`)."""
+    s = small.slots
+    if big.rows != small.rows or big.slots <= s:
+        raise ValueError(f"cannot grow a cache of {small.rows} x {s} slots into {big.rows} x {big.slots}")
+
+    def put(buf: Array, x: Array, axes: tuple[str, ...]) -> Array:
+        return constrain(jax.lax.dynamic_update_slice(buf, x, (0,) * x.ndim), axes)
+
+    return KVCache(
+        k=tuple(put(b, x, KVCache.K_AXES) for b, x in zip(big.k, small.k)),
+        v=tuple(put(_zero_from(b, s), x, KVCache.V_AXES) for b, x in zip(big.v, small.v)),
+        valid=put(jnp.zeros_like(big.valid), small.valid, ("batch", "length")),
+        index=small.index,
+    )
 
 
 def init_cache(cfg: ModelConfig, rows: int, slots: int) -> KVCache:
@@ -120,10 +161,14 @@ def decode(
     knobs: Knobs,
     spec: DecodeSpec,
     limit: Array | None = None,
+    larger: tuple[KVCache, ...] = (),
 ) -> tuple[DecodeOut, KVCache]:
-    """Sample up to max_new_tokens per row inside one `lax.while_loop` that exits as soon as every
-    row is done. Inactive rows (batch padding) start done and emit only padding. The cache comes
-    back (pass it donated: the loop then updates it in place and the caller can reuse it).
+    """Sample up to max_new_tokens per row inside `lax.while_loop`s that exit as soon as every
+    row is done. Inactive rows (batch padding) start done and emit only padding.
+
+    The loop runs over `cache` until it is full, then over each of the `larger` caches in turn
+    (`grow_cache`; see `phase_slots` for why). The last cache comes back (pass them donated: the
+    loop then updates it in place and the caller can reuse it); it needs room for every token.
 
     Row r's step-s draw uses fold_in(fold_in(key, r), s) (`step.step_keys`), so a sample's tokens
     depend only on its key, not on the batch it is in. limit: optional [N] int32 per-row cap on new
@@ -165,8 +210,8 @@ def decode(
     ones = jnp.ones((n, 1), bool)
 
     def cond(carry: tuple[Array, KVCache, Array, DecodeOut]) -> Array:
-        step, _, _, out = carry
-        return (step < spec.max_new_tokens) & ~all_done(out)
+        step, cache, _, out = carry
+        return (step < spec.max_new_tokens) & (cache.index < cache.slots) & ~all_done(out)
 
     def body(carry: tuple[Array, KVCache, Array, DecodeOut]) -> tuple[Array, KVCache, Array, DecodeOut]:
         step, cache, prev, out = carry
@@ -176,7 +221,13 @@ def decode(
         out, tok = emit(out, *pick(logits, step_keys(keys, step), step), step)
         return step + 1, cache, tok, out
 
-    _, cache, _, out = jax.lax.while_loop(cond, body, (step0 + 1, cache, tok, out))
+    carry = (step0 + 1, cache, tok, out)
+    for nxt in (None, *larger):
+        if nxt is not None:
+            step, cache, tok, out = carry
+            carry = (step, grow_cache(cache, nxt), tok, out)
+        carry = jax.lax.while_loop(cond, body, carry)
+    _, cache, _, out = carry
     return out._replace(finished=out.finished & active), cache
 
 

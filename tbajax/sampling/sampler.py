@@ -100,6 +100,8 @@ class Sampler:
     mesh: where params and the batch live (batch over data x fsdp, params by the logical rules);
       None = one device. max_cache_length: prompt + new tokens must fit (default: the model's
       max_position_embeddings). min_prompt_bucket: smallest prompt-length bucket.
+    first_decode_phase: new tokens the decode loop writes into a cache of prompt + this many slots
+      before it moves to a larger one (`core.phase_slots`; 0: one full-length cache from the start).
     reference: an optional reference model for `sample(..., reference_logprobs=True)`.
     """
 
@@ -111,6 +113,7 @@ class Sampler:
         max_cache_length: int | None = None,
         min_prompt_bucket: int = 16,
         reference: CausalLM | None = None,
+        first_decode_phase: int = 64,
     ):
         for m in (model, reference):
             if m is not None and m.config.num_labels is not None:
@@ -124,6 +127,9 @@ class Sampler:
         if min_prompt_bucket < 1:
             raise ValueError(f"min_prompt_bucket must be >= 1, got {min_prompt_bucket}")
         self.min_prompt_bucket = min_prompt_bucket
+        if first_decode_phase < 0:
+            raise ValueError(f"first_decode_phase must be >= 0 (0: no phases), got {first_decode_phase}")
+        self.first_decode_phase = first_decode_phase
         self.batch_shards = self.mesh.shape.get("data", 1) * self.mesh.shape.get("fsdp", 1)
         self._policy = PreparedParams.from_model(model, self.mesh)
         self._reference = _Params.from_model(reference, self.mesh) if reference is not None else None
@@ -238,10 +244,11 @@ class Sampler:
             top_p=self._put(np.float32(config.top_p), ()),
             min_new_tokens=self._put(np.int32(config.min_new_tokens), ()),
         )
-        shape = (("batch", b), ("prompt_len", p_len), ("num_samples", k), ("spec", spec))
+        shape = (("batch", b), ("prompt_len", p_len), ("num_samples", k), ("spec", spec),
+                 ("phases", core.phase_slots(p_len, config.max_new_tokens, self.first_decode_phase)))
         out, self._cache = self._run(
             ("generate", shape),
-            lambda: _jit_generate(self.config, k, spec),
+            lambda: _jit_generate(self.config, k, spec, self.first_decode_phase),
             self._policy.params,
             self._take_cache(n, slots),
             self._put(tokens, ("batch", "length")),
@@ -541,14 +548,20 @@ def _place(leaves: list[Any], shardings: list[Any]) -> list[jax.Array]:
     return [jax.device_put(x, s) for x, s in zip(leaves, shardings)]
 
 
-def _jit_generate(cfg: ModelConfig, num_samples: int, spec: core.DecodeSpec) -> Any:
-    """Prefill + decode as one program over the serving params; the cache is donated and comes
-    back updated in place."""
+def _jit_generate(cfg: ModelConfig, num_samples: int, spec: core.DecodeSpec, first_phase: int) -> Any:
+    """Prefill + decode as one program over the serving params; the full-length cache is donated
+    and comes back updated in place. Decoding starts over smaller caches made inside the program
+    (`core.phase_slots`)."""
 
     def fn(params, cache, tokens, mask, active, key, knobs, limit):  # type: ignore[no-untyped-def]
-        cache, first_logits, prompt_len = core.prefill(cfg, params, cache, tokens, mask,
+        sizes = core.phase_slots(tokens.shape[1], spec.max_new_tokens, first_phase)
+        if sizes[-1] != cache.slots:
+            raise ValueError(f"cache has {cache.slots} slots, the phases end at {sizes[-1]}")
+        caches = (*(core.init_cache(cfg, cache.rows, s) for s in sizes[:-1]), cache)
+        first, first_logits, prompt_len = core.prefill(cfg, params, caches[0], tokens, mask,
                                                        num_samples=num_samples)
-        return core.decode(cfg, params, cache, first_logits, prompt_len, active, key, knobs, spec, limit)
+        return core.decode(cfg, params, first, first_logits, prompt_len, active, key, knobs, spec, limit,
+                           larger=caches[1:])
 
     return jax.jit(fn, donate_argnums=(1,))
 
