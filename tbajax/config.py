@@ -85,6 +85,10 @@ class RolloutSpec:
       red-teaming reference's exploration: [0.5, 2.0] half the time, else 1.0). Only to explore:
       needs train.exploration_temperature=true (the trainer scores at its own temperature) and
       the static engine. The temperature is a traced knob: no recompiles.
+    first_decode_phase: the static engine decodes its first this-many new tokens over a cache of
+      prompt + this many slots, then over caches with room for twice as many (attention reads
+      every slot of its cache; `tbajax.sampling.core.phase_slots`); 0: one full-length cache (one
+      compiled loop body, no second cache in memory).
     """
 
     prompts_per_call: int = 8
@@ -99,8 +103,12 @@ class RolloutSpec:
     decode_slots: int = 64
     decode_chunk: int = 16
     random_temperature: tuple[float, float, float] | None = None
+    first_decode_phase: int = 64
 
     def __post_init__(self) -> None:
+        if self.first_decode_phase < 0:
+            raise ConfigError(f"rollout.first_decode_phase={self.first_decode_phase} must be >= 0 "
+                              "(0: decode over one full-length cache)")
         if self.random_temperature is not None:
             t = tuple(float(x) for x in self.random_temperature)
             if len(t) != 3 or not (0 < t[0] <= t[1] and 0 <= t[2] <= 1):

@@ -53,6 +53,7 @@ def test_overrides_are_typed():
         ("train.steps", "not of the form key=value"),
         ("buffer.samples_per_group=16", "cannot fill groups"),
         ("buffer.max_recent_uses=0", "max_recent_uses must be None or >= 1"),
+        ("rollout.first_decode_phase=-1", r"first_decode_phase=-1 must be >= 0"),
         # trainer waits for unused recent groups, searchers wait for params: refused up front
         ("system.sync_every=32", r"wants ~486 recent groups.*searchers make at most 32"),
     ],

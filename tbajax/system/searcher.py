@@ -110,6 +110,7 @@ class Rollouts:
             mesh=mesh,
             max_cache_length=config.rollout.max_prompt_tokens + sampling.max_new_tokens,
             reference=_frozen_copy(model) if reference_logprobs else None,
+            first_decode_phase=config.rollout.first_decode_phase,
         )
         self._prompt_cache: dict[tuple[str, int], np.ndarray] = {}
         self.skipped_prompts = 0
