@@ -400,6 +400,22 @@ def test_unfused_transpose_is_the_transpose_whatever_its_first_element():
     assert "conditional" in f.lower(x).compile().as_text()
 
 
+def test_own_kernel_is_the_identity_with_its_gradient():
+    """`own_kernel` (a scanned layer's bias kept out of its consumers' loop fusions) returns its
+    input whatever the first element, passes gradients through, and on CPU stays a conditional."""
+    from tbajax.models.layers import own_kernel
+
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    f = jax.jit(lambda a: own_kernel(a * 2.0))
+    for first in (5.0, -5.0, np.nan):
+        x[0, 0] = first
+        np.testing.assert_array_equal(f(x), x * 2)
+    y = np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4)
+    grad = jax.jit(jax.grad(lambda a: (own_kernel(a) * y).sum()))(np.ones((3, 4), np.float32))
+    np.testing.assert_array_equal(grad, y)
+    assert "conditional" in f.lower(x).compile().as_text()
+
+
 def test_rows_per_step_takes_the_batch_when_its_scores_fit_else_a_divisor_within_half():
     from tbajax.models.layers import ROW_SCORES_BUDGET, rows_per_step
 

@@ -167,6 +167,21 @@ def unfused_transpose(x: Array) -> Array:
     return jax.lax.platform_dependent(x, cpu=in_branch, default=jnp.transpose)
 
 
+def own_kernel(x: Array) -> Array:
+    """x, on CPU computed by a kernel of its own (a `cond` branch, as in `unfused_transpose`), so
+    that XLA does not fuse its producer into every consumer. For a small per-layer weight of a
+    scanned stack (a bias), the producer is a dynamic slice that a large consumer loop fusion would
+    recompute per element."""
+    if x.size == 0 or devices_in_context() > 1:
+        return x
+
+    def in_branch(y: Array) -> Array:
+        first = y.reshape(-1)[0]
+        return jax.lax.cond(first > 0, jnp.copy, jnp.copy, y)
+
+    return jax.lax.platform_dependent(x, cpu=in_branch, default=lambda y: y)
+
+
 @jax.custom_vjp
 @scoped(S.ACTIVATION)
 def swiglu(gate: Array, up: Array) -> Array:
