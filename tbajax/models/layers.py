@@ -298,9 +298,9 @@ def cached_attention(q: Array, kt: Array, v: Array, mask: Array) -> Array:
     kernels run at ~1 GFLOP/s (2-3 ms a layer for 10M at batch 32, plus a copy of the layer's
     cache). As a multiply-reduce over d, vectorised along the slots (why keys are stored d-major),
     then over the slots, vectorised along d, it reads the cache once, in place (~3x faster).
-    It reads the whole cache, empty tail included: attending to a static prefix (a decode loop in
-    segments, each over the slots it can have filled) was tried and lost: XLA:CPU copies the
-    sliced cache every step, which costs more than reading the tail.
+    It reads the whole cache, empty tail included: attending to a static prefix of one cache
+    was tried and lost (XLA:CPU copies the sliced cache every step). The sampler's decode loop
+    instead runs over caches that grow (`sampling.core.phase_slots`), each copied once.
     A prompt (t > 1) takes the batched matmuls.
     """
     b, t, h, d = q.shape
