@@ -417,7 +417,8 @@ def print_table(rows: list[Row], peak: float) -> None:
     print("tok/s = generated tokens per second of one call, prefill included; decode tok/s = the "
           "decode loop alone (call minus a 1-token call); thr = torch threads used")
     print("step ms = one decode step; mm ms / torch mm = its weight matmuls alone on each side; attn ms = "
-          "its attention over the cache alone (ours); bound = the ratio if tbajax's decode steps took only "
+          "its attention over the full-length cache alone (ours; decode's first phase reads a smaller "
+          "one); bound = the ratio if tbajax's decode steps took only "
           "their matmul time (no ratio target above it can be met)")
     cols = [("model", 7), ("params", 7), ("batch", 5), ("P+new", 8), ("compile s", 9), ("ours s", 7),
             ("prefill s", 9), ("ours tok/s", 10), ("decode tok/s", 12), ("torch s", 8), ("thr", 3),
