@@ -183,7 +183,7 @@ def block(
     act = L.ACTIVATIONS[cfg.hidden_act]
     h = L.layer_norm(x, w["input_norm"], w["input_norm_bias"], cfg.layer_norm_eps)
     qkv = L.decode_matrix_product(h, w, "qkv_proj", out_shape=(3, cfg.num_heads))
-    qkv = qkv + L.own_kernel(w["qkv_bias"])
+    qkv = qkv + (L.own_kernel(w["qkv_bias"]) if cache is None else w["qkv_bias"])  # see gpt_neox
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     q = constrain(q, ("batch", "length", "act_heads", None))
     o, new_cache = L.self_attention(q, k, v, mask, cache, dt)

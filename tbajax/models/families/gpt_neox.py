@@ -183,7 +183,8 @@ def block(
     h = L.layer_norm(x, w["input_norm"], w["input_norm_bias"], cfg.layer_norm_eps)
     qkv = L.decode_matrix_product(h, w, "qkv_proj", out_shape=(cfg.num_heads, 3))
     if cfg.qkv_bias:
-        qkv = qkv + L.own_kernel(w["qkv_bias"])
+        # a training forward's bias is a slice of the stacked params (`layers.own_kernel`)
+        qkv = qkv + (L.own_kernel(w["qkv_bias"]) if cache is None else w["qkv_bias"])
     q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
     q, k = L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin)
     q = constrain(q, ("batch", "length", "act_heads", None))
