@@ -356,6 +356,8 @@ def test_decode_phases_match_one_cache(tiny_checkpoint, llama):
     assert phase_slots(16, 100, 64) == (80, 116) and phase_slots(16, 95, 64) == (111,)
     assert phase_slots(16, 130, 64) == (80, 146) and phase_slots(16, 256, 64) == (80, 144, 272)
     assert phase_slots(16, 128, 0) == (144,)
+    assert phase_slots(16, 1024, 64) == (144, 272, 528, 1040)  # at most 4: the smallest dropped
+    assert phase_slots(16, 48, 4) == (24, 32, 48, 64)
 
     cfg = SamplingConfig(max_new_tokens=24, num_samples=2, temperature=1.0, min_new_tokens=3,
                          stop_token_ids=(2, 3, 4))

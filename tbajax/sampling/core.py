@@ -102,6 +102,9 @@ def _zero_from(values: Array, slot: int) -> Array:
     return jax.lax.dynamic_update_slice(values, tail, (0, 0, slot, 0))
 
 
+MAX_DECODE_PHASES = 4
+
+
 def phase_slots(prompt_slots: int, max_new_tokens: int, first: int) -> tuple[int, ...]:
     """Slot counts of the caches one decode call moves through (`decode`'s `larger`).
 
@@ -109,7 +112,9 @@ def phase_slots(prompt_slots: int, max_new_tokens: int, first: int) -> tuple[int
     full-length cache spends its early steps on empty slots. Starting over prompt + `first` slots
     and doubling the new-token room halves that waste per phase, for one cache copy and one more
     compiled loop body each. A phase is added only if it runs at least half as many steps as all
-    phases before it, so a short tail does not cost a copy. first <= 0: one full-length cache."""
+    phases before it, so a short tail does not cost a copy; at most MAX_DECODE_PHASES (the
+    smallest go first), so a long generation compiles a bounded number of loop bodies.
+    first <= 0: one full-length cache."""
     full = prompt_slots + max_new_tokens
     if first <= 0:
         return (full,)
@@ -117,7 +122,7 @@ def phase_slots(prompt_slots: int, max_new_tokens: int, first: int) -> tuple[int
     while room + room // 2 <= max_new_tokens:
         sizes.append(prompt_slots + room)
         room *= 2
-    return (*sizes, full)
+    return (*sizes[max(0, len(sizes) + 1 - MAX_DECODE_PHASES):], full)
 
 
 def grow_cache(small: KVCache, big: KVCache) -> KVCache:
