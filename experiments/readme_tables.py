@@ -71,7 +71,8 @@ TABLES.update({name: TABLES["sampler"] for name in (
     "sampler_before_decode_fixes", "sampler_before_serving_layout", "sampler_smollm2",
     "sampler_smollm2_before_serving_layout", "sampler_before_out_major", "sampler_smollm2_before_out_major",
     "sampler_0.5B", "sampler_0.5B_before_out_major", "sampler_pythia410M", "sampler_pythia410M_before_out_major",
-    "sampler_pythia410M_before_mha_attention", "sampler_before_decode_phases")})
+    "sampler_pythia410M_before_mha_attention", "sampler_before_decode_phases", "sampler_long",
+    "sampler_long_one_cache")})
 
 
 # Absolute times and rates: shown only when the file records the machine's matmul rate (machines of
