@@ -226,13 +226,9 @@ def decode(
         out, tok = emit(out, *pick(logits, step_keys(keys, step), step), step)
         return step + 1, cache, tok, out
 
-    carry = (step0 + 1, cache, tok, out)
-    for nxt in (None, *larger):
-        if nxt is not None:
-            step, cache, tok, out = carry
-            carry = (step, grow_cache(cache, nxt), tok, out)
-        carry = jax.lax.while_loop(cond, body, carry)
-    _, cache, _, out = carry
+    step, cache, tok, out = jax.lax.while_loop(cond, body, (step0 + 1, cache, tok, out))
+    for bigger in larger:
+        step, cache, tok, out = jax.lax.while_loop(cond, body, (step, grow_cache(cache, bigger), tok, out))
     return out._replace(finished=out.finished & active), cache
 
 

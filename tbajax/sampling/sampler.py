@@ -244,11 +244,11 @@ class Sampler:
             top_p=self._put(np.float32(config.top_p), ()),
             min_new_tokens=self._put(np.int32(config.min_new_tokens), ()),
         )
-        shape = (("batch", b), ("prompt_len", p_len), ("num_samples", k), ("spec", spec),
-                 ("phases", core.phase_slots(p_len, config.max_new_tokens, self.first_decode_phase)))
+        phases = core.phase_slots(p_len, config.max_new_tokens, self.first_decode_phase)
+        shape = (("batch", b), ("prompt_len", p_len), ("num_samples", k), ("spec", spec), ("phases", phases))
         out, self._cache = self._run(
             ("generate", shape),
-            lambda: _jit_generate(self.config, k, spec, self.first_decode_phase),
+            lambda: _jit_generate(self.config, k, spec, phases),
             self._policy.params,
             self._take_cache(n, slots),
             self._put(tokens, ("batch", "length")),
@@ -548,16 +548,15 @@ def _place(leaves: list[Any], shardings: list[Any]) -> list[jax.Array]:
     return [jax.device_put(x, s) for x, s in zip(leaves, shardings)]
 
 
-def _jit_generate(cfg: ModelConfig, num_samples: int, spec: core.DecodeSpec, first_phase: int) -> Any:
-    """Prefill + decode as one program over the serving params; the full-length cache is donated
-    and comes back updated in place. Decoding starts over smaller caches made inside the program
-    (`core.phase_slots`)."""
+def _jit_generate(cfg: ModelConfig, num_samples: int, spec: core.DecodeSpec, phases: tuple[int, ...]) -> Any:
+    """Prefill + decode as one program over the serving params; the full-length cache (the last
+    of `phases`, `core.phase_slots`) is donated and comes back updated in place. Decoding starts
+    over the smaller caches, made inside the program."""
 
     def fn(params, cache, tokens, mask, active, key, knobs, limit):  # type: ignore[no-untyped-def]
-        sizes = core.phase_slots(tokens.shape[1], spec.max_new_tokens, first_phase)
-        if sizes[-1] != cache.slots:
-            raise ValueError(f"cache has {cache.slots} slots, the phases end at {sizes[-1]}")
-        caches = (*(core.init_cache(cfg, cache.rows, s) for s in sizes[:-1]), cache)
+        if phases[-1] != cache.slots:
+            raise ValueError(f"cache has {cache.slots} slots, the phases end at {phases[-1]}")
+        caches = (*(core.init_cache(cfg, cache.rows, s) for s in phases[:-1]), cache)
         first, first_logits, prompt_len = core.prefill(cfg, params, caches[0], tokens, mask,
                                                        num_samples=num_samples)
         return core.decode(cfg, params, first, first_logits, prompt_len, active, key, knobs, spec, limit,
