@@ -72,7 +72,13 @@ TABLES.update({name: TABLES["sampler"] for name in (
     "sampler_smollm2_before_serving_layout", "sampler_before_out_major", "sampler_smollm2_before_out_major",
     "sampler_0.5B", "sampler_0.5B_before_out_major", "sampler_pythia410M", "sampler_pythia410M_before_out_major",
     "sampler_pythia410M_before_mha_attention", "sampler_before_decode_phases", "sampler_long",
-    "sampler_long_one_cache")})
+    "sampler_long_one_cache", "sampler_bf16", "sampler_bf16_before_fp32_accumulation")})
+TABLES.update({name: TABLES["forward"] for name in ("forward_bf16", "forward_bf16_before_fp32_accumulation")})
+TABLES.update({name: TABLES["train_step"]
+               for name in ("train_step_bf16", "train_step_bf16_before_fp32_accumulation")})
+TABLES["bf16_matmul"] = {"rows": ["rows", "in", "out", "plain_gflops", "fp32_acc_gflops", "torch_gflops",
+                                  "speedup", "plain_vs_torch", "fp32_acc_vs_torch", "plain_max_err",
+                                  "fp32_acc_max_err"]}
 
 
 # Absolute times and rates: shown only when the file records the machine's matmul rate (machines of
@@ -83,7 +89,8 @@ ABSOLUTE = {"update_s", "tbajax_tok_s", "torch_tok_s", "step_s", "best_step_s", 
             "publish_to_first_chunk_done_s",
             "ynnpack_s", "eigen_s", "ours_step_ms", "ours_matmul_ms", "torch_matmul_ms",
             "ours_attention_ms", "xla_gflops", "torch_gflops", "xla_1core_gflops", "torch_1core_gflops",
-            "fused_ms", "unfused_ms", "producer_only_ms", "wall_ms", "op_ms"}
+            "fused_ms", "unfused_ms", "producer_only_ms", "wall_ms", "op_ms", "plain_gflops",
+            "fp32_acc_gflops"}
 
 
 def _fmt(v: Any) -> str:

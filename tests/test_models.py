@@ -416,6 +416,37 @@ def test_own_kernel_is_the_identity_with_its_gradient():
     assert "conditional" in f.lower(x).compile().as_text()
 
 
+def test_matmul_accumulates_bf16_in_fp32_and_leaves_fp32_alone():
+    """`layers.matmul`: fp32 operands give jnp.einsum's program; bf16 ones a product with an fp32
+    result on CPU (YNNPACK's bf16 kernels), rounded back to bf16, and gradients through `linear`."""
+    from tbajax.models.layers import linear, matmul
+
+    rng = np.random.default_rng(0)
+    x, w = rng.standard_normal((5, 64), np.float32), rng.standard_normal((64, 24), np.float32) / 8
+    fp32 = jax.jit(lambda a, b: matmul("md,df->mf", a, b))
+    plain = jax.jit(lambda a, b: jnp.einsum("md,df->mf", a, b))
+    assert fp32.lower(x, w).as_text() == plain.lower(x, w).as_text()
+
+    xb, wb = jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)
+    bf16 = jax.jit(lambda a, b: matmul("md,df->mf", a, b))
+    out = bf16(xb, wb)
+    assert out.dtype == jnp.bfloat16
+    hlo = bf16.lower(xb, wb).compile().as_text()
+    assert any(" f32[5,24]" in ln and ("dot(" in ln or "__ynn_fusion" in ln) for ln in hlo.splitlines())
+    # the fp32-accumulated product, rounded once: within half a bf16 ulp of the exact product of
+    # the bf16 operands
+    exact = np.asarray(xb, np.float64) @ np.asarray(wb, np.float64)
+    np.testing.assert_allclose(np.asarray(out, np.float64), exact, rtol=2**-8, atol=1e-6)
+
+    g = rng.standard_normal((5, 24), np.float32)
+    loss = lambda a, b: (linear(a, b).astype(jnp.float32) * g).sum()  # noqa: E731
+    dx, dw = jax.jit(jax.grad(loss, argnums=(0, 1)))(xb, wb)
+    assert dx.dtype == dw.dtype == jnp.bfloat16
+    gb, x64, w64 = (np.asarray(a, np.float64) for a in (jnp.asarray(g, jnp.bfloat16), xb, wb))
+    np.testing.assert_allclose(np.asarray(dx, np.float64), gb @ w64.T, rtol=2**-7, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(dw, np.float64), x64.T @ gb, rtol=2**-7, atol=1e-5)
+
+
 def test_rows_per_step_takes_the_batch_when_its_scores_fit_else_a_divisor_within_half():
     from tbajax.models.layers import ROW_SCORES_BUDGET, rows_per_step
 

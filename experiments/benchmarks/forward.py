@@ -1,11 +1,12 @@
 """Forward-pass tokens/s: tbajax's Flax decoders vs torch transformers, same checkpoint and batch.
 
-    python experiments/benchmarks/forward.py [--quick] [--json PATH]
+    python experiments/benchmarks/forward.py [--quick] [--dtype bfloat16] [--json PATH]
 
 Rows: a Llama-style causal LM, a GPT-NeoX (Pythia-style: partial rotary, parallel residual)
 causal LM, and a GPT-NeoX reward model (`*ForSequenceClassification`, one label) scored at each
 row's last real token of a right-padded batch (`load_scorer(...).score` vs the torch model's
-pooled logits). Both sides run fp32 on this machine's CPU; compile time is reported separately
+pooled logits). Both sides hold and compute in fp32 (or both in bf16 with `--dtype bfloat16`)
+on this machine's CPU; compile time is reported separately
 from steady state. The two sides take turns call by call (`common.timed_in_turns`): the ratio is
 the median over rounds of torch's / tbajax's time, tok/s come from each side's best call.
 """
@@ -16,7 +17,7 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[2])]
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -53,7 +54,7 @@ def make_neox_checkpoint(size: str, reward_model: bool = False) -> Path:
     return directory
 
 
-def bench(model_name: str, size: str, batch: int, seq: int, repeats: int) -> dict:
+def bench(model_name: str, size: str, batch: int, seq: int, repeats: int, dtype: str = "float32") -> dict:
     vocab = SIZES[size]["vocab_size"]
     rng = np.random.RandomState(0)
     ids = rng.randint(3, vocab, (batch, seq))
@@ -66,19 +67,20 @@ def bench(model_name: str, size: str, batch: int, seq: int, repeats: int) -> dic
         lengths = rng.randint(seq // 2, seq + 1, batch)
         mask = (np.arange(seq)[None, :] < lengths[:, None]).astype(np.int64)
         ids = np.where(mask == 1, ids, PAD)
-        scorer = load_scorer(directory)
+        scorer = load_scorer(directory, param_dtype=dtype, dtype=dtype)
         config = scorer.config
         tokens, jmask = jnp.asarray(ids), jnp.asarray(mask)
         ours = lambda: scorer.score(tokens, jmask).block_until_ready()  # noqa: E731
-        ref = AutoModelForSequenceClassification.from_pretrained(directory, dtype=torch.float32).eval()
+        ref = AutoModelForSequenceClassification.from_pretrained(directory, dtype=getattr(torch, dtype))
+        ref = ref.eval()
     else:
-        model = load_model(directory)
+        model = load_model(directory, param_dtype=dtype, dtype=dtype)
         config = model.config
         graphdef, state = nnx.split(model)
         fwd = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t)[0])
         tokens = jnp.asarray(ids)
         ours = lambda: fwd(state, tokens).block_until_ready()  # noqa: E731
-        ref = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+        ref = AutoModelForCausalLM.from_pretrained(directory, dtype=getattr(torch, dtype)).eval()
     tids, tmask = torch.tensor(ids), torch.tensor(mask)
 
     def torch_fwd() -> None:
@@ -93,6 +95,7 @@ def bench(model_name: str, size: str, batch: int, seq: int, repeats: int) -> dic
         "params_M": config.num_params() / 1e6,
         "batch": batch,
         "seq": seq,
+        "dtype": dtype,
         "tbajax_tok_s": n / t["best_s"]["ours"],
         "torch_tok_s": n / t["best_s"]["theirs"],
         "ratio": t["ratio"],
@@ -106,6 +109,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="one small size, few repeats")
     ap.add_argument("--json", help="write the figures to this path")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="weights and compute dtype of both sides (default float32)")
     args = ap.parse_args()
     keep_freed_memory()
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -113,15 +118,15 @@ def main() -> None:
         cases = [("llama", "10M", 8, 128), ("neox", "10M", 8, 128), ("neox_rm", "10M", 8, 128)]
     else:
         cases = [(m, s, 16, 256) for s in ("10M", "50M") for m in ("llama", "neox", "neox_rm")]
-    rows = [bench(m, s, b, t, 3 if args.quick else 7) for m, s, b, t in cases]
+    rows = [bench(m, s, b, t, 3 if args.quick else 7, args.dtype) for m, s, b, t in cases]
     info = {**machine(), "torch_threads": torch.get_num_threads(), "peak_rss_mb": peak_rss_mb()}
-    print(f"forward pass, fp32, torch {torch.__version__} at {info['torch_threads']} threads")
+    print(f"forward pass, {args.dtype}, torch {torch.__version__} at {info['torch_threads']} threads")
     print(machine_line(info))
     print_table(rows, ["model", "size", "params_M", "batch", "seq", "tbajax_tok_s", "torch_tok_s", "ratio", "ratio_min",
                        "ratio_max", "compile_s"])
     print("ratio = median over alternating rounds of torch time / tbajax time (>1: tbajax faster); tok/s: "
           "best call of each side; tokens = real (unpadded) tokens")
-    write_json(args.json, {"benchmark": "forward", "machine": info, "rows": rows})
+    write_json(args.json, {"benchmark": "forward", "dtype": args.dtype, "machine": info, "rows": rows})
 
 
 if __name__ == "__main__":

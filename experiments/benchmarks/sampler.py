@@ -179,7 +179,7 @@ def decode_matmul_chain(model: Any, batch: int) -> Callable[[], None]:
             qkv = decode_product(x, p, "qkv_proj")
             x = x + decode_product(qkv[:, :q], p, "o_proj")
             x = x + decode_product(decode_product(x, p, up)[:, :f], p, "down_proj")
-        return jnp.einsum("bd,vd->bv", x, head)
+        return jnp.einsum("bd,vd->bv", x, head, preferred_element_type=jnp.float32)  # as `serving.logits`
 
     x = jnp.asarray(np.random.default_rng(0).standard_normal((batch, d)), cfg.jnp_dtype) * 0.01
     return lambda: chain(x, layers, head).block_until_ready()
@@ -215,7 +215,7 @@ def torch_decode_matmul_chain(model: Any, batch: int, threads: int) -> Callable[
     import torch
     import torch.nn.functional as F
 
-    x0 = torch.randn(batch, model.config.hidden_size) * 0.01
+    x0 = torch.randn(batch, model.config.hidden_size).to(model.dtype) * 0.01
 
     def chain() -> None:
         torch.set_num_threads(threads)

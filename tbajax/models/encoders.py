@@ -31,6 +31,7 @@ from jax.sharding import Mesh, SingleDeviceSharding
 
 from tbajax.models.config import DTYPES, UnsupportedModelError
 from tbajax.models.hf import resolve_checkpoint
+from tbajax.models.layers import matmul
 from tbajax.models.safetensors_io import CheckpointError, SafetensorsReader, write_sharded
 from tbajax.shapes import pow2_bucket
 from tbajax.sharding import constrain, param_shardings
@@ -452,20 +453,20 @@ def bidirectional_attention(q: Array, k: Array, v: Array, mask: Array) -> Array:
     scores = scores * (q.shape[-1] ** -0.5)
     scores = jnp.where(mask[:, None], scores, _MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum("bhts,bshd->bthd", probs, v)
+    return matmul("bhts,bshd->bthd", probs, v)
 
 
 def _layer(cfg: EncoderConfig, p: dict[str, Array], x: Array, mask: Array) -> Array:
     """One post-LN block: x = LN(x + Attn(x)); x = LN(x + FFN(x))."""
     w = {k: v.astype(cfg.jnp_dtype) for k, v in p.items()}
-    q = jnp.einsum("btd,dhk->bthk", x, w["q_proj"]) + w["q_bias"]
-    k = jnp.einsum("btd,dhk->bthk", x, w["k_proj"]) + w["k_bias"]
-    v = jnp.einsum("btd,dhk->bthk", x, w["v_proj"]) + w["v_bias"]
+    q = matmul("btd,dhk->bthk", x, w["q_proj"]) + w["q_bias"]
+    k = matmul("btd,dhk->bthk", x, w["k_proj"]) + w["k_bias"]
+    v = matmul("btd,dhk->bthk", x, w["v_proj"]) + w["v_bias"]
     q = constrain(q, ("batch", "length", "act_heads", None))
-    o = jnp.einsum("bthk,hkd->btd", bidirectional_attention(q, k, v, mask), w["o_proj"]) + w["o_bias"]
+    o = matmul("bthk,hkd->btd", bidirectional_attention(q, k, v, mask), w["o_proj"]) + w["o_bias"]
     x = layer_norm(x + o, w["attn_norm"], w["attn_norm_bias"], cfg.layer_norm_eps)
-    h = _ACTIVATIONS[cfg.hidden_act](jnp.einsum("btd,df->btf", x, w["up_proj"]) + w["up_bias"])
-    h = jnp.einsum("btf,fd->btd", h, w["down_proj"]) + w["down_bias"]
+    h = _ACTIVATIONS[cfg.hidden_act](matmul("btd,df->btf", x, w["up_proj"]) + w["up_bias"])
+    h = matmul("btf,fd->btd", h, w["down_proj"]) + w["down_bias"]
     x = layer_norm(x + h, w["mlp_norm"], w["mlp_norm_bias"], cfg.layer_norm_eps)
     return constrain(x, ("batch", "length", "act_embed"))
 
