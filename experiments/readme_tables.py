@@ -73,6 +73,10 @@ TABLES.update({name: TABLES["sampler"] for name in (
     "sampler_0.5B", "sampler_0.5B_before_out_major", "sampler_pythia410M", "sampler_pythia410M_before_out_major",
     "sampler_pythia410M_before_mha_attention", "sampler_before_decode_phases", "sampler_long",
     "sampler_long_one_cache", "sampler_bf16", "sampler_bf16_before_fp32_accumulation")})
+TABLES["sampler_cpu_devices"] = {"rows": ["model", "batch", "prompt_len", "new_tokens", "ours_tok_s", "ours_step_ms",
+                                          "roofline_frac", "torch_tok_s", "torch_threads", "ratio", "mesh_devices",
+                                          "mesh_s", "mesh_speedup", "mesh_ratio", "mesh_roofline_frac"]}
+TABLES["sampler_cpu_devices_with_torch"] = TABLES["sampler_cpu_devices"]
 TABLES.update({name: TABLES["forward"] for name in ("forward_bf16", "forward_bf16_before_fp32_accumulation")})
 TABLES.update({name: TABLES["train_step"]
                for name in ("train_step_bf16", "train_step_bf16_before_fp32_accumulation")})
@@ -90,7 +94,7 @@ ABSOLUTE = {"update_s", "tbajax_tok_s", "torch_tok_s", "step_s", "best_step_s", 
             "ynnpack_s", "eigen_s", "ours_step_ms", "ours_matmul_ms", "torch_matmul_ms",
             "ours_attention_ms", "xla_gflops", "torch_gflops", "xla_1core_gflops", "torch_1core_gflops",
             "fused_ms", "unfused_ms", "producer_only_ms", "wall_ms", "op_ms", "plain_gflops",
-            "fp32_acc_gflops"}
+            "fp32_acc_gflops", "mesh_s"}
 
 
 def _fmt(v: Any) -> str:

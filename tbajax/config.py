@@ -217,6 +217,13 @@ class SystemSpec:
     cpu_devices_per_trainer_process: on CPU, the fake devices each trainer process gets
       (XLA --xla_force_host_platform_device_count), to try a multi-process mesh without
       accelerators; None = leave XLA_FLAGS as it is.
+    cpu_devices_per_searcher: on CPU, the host devices each searcher process gets (XLA
+      --xla_force_host_platform_device_count); with searcher_mesh's default (data=-1) its batches
+      are split over them. XLA:CPU runs a decode step's attention on one core: with a device per
+      core, a 2-core machine ran the 10M model's generate 1.15-1.3x faster and the 50M model's
+      0.97-1.06x (`experiments/results/benchmarks/sampler_cpu_devices.json`). For a searcher
+      with cores of its own (not measured in a run sharing them with the trainer); None = leave
+      XLA_FLAGS as it is.
     """
 
     mode: Literal["async", "sync"] = "async"
@@ -240,6 +247,7 @@ class SystemSpec:
     publish: Literal["auto", "full", "adapters"] = "auto"
     trainer_processes: int = 1
     cpu_devices_per_trainer_process: int | None = None
+    cpu_devices_per_searcher: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -431,6 +439,7 @@ _RANGES: tuple[tuple[str, tuple[float, bool], bool], ...] = (
     ("system.stop_grace_s", (0, False), False),
     ("system.trainer_processes", (1, False), False),
     ("system.cpu_devices_per_trainer_process", (1, False), True),
+    ("system.cpu_devices_per_searcher", (1, False), True),
     ("system.ray.trainer_cpus", (0, False), False),
     ("system.ray.trainer_gpus", (0, False), False),
     ("system.ray.searcher_cpus", (0, False), False),

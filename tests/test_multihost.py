@@ -183,6 +183,10 @@ def test_launcher_environment_and_coordinator_of_trainer_processes(tmp_path):
     assert env["CUDA_VISIBLE_DEVICES"] == "2,3"  # process 1's half of the trainer GPUs
     assert env["XLA_FLAGS"].split().count("--xla_force_host_platform_device_count=3") == 1
     assert "--xla_force_host_platform_device_count=3" not in child_env(config, "searcher", 0).get("XLA_FLAGS", "")
+    searchers = apply_overrides(config, ["system.cpu_devices_per_searcher=2"])
+    assert child_env(searchers, "searcher", 1)["XLA_FLAGS"].split().count(
+        "--xla_force_host_platform_device_count=2") == 1
+    assert "--xla_force_host_platform_device_count=2" not in child_env(searchers, "trainer", 0)["XLA_FLAGS"]
     trainers = [_Child(f"trainer-{i}", ["--role=trainer"], {}, tmp_path / f"{i}.log") for i in range(2)]
     set_coordinator(trainers)
     first = trainers[1].args

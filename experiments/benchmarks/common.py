@@ -20,6 +20,20 @@ SIZES: dict[str, dict[str, int]] = {
 }
 
 
+def host_devices_flag(argv: list[str], xla_flags: str) -> str:
+    """XLA_FLAGS with the host device count of a `--cpu-devices N` in argv (unchanged without one),
+    for a script to set before it imports jax: XLA reads the count when it opens its CPU backend."""
+    count = None
+    for i, arg in enumerate(argv):
+        if arg == "--cpu-devices" and i + 1 < len(argv):
+            count = argv[i + 1]
+        elif arg.startswith("--cpu-devices="):
+            count = arg.split("=", 1)[1]
+    if count is None:
+        return xla_flags
+    return f"{xla_flags} --xla_force_host_platform_device_count={int(count)}".strip()
+
+
 def make_llama_checkpoint(size: str, directory: str | None = None) -> Path:
     """A random-init Llama-style HF checkpoint (save_pretrained), loadable by torch and tbajax."""
     import torch

@@ -9,6 +9,11 @@ from steady state, and memory (KV cache bytes, process RSS).
     python experiments/benchmarks/sampler.py --quick            # < 1 min
     python experiments/benchmarks/sampler.py --json out.json     # full: 10M + 50M, batch 32 and 128,
                                                                  # + SmolLM2-135M when its package is there
+
+`--cpu-devices N` (CPU only) starts XLA with N host devices and adds an arm: the same Sampler over
+a data mesh of all N (each device decodes batch / N rows; `Sampler(mesh=...)`), timed in turns
+with the single-device sampler and torch. XLA:CPU runs a decode step's attention on one core; a
+device per core spreads it over all of them.
 """
 
 from __future__ import annotations
@@ -30,24 +35,27 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parent)]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-import jax
-import jax.numpy as jnp
+from common import host_devices_flag  # noqa: E402
 
-from flax import nnx
+# before jax: XLA reads the host device count (--cpu-devices) when it opens its CPU backend
+os.environ["XLA_FLAGS"] = host_devices_flag(sys.argv[1:], os.environ.get("XLA_FLAGS", ""))
 
-from tbajax.models import ModelConfig, load_model
-from tbajax.models.layers import decode_product
-from tbajax.models.serving import ServingParams
-from tbajax.system.metrics import machine_info, matmul_flops_per_s
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 from common import best_seconds, keep_freed_memory, machine_line, timed_in_turns  # noqa: E402
-from tbajax.sampling import Sampler, SamplingConfig
-from tbajax.sampling.core import phase_slots
+from flax import nnx  # noqa: E402
+
+from tbajax.models import ModelConfig, load_model  # noqa: E402
+from tbajax.models.layers import decode_product  # noqa: E402
+from tbajax.models.serving import ServingParams  # noqa: E402
+from tbajax.sampling import Sampler, SamplingConfig  # noqa: E402
+from tbajax.sampling.core import phase_slots  # noqa: E402
+from tbajax.sharding import MeshConfig, make_mesh  # noqa: E402
+from tbajax.system.metrics import machine_info, matmul_flops_per_s  # noqa: E402
 
 log = logging.getLogger("bench.sampler")
 
@@ -105,6 +113,11 @@ class Row:
     decode_gb_s: float = 0.0  # decode_mb_per_step / ours_step_ms
     bandwidth_frac: float = 0.0  # decode_gb_s / the memory bandwidth measured in the same run
     decode_phase_slots: list[int] = dataclasses.field(default_factory=list)  # the caches decode moves through
+    mesh_devices: int = 0  # --cpu-devices: the mesh arm's devices (0: no such arm)
+    mesh_s: float | None = None  # the mesh arm's call (best of the same rounds)
+    mesh_ratio: float | None = None  # torch_s / mesh_s
+    mesh_speedup: float | None = None  # ours_s / mesh_s
+    mesh_roofline_frac: float | None = None
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -322,15 +335,21 @@ class TorchGenerate:
 def bench_model(
     name: str, directory: Path, batches: list[int], prompt_len: int, new_tokens: int,
     repeats: int, with_torch: bool, peak: float, dtype: str = "float32", memory_bytes_s: float = 0.0,
-    first_decode_phase: int = 64,
+    first_decode_phase: int = 64, mesh_devices: int = 1,
 ) -> list[Row]:
     """Ours and torch alternate call by call (best of `repeats` each), so a change in the load of
-    a shared machine hits both sides alike. Both sides hold and compute in `dtype`."""
+    a shared machine hits both sides alike. Both sides hold and compute in `dtype`. mesh_devices > 1
+    adds the same sampler over a data mesh of that many devices, in the same turns."""
     model = load_model(directory, param_dtype=dtype, dtype=dtype)
     cfg = model.config
     weight_bytes = decode_weight_bytes(model)
     sampler = Sampler(model, max_cache_length=max(prompt_len + new_tokens, 64), min_prompt_bucket=prompt_len,
                       first_decode_phase=first_decode_phase)
+    meshed = None
+    if mesh_devices > 1:
+        meshed = Sampler(model, mesh=make_mesh(MeshConfig(), devices=jax.devices()[:mesh_devices]),
+                         max_cache_length=max(prompt_len + new_tokens, 64), min_prompt_bucket=prompt_len,
+                         first_decode_phase=first_decode_phase)
     scfg = SamplingConfig(max_new_tokens=new_tokens, temperature=1.0, stop_token_ids=())
     prefill_cfg = dataclasses.replace(scfg, max_new_tokens=1)
     torch_model = None
@@ -356,9 +375,18 @@ def bench_model(
             sampler.sample(prompts, config, jax.random.key(seed))
             return time.perf_counter() - t
 
-        ours_s = torch_s = float("inf")
+        def on_mesh(seed: int, prompts: list[list[int]] = prompts) -> float:
+            t = time.perf_counter()
+            meshed.sample(prompts, scfg, jax.random.key(seed))
+            return time.perf_counter() - t
+
+        if meshed is not None:
+            on_mesh(0)  # compile
+        ours_s = torch_s = mesh_s = float("inf")
         for r in range(1, repeats + 1):
             ours_s = min(ours_s, ours(r))
+            if meshed is not None:
+                mesh_s = min(mesh_s, on_mesh(r))
             if torch_gen is not None:
                 torch_s = min(torch_s, torch_gen(r))
         kv_mb, slots = sampler.cache_bytes / 2**20, sampler.cache_slots  # before the 1-token calls
@@ -399,6 +427,11 @@ def bench_model(
             decode_gb_s=step_bytes / step_s / 1e9,
             bandwidth_frac=step_bytes / step_s / memory_bytes_s if memory_bytes_s else 0.0,
             decode_phase_slots=list(phases),
+            mesh_devices=mesh_devices if meshed is not None else 0,
+            mesh_s=mesh_s if meshed is not None else None,
+            mesh_ratio=torch_s / mesh_s if meshed is not None and torch_gen is not None else None,
+            mesh_speedup=ours_s / mesh_s if meshed is not None else None,
+            mesh_roofline_frac=batch * new_tokens / mesh_s * fpt / peak if meshed is not None else None,
         ))
         log.info("%s", rows[-1])
     return rows
@@ -461,6 +494,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="Sampler(first_decode_phase=...): new tokens before the cache grows (0: one cache)")
     ap.add_argument("--memory-mib", type=int, default=512,
                     help="array size of the memory-bandwidth reference (default 512 MiB)")
+    ap.add_argument("--cpu-devices", type=int, default=1,
+                    help="N > 1: XLA gets N host devices and a second arm runs the sampler over a data "
+                         "mesh of all N (CPU only; batch sizes must divide by N)")
     args = ap.parse_args(argv)
     host_malloc = keep_freed_memory()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
@@ -493,7 +529,7 @@ def main(argv: list[str] | None = None) -> None:
             else:
                 ap.error(f"unknown model {name!r}; choose from {[*SIZES, 'smollm2']}")
             rows += bench_model(label, d, batches, prompt_len, new_tokens, repeats, not args.no_torch, peak,
-                                args.dtype, memory, args.first_decode_phase)
+                                args.dtype, memory, args.first_decode_phase, args.cpu_devices)
     # the roofline is the best matmul rate seen in the run (before, after, and in machine_info):
     # on a machine whose speed drifts, the start's rate alone can flatter the fraction
     start = peak
@@ -501,7 +537,16 @@ def main(argv: list[str] | None = None) -> None:
     peak = max(start, matmul_flops_per_s(), info["matmul_gflops"] * 1e9)
     for r in rows:
         r.roofline_frac = r.ours_tok_s * r.flops_per_token / peak
+        if r.mesh_s:
+            r.mesh_roofline_frac = r.batch * r.new_tokens / r.mesh_s * r.flops_per_token / peak
     print_table(rows, peak)
+    for r in rows:
+        if r.mesh_s:
+            print(f"{r.model} batch {r.batch} on a data mesh of {r.mesh_devices} CPU devices: "
+                  f"{r.mesh_s:.2f} s, "
+                  f"{r.mesh_speedup:.2f}x the one-device sampler, "
+                  + (f"{r.mesh_ratio:.2f}x torch, " if r.mesh_ratio else "")
+                  + f"roofline {r.mesh_roofline_frac:.1%}")
     print(f"memory bandwidth: {memory / 1e9:.1f} GB/s (read + write of a {args.memory_mib} MiB array); "
           "GB/s = a decode step's weights (every one it multiplies) + the whole KV cache of its phase / step "
           f"time; "
@@ -513,6 +558,7 @@ def main(argv: list[str] | None = None) -> None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(
             {"matmul_flops": peak, "matmul_flops_start": start, "memory_bytes_s": memory, "dtype": args.dtype,
+             "cpu_devices": args.cpu_devices,
              "jax": jax.__version__,
              "cpus": os.cpu_count(), "machine": info, "rows": [dataclasses.asdict(r) for r in rows],
              "skipped": skipped}, indent=2))

@@ -164,10 +164,11 @@ def child_env(config: ExperimentConfig, role: str, index: int) -> dict[str, str]
         # several JAX processes on one GPU: none may preallocate 75% of it
         share = 0.9 / (sysc.trainer_processes + sysc.num_searchers + int(has_evaluator(config)))
         env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{share:.3f}")
-    if role == "trainer" and sysc.cpu_devices_per_trainer_process is not None:
+    host_devices = {"trainer": sysc.cpu_devices_per_trainer_process,
+                    "searcher": sysc.cpu_devices_per_searcher}.get(role)
+    if host_devices is not None:
         flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", "")).strip()
-        count = f"--xla_force_host_platform_device_count={sysc.cpu_devices_per_trainer_process}"
-        env["XLA_FLAGS"] = f"{flags} {count}".strip()
+        env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={host_devices}".strip()
     if sysc.devices == "split":
         if role == "trainer":
             per = sysc.trainer_devices // sysc.trainer_processes

@@ -391,6 +391,8 @@ def run_searcher(run_dir: Path, searcher_id: int, store_url: str | None = None) 
     store = store_url or str(run_dir)
     stop = rundir.StopFlag(run_dir)
     mesh = make_mesh(config.system.searcher_mesh)
+    log.info("searcher %d: mesh %s over %d %s device(s)", searcher_id, dict(mesh.shape), mesh.size,
+             mesh.devices.flat[0].platform)
     rollouts = build_rollouts(config, searcher_id, mesh, reward_pool=make_reward_pool(config))
     writer = TrajectoryWriter(trajectory_store_url(store, searcher_id), searcher_id)
     params_reader = ParamReader(param_store_url(store), f"searcher-{searcher_id}")
