@@ -19,7 +19,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +41,7 @@ def rates(shapes: list[tuple], rounds: int) -> list[dict[str, Any]]:
     import jax.numpy as jnp
     import numpy as np
     import torch
+    from common import median_seconds_in_turns
 
     torch.set_num_threads(len(os.sched_getaffinity(0)))
     out = []
@@ -52,18 +52,10 @@ def rates(shapes: list[tuple], rounds: int) -> list[dict[str, Any]]:
         tx, tw = torch.from_numpy(x), torch.from_numpy(w)
         ours = jax.jit(lambda a, c: jnp.einsum("bmk,bkn->bmn", a, c)).lower(jx, jw).compile()
         calls = {"xla": lambda: jax.block_until_ready(ours(jx, jw)), "torch": lambda: torch.bmm(tx, tw)}
-        times: dict[str, list[float]] = {s: [] for s in calls}
-        for _ in range(3):  # compile, thread pools, first touch of the outputs
-            for fn in calls.values():
-                fn()
-        for _ in range(rounds):
-            for side, fn in calls.items():
-                t0 = time.perf_counter()
-                fn()
-                times[side].append(time.perf_counter() - t0)
+        seconds = median_seconds_in_turns(calls, rounds)
         flops = 2.0 * b * m * k * n
-        out.append({"shape": name, "xla_gflops": flops / float(np.median(times["xla"])) / 1e9,
-                    "torch_gflops": flops / float(np.median(times["torch"])) / 1e9})
+        out.append({"shape": name, "xla_gflops": flops / seconds["xla"] / 1e9,
+                    "torch_gflops": flops / seconds["torch"] / 1e9})
     return out
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +32,8 @@ def rates(shapes: list[tuple[int, int, int]], rounds: int) -> list[dict[str, Any
     import jax.numpy as jnp
     import numpy as np
     import torch
+
+    from common import median_seconds_in_turns
 
     from tbajax.models.layers import matmul
 
@@ -58,17 +59,8 @@ def rates(shapes: list[tuple[int, int, int]], rounds: int) -> list[dict[str, Any
             "torch": lambda: torch.nn.functional.linear(tx, tw),
             "fp32": lambda: jax.block_until_ready(fp32(x32, w32)),
         }
-        times: dict[str, list[float]] = {k: [] for k in calls}
-        for _ in range(3):  # compile, thread pools, first touch of the outputs
-            for fn in calls.values():
-                fn()
-        for _ in range(rounds):
-            for k, fn in calls.items():
-                t0 = time.perf_counter()
-                fn()
-                times[k].append(time.perf_counter() - t0)
         flops = 2.0 * m * d * f
-        g = {k: flops / float(np.median(v)) / 1e9 for k, v in times.items()}
+        g = {k: flops / seconds / 1e9 for k, seconds in median_seconds_in_turns(calls, rounds).items()}
         rows.append({
             "rows": m, "in": d, "out": f,
             "plain_gflops": g["plain"], "fp32_acc_gflops": g["fp32 accumulated"],

@@ -20,6 +20,23 @@ SIZES: dict[str, dict[str, int]] = {
 }
 
 
+def median_seconds_in_turns(calls: dict[str, Callable[[], Any]], rounds: int,
+                            warmup: int = 3) -> dict[str, float]:
+    """Median seconds of each blocking call, the calls taking turns round by round (after `warmup`
+    untimed rounds: compile, thread pools, first touch of outputs), so a shared machine's drift
+    hits every arm alike."""
+    times: dict[str, list[float]] = {k: [] for k in calls}
+    for _ in range(warmup):
+        for fn in calls.values():
+            fn()
+    for _ in range(rounds):
+        for k, fn in calls.items():
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def host_devices_flag(argv: list[str], xla_flags: str) -> str:
     """XLA_FLAGS with the host device count of a `--cpu-devices N` in argv (unchanged without one),
     for a script to set before it imports jax: XLA reads the count when it opens its CPU backend."""
