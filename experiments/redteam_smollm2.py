@@ -131,7 +131,7 @@ def config():
         buffer_capacity=256,
         chat=True,
         system_prompt=SYSTEM_PROMPT,
-        compute_dtype="float32",  # bf16 matmuls are slow on CPU
+        compute_dtype="float32",  # as in the committed run (bf16 compute not measured here)
         eval_every=16,
         eval_problems=1,
         # the evaluator role scores its 64 attacks (victim + classifier) while the trainer trains
