@@ -78,11 +78,12 @@ TABLES["sampler_cpu_devices"] = {"rows": ["model", "batch", "prompt_len", "new_t
                                           "mesh_s", "mesh_speedup", "mesh_ratio", "mesh_roofline_frac"]}
 TABLES["sampler_cpu_devices_with_torch"] = TABLES["sampler_cpu_devices"]
 TABLES.update({name: TABLES["forward"] for name in ("forward_bf16", "forward_bf16_before_fp32_accumulation")})
-TABLES.update({name: TABLES["train_step"]
-               for name in ("train_step_bf16", "train_step_bf16_before_fp32_accumulation")})
-TABLES["bf16_matmul"] = {"rows": ["rows", "in", "out", "plain_gflops", "fp32_acc_gflops", "torch_gflops",
-                                  "speedup", "plain_vs_torch", "fp32_acc_vs_torch", "plain_max_err",
-                                  "fp32_acc_max_err"]}
+TABLES.update({name: TABLES["train_step"] for name in (
+    "train_step_bf16", "train_step_bf16_before_fp32_accumulation",
+    "train_step_bf16_before_row_major_transpose")})
+TABLES["bf16_matmul"] = {"rows": ["product", "rows", "in", "out", "plain_gflops", "fp32_acc_gflops",
+                                  "before_gflops", "torch_gflops", "speedup", "plain_vs_torch",
+                                  "fp32_acc_vs_torch", "plain_max_err", "fp32_acc_max_err"]}
 
 
 # Absolute times and rates: shown only when the file records the machine's matmul rate (machines of
@@ -94,7 +95,7 @@ ABSOLUTE = {"update_s", "tbajax_tok_s", "torch_tok_s", "step_s", "best_step_s", 
             "ynnpack_s", "eigen_s", "ours_step_ms", "ours_matmul_ms", "torch_matmul_ms",
             "ours_attention_ms", "xla_gflops", "torch_gflops", "xla_1core_gflops", "torch_1core_gflops",
             "fused_ms", "unfused_ms", "producer_only_ms", "wall_ms", "op_ms", "plain_gflops",
-            "fp32_acc_gflops", "mesh_s"}
+            "fp32_acc_gflops", "before_gflops", "mesh_s"}
 
 
 def _fmt(v: Any) -> str:

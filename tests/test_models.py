@@ -447,6 +447,29 @@ def test_matmul_accumulates_bf16_in_fp32_and_leaves_fp32_alone():
     np.testing.assert_allclose(np.asarray(dw, np.float64), x64.T @ gb, rtol=2**-7, atol=1e-5)
 
 
+def test_row_major_transpose_is_the_transpose_written_in_blocks():
+    """`row_major_transpose` (x^T for a bf16 weight gradient) is bitwise x.T; on CPU it is row
+    blocks joined by a concatenate when the rows divide into TRANSPOSE_BLOCKS, and `linear`'s
+    bf16 weight gradient through it is the fp64 product's, rounded."""
+    from tbajax.models.layers import TRANSPOSE_BLOCKS, linear, row_major_transpose
+
+    rng = np.random.default_rng(1)
+    rows = 4 * TRANSPOSE_BLOCKS
+    x = jnp.asarray(rng.standard_normal((rows, 24)), jnp.bfloat16)
+    f = jax.jit(row_major_transpose)
+    np.testing.assert_array_equal(np.asarray(f(x)), np.asarray(x).T)
+    assert "concatenate" in f.lower(x).compile().as_text()
+    odd = jnp.asarray(rng.standard_normal((rows + 1, 24)), jnp.bfloat16)  # not in blocks: x.T as is
+    np.testing.assert_array_equal(np.asarray(jax.jit(row_major_transpose)(odd)), np.asarray(odd).T)
+
+    w = jnp.asarray(rng.standard_normal((24, 40)) / 5, jnp.bfloat16)
+    g = jnp.asarray(rng.standard_normal((rows, 40)), jnp.bfloat16)
+    loss = lambda a, b: (linear(a, b).astype(jnp.float32) * g.astype(jnp.float32)).sum()  # noqa: E731
+    dw = jax.jit(jax.grad(loss, argnums=1))(x, w)
+    exact = np.asarray(x, np.float64).T @ np.asarray(g, np.float64)
+    np.testing.assert_allclose(np.asarray(dw, np.float64), exact, rtol=2**-7, atol=1e-5)
+
+
 def test_rows_per_step_takes_the_batch_when_its_scores_fit_else_a_divisor_within_half():
     from tbajax.models.layers import ROW_SCORES_BUDGET, rows_per_step
 

@@ -11,6 +11,12 @@ training batch (16 x 128 tokens), for the 50M model's MLP and LM head and a 0.5B
 Rates are GFLOP/s of the median of alternating calls (all arms take turns); ratios are against
 torch's bf16 `linear` (weights stored [out, in], as nn.Linear holds them) measured in the same
 rounds. `fp32 GFLOP/s` is XLA's fp32 product of the same shape, for scale.
+
+The weight-gradient rows (`product` "x^T g", at the training shapes) time dW = x^T g, which
+contracts the token axis: plain = the bf16 einsum; `fp32_acc` = what `layers.linear`'s VJP runs
+(x^T written row-major by `layers.row_major_transpose`, then `layers.matmul`); `before` = the
+same product after `layers.unfused_transpose`, which XLA:CPU turned into an fp32 product; torch =
+`x.t() @ g` in bf16.
 """
 
 from __future__ import annotations
@@ -25,6 +31,9 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 # (rows, in, out): the 50M model's gate/up and LM head, a 0.5B-class MLP product
 SHAPES = [(m, d, f) for m in (32, 128, 2048) for d, f in ((512, 3072), (512, 16384), (896, 4864))]
 QUICK = [(32, 512, 3072), (2048, 512, 3072)]
+# (tokens, in, out) of weight gradients: the 50M model's gate/up, down and LM head, a 0.5B-class MLP
+GRAD_SHAPES = [(2048, 512, 3072), (2048, 1536, 512), (2048, 512, 16384), (2048, 896, 4864)]
+QUICK_GRAD = [(2048, 512, 3072)]
 
 
 def rates(shapes: list[tuple[int, int, int]], rounds: int) -> list[dict[str, Any]]:
@@ -62,7 +71,7 @@ def rates(shapes: list[tuple[int, int, int]], rounds: int) -> list[dict[str, Any
         flops = 2.0 * m * d * f
         g = {k: flops / seconds / 1e9 for k, seconds in median_seconds_in_turns(calls, rounds).items()}
         rows.append({
-            "rows": m, "in": d, "out": f,
+            "product": "x w", "rows": m, "in": d, "out": f,
             "plain_gflops": g["plain"], "fp32_acc_gflops": g["fp32 accumulated"],
             "torch_gflops": g["torch"], "fp32_gflops": g["fp32"],
             "speedup": g["fp32 accumulated"] / g["plain"],
@@ -70,6 +79,51 @@ def rates(shapes: list[tuple[int, int, int]], rounds: int) -> list[dict[str, Any
             "fp32_acc_vs_torch": g["fp32 accumulated"] / g["torch"],
             "plain_max_err": float(errors["plain"]), "fp32_acc_max_err": float(errors["fp32 accumulated"]),
             "torch_max_err": float(errors["torch"]),
+        })
+    return rows
+
+
+def grad_rates(shapes: list[tuple[int, int, int]], rounds: int) -> list[dict[str, Any]]:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+
+    from common import median_seconds_in_turns
+
+    from tbajax.models.layers import matmul, row_major_transpose, unfused_transpose
+
+    rows = []
+    for n, d, f in shapes:
+        rng = np.random.default_rng(0)
+        x, g = rng.standard_normal((n, d), np.float32), rng.standard_normal((n, f), np.float32)
+        xb, gb = jnp.asarray(x, jnp.bfloat16), jnp.asarray(g, jnp.bfloat16)
+        plain = jax.jit(lambda a, b: jnp.einsum("nd,nf->df", a, b)).lower(xb, gb).compile()
+        ours = jax.jit(lambda a, b: matmul("dn,nf->df", row_major_transpose(a), b)).lower(xb, gb).compile()
+        before = jax.jit(lambda a, b: matmul("dn,nf->df", unfused_transpose(a), b)).lower(xb, gb).compile()
+        x32, g32 = jnp.asarray(x), jnp.asarray(g)
+        fp32 = jax.jit(lambda a, b: matmul("dn,nf->df", unfused_transpose(a), b)).lower(x32, g32).compile()
+        tx, tg = torch.from_numpy(x).bfloat16(), torch.from_numpy(g).bfloat16()
+        exact = np.asarray(xb, np.float64).T @ np.asarray(gb, np.float64)
+        errors = {k: float(np.abs(np.asarray(v, np.float64) - exact).max()) for k, v in (
+            ("plain", plain(xb, gb)), ("ours", ours(xb, gb)), ("torch", (tx.t() @ tg).double().numpy()))}
+        calls = {
+            "plain": lambda: jax.block_until_ready(plain(xb, gb)),
+            "ours": lambda: jax.block_until_ready(ours(xb, gb)),
+            "before": lambda: jax.block_until_ready(before(xb, gb)),
+            "torch": lambda: tx.t() @ tg,
+            "fp32": lambda: jax.block_until_ready(fp32(x32, g32)),
+        }
+        flops = 2.0 * n * d * f
+        g_s = {k: flops / seconds / 1e9 for k, seconds in median_seconds_in_turns(calls, rounds).items()}
+        rows.append({
+            "product": "x^T g", "rows": n, "in": d, "out": f,
+            "plain_gflops": g_s["plain"], "fp32_acc_gflops": g_s["ours"], "before_gflops": g_s["before"],
+            "torch_gflops": g_s["torch"], "fp32_gflops": g_s["fp32"],
+            "speedup": g_s["ours"] / g_s["before"],
+            "plain_vs_torch": g_s["plain"] / g_s["torch"], "fp32_acc_vs_torch": g_s["ours"] / g_s["torch"],
+            "plain_max_err": errors["plain"], "fp32_acc_max_err": errors["ours"],
+            "torch_max_err": errors["torch"],
         })
     return rows
 
@@ -84,13 +138,15 @@ def main() -> None:
     keep_freed_memory()
     shapes, rounds = (QUICK, 5) if args.quick else (SHAPES, 21)
     info = machine()
-    rows = rates(shapes, rounds)
-    print(f"bf16 matmul x[rows, in] @ w[in, out] (GFLOP/s, median of {rounds} alternating calls)")
+    rows = rates(shapes, rounds) + grad_rates(QUICK_GRAD if args.quick else GRAD_SHAPES, rounds)
+    print(f"bf16 products x[rows, in] @ w[in, out] and x^T g (GFLOP/s, median of {rounds} alternating calls)")
     print(machine_line(info))
-    print_table(rows, ["rows", "in", "out", "plain_gflops", "fp32_acc_gflops", "torch_gflops", "fp32_gflops",
-                       "speedup", "plain_vs_torch", "fp32_acc_vs_torch", "plain_max_err", "fp32_acc_max_err",
-                       "torch_max_err"])
-    print("plain = jnp.einsum on bf16 (bf16 result); fp32_acc = layers.matmul (fp32 result rounded to bf16); "
+    print_table(rows, ["product", "rows", "in", "out", "plain_gflops", "fp32_acc_gflops", "before_gflops",
+                       "torch_gflops", "fp32_gflops", "speedup", "plain_vs_torch", "fp32_acc_vs_torch",
+                       "plain_max_err", "fp32_acc_max_err", "torch_max_err"])
+    print("plain = jnp.einsum on bf16 (bf16 result); fp32_acc = layers.matmul (fp32 result rounded to bf16; "
+          "x^T g: after layers.row_major_transpose); before (x^T g) = after layers.unfused_transpose; "
+          "speedup = fp32_acc / plain (x w) or fp32_acc / before (x^T g); "
           "max_err = largest |result - fp64 product|")
     write_json(args.json, {"benchmark": "bf16_matmul", "machine": info, "rows": rows})
 

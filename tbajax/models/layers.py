@@ -61,7 +61,7 @@ def matmul(spec: str, a: Array, b: Array) -> Array:
     """jnp.einsum(spec, a, b); a bf16 / fp16 product is accumulated in fp32 and rounded back.
 
     XLA:CPU runs a bf16 x bf16 -> bf16 product in a generic kernel, but bf16 x bf16 -> fp32 in
-    YNNPACK's, which use AMX / AVX-512 BF16 where the CPU has them: 2.7-4.7x faster at decode and
+    YNNPACK's, which use AMX / AVX-512 BF16 where the CPU has them: 2.5-5.1x faster at decode and
     training shapes on the Intel Xeon the benchmarks ran on (`bf16_matmul.json`), with the same
     error as torch's bf16 linear, which also accumulates in fp32. Other backends keep the plain
     product (not measured there). fp32 operands get exactly jnp.einsum's program.
@@ -86,7 +86,8 @@ def linear(x: Array, w: Array) -> Array:
     axis of both, so one operand must be transposed. XLA CPU transposes g, fusing whatever
     produced g (a RoPE backward, a residual sum) into a loop that runs in the transposed order,
     even when x is the smaller array. Here the smaller of the two is transposed, as a kernel of
-    its own (`unfused_transpose`).
+    its own (`unfused_transpose`). A bf16 / fp16 product always takes x^T, materialised
+    row-major (`row_major_transpose`), as its left operand.
     """
     return matmul("...d,df->...f", x, w)
 
@@ -101,7 +102,9 @@ def _linear_bwd(residuals: tuple[Array, Array], g: Array) -> tuple[Array, Array]
     dx = matmul("...f,df->...d", g, w)
     d, f = w.shape
     xs, gs = x.reshape(-1, d), g.reshape(-1, f)
-    if d <= f:
+    if jnp.result_type(xs, gs) in _LOW_PRECISION:
+        dw = matmul("dn,nf->df", row_major_transpose(xs), gs)
+    elif d <= f:
         dw = matmul("dn,nf->df", unfused_transpose(xs), gs)
     else:
         dw = matmul("nd,fn->df", xs, unfused_transpose(gs))
@@ -188,6 +191,30 @@ def unfused_transpose(x: Array) -> Array:
         return jax.lax.cond(y[0, 0] > 0, jnp.transpose, jnp.transpose, y)
 
     return jax.lax.platform_dependent(x, cpu=in_branch, default=jnp.transpose)
+
+
+TRANSPOSE_BLOCKS = 4
+
+
+def row_major_transpose(x: Array) -> Array:
+    """x.T of a 2-D bf16 / fp16 array, on CPU written out row-major for a product to read.
+
+    XLA:CPU folds a transpose into the product that reads it (or lays it out column-major,
+    even behind a `cond`), and runs a bf16 product with such an operand as an fp32 one: weight
+    gradients ran at 210-255 GFLOP/s that way and at 396-910 reading a row-major x^T
+    (`bf16_matmul.json`, its x^T g rows; `experiments/benchmarks/bf16_matmul.py`). Transposed
+    in row blocks joined by a concatenate, x^T is a buffer of its own. Other backends, and a
+    program under a mesh of several devices (the blocks would cut across the batch shards),
+    transpose in place.
+    """
+    blocks = TRANSPOSE_BLOCKS if x.shape[0] % TRANSPOSE_BLOCKS == 0 else 1
+    if x.size == 0 or blocks == 1 or devices_in_context() > 1:
+        return x.T
+
+    def in_blocks(y: Array) -> Array:
+        return jnp.concatenate([b.T for b in jnp.split(y, blocks, axis=0)], axis=1)
+
+    return jax.lax.platform_dependent(x, cpu=in_blocks, default=jnp.transpose)
 
 
 def own_kernel(x: Array) -> Array:
