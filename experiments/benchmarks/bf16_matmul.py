@@ -16,7 +16,8 @@ The weight-gradient rows (`product` "x^T g", at the training shapes) time dW = x
 contracts the token axis: plain = the bf16 einsum; `fp32_acc` = what `layers.linear`'s VJP runs
 (x^T written row-major by `layers.row_major_transpose`, then `layers.matmul`); `before` = the
 same product after `layers.unfused_transpose`, which XLA:CPU turned into an fp32 product; torch =
-`x.t() @ g` in bf16.
+`x.t() @ g` in bf16. max_err is against the fp64 product of the fp32 operands for x w (their
+rounding to bf16 included) and of the bf16 operands for x^T g.
 """
 
 from __future__ import annotations
@@ -36,13 +37,35 @@ GRAD_SHAPES = [(2048, 512, 3072), (2048, 1536, 512), (2048, 512, 16384), (2048, 
 QUICK_GRAD = [(2048, 512, 3072)]
 
 
+def _row(product: str, shape: tuple[int, int, int], calls: dict[str, Any], outputs: dict[str, Any],
+         exact: Any, rounds: int) -> dict[str, Any]:
+    """One table row: GFLOP/s of each arm (`calls` takes turns: "plain", "ours", "torch", "fp32"
+    and optionally "before") and the largest error of each output against `exact`."""
+    import numpy as np
+
+    from common import median_seconds_in_turns
+
+    rows, d, f = shape
+    flops = 2.0 * rows * d * f
+    g = {k: flops / seconds / 1e9 for k, seconds in median_seconds_in_turns(calls, rounds).items()}
+    err = {k: float(np.abs(np.asarray(v, np.float64) - exact).max()) for k, v in outputs.items()}
+    base = g.get("before", g["plain"])
+    return {
+        "product": product, "rows": rows, "in": d, "out": f,
+        "plain_gflops": g["plain"], "fp32_acc_gflops": g["ours"],
+        **({"before_gflops": g["before"]} if "before" in g else {}),
+        "torch_gflops": g["torch"], "fp32_gflops": g["fp32"], "speedup": g["ours"] / base,
+        "plain_vs_torch": g["plain"] / g["torch"], "fp32_acc_vs_torch": g["ours"] / g["torch"],
+        "plain_max_err": err["plain"], "fp32_acc_max_err": err["ours"], "torch_max_err": err["torch"],
+    }
+
+
 def rates(shapes: list[tuple[int, int, int]], rounds: int) -> list[dict[str, Any]]:
+    """x w: x [rows, in] times w [in, out]."""
     import jax
     import jax.numpy as jnp
     import numpy as np
     import torch
-
-    from common import median_seconds_in_turns
 
     from tbajax.models.layers import matmul
 
@@ -56,40 +79,25 @@ def rates(shapes: list[tuple[int, int, int]], rounds: int) -> list[dict[str, Any
         x32, w32 = jnp.asarray(x), jnp.asarray(w)
         fp32 = jax.jit(lambda a, b: a @ b).lower(x32, w32).compile()
         tx, tw = torch.from_numpy(x).bfloat16(), torch.from_numpy(np.ascontiguousarray(w.T)).bfloat16()
-        exact = x.astype(np.float64) @ w.astype(np.float64)
-        errors = {
-            "plain": np.abs(np.asarray(plain(xb, wb), np.float64) - exact).max(),
-            "fp32 accumulated": np.abs(np.asarray(ours(xb, wb), np.float64) - exact).max(),
-            "torch": np.abs(torch.nn.functional.linear(tx, tw).double().numpy() - exact).max(),
-        }
         calls = {
             "plain": lambda: jax.block_until_ready(plain(xb, wb)),
-            "fp32 accumulated": lambda: jax.block_until_ready(ours(xb, wb)),
+            "ours": lambda: jax.block_until_ready(ours(xb, wb)),
             "torch": lambda: torch.nn.functional.linear(tx, tw),
             "fp32": lambda: jax.block_until_ready(fp32(x32, w32)),
         }
-        flops = 2.0 * m * d * f
-        g = {k: flops / seconds / 1e9 for k, seconds in median_seconds_in_turns(calls, rounds).items()}
-        rows.append({
-            "product": "x w", "rows": m, "in": d, "out": f,
-            "plain_gflops": g["plain"], "fp32_acc_gflops": g["fp32 accumulated"],
-            "torch_gflops": g["torch"], "fp32_gflops": g["fp32"],
-            "speedup": g["fp32 accumulated"] / g["plain"],
-            "plain_vs_torch": g["plain"] / g["torch"],
-            "fp32_acc_vs_torch": g["fp32 accumulated"] / g["torch"],
-            "plain_max_err": float(errors["plain"]), "fp32_acc_max_err": float(errors["fp32 accumulated"]),
-            "torch_max_err": float(errors["torch"]),
-        })
+        outputs = {"plain": plain(xb, wb), "ours": ours(xb, wb),
+                   "torch": torch.nn.functional.linear(tx, tw).double().numpy()}
+        exact = x.astype(np.float64) @ w.astype(np.float64)  # of the fp32 operands
+        rows.append(_row("x w", (m, d, f), calls, outputs, exact, rounds))
     return rows
 
 
 def grad_rates(shapes: list[tuple[int, int, int]], rounds: int) -> list[dict[str, Any]]:
+    """x^T g: the weight gradient of x [tokens, in] and g [tokens, out]."""
     import jax
     import jax.numpy as jnp
     import numpy as np
     import torch
-
-    from common import median_seconds_in_turns
 
     from tbajax.models.layers import matmul, row_major_transpose, unfused_transpose
 
@@ -104,9 +112,6 @@ def grad_rates(shapes: list[tuple[int, int, int]], rounds: int) -> list[dict[str
         x32, g32 = jnp.asarray(x), jnp.asarray(g)
         fp32 = jax.jit(lambda a, b: matmul("dn,nf->df", unfused_transpose(a), b)).lower(x32, g32).compile()
         tx, tg = torch.from_numpy(x).bfloat16(), torch.from_numpy(g).bfloat16()
-        exact = np.asarray(xb, np.float64).T @ np.asarray(gb, np.float64)
-        errors = {k: float(np.abs(np.asarray(v, np.float64) - exact).max()) for k, v in (
-            ("plain", plain(xb, gb)), ("ours", ours(xb, gb)), ("torch", (tx.t() @ tg).double().numpy()))}
         calls = {
             "plain": lambda: jax.block_until_ready(plain(xb, gb)),
             "ours": lambda: jax.block_until_ready(ours(xb, gb)),
@@ -114,17 +119,9 @@ def grad_rates(shapes: list[tuple[int, int, int]], rounds: int) -> list[dict[str
             "torch": lambda: tx.t() @ tg,
             "fp32": lambda: jax.block_until_ready(fp32(x32, g32)),
         }
-        flops = 2.0 * n * d * f
-        g_s = {k: flops / seconds / 1e9 for k, seconds in median_seconds_in_turns(calls, rounds).items()}
-        rows.append({
-            "product": "x^T g", "rows": n, "in": d, "out": f,
-            "plain_gflops": g_s["plain"], "fp32_acc_gflops": g_s["ours"], "before_gflops": g_s["before"],
-            "torch_gflops": g_s["torch"], "fp32_gflops": g_s["fp32"],
-            "speedup": g_s["ours"] / g_s["before"],
-            "plain_vs_torch": g_s["plain"] / g_s["torch"], "fp32_acc_vs_torch": g_s["ours"] / g_s["torch"],
-            "plain_max_err": errors["plain"], "fp32_acc_max_err": errors["ours"],
-            "torch_max_err": errors["torch"],
-        })
+        outputs = {"plain": plain(xb, gb), "ours": ours(xb, gb), "torch": (tx.t() @ tg).double().numpy()}
+        exact = np.asarray(xb, np.float64).T @ np.asarray(gb, np.float64)  # of the bf16 operands
+        rows.append(_row("x^T g", (n, d, f), calls, outputs, exact, rounds))
     return rows
 
 
