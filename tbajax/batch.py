@@ -160,33 +160,43 @@ def head_logprobs(hidden: Array, head: Array, targets: Array, temperature: Array
 
     XLA CPU differentiates the projection by computing the [rows, V] logit gradient twice, once
     row-major for d hidden and once transposed for d head (each as slow as the matmul it feeds);
-    here it is computed once and both products read it as laid out.
+    here it is computed once and both products read it as laid out. The temperature divides the
+    hidden states before the product, not the [rows, V] logits after it: (h / T) @ W is
+    logits / T without a vocab-sized pass over them.
     """
     return _head_forward(hidden, head, targets, temperature)[0]
 
 
+_UNIT_TEMPERATURE = np.float32(1.0)
+
+
 def _head_forward(hidden: Array, head: Array, targets: Array, temperature: Array):
+    """(log-probs, (hidden / T, the tempered logits z = (hidden / T) @ head, log-normaliser))."""
+    scaled = (hidden.astype(jnp.float32) / temperature).astype(hidden.dtype)
     with jax.named_scope(S.LM_HEAD):
-        logits = _vocab_sharded(jnp.einsum("...d,dv->...v", hidden, head, preferred_element_type=jnp.float32))
-    out, logz = _tempered_forward(logits, targets, temperature)
-    return out, (logits, logz)
+        z = _vocab_sharded(jnp.einsum("...d,dv->...v", scaled, head, preferred_element_type=jnp.float32))
+    out, logz = _tempered_forward(z, targets, _UNIT_TEMPERATURE)
+    return out, (scaled, z, logz)
 
 
 def _head_fwd(hidden: Array, head: Array, targets: Array, temperature: Array):
-    out, (logits, logz) = _head_forward(hidden, head, targets, temperature)
-    return out, (hidden, head, targets, temperature, logits, logz)
+    out, (scaled, z, logz) = _head_forward(hidden, head, targets, temperature)
+    return out, (scaled, head, targets, temperature, z, logz)
 
 
 def _head_bwd(residuals, g: Array):
-    hidden, head, targets, temperature, logits, logz = residuals
-    dlogits, dtemp = _cotangents(logits, targets, temperature, logz, g)
-    dlogits = _vocab_sharded(dlogits.astype(hidden.dtype))
+    """With z = (h / T) @ W: dz = g * (onehot - softmax(z)), d h = (dz @ W^T) / T, d W = (h / T)^T dz,
+    and d T = -sum(dz * z) / T (h / T and so z move with T)."""
+    scaled, head, targets, temperature, z, logz = residuals
+    dz, dtemp_unit = _cotangents(z, targets, _UNIT_TEMPERATURE, logz, g)
+    dz = _vocab_sharded(dz.astype(scaled.dtype))
     with jax.named_scope(S.LM_HEAD):
-        dhidden = jnp.einsum("...v,dv->...d", dlogits, head, preferred_element_type=jnp.float32)
-        flat_h = hidden.reshape(-1, hidden.shape[-1])
-        flat_dl = dlogits.reshape(-1, dlogits.shape[-1])
-        dhead = jnp.einsum("nv,nd->vd", flat_dl, flat_h, preferred_element_type=jnp.float32).T
-    return dhidden.astype(hidden.dtype), dhead.astype(head.dtype), _int_zeros(targets), dtemp
+        dhidden = jnp.einsum("...v,dv->...d", dz, head, preferred_element_type=jnp.float32) / temperature
+        flat_h = scaled.reshape(-1, scaled.shape[-1])
+        flat_dz = dz.reshape(-1, dz.shape[-1])
+        dhead = jnp.einsum("nv,nd->vd", flat_dz, flat_h, preferred_element_type=jnp.float32).T
+    dtemp = (dtemp_unit / temperature).astype(temperature.dtype)
+    return dhidden.astype(scaled.dtype), dhead.astype(head.dtype), _int_zeros(targets), dtemp
 
 
 head_logprobs.defvjp(_head_fwd, _head_bwd)
@@ -201,16 +211,18 @@ def _int_zeros(x: Array) -> Array:
     return np.zeros(x.shape, dtype=jax.dtypes.float0)
 
 
-def packed_token_logprobs(logits: Array, batch: Batch, temperature: float = 1.0) -> Array:
-    """`token_logprobs` for a batch scored through its packed rows: logits [G, L, V] of
-    `batch.packed.tokens`, result [B, T] in the row layout, filled on `loss_mask` only (0 elsewhere:
-    prompt tokens are not scored in a packed row)."""
+def packed_hidden_logprobs(hidden: Array, head: Array, batch: Batch, temperature: float = 1.0) -> Array:
+    """`hidden_token_logprobs` for a batch scored through its packed rows: hidden states [G, L, D]
+    of `batch.packed.tokens`, result [B, T] in the row layout, filled on `loss_mask` only (0
+    elsewhere: prompt tokens are not scored in a packed row).
+
+    Each packed token is predicted from the hidden state at `packed.previous` (the token before it
+    in its own continuation, or the prompt's last token); those states are gathered first, so the
+    projection and its gradient go through `head_logprobs` as the row layout's do."""
     pk = batch.packed
-    logits = logits.astype(jnp.float32) / temperature
-    g = jnp.arange(logits.shape[0])[:, None]
-    logz = jax.nn.logsumexp(logits, axis=-1)[g, pk.previous]
-    picked = logits[g, pk.previous, pk.tokens]
-    flat = (picked - logz).reshape(-1)
+    rows = jnp.arange(hidden.shape[0])[:, None]
+    predicting = hidden[rows, pk.previous]  # [G, L, D]
+    flat = head_logprobs(predicting, head, pk.tokens, jnp.float32(temperature)).reshape(-1)
     return jnp.where(batch.loss_mask, flat[pk.source], 0.0)
 
 

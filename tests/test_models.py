@@ -339,6 +339,32 @@ def test_hand_written_vjps_match_autodiff(dtype):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=tol * 10, rtol=tol)
 
 
+def test_head_logprobs_divide_the_hidden_states_by_the_temperature_not_the_logits():
+    """`head_logprobs` tempers (h / T) @ W: no vocab-sized divide in its program or its VJP's, and
+    the log-probs and the temperature's gradient are those of log_softmax((h @ W) / T) in fp64."""
+    from tbajax.batch import head_logprobs
+
+    r = np.random.default_rng(2)
+    h = jnp.asarray(r.normal(size=(2, 5, 8)), jnp.float32)
+    w = jnp.asarray(r.normal(size=(8, 37)) * 0.5, jnp.float32)
+    targets = jnp.asarray(r.integers(0, 37, (2, 5)), jnp.int32)
+    t = jnp.float32(0.6)
+    loss = lambda h, w, t: head_logprobs(h, w, targets, t).sum()  # noqa: E731
+    for program in (jax.jit(loss), jax.jit(jax.grad(loss, argnums=(0, 1, 2)))):
+        hlo = program.lower(h, w, t).compile().as_text()
+        assert not [ln for ln in hlo.splitlines() if "divide(" in ln and "37]" in ln.split("divide(")[0]]
+    z = np.einsum("btd,dv->btv", np.asarray(h, np.float64), np.asarray(w, np.float64)) / 0.6
+    logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
+    want = np.take_along_axis(logp, np.asarray(targets)[..., None], -1)[..., 0]
+    np.testing.assert_allclose(jax.jit(lambda h, w, t: head_logprobs(h, w, targets, t))(h, w, t), want,
+                               rtol=1e-5, atol=1e-5)
+    # d/dT sum log p(target) = -sum(onehot - softmax(z)) * z / T
+    p = np.exp(logp)
+    onehot = np.eye(37)[np.asarray(targets)]
+    want_dt = -np.sum((onehot - p) * z) / 0.6
+    np.testing.assert_allclose(jax.jit(jax.grad(loss, argnums=2))(h, w, t), want_dt, rtol=1e-4)
+
+
 def test_project_matches_the_einsum_of_a_multi_axis_weight_and_its_gradients():
     """`project` (q_proj-like [d, heads, head_dim] and o_proj-like [heads, head_dim, d] weights)
     equals the einsum it replaces in the family blocks, value and gradients."""

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tbajax import op_scopes as S
-from tbajax.batch import Batch, hidden_token_logprobs, packed_token_logprobs
+from tbajax.batch import Batch, hidden_token_logprobs, packed_hidden_logprobs
 from tbajax.models.decoder import packed_attention_mask
 from tbajax.objectives.base import Metrics
 from tbajax.objectives.registry import EVERYTHING, ObjectiveInputs, ObjectiveSpec, aux_for_loss
@@ -33,8 +33,8 @@ def sequence_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, t
     model = nnx.merge(graphdef, params)
     if batch.packed is not None:
         pk = batch.packed
-        logits, _ = model(pk.tokens, pk.positions, packed_attention_mask(pk.segments))
-        return packed_token_logprobs(logits, batch, temperature)
+        hidden, _ = model.hidden_states(pk.tokens, pk.positions, packed_attention_mask(pk.segments))
+        return packed_hidden_logprobs(hidden, model.head_weight(), batch, temperature)
     hidden, _ = model.hidden_states(batch.tokens, attention_mask=batch.attention_mask)
     return hidden_token_logprobs(hidden, model.head_weight(), batch.tokens, temperature)
 
