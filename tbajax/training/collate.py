@@ -143,6 +143,8 @@ def pack_groups(
     response_len = attention_mask.sum(-1) - prompt_len
     lengths = [int(prompt_len[rows[0]] + response_len[rows].sum()) for groups in slices for rows in groups]
     width = -(-max(lengths, default=1) // length_bucket) * length_bucket
+    answers = [int(response_len[rows].sum()) for groups in slices for rows in groups]
+    scored_width = -(-max(answers + [1]) // length_bucket) * length_bucket
     g_m = max(1, max(len(groups) for groups in slices))
     while (num_microbatches * g_m) % row_multiple:
         g_m += 1
@@ -151,6 +153,7 @@ def pack_groups(
     positions = np.zeros(shape, np.int32)
     segments = np.full(shape, -1, np.int32)
     previous = np.zeros(shape, np.int32)
+    scored = np.zeros((shape[0], scored_width), np.int32)
     source = np.zeros((n, seq), np.int32)
     for m, groups in enumerate(slices):
         for local, rows in enumerate(groups):
@@ -170,9 +173,12 @@ def pack_groups(
                 previous[g, span] = np.arange(at, at + r) - 1
                 if r:
                     previous[g, at] = p - 1
-                source[i, p : p + r] = local * width + np.arange(at, at + r)
+                k = at - p  # this response's first index among the group's scored slots
+                scored[g, k : k + r] = np.arange(at, at + r)
+                source[i, p : p + r] = local * scored_width + k + np.arange(r)
                 at += r
-    return PackedGroups(tokens=out_tokens, positions=positions, segments=segments, previous=previous, source=source)
+    return PackedGroups(tokens=out_tokens, positions=positions, segments=segments, previous=previous,
+                        scored=scored, source=source)
 
 
 def _int32_id(prompt_id: int) -> int:
