@@ -39,9 +39,10 @@ class PackedGroups:
     tokens: Array  # [G, L] int32
     positions: Array  # [G, L] int32: prompt 0..P-1, every response again from P
     segments: Array  # [G, L] int32: 0 prompt, j + 1 response j, -1 padding
-    previous: Array  # [G, L] int32: the slot whose logits predict this token (its predecessor)
     scored: Array  # [G, S] int32: the slots of the response tokens, the only ones the loss scores
     #   (S: the most response tokens a group has, bucketed; padded with slot 0)
+    previous: Array  # [G, S] int32: for each scored slot, the slot whose hidden state predicts its
+    #   token (its predecessor in its own response, or the prompt's last slot)
     source: Array  # [B, T] int32: for each response token of the row layout, its index in the
     #   flattened [G_m · S] scored slots of its micro-batch slice (0 off the response)
 
@@ -218,14 +219,13 @@ def packed_hidden_logprobs(hidden: Array, head: Array, batch: Batch, temperature
     of `batch.packed.tokens`, result [B, T] in the row layout, filled on `loss_mask` only (0
     elsewhere: prompt tokens are not scored in a packed row).
 
-    Only the response tokens (`packed.scored`) are scored: each from the hidden state at
-    `packed.previous` (the token before it in its own continuation, or the prompt's last token).
-    Those states are gathered first, so the vocabulary projection runs over the scored tokens
-    alone (not the prompt's) and it and its gradient go through `head_logprobs` as the row
-    layout's do."""
+    Only the response tokens (`packed.scored`) are scored, each from the hidden state at its
+    `packed.previous` slot. Those states are gathered first, so the vocabulary projection runs over
+    the scored tokens alone (not the prompt's) and it and its gradient go through `head_logprobs`
+    as the row layout's do."""
     pk = batch.packed
     rows = jnp.arange(hidden.shape[0])[:, None]
-    predicting = hidden[rows, pk.previous[rows, pk.scored]]  # [G, S, D]
+    predicting = hidden[rows, pk.previous]  # [G, S, D]
     targets = pk.tokens[rows, pk.scored]
     flat = head_logprobs(predicting, head, targets, jnp.float32(temperature)).reshape(-1)
     return jnp.where(batch.loss_mask, flat[pk.source], 0.0)

@@ -752,8 +752,8 @@ def test_pack_groups_layout_hand_values():
     np.testing.assert_array_equal(pk.tokens, [[7, 8, 9, 10, 11]])
     np.testing.assert_array_equal(pk.positions, [[0, 1, 2, 3, 2]])
     np.testing.assert_array_equal(pk.segments, [[0, 0, 1, 1, 2]])
-    np.testing.assert_array_equal(pk.previous, [[0, 0, 1, 2, 1]])  # both responses start after slot 1
     np.testing.assert_array_equal(pk.scored, [[2, 3, 4]])  # the response slots: only these are scored
+    np.testing.assert_array_equal(pk.previous, [[1, 2, 1]])  # both responses start after slot 1
     np.testing.assert_array_equal(pk.source[0, 2:4], [0, 1])  # indices into the scored slots
     np.testing.assert_array_equal(pk.source[1, 2:3], [2])
 

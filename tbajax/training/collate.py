@@ -152,8 +152,8 @@ def pack_groups(
     out_tokens = np.zeros(shape, np.int32)
     positions = np.zeros(shape, np.int32)
     segments = np.full(shape, -1, np.int32)
-    previous = np.zeros(shape, np.int32)
     scored = np.zeros((shape[0], scored_width), np.int32)
+    previous = np.zeros((shape[0], scored_width), np.int32)
     source = np.zeros((n, seq), np.int32)
     for m, groups in enumerate(slices):
         for local, rows in enumerate(groups):
@@ -162,7 +162,6 @@ def pack_groups(
             out_tokens[g, :p] = tokens[rows[0], :p]
             positions[g, :p] = np.arange(p)
             segments[g, :p] = 0
-            previous[g, :p] = np.maximum(np.arange(p) - 1, 0)
             at = p
             for j, i in enumerate(rows):
                 r = int(response_len[i])
@@ -170,15 +169,15 @@ def pack_groups(
                 out_tokens[g, span] = tokens[i, p : p + r]
                 positions[g, span] = p + np.arange(r)
                 segments[g, span] = j + 1
-                previous[g, span] = np.arange(at, at + r) - 1
-                if r:
-                    previous[g, at] = p - 1
                 k = at - p  # this response's first index among the group's scored slots
                 scored[g, k : k + r] = np.arange(at, at + r)
+                previous[g, k : k + r] = np.arange(at, at + r) - 1
+                if r:
+                    previous[g, k] = p - 1  # a response's first token follows the prompt
                 source[i, p : p + r] = local * scored_width + k + np.arange(r)
                 at += r
-    return PackedGroups(tokens=out_tokens, positions=positions, segments=segments, previous=previous,
-                        scored=scored, source=source)
+    return PackedGroups(tokens=out_tokens, positions=positions, segments=segments, scored=scored,
+                        previous=previous, source=source)
 
 
 def _int32_id(prompt_id: int) -> int:
