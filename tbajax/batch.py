@@ -69,6 +69,11 @@ class Batch:
     current_version: Array  # [] int32: the trainer's param version when the batch was drawn (what
     #   token lags are measured against; objectives read it, so they stay pure functions of the batch)
     packed: PackedGroups | None = None  # the same rows packed per group (see PackedGroups)
+    scored: Array | None = None  # [B, S] int32: each row's scored window, the slots from its first
+    #   loss-masked token on (S: the most a row spans from its first to its last loss-masked
+    #   token, bucketed; past the row's end the last slot repeats). Only these tokens are scored,
+    #   so the vocabulary projection skips the prompt (transformers' `logits_to_keep`, per row).
+    #   None scores every position. Built by `collate` for the row layout (None when packed).
     prompt_features: Array | None = None  # [B, D] f32: the policy's final hidden state mean-pooled
     #   over each row's prompt tokens (stop-gradient), filled inside the step for objectives that
     #   declare `ObjectiveInputs.prompt_features` (a learned log Z head); None otherwise
@@ -212,6 +217,22 @@ def _vocab_sharded(x: Array) -> Array:
 def _int_zeros(x: Array) -> Array:
     """The (symbolic-zero) cotangent of an integer input."""
     return np.zeros(x.shape, dtype=jax.dtypes.float0)
+
+
+def windowed_hidden_logprobs(hidden: Array, head: Array, batch: Batch, temperature: float = 1.0) -> Array:
+    """`hidden_token_logprobs` over each row's scored window only (`batch.scored`): hidden states
+    [B, T, D] of `batch.tokens`, result [B, T], filled on `loss_mask` only (0 elsewhere).
+
+    The states that predict the window's tokens (slots - 1) are gathered first, so the vocabulary
+    projection, its [B, S, V] logits and their gradient cover the window, not the prompt."""
+    slots, tokens = jnp.asarray(batch.scored), jnp.asarray(batch.tokens)
+    rows = jnp.arange(hidden.shape[0])[:, None]
+    predicting = hidden[rows, jnp.maximum(slots - 1, 0)]  # [B, S, D]
+    picked = head_logprobs(predicting, head, tokens[rows, slots], jnp.float32(temperature))
+    offset = jnp.arange(tokens.shape[1])[None, :] - slots[:, :1]  # slot t -> window entry t - first
+    inside = (offset >= 0) & (offset < slots.shape[1])
+    aligned = jnp.take_along_axis(picked, jnp.clip(offset, 0, slots.shape[1] - 1), axis=1)
+    return jnp.where(batch.loss_mask & inside, aligned, 0.0)
 
 
 def packed_hidden_logprobs(hidden: Array, head: Array, batch: Batch, temperature: float = 1.0) -> Array:

@@ -22,7 +22,7 @@ import pytest
 from flax import nnx
 
 from tbajax.batch import Batch
-from tbajax.training.collate import collate
+from tbajax.training.collate import collate, scored_windows
 from tbajax.models import CausalLM, ModelConfig, packed_attention_mask
 from tbajax.objectives.base import Max, Min, Ratio
 from tbajax.sharding import MeshConfig, make_mesh
@@ -805,6 +805,93 @@ def test_packing_refuses_mixed_prompts_and_mismatched_config():
     trainer = PolicyUpdater(fresh_model(), dataclasses.replace(ACCUM_CONFIG, pack_groups=True), vargrad_tb)
     with pytest.raises(ValueError, match="pack_microbatches=1"):
         trainer.step(grouped_batch(0, None))
+
+
+# ----------------------------------------------------------------------------- scored windows
+
+
+def test_scored_windows_hand_values():
+    loss = np.array([[0, 0, 1, 1, 0, 0],
+                     [0, 1, 1, 1, 1, 0],
+                     [0, 0, 0, 0, 0, 0],  # nothing scored (a padding row): the window at slot 1
+                     [1, 1, 0, 0, 0, 0]], bool)  # slot 0 has no predecessor: the window starts at 1
+    np.testing.assert_array_equal(scored_windows(loss, 1),
+                                  [[2, 3, 4, 5], [1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 4]])
+    # bucketed to 6, capped at seq - 1 = 5; past a row's end its last slot repeats
+    np.testing.assert_array_equal(scored_windows(loss, 3)[:2], [[2, 3, 4, 5, 5], [1, 2, 3, 4, 5]])
+    trajectories = [Trajectory(0, 0, np.array([7, 8, 9], np.int32), np.array(x, np.int32),
+                               np.zeros(len(x), np.float32), 0.0) for x in ([4, 5], [6])]
+    batch = collate([trajectories], beta=1.0, length_bucket=1)
+    np.testing.assert_array_equal(batch.scored, [[3, 4], [3, 4]])
+    assert collate([trajectories], beta=1.0, length_bucket=1, pack_microbatches=1).scored is None
+
+
+def long_prompt_batch(seed: int) -> Batch:
+    """make_batch with the loss on slots >= 10 only: a long prompt, a short response."""
+    b = make_batch(seed)
+    loss = b.loss_mask & (np.arange(16) >= 10)
+    return dataclasses.replace(b, loss_mask=loss, behavior_logprobs=np.where(loss, b.behavior_logprobs, 0))
+
+
+def test_windowed_logprobs_equal_every_positions_on_the_loss_tokens():
+    graphdef, params = _model_parts()
+    score = jax.jit(sequence_logprobs, static_argnums=(0, 3), compiler_options=FAST_COMPILE)
+    for seed in range(3):
+        full = long_prompt_batch(seed)
+        windowed = dataclasses.replace(full, scored=scored_windows(full.loss_mask, 4))
+        want = np.asarray(score(graphdef, params, full, 0.7))
+        got = np.asarray(score(graphdef, params, windowed, 0.7))
+        np.testing.assert_allclose(np.where(full.loss_mask, got, 0), np.where(full.loss_mask, want, 0),
+                                   rtol=1e-6, atol=1e-6)
+        assert (got[~full.loss_mask] == 0).all()
+
+
+def test_windowed_head_projects_only_the_window():
+    """The vocabulary-sized products of the windowed forward and backward cover [rows, S] (S = 6:
+    slots 10..15), not every [rows, 16] position (what the row layout computed before)."""
+    cfg = dataclasses.replace(MODEL, vocab_size=80)  # unlike any other dimension of the model
+    graphdef, params = nnx.split(jax.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0))))
+    batch = long_prompt_batch(0)
+    batch = dataclasses.replace(batch, scored=scored_windows(batch.loss_mask, 1))
+    assert batch.scored.shape == (8, 6)
+    jaxpr = jax.make_jaxpr(jax.grad(lambda p: sequence_logprobs(graphdef, p, batch, 0.7).sum()))(params)
+    vocab_dots = [e.outvars[0].aval.shape for e in _all_eqns(jaxpr.jaxpr)
+                  if e.primitive.name == "dot_general" and 80 in e.outvars[0].aval.shape]
+    assert vocab_dots and all(shape in ((8, 6, 80), (80, 32)) for shape in vocab_dots), vocab_dots
+
+
+def _all_eqns(jaxpr):
+    for e in jaxpr.eqns:
+        yield e
+        for v in e.params.values():  # the sub-programs of custom_vjp, jit, cond, scan ...
+            inner = getattr(v, "jaxpr", None)
+            if inner is not None:
+                yield from _all_eqns(getattr(inner, "jaxpr", inner))
+
+
+def test_windowed_step_equals_the_step_over_every_position(single_device_run):
+    mesh, step = compiled_step(ACCUM_CONFIG)
+    _, state = init_train_state(fresh_model(), ACCUM_CONFIG, mesh)
+    metrics = []
+    for u, seed in enumerate([0, 1], 1):
+        batch = make_batch(seed)
+        state, out = step(state, dataclasses.replace(batch, scored=scored_windows(batch.loss_mask, 4)))
+        metrics.append(raise_on_bad_step(out, u))
+    want_state, want = single_device_run
+    for g, w in zip(metrics, want):
+        assert g == pytest.approx(w, rel=1e-5, abs=1e-6)
+    assert_trees_close(state.params, want_state.params, atol=3e-5)
+
+
+def test_a_window_missing_loss_tokens_is_refused():
+    from tbajax.objectives import validate_batch
+
+    batch = make_batch(0)
+    narrow = scored_windows(batch.loss_mask, 1)[:, :3]
+    with pytest.raises(ValueError, match="outside the scored window in rows"):
+        validate_batch(dataclasses.replace(batch, scored=narrow))
+    with pytest.raises(ValueError, match="consecutive slots from slot >= 1"):
+        validate_batch(dataclasses.replace(batch, scored=np.tile(np.arange(15, dtype=np.int32), (8, 1))))
 
 
 # --------------------------------------------------------------------------- learned log Z head

@@ -1,14 +1,18 @@
 """Trainer-step tokens/s: tbajax's jitted TB step vs torch transformers + torch.optim.AdamW.
 
     python experiments/benchmarks/train_step.py [--quick] [--json PATH] [--precision fp32|bf16]
-        [--scanned | --unrolled]
+        [--scanned | --unrolled] [--prompt N]
 
 tbajax's layers are applied as the trainer's default `model.scan_layers="auto"` applies them
 (unrolled at these depths, `tbajax.models.config.scan_layers_for`), or as one scan (`--scanned`),
 or unrolled (`--unrolled`); each row records which (`scan_layers`).
 
 One step = reference forward (no grad) + policy forward + VarGrad TB loss + backward + AdamW,
-on the same Llama-style checkpoint and the same batch (groups of K = 4) on both sides. Each
+on the same Llama-style checkpoint and the same batch (groups of K = 4, rows of a `--prompt`-token
+prompt and a response filling the row) on both sides. Both score the response tokens only: tbajax
+through the batch's scored windows (`Batch.scored`, built by `collate`), torch through
+transformers' `logits_to_keep` (as TRL's GRPO trainer does), so neither projects the prompt's
+positions onto the vocabulary. Each
 side runs in its own process so that its peak RSS is its own; compile (tbajax) and first-step
 (torch) times are reported apart from the steady state, and the step is split into phases
 (reference forward / policy forward + backward / optimizer) to show where the time goes.
@@ -23,7 +27,8 @@ so they must agree (a parity check of the whole loss and backward pass).
 A second table (tbajax only) times the `dr_grpo` step as declared (it reads no reference
 log-probs, so the step runs no reference forward) against the same objective declared to read
 everything (the reference forward the step ran for it before objectives declared their inputs),
-interleaved round by round.
+interleaved round by round; a third, the TB step with the scored windows against the same step
+scoring every position (a batch without `scored`, the row layout before the windows).
 """
 
 from __future__ import annotations
@@ -47,20 +52,20 @@ from common import (  # noqa: E402
 )
 
 GROUP = 4  # K samples per prompt
-PROMPT = 16  # prompt tokens per row (the rest of the row is the scored response)
+PROMPT = 16  # default prompt tokens per row (the rest of the row is the scored response)
 TEMPERATURE = 0.7
 BETA = 0.05
 LR = 1e-5
 
 
-def make_batch(rows: int, seq: int, vocab: int, seed: int = 0) -> dict[str, np.ndarray]:
+def make_batch(rows: int, seq: int, vocab: int, prompt: int = PROMPT, seed: int = 0) -> dict[str, np.ndarray]:
     """Full rows (no padding): a prompt shared by each group of K, then a random response."""
     r = np.random.default_rng(seed)
     tokens = r.integers(3, vocab, (rows, seq)).astype(np.int32)
     for g in range(rows // GROUP):
-        tokens[g * GROUP : (g + 1) * GROUP, :PROMPT] = tokens[g * GROUP, :PROMPT]
+        tokens[g * GROUP : (g + 1) * GROUP, :prompt] = tokens[g * GROUP, :prompt]
     loss_mask = np.zeros((rows, seq), bool)
-    loss_mask[:, PROMPT:] = True
+    loss_mask[:, prompt:] = True
     return {
         "tokens": tokens,
         "attention_mask": np.ones((rows, seq), bool),
@@ -80,8 +85,11 @@ def take_turn() -> None:
 # ----------------------------------------------------------------------------- tbajax side
 
 
-def run_jax(ckpt: str, rows: int, seq: int, repeats: int, precision: str, layers: str = "auto") -> dict[str, Any]:
+def run_jax(ckpt: str, rows: int, seq: int, repeats: int, precision: str, layers: str = "auto",
+            prompt: int = PROMPT) -> dict[str, Any]:
     """layers: "auto" (the trainer's default), "scanned" or "unrolled"."""
+    import dataclasses
+
     import jax
 
     from tbajax.batch import Batch
@@ -97,6 +105,7 @@ def run_jax(ckpt: str, rows: int, seq: int, repeats: int, precision: str, layers
     )
     from tbajax.objectives import resolve_objective
     from tbajax.objectives.registry import EVERYTHING
+    from tbajax.training.collate import scored_windows
 
     model = load_model(ckpt, scan_layers={"auto": "auto", "scanned": True, "unrolled": False}[layers])
     scan_layers = model.config.scan_layers
@@ -107,7 +116,7 @@ def run_jax(ckpt: str, rows: int, seq: int, repeats: int, precision: str, layers
     )
     graphdef, state = init_train_state(model, config)
     del model
-    b = make_batch(rows, seq, _vocab(ckpt))
+    b = make_batch(rows, seq, _vocab(ckpt), prompt)
     zeros = np.zeros((rows, seq), np.float32)
     batch = jax.device_put(
         Batch(
@@ -116,7 +125,7 @@ def run_jax(ckpt: str, rows: int, seq: int, repeats: int, precision: str, layers
             group_id=b["group_id"], sample_mask=np.ones(rows, bool),
             policy_version=np.zeros(rows, np.int32), prompt_id=np.zeros(rows, np.int32),
             beta=np.float32(BETA), token_versions=np.zeros((rows, seq), np.int32),
-            current_version=np.int32(0),
+            current_version=np.int32(0), scored=scored_windows(b["loss_mask"], 1),
         )
     )
     step = make_train_step(graphdef, config, "tb")
@@ -157,9 +166,17 @@ def run_jax(ckpt: str, rows: int, seq: int, repeats: int, precision: str, layers
         grad_t.append(t2 - t1)
         times.append(t3 - t2)
     step_s, fwd_s, grad_s = (float(np.median(x)) for x in (times, fwd_t, grad_t))
-    take_turn()  # the dr_grpo arms below run while torch has finished
-    objective_steps = _objective_steps(model_state=state, graphdef=graphdef, config=config, batch=batch,
-                                       repeats=repeats, resolve_objective=resolve_objective, everything=EVERYTHING)
+    take_turn()  # the arms below run while torch has finished
+    spec, obj_config = resolve_objective("dr_grpo")
+    objective_steps = _timed_arms(
+        {"dr_grpo": (spec, obj_config, batch),
+         "dr_grpo (reads everything)": (dataclasses.replace(spec, inputs=EVERYTHING), obj_config, batch)},
+        model_state=state, graphdef=graphdef, config=config, repeats=repeats)
+    tb, tb_config = resolve_objective("tb")
+    window_steps = _timed_arms(
+        {"tb, scored windows": (tb, tb_config, batch),
+         "tb, every position": (tb, tb_config, dataclasses.replace(batch, scored=None))},
+        model_state=state, graphdef=graphdef, config=config, repeats=repeats)
     return {
         "compile_s": compile_s,
         "first_step_s": first_s,
@@ -172,6 +189,7 @@ def run_jax(ckpt: str, rows: int, seq: int, repeats: int, precision: str, layers
         "phase_optimizer_s": step_s - grad_s,
         "xla_flops": flops,
         "objective_steps": objective_steps,
+        "window_steps": window_steps,
         "peak_rss_mb": peak_rss_mb(),
         "threads": os.cpu_count(),
         "version": jax.__version__,
@@ -179,22 +197,18 @@ def run_jax(ckpt: str, rows: int, seq: int, repeats: int, precision: str, layers
     }
 
 
-def _objective_steps(*, model_state, graphdef, config, batch, repeats, resolve_objective, everything) -> dict:
-    """Step seconds (median and best) and XLA's flop count of dr_grpo as declared (no reference
-    forward) and declared to read everything (with it), timed in alternating rounds, each arm
-    from its own copy of the state. The flop count does not depend on the machine's load."""
-    import dataclasses
-
+def _timed_arms(arms: dict[str, tuple[Any, Any, Any]], *, model_state, graphdef, config, repeats) -> dict:
+    """Step seconds (median and best) and XLA's flop count of each arm (name -> objective spec,
+    its config, batch), timed in alternating rounds, each arm from its own copy of the state. The
+    flop count does not depend on the machine's load."""
     import jax
 
     from tbajax.training import make_train_step
 
-    spec, obj_config = resolve_objective("dr_grpo")
-    arms = {"dr_grpo": spec, "dr_grpo (reads everything)": dataclasses.replace(spec, inputs=everything)}
     steps, states, flops = {}, {}, {}
-    for name, s in arms.items():
+    for name, (spec, obj_config, batch) in arms.items():
         states[name] = jax.tree.map(lambda x: x.copy(), model_state)
-        step = make_train_step(graphdef, config, s, obj_config)
+        step = make_train_step(graphdef, config, spec, obj_config)
         steps[name] = step.lower(states[name], batch).compile()
         cost = steps[name].cost_analysis() or {}
         cost = cost[0] if isinstance(cost, (list, tuple)) else cost
@@ -203,20 +217,21 @@ def _objective_steps(*, model_state, graphdef, config, batch, repeats, resolve_o
         out.metrics["loss"].block_until_ready()
     times: dict[str, list[float]] = {name: [] for name in arms}
     for _ in range(max(repeats, 5)):
-        for name in arms:
+        for name, (_, _, batch) in arms.items():
             t0 = time.perf_counter()
             states[name], out = steps[name](states[name], batch)
             out.metrics["loss"].block_until_ready()
             times[name].append(time.perf_counter() - t0)
     return {name: {"step_s": float(np.median(t)), "best_step_s": float(min(t)), "step_times": t,
-                   "xla_gflop": flops[name] / 1e9, "reference_forward": name != "dr_grpo"}
+                   "xla_gflop": flops[name] / 1e9}
             for name, t in times.items()}
 
 
 # ----------------------------------------------------------------------------- torch side
 
 
-def run_torch(ckpt: str, rows: int, seq: int, repeats: int, precision: str) -> dict[str, Any]:
+def run_torch(ckpt: str, rows: int, seq: int, repeats: int, precision: str,
+              prompt: int = PROMPT) -> dict[str, Any]:
     import copy
 
     import torch
@@ -227,18 +242,19 @@ def run_torch(ckpt: str, rows: int, seq: int, repeats: int, precision: str) -> d
     model.train()
     ref = copy.deepcopy(model).eval().requires_grad_(False)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
-    b = {k: torch.from_numpy(v) for k, v in make_batch(rows, seq, _vocab(ckpt)).items()}
+    b = {k: torch.from_numpy(v) for k, v in make_batch(rows, seq, _vocab(ckpt), prompt).items()}
     tokens, attn = b["tokens"].long(), b["attention_mask"].long()
-    mask = b["loss_mask"][:, 1:].float()
+    keep = seq - prompt + 1  # the logits of positions prompt - 1 ... seq - 1, as TRL's GRPO keeps them
+    mask = b["loss_mask"][:, prompt:].float()
     gid = b["group_id"].long()
     n_groups = int(gid.max()) + 1
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
 
     def seq_logprob(m: torch.nn.Module) -> torch.Tensor:
         with autocast:
-            logits = m(input_ids=tokens, attention_mask=attn).logits
+            logits = m(input_ids=tokens, attention_mask=attn, logits_to_keep=keep).logits
         lp = torch.log_softmax(logits[:, :-1].float() / TEMPERATURE, dim=-1)
-        picked = lp.gather(-1, tokens[:, 1:, None])[..., 0]
+        picked = lp.gather(-1, tokens[:, prompt:, None])[..., 0]
         return (picked * mask).sum(-1)
 
     def vargrad_tb(s: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
@@ -306,9 +322,10 @@ def _vocab(ckpt: str | Path) -> int:
 def worker(args: argparse.Namespace) -> None:
     keep_freed_memory()  # both sides (common.keep_freed_memory)
     if args.worker == "jax":
-        result = run_jax(args.ckpt, args.rows, args.seq, args.repeats, args.precision, args.layers)
+        result = run_jax(args.ckpt, args.rows, args.seq, args.repeats, args.precision, args.layers,
+                         args.prompt)
     else:
-        result = run_torch(args.ckpt, args.rows, args.seq, args.repeats, args.precision)
+        result = run_torch(args.ckpt, args.rows, args.seq, args.repeats, args.precision, args.prompt)
     print("RESULT " + json.dumps(result))
 
 
@@ -317,11 +334,12 @@ class Worker:
     round each time it is given the turn, and prints RESULT after its last turn."""
 
     def __init__(self, side: str, ckpt: Path, rows: int, seq: int, repeats: int, precision: str,
-                 layers: str = "auto"):
+                 layers: str = "auto", prompt: int = PROMPT):
         env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), TRANSFORMERS_VERBOSITY="error")
         env.pop("XLA_FLAGS", None)  # one real CPU device, no fake-device splitting
         cmd = [sys.executable, __file__, "--worker", side, "--ckpt", str(ckpt), "--rows", str(rows),
-               "--seq", str(seq), "--repeats", str(repeats), "--precision", precision, "--layers", layers]
+               "--seq", str(seq), "--repeats", str(repeats), "--precision", precision, "--layers", layers,
+               "--prompt", str(prompt)]
         self.side = side
         self.stderr = tempfile.TemporaryFile(mode="w+")  # a pipe could fill up and stall the worker
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr,
@@ -345,14 +363,15 @@ class Worker:
         self.proc.stdin.flush()  # type: ignore[union-attr]
 
 
-def run_pair(ckpt: Path, rows: int, seq: int, repeats: int, precision: str, layers: str) -> tuple[dict, dict]:
+def run_pair(ckpt: Path, rows: int, seq: int, repeats: int, precision: str, layers: str,
+             prompt: int = PROMPT) -> tuple[dict, dict]:
     """Both sides' results, their timed rounds taken in turns (jax, torch, jax, torch, ...)."""
-    jax_side = Worker("jax", ckpt, rows, seq, repeats, precision, layers)
+    jax_side = Worker("jax", ckpt, rows, seq, repeats, precision, layers, prompt)
     jax_side.wait_turn()  # set up alone: torch starts once tbajax has compiled and warmed up
-    torch_side = Worker("torch", ckpt, rows, seq, repeats, precision)
+    torch_side = Worker("torch", ckpt, rows, seq, repeats, precision, prompt=prompt)
     torch_side.wait_turn()
     try:
-        for _ in range(repeats + 1):  # the last turn: each side finishes (tbajax's dr_grpo arms) alone
+        for _ in range(repeats + 1):  # the last turn: each side finishes (tbajax's extra arms) alone
             for w in (jax_side, torch_side):
                 w.give_turn()
                 w.wait_turn()
@@ -377,6 +396,8 @@ def main() -> None:
     how.add_argument("--unrolled", action="store_const", dest="layers", const="unrolled",
                      help="tbajax with model.scan_layers=false (layers unrolled in the forward and backward)")
     ap.add_argument("--layers", choices=("auto", "scanned", "unrolled"), help=argparse.SUPPRESS)
+    ap.add_argument("--prompt", type=int, default=PROMPT,
+                    help=f"prompt tokens of each row (default {PROMPT}); the rest is the scored response")
     ap.set_defaults(layers="auto")
     ap.add_argument("--worker", choices=("jax", "torch"), help=argparse.SUPPRESS)
     ap.add_argument("--ckpt", help=argparse.SUPPRESS)
@@ -394,11 +415,11 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix=f"bench-train-{size}-") as d:
             ckpt = make_llama_checkpoint(size, d)
             params = _num_params(ckpt)
-            ours, theirs = run_pair(ckpt, n, seq, repeats, args.precision, args.layers)
+            ours, theirs = run_pair(ckpt, n, seq, repeats, args.precision, args.layers, args.prompt)
         tokens = n * seq
         paired = [t / o for o, t in zip(ours["step_times"], theirs["step_times"])]
         rows.append({
-            "size": size, "params_M": params / 1e6, "batch": f"{n}x{seq}",
+            "size": size, "params_M": params / 1e6, "batch": f"{n}x{seq}", "prompt": args.prompt,
             "tbajax_tok_s": tokens / ours["step_s"], "torch_tok_s": tokens / theirs["step_s"],
             "ratio": float(np.median(paired)), "ratio_min": min(paired), "ratio_max": max(paired),
             "rounds": len(paired), "scan_layers": ours["scan_layers"],
@@ -421,10 +442,21 @@ def main() -> None:
         with_ref = arms["dr_grpo (reads everything)"]
         for name, a in arms.items():
             objective_rows.append({
-                "size": row["size"], "objective": name, "reference_forward": a["reference_forward"],
+                "size": row["size"], "objective": name, "reference_forward": name != "dr_grpo",
                 "xla_gflop": a["xla_gflop"], "flop_saving": 1.0 - a["xla_gflop"] / with_ref["xla_gflop"],
                 "step_s": a["step_s"], "best_step_s": a["best_step_s"],
                 "time_saving": 1.0 - a["best_step_s"] / with_ref["best_step_s"],
+            })
+
+    window_rows = []
+    for row in rows:
+        arms = row["_raw"]["tbajax"]["window_steps"]
+        every = arms["tb, every position"]
+        for name, a in arms.items():
+            window_rows.append({
+                "size": row["size"], "prompt": args.prompt, "arm": name, "xla_gflop": a["xla_gflop"],
+                "flop_saving": 1.0 - a["xla_gflop"] / every["xla_gflop"], "step_s": a["step_s"],
+                "best_step_s": a["best_step_s"], "time_saving": 1.0 - a["best_step_s"] / every["best_step_s"],
             })
 
     info = {**machine(), "load_avg": os.getloadavg()}
@@ -444,9 +476,14 @@ def main() -> None:
           "time_saving: from the best of the alternating rounds")
     print_table(objective_rows, ["size", "objective", "reference_forward", "xla_gflop", "flop_saving",
                                  "step_s", "best_step_s", "time_saving"])
+    print(f"\nscoring the response tokens only (the batch's scored windows) against every position, "
+          f"{args.prompt}-token prompts; same columns")
+    print_table(window_rows, ["size", "prompt", "arm", "xla_gflop", "flop_saving", "step_s", "best_step_s",
+                              "time_saving"])
     write_json(args.json, {"benchmark": "train_step", "precision": args.precision,
-                           "layers": args.layers, "machine": info,
-                           "rows": rows, "phases": details, "objective_rows": objective_rows})
+                           "layers": args.layers, "prompt": args.prompt, "torch_logits_to_keep": True,
+                           "machine": info, "rows": rows, "phases": details, "objective_rows": objective_rows,
+                           "window_rows": window_rows})
 
 
 def _num_params(ckpt: Path) -> int:

@@ -80,6 +80,9 @@ def validate_batch(
                 + "; fix or drop those samples before training"
             )
 
+    if batch.scored is not None:
+        _check_scored_window(np.asarray(batch.scored), arr["loss_mask"].astype(bool))
+
     real = arr["sample_mask"].astype(bool)
     if not real.any():
         raise ValueError("sample_mask is all False: the batch has no real rows")
@@ -103,3 +106,22 @@ def validate_batch(
                 f"objective {spec.name!r} needs beta > 0 (TB divides the reward by beta; DPO "
                 f"scales its margin by it), got {beta}"
             )
+
+
+def _check_scored_window(scored: np.ndarray, loss_mask: np.ndarray) -> None:
+    """`Batch.scored` must be consecutive slots in [1, seq) (the last may repeat at the row's end)
+    covering every loss-masked token: a token outside it would silently get log-prob 0."""
+    n, seq = loss_mask.shape
+    if scored.ndim != 2 or scored.shape[0] != n or scored.dtype.kind not in "iu":
+        raise ValueError(f"scored must be [batch, width] integer slots, got {scored.dtype} {scored.shape}")
+    first = scored[:, :1]
+    want = np.minimum(first + np.arange(scored.shape[1]), seq - 1)
+    if (first < 1).any() or (scored != want).any():
+        raise ValueError("scored must hold each row's consecutive slots from slot >= 1 on "
+                         "(build it with tbajax.training.collate.scored_windows)")
+    t = np.arange(seq)[None, :]
+    outside = loss_mask & ((t < first) | (t >= first + scored.shape[1]))
+    if outside.any():
+        rows = sorted({int(i) for i in np.argwhere(outside)[:, 0]})
+        raise ValueError(f"loss-masked tokens lie outside the scored window in rows {rows[:10]}; "
+                         "rebuild it with tbajax.training.collate.scored_windows(loss_mask)")

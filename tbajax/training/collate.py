@@ -64,8 +64,8 @@ def collate(
             tokens[i, :p] = t.prompt_tokens
             tokens[i, p : p + r] = t.response_tokens
             attn[i, : p + r] = True
-            scored = r - (1 if (t.finished and not score_stop_token and r > 0) else 0)
-            loss[i, p : p + scored] = True
+            n_scored = r - (1 if (t.finished and not score_stop_token and r > 0) else 0)
+            loss[i, p : p + n_scored] = True
             blp[i, p : p + r] = t.behavior_logprobs
             token_versions[i, p : p + r] = t.token_versions
             if t.reference_logprobs is not None:
@@ -79,8 +79,10 @@ def collate(
     gid[len(rows) :] = np.arange(len(groups), len(groups) + n - len(rows))  # padding: own groups
     blp *= loss
     rlp *= loss
-    packed = None
-    if pack_microbatches is not None:
+    packed, scored = None, None
+    if pack_microbatches is None:
+        scored = scored_windows(loss, length_bucket)
+    else:
         prompt_len = np.zeros((n,), np.int64)
         prompt_len[: len(rows)] = [len(t.prompt_tokens) for t in rows]
         packed = pack_groups(
@@ -101,7 +103,26 @@ def collate(
         token_versions=token_versions,
         current_version=np.int32(current_version),
         packed=packed,
+        scored=scored,
     )
+
+
+def scored_windows(loss_mask: np.ndarray, length_bucket: int = 32) -> np.ndarray:
+    """`Batch.scored` of a row layout: each row's slots from its first loss-masked token (at least
+    slot 1: slot 0 has no predecessor to predict it) on, as many as the longest such span in the
+    batch, rounded up to `length_bucket` (capped at seq - 1), so that a run compiles a few widths.
+    A row without loss-masked tokens gets the window at slot 1; past the row's end the last slot
+    repeats."""
+    n, seq = loss_mask.shape
+    if seq < 2:
+        raise ValueError(f"rows of {seq} token(s) have nothing to score: a token is scored from the one "
+                         "before it")
+    has = loss_mask.any(-1)
+    first = np.where(has, loss_mask.argmax(-1), 1).clip(1)
+    last = np.where(has, seq - 1 - loss_mask[:, ::-1].argmax(-1), first)
+    span = int((last - first + 1).max())
+    width = min(-(-span // length_bucket) * length_bucket, seq - 1)
+    return np.minimum(first[:, None] + np.arange(width)[None, :], seq - 1).astype(np.int32)
 
 
 def pack_groups(

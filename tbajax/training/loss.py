@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tbajax import op_scopes as S
-from tbajax.batch import Batch, hidden_token_logprobs, packed_hidden_logprobs
+from tbajax.batch import Batch, hidden_token_logprobs, packed_hidden_logprobs, windowed_hidden_logprobs
 from tbajax.models.decoder import packed_attention_mask
 from tbajax.objectives.base import Metrics
 from tbajax.objectives.registry import EVERYTHING, ObjectiveInputs, ObjectiveSpec, aux_for_loss
@@ -29,14 +29,21 @@ PyTree = Any
 
 def sequence_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, temperature: float) -> Array:
     """Per-token log-probs [B, T] of `batch.tokens` under (graphdef, params) at `temperature`;
-    through `batch.packed` when present (then on response tokens only)."""
+    through `batch.packed` when present, else over `batch.scored` when present (then on
+    loss-masked tokens only: 0 elsewhere)."""
     model = nnx.merge(graphdef, params)
     if batch.packed is not None:
         pk = batch.packed
         hidden, _ = model.hidden_states(pk.tokens, pk.positions, packed_attention_mask(pk.segments))
         return packed_hidden_logprobs(hidden, model.head_weight(), batch, temperature)
     hidden, _ = model.hidden_states(batch.tokens, attention_mask=batch.attention_mask)
-    return hidden_token_logprobs(hidden, model.head_weight(), batch.tokens, temperature)
+    return _row_logprobs(hidden, model.head_weight(), batch, temperature)
+
+
+def _row_logprobs(hidden: Array, head: Array, batch: Batch, temperature: float) -> Array:
+    if batch.scored is not None:
+        return windowed_hidden_logprobs(hidden, head, batch, temperature)
+    return hidden_token_logprobs(hidden, head, batch.tokens, temperature)
 
 
 def logprobs_and_prompt_features(
@@ -49,7 +56,7 @@ def logprobs_and_prompt_features(
                          "set train.trainer.pack_groups=false")
     model = nnx.merge(graphdef, params)
     hidden, _ = model.hidden_states(batch.tokens, attention_mask=batch.attention_mask)
-    logprobs = hidden_token_logprobs(hidden, model.head_weight(), batch.tokens, temperature)
+    logprobs = _row_logprobs(hidden, model.head_weight(), batch, temperature)
     prompt = batch.attention_mask.astype(bool) & (jnp.cumsum(batch.loss_mask.astype(jnp.int32), axis=-1) == 0)
     weights = prompt.astype(jnp.float32)
     pooled = jnp.einsum("bt,btd->bd", weights, hidden.astype(jnp.float32))

@@ -37,6 +37,7 @@ from tbajax.batch import Batch, PackedGroups
 from tbajax.objectives.base import Metrics, Ratio
 from tbajax.objectives.registry import resolve_objective
 from tbajax.sharding import LOGICAL_RULES, host_to_global, spans_processes
+from tbajax.training.collate import scored_windows
 from tbajax.training.config import TrainerConfig
 from tbajax.training.loss import sequence_logprobs  # noqa: F401  (re-exported: the old import path)
 from tbajax.training.microbatch import (  # noqa: F401  (local_group_ids, split_microbatches: re-exported)
@@ -196,12 +197,13 @@ def train_step(
 
 def batch_shardings(mesh: Mesh, packed: bool = False) -> Batch:
     """Every [B, ...] field split on its batch dim over the "batch" mesh axes; the scalars (β, the
-    current version) replicated;
-    packed rows (if `packed`) split on their leading dim too."""
+    current version) replicated; packed rows (if `packed`) split on their leading dim too, else
+    the scored windows (`Batch.scored`; `make_train_step` fills them in for a batch without)."""
     rows = NamedSharding(mesh, P(LOGICAL_RULES["batch"]))
     fields = {f.name: rows for f in dataclasses.fields(Batch)}
     fields["beta"] = fields["current_version"] = NamedSharding(mesh, P())
     fields["packed"] = PackedGroups(**{f.name: rows for f in dataclasses.fields(PackedGroups)}) if packed else None
+    fields["scored"] = None if packed else rows
     fields["prompt_features"] = None  # computed inside the step, never an input
     return Batch(**fields)
 
@@ -270,6 +272,9 @@ def make_train_step(
     in_batch = batch_shardings(mesh, packed=config.pack_groups)
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, StepOutput]:
+        if batch.packed is None and batch.scored is None:  # the same log-probs, and the batch
+            # then has the structure that the shardings were declared for
+            batch = dataclasses.replace(batch, scored=scored_windows(np.asarray(batch.loss_mask), 1))
         if global_batch:
             batch = host_to_global(batch, in_batch)
         with jax.set_mesh(mesh):
