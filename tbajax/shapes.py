@@ -12,3 +12,10 @@ def next_pow2(n: int, minimum: int = 1) -> int:
 def pow2_bucket(n: int, limit: int, minimum: int = 1) -> int:
     """`next_pow2(n, minimum)` capped at `limit` (a size that may not be a power of two)."""
     return min(next_pow2(n, minimum), limit)
+
+
+def half_pow2_bucket(n: int, minimum: int = 1) -> int:
+    """The smallest power of two or 1.5 x a power of two that is >= n (and >= `minimum`): at most
+    a third of padding, two sizes per doubling."""
+    p = next_pow2(n, minimum)
+    return p * 3 // 4 if p >= 4 and p * 3 // 4 >= max(n, minimum) else p

@@ -314,6 +314,26 @@ def test_sequence_scores_match_torch(ckpt, family):
     np.testing.assert_allclose(ours[right], ref, atol=1e-4)
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt_neox", "gpt2"])
+def test_packed_prompt_groups_score_like_their_own_rows(ckpt, family):
+    """score_prompt_groups (each prompt once, its responses after it in one row) == score of every
+    prompt + response row; 130 packed slots (a 192-wide row) take the causal-block attention."""
+    scorer = load_scorer(ckpt(f"cls:{family}"))
+    rng = np.random.RandomState(4)
+    prompts = [rng.randint(3, VOCAB, 30), rng.randint(3, VOCAB, 5)]
+    responses = [[rng.randint(3, VOCAB, n) for n in (25, 20, 31, 24)],
+                 [rng.randint(3, VOCAB, 3), np.zeros(0, int)]]  # an empty response: read at its prompt's end
+    got = scorer.score_prompt_groups(prompts, responses)
+    seqs = [np.concatenate([p, r]) for p, rs in zip(prompts, responses) for r in rs]
+    ids = np.zeros((len(seqs), max(map(len, seqs))), np.int64)
+    mask = np.zeros_like(ids)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)], mask[i, : len(s)] = s, 1
+    want = np.asarray(scorer.score(ids, mask))
+    assert [g.shape[0] for g in got] == [4, 2]
+    np.testing.assert_allclose(np.concatenate(got), want, atol=2e-5)
+
+
 def test_scorer_sharded_matches_single_device(ckpt):
     directory = ckpt("cls:gpt_neox")
     ids, mask = _batch(13)

@@ -94,6 +94,30 @@ def test_reward_model_scores_equal_transformers_and_no_eos_gets_minus_one(standi
     assert cut.tolist() == [5, 2] and done
 
 
+def test_samples_sharing_a_prompt_are_scored_as_one_packed_group(standin):
+    """K samples per prompt (as a searcher's batch holds them, in any order): the reward model runs
+    each prompt once (`RewardModel.score_samples`), over several calls of at most
+    score_batch_rows padded rows' slots each, and scores what transformers gives each row."""
+    _, scorer = _scorer(standin, no_eos_reward=None, score_batch_rows=2)  # 2 x 32 slots a call
+    rng = np.random.RandomState(1)
+    prompts = [rng.randint(3, 19, n).astype(np.int32) for n in (12, 4, 9)]
+    order = [0, 1, 2, 0, 1, 2, 2, 0, 1]
+    responses = [np.append(rng.randint(3, 19, n), 2).astype(np.int32) for n in (3, 1, 5, 7, 2, 4, 6, 1, 3)]
+    samples = Samples([Problem(i, "q", " 1") for i in order], [prompts[i] for i in order], responses,
+                      ["x"] * 9, np.ones(9, bool))
+    calls = []
+    rm = scorer.reward_model
+    real = rm.scorer.score_prompt_groups
+    rm.scorer.score_prompt_groups = lambda p, r: calls.append(len(p)) or real(p, r)
+    try:
+        got = scorer.score(samples, None).extras["raw_reward"]
+    finally:
+        rm.scorer.score_prompt_groups = real
+    assert sum(calls) == 3 and len(calls) > 1  # three groups, more than one call
+    seqs = [np.concatenate([prompts[i], r]) for i, r in zip(order, responses)]
+    np.testing.assert_allclose(got, _torch_rm(standin["rm"], seqs), atol=1e-4)
+
+
 def _perturbed_policy(standin, directory: Path):
     """The SFT checkpoint with every weight moved a little (a trained policy stand-in), saved in HF format."""
     from transformers import AutoModelForCausalLM

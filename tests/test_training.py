@@ -772,6 +772,27 @@ def test_packed_logprobs_equal_the_row_layout():
         assert (got[~rows.loss_mask] == 0).all()
 
 
+def test_packed_logprobs_equal_the_row_layout_over_causal_blocks():
+    """Packed rows of 128 slots: their attention runs in `layers.causal_blocks` (4) query blocks,
+    skipping the blocks above the diagonal (the packed mask goes in as a CausalMask)."""
+    from tbajax.models.layers import causal_blocks
+
+    graphdef, params = _model_parts()
+    r = np.random.default_rng(5)
+    groups = []
+    for g in range(2):
+        prompt = r.integers(3, MODEL.vocab_size - 1, 40).astype(np.int32)
+        groups.append([Trajectory(g, g, prompt, r.integers(3, MODEL.vocab_size - 1, n).astype(np.int32),
+                                  np.zeros(n, np.float32), 0.0) for n in (20, 30, 25)])
+    rows, packed = (collate(groups, beta=0.5, pack_microbatches=m) for m in (None, 1))
+    assert packed.packed.tokens.shape == (2, 128) and causal_blocks(128) == 4
+    score = jax.jit(sequence_logprobs, static_argnums=(0, 3), compiler_options=FAST_COMPILE)
+    want = np.asarray(score(graphdef, params, rows, 0.7))
+    got = np.asarray(score(graphdef, params, packed, 0.7))
+    np.testing.assert_allclose(np.where(rows.loss_mask, got, 0), np.where(rows.loss_mask, want, 0),
+                               atol=1e-5, rtol=1e-5)
+
+
 # "data-parallel" also splits into two micro-batches; the single-device two-micro-batch case is slow
 @pytest.mark.parametrize("num_microbatches,mesh_config",
                          [(1, None), pytest.param(2, None, marks=pytest.mark.slow),

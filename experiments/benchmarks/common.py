@@ -64,6 +64,29 @@ def make_llama_checkpoint(size: str, directory: str | None = None) -> Path:
     return directory
 
 
+PAD = 0  # the pad id of the generated GPT-NeoX checkpoints
+
+
+def make_neox_checkpoint(size: str, reward_model: bool = False, directory: str | None = None) -> Path:
+    """A random-init GPT-NeoX checkpoint shaped like SIZES[size] (rotary_pct 0.25, parallel
+    residual, as Pythia), as a causal LM or a one-label sequence classifier."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    s = SIZES[size]
+    directory = Path(directory or tempfile.mkdtemp(prefix=f"bench-neox-{size}-"))
+    cfg = AutoConfig.for_model(
+        "gpt_neox", hidden_size=s["hidden_size"], intermediate_size=4 * s["hidden_size"],
+        num_hidden_layers=s["num_hidden_layers"], num_attention_heads=s["num_attention_heads"],
+        vocab_size=s["vocab_size"], rotary_pct=0.25, use_parallel_residual=True,
+        max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=PAD, num_labels=1,
+    )
+    torch.manual_seed(0)
+    cls = AutoModelForSequenceClassification if reward_model else AutoModelForCausalLM
+    cls.from_config(cfg).float().save_pretrained(directory)
+    return directory
+
+
 def timed_in_turns(ours: Callable[[], Any], theirs: Callable[[], Any], repeats: int) -> dict[str, Any]:
     """Time two blocking calls in alternating rounds (ours, theirs, ours, ...) after one untimed
     call each (compile / warm-up), so a shared machine's speed drift hits both sides of a round

@@ -22,36 +22,17 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-import tempfile  # noqa: E402
 
 import torch  # noqa: E402
 from common import (  # noqa: E402
-    SIZES, keep_freed_memory, machine, machine_line, make_llama_checkpoint, peak_rss_mb, print_table,
-    timed_in_turns, write_json,
+    PAD, SIZES, keep_freed_memory, machine, machine_line, make_llama_checkpoint, make_neox_checkpoint, peak_rss_mb,
+    print_table, timed_in_turns, write_json,
 )
 from flax import nnx  # noqa: E402
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification  # noqa: E402
 
 from tbajax.models import load_model, load_scorer  # noqa: E402
 
-PAD = 0
-
-
-def make_neox_checkpoint(size: str, reward_model: bool = False) -> Path:
-    """A random-init GPT-NeoX checkpoint shaped like SIZES[size] (rotary_pct 0.25, parallel
-    residual, as Pythia), as a causal LM or a one-label sequence classifier."""
-    s = SIZES[size]
-    directory = Path(tempfile.mkdtemp(prefix=f"bench-neox-{size}-"))
-    cfg = AutoConfig.for_model(
-        "gpt_neox", hidden_size=s["hidden_size"], intermediate_size=4 * s["hidden_size"],
-        num_hidden_layers=s["num_hidden_layers"], num_attention_heads=s["num_attention_heads"],
-        vocab_size=s["vocab_size"], rotary_pct=0.25, use_parallel_residual=True,
-        max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=PAD, num_labels=1,
-    )
-    torch.manual_seed(0)
-    cls = AutoModelForSequenceClassification if reward_model else AutoModelForCausalLM
-    cls.from_config(cfg).float().save_pretrained(directory)
-    return directory
 
 
 def bench(model_name: str, size: str, batch: int, seq: int, repeats: int, dtype: str = "float32") -> dict:

@@ -91,7 +91,7 @@ class CausalLM(nnx.Module):
         self,
         tokens: Array,
         positions: Array | None = None,
-        attention_mask: Array | None = None,
+        attention_mask: Array | CausalMask | None = None,
         cache: KVCache | None = None,
     ) -> tuple[Array, KVCache | None]:
         hidden, cache = self.hidden_states(tokens, positions, attention_mask, cache)
@@ -101,7 +101,7 @@ class CausalLM(nnx.Module):
         self,
         tokens: Array,
         positions: Array | None = None,
-        attention_mask: Array | None = None,
+        attention_mask: Array | CausalMask | None = None,
         cache: KVCache | None = None,
     ) -> tuple[Array, KVCache | None]:
         """Final-norm hidden states [batch, seq, hidden] (compute dtype).
@@ -109,13 +109,21 @@ class CausalLM(nnx.Module):
         attention_mask: [batch, seq], 1 for real tokens. positions default to
         cumsum(mask) - 1, which is right for left and right padding alike.
         Or [batch, seq, seq]: which key each query may attend to, used as given (no cache; pass
-        positions), e.g. `packed_attention_mask` for several sequences sharing one row.
+        positions), e.g. `packed_attention_mask` for several sequences sharing one row; wrapped
+        in a `CausalMask` it promises that no query sees a later slot, and attention skips the
+        blocks above the diagonal.
         With `cache`, the tokens are written at slots cache.index ... index + seq
         (`serving.cached_pass` over this model's serving layout, built on every call: a sampler
         builds that layout once per params version and calls the pass itself).
         """
         cfg = self.config
         b, t = tokens.shape
+        promised_causal = isinstance(attention_mask, CausalMask)
+        if promised_causal:
+            attention_mask = attention_mask.mask
+            if attention_mask.ndim != 3:
+                raise ValueError("a CausalMask attention mask is [batch, seq, seq]; pass a [batch, seq] "
+                                 "padding mask bare (the decoder makes it causal itself)")
         if attention_mask is None:
             attention_mask = jnp.ones((b, t), bool)
         attention_mask = attention_mask.astype(bool)
@@ -145,7 +153,7 @@ class CausalLM(nnx.Module):
             layer = jax.checkpoint(layer, policy=policy)
 
         if full_mask:
-            mask = attention_mask
+            mask = CausalMask(attention_mask) if promised_causal else attention_mask
         else:
             slots = jnp.arange(t)
             mask = CausalMask((slots[None, :] <= slots[:, None])[None] & attention_mask[:, None, :])
@@ -190,7 +198,9 @@ def positions_from_mask(mask: Array) -> Array:
 def packed_attention_mask(segments: Array) -> Array:
     """[b, t] segment ids -> [b, t, t] causal mask for a row packing a shared prompt (segment 0)
     followed by several continuations (1, 2, ...; -1 is padding): a continuation token sees the
-    prompt and the earlier tokens of its own continuation, never another continuation."""
+    prompt and the earlier tokens of its own continuation, never another continuation. No slot
+    sees a later one, so it may be wrapped in a `CausalMask` (attention then skips the blocks
+    above the diagonal)."""
     t = segments.shape[-1]
     causal = jnp.arange(t)[None, :] <= jnp.arange(t)[:, None]
     key, query = segments[:, None, :], segments[:, :, None]

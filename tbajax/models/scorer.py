@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -28,8 +29,11 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from tbajax.models.config import ModelConfig, UnsupportedModelError
-from tbajax.models.decoder import CausalLM, positions_from_mask
+from tbajax.models.decoder import CausalLM, packed_attention_mask, positions_from_mask
 from tbajax.models.hf import load_weights, resolve_checkpoint
+from tbajax.models.layers import CausalMask
+from tbajax.packing import pack_prompt_groups, packed_width
+from tbajax.shapes import half_pow2_bucket, next_pow2
 
 Array = jax.Array
 
@@ -64,6 +68,18 @@ def sequence_scores(model: CausalLM, tokens: Array, attention_mask: Array) -> Ar
     return model.logits(last)
 
 
+def packed_sequence_scores(
+    model: CausalLM, tokens: Array, positions: Array, segments: Array, rows: Array, slots: Array
+) -> Array:
+    """[N, num_labels] fp32 head values at slots (rows[i], slots[i]) of prompt groups packed one
+    per row (`tbajax.packing`: segments 0 prompt, j + 1 response j, -1 padding): at a response's
+    last token they equal `sequence_scores` of its own `prompt + response` row (pure; jit it)."""
+    if model.config.num_labels is None:
+        raise ValueError("packed_sequence_scores needs a model with a score head (config.num_labels set)")
+    hidden, _ = model.hidden_states(tokens, positions, CausalMask(packed_attention_mask(segments)))
+    return model.logits(hidden[rows, slots])
+
+
 class SequenceScorer:
     """A loaded sequence classifier / reward model with a compiled `score`.
 
@@ -81,6 +97,9 @@ class SequenceScorer:
         self._graphdef, self._state = nnx.split(model)
         self._fn = jax.jit(
             lambda state, tokens, mask: sequence_scores(nnx.merge(self._graphdef, state), tokens, mask),
+        )
+        self._packed_fn = jax.jit(
+            lambda state, *rows: packed_sequence_scores(nnx.merge(self._graphdef, state), *rows),
         )
 
     @property
@@ -106,6 +125,37 @@ class SequenceScorer:
         if not bool(np.asarray(mask).astype(bool).any(-1).all()):
             raise ValueError("every row needs at least one real token (attention_mask all zero)")
         return self._fn(self._state, tokens.astype(jnp.int32), mask.astype(bool))
+
+
+    def score_prompt_groups(
+        self, prompts: Sequence[Any], responses: Sequence[Sequence[Any]]
+    ) -> list[np.ndarray]:
+        """What `score` gives each `prompt + response` row ([len(responses[g]), num_labels] fp32
+        for group g), with each prompt run once for all of its responses: one packed row per
+        group (`tbajax.packing`), where a response sees its prompt and itself only and is read at
+        its last token (an empty response at the prompt's). A group of K costs P + ΣR tokens
+        instead of K·P + ΣR, and no row is padded to the longest. Rows, width and the number of
+        responses are rounded up (`tbajax.shapes`), so a stream of batches compiles a few programs.
+        """
+        prompts = [np.asarray(p, np.int32).reshape(-1) for p in prompts]
+        responses = [[np.asarray(r, np.int32).reshape(-1) for r in rs] for rs in responses]
+        if not prompts:
+            raise ValueError("score_prompt_groups needs at least one prompt")
+        width = half_pow2_bucket(packed_width(prompts, responses), 16)
+        packed = pack_prompt_groups(prompts, responses, width, rows=next_pow2(len(prompts)))
+        where = [
+            (g, start + len(r) - 1 if len(r) else len(p) - 1)
+            for g, (p, rs) in enumerate(zip(prompts, responses))
+            for start, r in zip(packed.starts[g], rs)
+        ]
+        if not where:
+            raise ValueError("score_prompt_groups got no responses to score")
+        index = np.zeros((next_pow2(len(where)), 2), np.int32)  # filler entries read slot (0, 0)
+        index[: len(where)] = where
+        values = np.asarray(self._packed_fn(self._state, packed.tokens, packed.positions, packed.segments,
+                                            index[:, 0], index[:, 1]))
+        bounds = np.cumsum([0] + [len(rs) for rs in responses])
+        return [values[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
 
 
 def load_scorer(

