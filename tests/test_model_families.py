@@ -343,6 +343,15 @@ def test_scorer_sharded_matches_single_device(ckpt):
     with jax.set_mesh(mesh):
         sharded = np.asarray(scorer.score(ids, mask))
     np.testing.assert_allclose(sharded, single, atol=1e-5)
+    # packed prompt groups too: one group (one row) on two batch shards, and three groups
+    rng = np.random.RandomState(2)
+    for n_groups in (1, 3):
+        prompts = [rng.randint(3, VOCAB, 6) for _ in range(n_groups)]
+        responses = [[rng.randint(3, VOCAB, n) for n in (4, 2)] for _ in range(n_groups)]
+        want = load_scorer(directory).score_prompt_groups(prompts, responses)
+        with jax.set_mesh(mesh):
+            got = scorer.score_prompt_groups(prompts, responses)
+        np.testing.assert_allclose(np.concatenate(got), np.concatenate(want), atol=1e-5)
 
 
 def test_decoder_programs_keep_xla_default_dots_on_cpu(ckpt, tiny_checkpoint):

@@ -216,7 +216,11 @@ class RewardModel:
 
 
 class SFTModel:
-    """The SFT (initial policy) model: per-token log-probs of sequences, and greedy references."""
+    """The SFT (initial policy) model: log-probs of response tokens, and greedy references.
+
+    Only the response tokens are scored: the hidden states that predict them are gathered before
+    the vocabulary projection, so the [rows, response, vocab] logits (and log-softmax, and the
+    full-vocabulary KL) skip the prompt, which in TL;DR is most of each sequence."""
 
     def __init__(self, path: str, mesh: Any, pad_id: int, batch_rows: int):
         from tbajax.models import load_model
@@ -227,55 +231,72 @@ class SFTModel:
         self.batch_rows = batch_rows
         graphdef, self._state = nnx.split(self.model)
 
-        def shifted_logits(graph, state, tokens, mask):  # position j predicts token j + 1
-            logits, _ = nnx.merge(graph, state)(tokens, attention_mask=mask.astype(bool))
-            return logits[:, :-1].astype(jnp.float32)
+        def window_logits(graph, state, tokens, mask, slots):  # the logits that predict tokens[slots]
+            model = nnx.merge(graph, state)
+            hidden, _ = model.hidden_states(tokens, attention_mask=mask.astype(bool))
+            rows = jnp.arange(tokens.shape[0])[:, None]
+            return model.logits(hidden[rows, slots - 1]).astype(jnp.float32)
 
-        def taken(logits, tokens):  # index t: log p(token t | tokens < t); 0 at t = 0
+        def taken(logits, tokens, slots):  # log p(tokens[slots] | what precedes them)
             lp = jax.nn.log_softmax(logits, axis=-1)
-            return jnp.pad(jnp.take_along_axis(lp, tokens[:, 1:, None], axis=-1)[..., 0], ((0, 0), (1, 0)))
+            targets = tokens[jnp.arange(tokens.shape[0])[:, None], slots]
+            return jnp.take_along_axis(lp, targets[..., None], axis=-1)[..., 0]
 
-        self._logprobs = jax.jit(lambda state, tokens, mask: taken(shifted_logits(graphdef, state, tokens, mask), tokens))
+        self._logprobs = jax.jit(lambda state, tokens, mask, slots: taken(
+            window_logits(graphdef, state, tokens, mask, slots), tokens, slots))
 
         @functools.partial(jax.jit, static_argnums=0)
-        def with_kl(policy_graphdef, policy_state, state, tokens, mask, response):
-            ref = shifted_logits(graphdef, state, tokens, mask)
-            pol = shifted_logits(policy_graphdef, policy_state, tokens, mask)
-            predicts_response = response[:, 1:]
-            return (taken(ref, tokens), kl_ref_pi(pol, ref, predicts_response).sequence_sum,
-                    kl_pi_ref(pol, ref, predicts_response).sequence_sum)
+        def with_kl(policy_graphdef, policy_state, state, tokens, mask, slots, inside):
+            ref = window_logits(graphdef, state, tokens, mask, slots)
+            pol = window_logits(policy_graphdef, policy_state, tokens, mask, slots)
+            return (taken(ref, tokens, slots), kl_ref_pi(pol, ref, inside).sequence_sum,
+                    kl_pi_ref(pol, ref, inside).sequence_sum)
 
         self._with_kl = with_kl
 
-    def token_logprobs(self, seqs: Sequence[np.ndarray]) -> list[np.ndarray]:
-        """log p_SFT(token t | tokens < t) for t = 1..len-1 of each sequence (index 0 is 0)."""
+    def _windows(self, seqs: Sequence[np.ndarray], prompt_lens: Sequence[int]):
+        """Padded rows, and per row the slots of its response tokens ([rows, S], S the longest
+        response rounded up to a power of two, the last slot repeating past a row's end) with
+        which of them are real."""
+        tokens, mask = pad_rows(seqs, self.pad_id, min_len=16)
+        lengths = [len(s) - int(p) for s, p in zip(seqs, prompt_lens)]
+        if min(int(p) for p in prompt_lens) < 1 or min(lengths) < 0:
+            raise ValueError("SFT scoring needs a non-empty prompt within each sequence (prompt_lens)")
+        width = min(next_pow2(max(lengths), 16), tokens.shape[1] - 1)
+        first = np.ones(tokens.shape[0], np.int64)
+        first[: len(seqs)] = [int(p) for p in prompt_lens]
+        slots = np.minimum(first[:, None] + np.arange(width), tokens.shape[1] - 1).astype(np.int32)
+        inside = np.zeros(slots.shape, bool)
+        for i, n in enumerate(lengths):
+            inside[i, :n] = True
+        return tokens, mask, slots, inside, lengths
+
+    def token_logprobs(self, seqs: Sequence[np.ndarray], prompt_lens: Sequence[int]) -> list[np.ndarray]:
+        """log p_SFT(token t | tokens < t) for each response token t (t >= its prompt length)."""
         out: list[np.ndarray] = []
         for a, b in _chunks(len(seqs), self.batch_rows):
-            tokens, mask = pad_rows(seqs[a:b], self.pad_id, min_len=16)
+            tokens, mask, slots, _, lengths = self._windows(seqs[a:b], prompt_lens[a:b])
             with _mesh_context(self.mesh):
-                lp = np.asarray(self._logprobs(self._state, jnp.asarray(tokens), jnp.asarray(mask)))
-            out.extend(lp[i, : len(s)] for i, s in enumerate(seqs[a:b]))
+                lp = np.asarray(self._logprobs(self._state, *map(jnp.asarray, (tokens, mask, slots))))
+            out.extend(lp[i, :n] for i, n in enumerate(lengths))
         return out
 
     def token_logprobs_and_kl(self, seqs: Sequence[np.ndarray], prompt_lens: Sequence[int], policy: Any
                               ) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
-        """`token_logprobs`, plus Σ over each sequence's response tokens (positions >= its prompt
-        length) of the full-vocabulary KL(SFT‖π) and KL(π‖SFT) at T = 1, for the `policy` model
-        (same vocabulary). One forward of each model per chunk of rows."""
+        """`token_logprobs`, plus Σ over each sequence's response tokens of the full-vocabulary
+        KL(SFT‖π) and KL(π‖SFT) at T = 1, for the `policy` model (same vocabulary). One forward of
+        each model per chunk of rows."""
         policy_graphdef, policy_state = nnx.split(policy)
         out: list[np.ndarray] = []
         ref_pi: list[float] = []
         pi_ref: list[float] = []
         for a, b in _chunks(len(seqs), self.batch_rows):
-            tokens, mask = pad_rows(seqs[a:b], self.pad_id, min_len=16)
-            response = np.zeros_like(mask)
-            for i, n in enumerate(prompt_lens[a:b]):
-                response[i, int(n): len(seqs[a + i])] = 1
+            tokens, mask, slots, inside, lengths = self._windows(seqs[a:b], prompt_lens[a:b])
             with _mesh_context(self.mesh):
                 lp, rp, pr = self._with_kl(policy_graphdef, policy_state, self._state, jnp.asarray(tokens),
-                                           jnp.asarray(mask), jnp.asarray(response))
+                                           jnp.asarray(mask), jnp.asarray(slots), jnp.asarray(inside))
             lp = np.asarray(lp)
-            out.extend(lp[i, : len(s)] for i, s in enumerate(seqs[a:b]))
+            out.extend(lp[i, :n] for i, n in enumerate(lengths))
             ref_pi.extend(np.asarray(rp)[: b - a].tolist())
             pi_ref.extend(np.asarray(pr)[: b - a].tolist())
         return out, np.asarray(ref_pi, np.float64), np.asarray(pi_ref, np.float64)
@@ -406,8 +427,8 @@ class PreferenceScorer:
             lps, ref_pi, pi_ref = sft.token_logprobs_and_kl(seqs, prompt_lens, self._policy)
             extras = {"kl_ref_pi_sum": ref_pi.tolist(), "kl_pi_ref_sum": pi_ref.tolist()}
         else:  # scored outside a Rollouts (no policy handed over): no full-vocabulary KL
-            lps = sft.token_logprobs(seqs)
-        sft_lp = [lp[len(p):].tolist() for lp, p in zip(lps, samples.prompt_tokens)]
+            lps = sft.token_logprobs(seqs, prompt_lens)
+        sft_lp = [lp.tolist() for lp in lps]
         return {
             "gold": gold.tolist(),
             "gold_reference": gold_ref.tolist(),
@@ -490,9 +511,9 @@ class PreferenceScorer:
 
     def _gold_rm(self, rm: RewardModel, samples: Samples, responses: list[np.ndarray], references: list[str]):
         prompts = [np.asarray(p, np.int32) for p in samples.prompt_tokens]
-        pol = rm.score([np.concatenate([p, r]) for p, r in zip(prompts, responses)])
-        ref = rm.score([np.concatenate([p, self._encode_reference(t)]) for p, t in zip(prompts, references)])
-        return pol, ref
+        refs = [self._encode_reference(t) for t in references]
+        both = rm.score_samples(prompts + prompts, list(responses) + refs)  # a prompt once for both
+        return both[: len(prompts)], both[len(prompts):]
 
     def _encode_reference(self, text: str) -> np.ndarray:
         """A reference text as the policy would have written it: its tokens, then EOS (a trailing
