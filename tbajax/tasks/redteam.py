@@ -312,7 +312,9 @@ class VictimConfig:
 
 
 class PriorScorer:
-    """log p_SFT(response | prompt) summed over response tokens, untempered (T = 1), jitted."""
+    """log p_SFT(response | prompt) summed over response tokens, untempered (T = 1), jitted. Only
+    the response tokens go through the vocabulary projection (their predicting hidden states are
+    gathered first), not the prompt's."""
 
     def __init__(self, checkpoint: str, mesh: Any = None, param_dtype: str = "float32", dtype: str = "float32",
                  model: Any = None):
@@ -325,13 +327,16 @@ class PriorScorer:
         self.pad = int(model.config.pad_token_id or 0)
         graphdef, self._state = nnx.split(model)
 
-        def fn(state, ids, mask, response_mask):  # type: ignore[no-untyped-def]
-            from tbajax.batch import token_logprobs
+        def fn(state, ids, mask, slots, inside):  # type: ignore[no-untyped-def]
+            from tbajax.batch import head_logprobs
             from tbajax.models.decoder import positions_from_mask
 
-            logits, _ = nnx.merge(graphdef, state)(ids, positions_from_mask(mask), mask)
-            lp = token_logprobs(logits, ids, 1.0)
-            return jnp.where(response_mask, lp, 0.0).sum(-1)
+            model = nnx.merge(graphdef, state)
+            hidden, _ = model.hidden_states(ids, positions_from_mask(mask), mask)
+            rows = jnp.arange(ids.shape[0])[:, None]
+            predicting = hidden[rows, slots - 1]  # the states that predict the response tokens
+            lp = head_logprobs(predicting, model.head_weight(), ids[rows, slots], jnp.float32(1.0))
+            return jnp.where(inside, lp, 0.0).sum(-1)
 
         self._fn = jax.jit(fn)
 
@@ -344,10 +349,16 @@ class PriorScorer:
                                    for i in range(0, len(prompts), step)])
         rows = [np.concatenate([np.asarray(p), np.asarray(r)]).astype(np.int32) for p, r in zip(prompts, responses)]
         ids, mask = _pad_rows(rows, self.pad)
-        resp = np.zeros_like(mask)
-        for i, (p, r) in enumerate(zip(prompts, responses)):
-            resp[i, len(p) : len(p) + len(r)] = True
-        out = self._fn(self._state, jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(resp))
+        if min(len(p) for p in prompts) < 1:
+            raise ValueError("the prior scores a response given a non-empty prompt")
+        width = min(next_pow2(max(len(r) for r in responses), 8), ids.shape[1] - 1)
+        first = np.ones(ids.shape[0], np.int64)  # filler rows: any slot >= 1
+        first[: len(rows)] = [len(p) for p in prompts]
+        slots = np.minimum(first[:, None] + np.arange(width), ids.shape[1] - 1).astype(np.int32)
+        inside = np.zeros(slots.shape, bool)
+        for i, r in enumerate(responses):
+            inside[i, : len(r)] = True
+        out = self._fn(self._state, *map(jnp.asarray, (ids, mask, slots, inside)))
         return np.asarray(out, np.float64)[: len(rows)]
 
 
