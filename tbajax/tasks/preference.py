@@ -631,7 +631,9 @@ def preference_task(
 
     no_eos_reward: the reward of a response that never emits EOS (None: the model's score).
     reference: "data" (each row's reference, else `reference_text`) or "sft_greedy".
-    score_batch_rows: rows per RM / SFT forward (a power of two keeps shapes few).
+    score_batch_rows: rows per RM / SFT forward (a power of two keeps shapes few); the reward
+      model scores the samples of a prompt as one packed row, as many groups a call as fit in
+      the slots of this many padded rows.
     """
     if source not in SOURCES:
         raise ValueError(f"task preference: unknown source {source!r}; use one of {SOURCES}")
