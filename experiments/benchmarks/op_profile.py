@@ -246,6 +246,7 @@ def train_step_rows(sizes: list[str], rows_per_batch: int, seq: int, calls: int,
     from tbajax.batch import Batch
     from tbajax.models import load_model
     from tbajax.training import LRSchedule, OptimizerConfig, TrainerConfig, init_train_state, make_train_step
+    from tbajax.training.collate import scored_windows
 
     out = []
     for size in sizes:
@@ -261,6 +262,7 @@ def train_step_rows(sizes: list[str], rows_per_batch: int, seq: int, calls: int,
             sample_mask=np.ones(rows_per_batch, bool), policy_version=np.zeros(rows_per_batch, np.int32),
             prompt_id=np.zeros(rows_per_batch, np.int32), beta=np.float32(BETA),
             token_versions=np.zeros((rows_per_batch, seq), np.int32), current_version=np.int32(0),
+            scored=scored_windows(b["loss_mask"], 1),  # the response tokens only, as `train_step.py`
         ))
         step = make_train_step(graphdef, config, "tb").lower(state, batch).compile()
         holder = [state]
