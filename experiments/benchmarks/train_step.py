@@ -436,28 +436,16 @@ def main() -> None:
             })
         rows[-1]["_raw"] = {"tbajax": ours, "torch": theirs}
 
-    objective_rows = []
-    for row in rows:
-        arms = row["_raw"]["tbajax"]["objective_steps"]
-        with_ref = arms["dr_grpo (reads everything)"]
-        for name, a in arms.items():
-            objective_rows.append({
-                "size": row["size"], "objective": name, "reference_forward": name != "dr_grpo",
-                "xla_gflop": a["xla_gflop"], "flop_saving": 1.0 - a["xla_gflop"] / with_ref["xla_gflop"],
-                "step_s": a["step_s"], "best_step_s": a["best_step_s"],
-                "time_saving": 1.0 - a["best_step_s"] / with_ref["best_step_s"],
-            })
-
-    window_rows = []
-    for row in rows:
-        arms = row["_raw"]["tbajax"]["window_steps"]
-        every = arms["tb, every position"]
-        for name, a in arms.items():
-            window_rows.append({
-                "size": row["size"], "prompt": args.prompt, "arm": name, "xla_gflop": a["xla_gflop"],
-                "flop_saving": 1.0 - a["xla_gflop"] / every["xla_gflop"], "step_s": a["step_s"],
-                "best_step_s": a["best_step_s"], "time_saving": 1.0 - a["best_step_s"] / every["best_step_s"],
-            })
+    objective_rows = [
+        {"size": row["size"], "objective": name, "reference_forward": name != "dr_grpo", **saving}
+        for row in rows
+        for name, saving in _savings(row["_raw"]["tbajax"]["objective_steps"], "dr_grpo (reads everything)")
+    ]
+    window_rows = [
+        {"size": row["size"], "prompt": args.prompt, "arm": name, **saving}
+        for row in rows
+        for name, saving in _savings(row["_raw"]["tbajax"]["window_steps"], "tb, every position")
+    ]
 
     info = {**machine(), "load_avg": os.getloadavg()}
     how_applied = ", ".join(f"{r['size']}: {'scanned' if r['scan_layers'] else 'unrolled'}" for r in rows)
@@ -484,6 +472,15 @@ def main() -> None:
                            "layers": args.layers, "prompt": args.prompt, "torch_logits_to_keep": True,
                            "machine": info, "rows": rows, "phases": details, "objective_rows": objective_rows,
                            "window_rows": window_rows})
+
+
+def _savings(arms: dict[str, dict], baseline: str) -> list[tuple[str, dict]]:
+    """Each arm's flops, step times and what it saves against the `baseline` arm."""
+    base = arms[baseline]
+    return [(name, {"xla_gflop": a["xla_gflop"], "flop_saving": 1.0 - a["xla_gflop"] / base["xla_gflop"],
+                    "step_s": a["step_s"], "best_step_s": a["best_step_s"],
+                    "time_saving": 1.0 - a["best_step_s"] / base["best_step_s"]})
+            for name, a in arms.items()]
 
 
 def _num_params(ckpt: Path) -> int:

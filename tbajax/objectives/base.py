@@ -2,7 +2,9 @@
 
 * `batch` is a `tbajax.batch.Batch` (behaviour / reference log-probs, rewards, group ids, β).
 * `logprobs` are the current policy's per-token log-probs [B, T], aligned with `batch.tokens`,
-  computed inside the trainer's loss from the params (so gradients flow through them).
+  computed inside the trainer's loss from the params (so gradients flow through them). They are
+  filled on `batch.loss_mask` (0 elsewhere, when the batch scores its response windows,
+  `Batch.scored`, or packed groups): read them there.
 * `config` is the objective's own frozen dataclass of hyperparameters (static under jit).
 
 Every loss and metric is returned as a `Ratio` (numerator, denominator) so that summing over
