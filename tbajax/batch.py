@@ -71,7 +71,7 @@ class Batch:
     packed: PackedGroups | None = None  # the same rows packed per group (see PackedGroups)
     scored: Array | None = None  # [B, S] int32: each row's scored window, the slots from its first
     #   loss-masked token on (S: the most a row spans from its first to its last loss-masked
-    #   token, bucketed; past the row's end the last slot repeats). Only these tokens are scored,
+    #   token, rounded up by `collate.scored_windows`; past the row's end the last slot repeats). Only these tokens are scored,
     #   so the vocabulary projection skips the prompt (transformers' `logits_to_keep`, per row).
     #   None scores every position. Built by `collate` for the row layout (None when packed).
     prompt_features: Array | None = None  # [B, D] f32: the policy's final hidden state mean-pooled

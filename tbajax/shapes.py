@@ -14,8 +14,16 @@ def pow2_bucket(n: int, limit: int, minimum: int = 1) -> int:
     return min(next_pow2(n, minimum), limit)
 
 
-def half_pow2_bucket(n: int, minimum: int = 1) -> int:
-    """The smallest power of two or 1.5 x a power of two that is >= n (and >= `minimum`): at most
-    a third of padding, two sizes per doubling."""
+def pow2_steps_bucket(n: int, minimum: int = 1, steps: int = 2) -> int:
+    """The smallest size >= n (and >= `minimum`) among the powers of two and the `steps` - 1
+    evenly spaced sizes between each and the next: padding below 1 / (steps + 1) of the size
+    above 2 x steps (`steps` = 2: 16, 24, 32, 48, 64, ...), `steps` compiled sizes per doubling."""
     p = next_pow2(n, minimum)
-    return p * 3 // 4 if p >= 4 and p * 3 // 4 >= max(n, minimum) else p
+    half = p // 2
+    if half < steps:
+        return p
+    for j in range(1, steps):
+        size = half + half * j // steps
+        if size >= max(n, minimum):
+            return size
+    return p

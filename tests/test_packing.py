@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from tbajax.packing import group_by_prompt, pack_prompt_groups, packed_width
-from tbajax.shapes import half_pow2_bucket
+from tbajax.shapes import pow2_steps_bucket
 
 
 def test_pack_prompt_groups_hand_values():
@@ -31,6 +31,9 @@ def test_group_by_prompt_keeps_first_appearance_order():
     assert group_by_prompt(prompts) == [[0, 2], [1, 4], [3]]
 
 
-def test_half_pow2_bucket_hand_values():
-    got = [half_pow2_bucket(n, 16) for n in (1, 16, 17, 24, 25, 33, 129, 192, 193, 1200)]
+def test_pow2_steps_bucket_hand_values():
+    got = [pow2_steps_bucket(n, 16) for n in (1, 16, 17, 24, 25, 33, 129, 192, 193, 1200)]
     assert got == [16, 16, 24, 24, 32, 48, 192, 192, 256, 1536]
+    got = [pow2_steps_bucket(n, 16, steps=4) for n in (1, 17, 21, 100, 112, 113, 200, 700)]
+    assert got == [16, 20, 24, 112, 112, 128, 224, 768]
+    assert [pow2_steps_bucket(n, 1, steps=4) for n in (1, 2, 3, 5, 7, 9)] == [1, 2, 4, 5, 7, 10]

@@ -838,12 +838,15 @@ def test_scored_windows_hand_values():
                      [1, 1, 0, 0, 0, 0]], bool)  # slot 0 has no predecessor: the window starts at 1
     np.testing.assert_array_equal(scored_windows(loss, 1),
                                   [[2, 3, 4, 5], [1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 4]])
-    # bucketed to 6, capped at seq - 1 = 5; past a row's end its last slot repeats
-    np.testing.assert_array_equal(scored_windows(loss, 3)[:2], [[2, 3, 4, 5, 5], [1, 2, 3, 4, 5]])
+    # rounded up to at least 8, capped at seq - 1 = 5; past a row's end its last slot repeats
+    np.testing.assert_array_equal(scored_windows(loss, 8)[:2], [[2, 3, 4, 5, 5], [1, 2, 3, 4, 5]])
+    wide = np.zeros((1, 400), bool)
+    wide[0, 100:300] = True  # a span of 200: a width of 224 (1.75 x 128)
+    assert scored_windows(wide).shape == (1, 224)
     trajectories = [Trajectory(0, 0, np.array([7, 8, 9], np.int32), np.array(x, np.int32),
                                np.zeros(len(x), np.float32), 0.0) for x in ([4, 5], [6])]
     batch = collate([trajectories], beta=1.0, length_bucket=1)
-    np.testing.assert_array_equal(batch.scored, [[3, 4], [3, 4]])
+    np.testing.assert_array_equal(batch.scored, [[3, 4, 4, 4], [3, 4, 4, 4]])  # width 16, capped at 4
     assert collate([trajectories], beta=1.0, length_bucket=1, pack_microbatches=1).scored is None
 
 

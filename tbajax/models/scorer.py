@@ -33,7 +33,7 @@ from tbajax.models.decoder import CausalLM, packed_attention_mask, positions_fro
 from tbajax.models.hf import load_weights, resolve_checkpoint
 from tbajax.models.layers import CausalMask
 from tbajax.packing import pack_prompt_groups, packed_width
-from tbajax.shapes import half_pow2_bucket, next_pow2
+from tbajax.shapes import next_pow2, pow2_steps_bucket
 
 Array = jax.Array
 
@@ -141,7 +141,7 @@ class SequenceScorer:
         responses = [[np.asarray(r, np.int32).reshape(-1) for r in rs] for rs in responses]
         if not prompts:
             raise ValueError("score_prompt_groups needs at least one prompt")
-        width = half_pow2_bucket(packed_width(prompts, responses), 16)
+        width = pow2_steps_bucket(packed_width(prompts, responses), 16, steps=2)
         packed = pack_prompt_groups(prompts, responses, width, rows=next_pow2(len(prompts)))
         where = [
             (g, start + len(r) - 1 if len(r) else len(p) - 1)

@@ -10,6 +10,7 @@ import numpy as np
 
 from tbajax.batch import Batch, PackedGroups
 from tbajax.packing import pack_prompt_groups, packed_width
+from tbajax.shapes import pow2_steps_bucket
 from tbajax.trajectory import Trajectory
 
 
@@ -82,7 +83,7 @@ def collate(
     rlp *= loss
     packed, scored = None, None
     if pack_microbatches is None:
-        scored = scored_windows(loss, length_bucket)
+        scored = scored_windows(loss)
     else:
         prompt_len = np.zeros((n,), np.int64)
         prompt_len[: len(rows)] = [len(t.prompt_tokens) for t in rows]
@@ -108,12 +109,14 @@ def collate(
     )
 
 
-def scored_windows(loss_mask: np.ndarray, length_bucket: int = 32) -> np.ndarray:
+def scored_windows(loss_mask: np.ndarray, minimum: int = 16) -> np.ndarray:
     """`Batch.scored` of a row layout: each row's slots from its first loss-masked token (at least
     slot 1: slot 0 has no predecessor to predict it) on, as many as the longest such span in the
-    batch, rounded up to `length_bucket` (capped at seq - 1), so that a run compiles a few widths.
-    A row without loss-masked tokens gets the window at slot 1; past the row's end the last slot
-    repeats."""
+    batch rounded up to a power of two or 1.25, 1.5, 1.75 x one (`shapes.pow2_steps_bucket`, at
+    least `minimum`, capped at seq - 1). Coarse enough that a run compiles about as many step
+    programs as without windows (rounding it to the 32-token length buckets made ~3.5x as many
+    (length, width) pairs for MATH-like lengths), fine enough to waste at most a fifth. A row
+    without loss-masked tokens gets the window at slot 1; past a row's end its last slot repeats."""
     n, seq = loss_mask.shape
     if seq < 2:
         raise ValueError(f"rows of {seq} token(s) have nothing to score: a token is scored from the one "
@@ -122,7 +125,7 @@ def scored_windows(loss_mask: np.ndarray, length_bucket: int = 32) -> np.ndarray
     first = np.where(has, loss_mask.argmax(-1), 1).clip(1)
     last = np.where(has, seq - 1 - loss_mask[:, ::-1].argmax(-1), first)
     span = int((last - first + 1).max())
-    width = min(-(-span // length_bucket) * length_bucket, seq - 1)
+    width = min(pow2_steps_bucket(span, minimum, steps=4), seq - 1)
     return np.minimum(first[:, None] + np.arange(width)[None, :], seq - 1).astype(np.int32)
 
 
