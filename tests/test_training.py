@@ -850,6 +850,24 @@ def test_scored_windows_hand_values():
     assert collate([trajectories], beta=1.0, length_bucket=1, pack_microbatches=1).scored is None
 
 
+def test_scored_window_widths_add_few_compiled_shapes():
+    """Over MATH-like batches (prompts of 80-600 tokens, responses of 100-3072) the (row length,
+    window width) pairs that a run compiles are about as many as the row lengths alone; widths
+    rounded to the rows' 32-token length buckets would make several times as many."""
+    r = np.random.default_rng(0)
+    lengths, pairs, by_32 = set(), set(), set()
+    for _ in range(200):
+        p, n = r.integers(80, 600, 64), r.integers(100, 3072, 64)
+        seq = -(-int((p + n).max()) // 32) * 32
+        slot = np.arange(seq)
+        loss = (slot >= p[:, None]) & (slot < (p + n)[:, None])
+        lengths.add(seq)
+        pairs.add((seq, scored_windows(loss).shape[1]))
+        by_32.add((seq, min(-(-int(n.max()) // 32) * 32, seq - 1)))
+    counts = (len(lengths), len(pairs), len(by_32))
+    assert len(pairs) <= 1.2 * len(lengths) and len(by_32) >= 2.5 * len(lengths), counts
+
+
 def long_prompt_batch(seed: int) -> Batch:
     """make_batch with the loss on slots >= 10 only: a long prompt, a short response."""
     b = make_batch(seed)

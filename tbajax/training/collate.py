@@ -114,8 +114,9 @@ def scored_windows(loss_mask: np.ndarray, minimum: int = 16) -> np.ndarray:
     slot 1: slot 0 has no predecessor to predict it) on, as many as the longest such span in the
     batch rounded up to a power of two or 1.25, 1.5, 1.75 x one (`shapes.pow2_steps_bucket`, at
     least `minimum`, capped at seq - 1). Coarse enough that a run compiles about as many step
-    programs as without windows (rounding it to the 32-token length buckets made ~3.5x as many
-    (length, width) pairs for MATH-like lengths), fine enough to waste at most a fifth. A row
+    programs as without windows (rounded to the 32-token length buckets, several times as many
+    (length, width) pairs for MATH-like lengths: `test_scored_window_widths_add_few_compiled_shapes`),
+    fine enough to waste at most a fifth. A row
     without loss-masked tokens gets the window at slot 1; past a row's end its last slot repeats."""
     n, seq = loss_mask.shape
     if seq < 2:
