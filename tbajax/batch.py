@@ -71,9 +71,10 @@ class Batch:
     packed: PackedGroups | None = None  # the same rows packed per group (see PackedGroups)
     scored: Array | None = None  # [B, S] int32: each row's scored window, the slots from its first
     #   loss-masked token on (S: the most a row spans from its first to its last loss-masked
-    #   token, rounded up by `collate.scored_windows`; past the row's end the last slot repeats). Only these tokens are scored,
-    #   so the vocabulary projection skips the prompt (transformers' `logits_to_keep`, per row).
-    #   None scores every position. Built by `collate` for the row layout (None when packed).
+    #   token, rounded up by `collate.scored_windows`; past the row's end the last slot repeats).
+    #   Only these tokens are scored, so the vocabulary projection skips the prompt
+    #   (transformers' `logits_to_keep`, per row). None scores every position. Built by `collate`
+    #   for the row layout (None when packed).
     prompt_features: Array | None = None  # [B, D] f32: the policy's final hidden state mean-pooled
     #   over each row's prompt tokens (stop-gradient), filled inside the step for objectives that
     #   declare `ObjectiveInputs.prompt_features` (a learned log Z head); None otherwise

@@ -25,8 +25,8 @@ import numpy as np  # noqa: E402
 
 import torch  # noqa: E402
 from common import (  # noqa: E402
-    PAD, SIZES, keep_freed_memory, machine, machine_line, make_llama_checkpoint, make_neox_checkpoint, peak_rss_mb,
-    print_table, timed_in_turns, write_json,
+    PAD, SIZES, keep_freed_memory, machine, machine_line, make_llama_checkpoint, make_neox_checkpoint,
+    peak_rss_mb, print_table, timed_in_turns, write_json,
 )
 from flax import nnx  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification  # noqa: E402

@@ -126,7 +126,6 @@ class SequenceScorer:
             raise ValueError("every row needs at least one real token (attention_mask all zero)")
         return self._fn(self._state, tokens.astype(jnp.int32), mask.astype(bool))
 
-
     def score_prompt_groups(
         self, prompts: Sequence[Any], responses: Sequence[Sequence[Any]]
     ) -> list[np.ndarray]:
@@ -134,7 +133,7 @@ class SequenceScorer:
         for group g), with each prompt run once for all of its responses: one packed row per
         group (`tbajax.packing`), where a response sees its prompt and itself only and is read at
         its last token (an empty response at the prompt's). A group of K costs P + ΣR tokens
-        instead of K·P + ΣR, and no row is padded to the longest. Rows, width and the number of
+        instead of K·P + ΣR, and no response is padded to the longest one. Rows, width and the number of
         responses are rounded up (`tbajax.shapes`), so a stream of batches compiles a few programs.
         """
         prompts = [np.asarray(p, np.int32).reshape(-1) for p in prompts]
