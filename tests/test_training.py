@@ -752,10 +752,34 @@ def test_pack_groups_layout_hand_values():
     np.testing.assert_array_equal(pk.tokens, [[7, 8, 9, 10, 11]])
     np.testing.assert_array_equal(pk.positions, [[0, 1, 2, 3, 2]])
     np.testing.assert_array_equal(pk.segments, [[0, 0, 1, 1, 2]])
-    np.testing.assert_array_equal(pk.scored, [[2, 3, 4]])  # the response slots: only these are scored
-    np.testing.assert_array_equal(pk.previous, [[1, 2, 1]])  # both responses start after slot 1
+    # the response slots, only these are scored (3 of them, rounded up to 4: padded with slot 0)
+    np.testing.assert_array_equal(pk.scored, [[2, 3, 4, 0]])
+    np.testing.assert_array_equal(pk.previous, [[1, 2, 1, 0]])  # both responses start after slot 1
     np.testing.assert_array_equal(pk.source[0, 2:4], [0, 1])  # indices into the scored slots
     np.testing.assert_array_equal(pk.source[1, 2:3], [2])
+
+
+def test_packed_scored_widths_add_few_compiled_shapes():
+    """TL;DR-shaped packed batches (8 groups of K = 20, posts of 200-512 tokens, summaries of
+    16-128, length buckets of 64): about half as many (width, scored width) pairs to compile as
+    scored widths rounded to the length buckets would give."""
+    from tbajax.training.collate import pack_groups
+
+    r = np.random.default_rng(0)
+    widths, pairs, by_bucket = set(), set(), set()
+    for _ in range(60):
+        p, n = r.integers(200, 512, 8), r.integers(16, 128, (8, 20))
+        seq = int((p[:, None] + n).max())
+        slot = np.arange(seq)
+        prompt_len = np.repeat(p, 20)
+        mask = slot < (prompt_len + n.reshape(-1))[:, None]
+        gid = np.repeat(np.arange(8), 20)
+        tokens = np.where(mask, 3, 0).astype(np.int32)
+        pk = pack_groups(tokens, prompt_len, mask, gid, np.ones(160, bool), 8, length_bucket=64)
+        widths.add(pk.tokens.shape[1])
+        pairs.add((pk.tokens.shape[1], pk.scored.shape[1]))
+        by_bucket.add((pk.tokens.shape[1], -(-int(n.sum(1).max()) // 64) * 64))
+    assert len(pairs) <= 0.6 * len(by_bucket), (len(widths), len(pairs), len(by_bucket))
 
 
 def test_packed_logprobs_equal_the_row_layout():

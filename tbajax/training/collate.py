@@ -173,7 +173,10 @@ def pack_groups(
     need = max((packed_width(p, a) for p, a in zip(prompts, answers) if p), default=1)
     width = -(-need // length_bucket) * length_bucket
     most_answers = max([int(response_len[rows].sum()) for groups in slices for rows in groups] + [1])
-    scored_width = -(-most_answers // length_bucket) * length_bucket
+    # rounded as the row layout's windows are (`scored_windows`), not to the width's length
+    # buckets: fewer (width, scored width) pairs to compile
+    # (`test_packed_scored_widths_add_few_compiled_shapes`)
+    scored_width = min(pow2_steps_bucket(most_answers, steps=4), width)
     g_m = max(1, max(len(groups) for groups in slices))
     while (num_microbatches * g_m) % row_multiple:
         g_m += 1
