@@ -796,10 +796,14 @@ def test_packed_logprobs_equal_the_row_layout():
         assert (got[~rows.loss_mask] == 0).all()
 
 
-def test_packed_logprobs_equal_the_row_layout_over_causal_blocks():
-    """Packed rows of 128 slots: their attention runs in `layers.causal_blocks` (4) query blocks,
-    skipping the blocks above the diagonal (the packed mask goes in as a CausalMask)."""
+@pytest.mark.parametrize("blocks_from", [0, 10**6], ids=["causal-blocks", "whole-rows"])
+def test_packed_logprobs_equal_the_row_layout_over_causal_blocks(blocks_from, monkeypatch):
+    """Packed rows of 128 slots, their attention in `layers.causal_blocks` (4) query blocks that
+    skip the blocks above the diagonal (the packed mask as a CausalMask) or over whole rows."""
+    from tbajax.models import decoder
     from tbajax.models.layers import causal_blocks
+
+    monkeypatch.setattr(decoder, "PACKED_CAUSAL_BLOCKS_MIN", blocks_from)
 
     graphdef, params = _model_parts()
     r = np.random.default_rng(5)

@@ -10,6 +10,10 @@ the row-layout step measured in this run. "token ratio" is the speed-up if time 
 to tokens scored; attention over the longer packed rows and the unchanged per-step overheads are
 what keep the measured figure below it.
 
+A second table times the packed step with its attention in causal blocks (the packed mask as a
+`CausalMask`: the blocks above the diagonal skipped) and over whole rows, in alternating rounds in
+this process; `models.decoder.PACKED_CAUSAL_BLOCKS_MIN` picks between them by row width.
+
 Default shapes are the SmolLM2 Countdown experiment's: prompts of ~160 tokens, answers of ~12,
 4 groups of K = 8. Without --checkpoint a random 50M Llama-style checkpoint is generated.
 """
@@ -89,12 +93,54 @@ def run(checkpoint: str, groups: int, k: int, prompt: int, response: int, repeat
             "first_loss": first_loss,
         })
     rows, packed = results
+    packed["block_arms"] = _causal_block_arms(model, data, base, repeats)
     packed["speedup"] = rows["step_s"] / packed["step_s"]
     packed["token_ratio"] = rows["tokens_in_step"] / packed["tokens_in_step"]
     packed["share_of_token_ratio"] = packed["speedup"] / packed["token_ratio"]
     packed["loss_rel_diff"] = abs(packed["first_loss"] - rows["first_loss"]) / max(abs(rows["first_loss"]), 1e-12)
     rows["speedup"] = 1.0
     return results
+
+
+def _causal_block_arms(model: Any, data: list, base: Any, repeats: int) -> dict[str, Any]:
+    """The packed step compiled with the causal blocks at any width and at none (the threshold is
+    read at trace time), each from its own copy of the state, timed in alternating rounds."""
+    import jax
+
+    from tbajax.batch import collate
+    from tbajax.models import decoder
+    from tbajax.training import init_train_state, make_train_step
+
+    config = dataclasses.replace(base, pack_groups=True)
+    batch = jax.device_put(collate(data, beta=0.05, pack_microbatches=1))
+    default = decoder.PACKED_CAUSAL_BLOCKS_MIN
+    steps, states = {}, {}
+    try:
+        for arm, threshold in (("causal blocks", 0), ("whole rows", 1 << 30)):
+            decoder.PACKED_CAUSAL_BLOCKS_MIN = threshold
+            graphdef, states[arm] = init_train_state(model, config)
+            steps[arm] = make_train_step(graphdef, config, "tb").lower(states[arm], batch).compile()
+            states[arm], out = steps[arm](states[arm], batch)  # warm-up
+            out.metrics["loss"].block_until_ready()
+    finally:
+        decoder.PACKED_CAUSAL_BLOCKS_MIN = default
+    times: dict[str, list[float]] = {arm: [] for arm in steps}
+    for _ in range(max(repeats, 5)):
+        for arm, step in steps.items():
+            t0 = time.perf_counter()
+            states[arm], out = step(states[arm], batch)
+            out.metrics["loss"].block_until_ready()
+            times[arm].append(time.perf_counter() - t0)
+    width = int(batch.packed.tokens.shape[1])
+    return {
+        "width": width,
+        "default_uses_blocks": width >= default,
+        "causal_blocks_s": float(np.median(times["causal blocks"])),
+        "whole_rows_s": float(np.median(times["whole rows"])),
+        "blocks_speedup": float(np.median([w / c for c, w in zip(times["causal blocks"],
+                                                                  times["whole rows"])])),
+        "times": times,
+    }
 
 
 def main() -> None:
@@ -116,8 +162,14 @@ def main() -> None:
           f"checkpoint {checkpoint}")
     print_table(results, ["layout", "tokens_in_step", "real_tokens", "step_s", "speedup", "token_ratio",
                           "share_of_token_ratio", "first_loss", "loss_rel_diff"])
+    arms = results[1]["block_arms"]
+    block_rows = [{k: v for k, v in arms.items() if k != "times"}]
+    print("\npacked step, attention in causal blocks vs over whole rows (median s over alternating rounds; "
+          "blocks_speedup = whole rows' time / blocks', median of the rounds' ratios)")
+    print_table(block_rows, ["width", "default_uses_blocks", "causal_blocks_s", "whole_rows_s",
+                             "blocks_speedup"])
     write_json(args.json, {"benchmark": "packed_groups", "machine": machine(), "args": vars(args),
-                           "checkpoint": checkpoint, "results": results})
+                           "checkpoint": checkpoint, "results": results, "block_rows": block_rows})
 
 
 if __name__ == "__main__":

@@ -207,6 +207,19 @@ def packed_attention_mask(segments: Array) -> Array:
     return causal[None] & (key >= 0) & ((key == 0) | (key == query))
 
 
+PACKED_CAUSAL_BLOCKS_MIN = 512
+
+
+def packed_mask(segments: Array) -> Array | CausalMask:
+    """`packed_attention_mask`, wrapped in a `CausalMask` (attention then skips the blocks above
+    the diagonal, `layers.causal_blocks`) for rows of at least PACKED_CAUSAL_BLOCKS_MIN slots
+    (read at trace time). The packed TB step with and without the blocks, in alternating rounds
+    (`experiments/benchmarks/packed_groups.py`): slower with them at a few hundred slots, much
+    faster at TL;DR's ~1400."""
+    mask = packed_attention_mask(segments)
+    return CausalMask(mask) if segments.shape[-1] >= PACKED_CAUSAL_BLOCKS_MIN else mask
+
+
 def rope_tables(cfg: ModelConfig, positions: Array) -> tuple[Array, Array]:
     """cos/sin [batch, seq, rotary_dim] for a RoPE family."""
     return _rope_tables(rope_inv_freq(cfg), positions)

@@ -29,9 +29,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from tbajax.models.config import ModelConfig, UnsupportedModelError
-from tbajax.models.decoder import CausalLM, packed_attention_mask, positions_from_mask
+from tbajax.models.decoder import CausalLM, packed_mask, positions_from_mask
 from tbajax.models.hf import load_weights, resolve_checkpoint
-from tbajax.models.layers import CausalMask
 from tbajax.packing import pack_prompt_groups, packed_width
 from tbajax.shapes import next_pow2, pow2_steps_bucket
 
@@ -76,7 +75,7 @@ def packed_sequence_scores(
     last token they equal `sequence_scores` of its own `prompt + response` row (pure; jit it)."""
     if model.config.num_labels is None:
         raise ValueError("packed_sequence_scores needs a model with a score head (config.num_labels set)")
-    hidden, _ = model.hidden_states(tokens, positions, CausalMask(packed_attention_mask(segments)))
+    hidden, _ = model.hidden_states(tokens, positions, packed_mask(segments))
     return model.logits(hidden[rows, slots])
 
 

@@ -17,8 +17,7 @@ from flax import nnx
 
 from tbajax import op_scopes as S
 from tbajax.batch import Batch, hidden_token_logprobs, packed_hidden_logprobs, windowed_hidden_logprobs
-from tbajax.models.decoder import packed_attention_mask
-from tbajax.models.layers import CausalMask
+from tbajax.models.decoder import packed_mask
 from tbajax.objectives.base import Metrics
 from tbajax.objectives.registry import EVERYTHING, ObjectiveInputs, ObjectiveSpec, aux_for_loss
 from tbajax.training.config import TrainerConfig
@@ -35,8 +34,7 @@ def sequence_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, t
     model = nnx.merge(graphdef, params)
     if batch.packed is not None:
         pk = batch.packed
-        mask = CausalMask(packed_attention_mask(pk.segments))  # attention skips the upper blocks
-        hidden, _ = model.hidden_states(pk.tokens, pk.positions, mask)
+        hidden, _ = model.hidden_states(pk.tokens, pk.positions, packed_mask(pk.segments))
         return packed_hidden_logprobs(hidden, model.head_weight(), batch, temperature)
     hidden, _ = model.hidden_states(batch.tokens, attention_mask=batch.attention_mask)
     return _row_logprobs(hidden, model.head_weight(), batch, temperature)
