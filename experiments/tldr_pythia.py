@@ -91,7 +91,7 @@ def config() -> ExperimentConfig:
                 temperature=TEMPERATURE,
                 num_microbatches=PROMPTS_PER_STEP,
                 # a group's post is most of each of its K = 20 rows: scored once per group, the step
-                # ran 5.3x faster at these shapes (results/benchmarks/packed_groups_tldr_shape.json)
+                # ran 5.1x faster at these shapes (results/benchmarks/packed_groups_tldr_shape.json)
                 pack_groups=True,
                 param_dtype="float32",
                 compute_dtype="float32",  # the reference trains in fp32
