@@ -220,6 +220,15 @@ def _int_zeros(x: Array) -> Array:
     return np.zeros(x.shape, dtype=jax.dtypes.float0)
 
 
+def window_logprobs(hidden: Array, head: Array, tokens: Array, slots: Array, temperature: Array) -> Array:
+    """[B, S] log-probs of tokens[b, slots[b, j]] from hidden states [B, T, D] of `tokens`
+    (slots >= 1): the states that predict them (slots - 1) are gathered first, so the vocabulary
+    projection, its [B, S, V] logits and their gradient (`head_logprobs`) cover the window only."""
+    rows = jnp.arange(hidden.shape[0])[:, None]
+    temperature = jnp.asarray(temperature, jnp.float32)
+    return head_logprobs(hidden[rows, slots - 1], head, tokens[rows, slots], temperature)
+
+
 def windowed_hidden_logprobs(hidden: Array, head: Array, batch: Batch, temperature: float = 1.0) -> Array:
     """`hidden_token_logprobs` over each row's scored window only (`batch.scored`): hidden states
     [B, T, D] of `batch.tokens`, result [B, T], filled on `loss_mask` only (0 elsewhere).
@@ -227,9 +236,7 @@ def windowed_hidden_logprobs(hidden: Array, head: Array, batch: Batch, temperatu
     The states that predict the window's tokens (slots - 1) are gathered first, so the vocabulary
     projection, its [B, S, V] logits and their gradient cover the window, not the prompt."""
     slots, tokens = jnp.asarray(batch.scored), jnp.asarray(batch.tokens)
-    rows = jnp.arange(hidden.shape[0])[:, None]
-    predicting = hidden[rows, jnp.maximum(slots - 1, 0)]  # [B, S, D]
-    picked = head_logprobs(predicting, head, tokens[rows, slots], jnp.float32(temperature))
+    picked = window_logprobs(hidden, head, tokens, slots, temperature)
     offset = jnp.arange(tokens.shape[1])[None, :] - slots[:, :1]  # slot t -> window entry t - first
     inside = (offset >= 0) & (offset < slots.shape[1])
     aligned = jnp.take_along_axis(picked, jnp.clip(offset, 0, slots.shape[1] - 1), axis=1)

@@ -1,11 +1,14 @@
-"""Host-side layout of prompt groups packed one per row: `prompt, response 1, response 2, ...`.
+"""Host-side layouts of prompts and their responses: prompt groups packed one per row
+(`prompt, response 1, response 2, ...`), and each row's response window (`response_windows`).
 
 Every response attends to the prompt and to itself only (`models.decoder.packed_attention_mask`)
 and takes positions from the prompt's length on, so each response's hidden states equal those of
 its own `prompt + response` row, while the prompt is run once per group instead of once per
 sample. The trainer's packed groups (`training.collate.pack_groups`) and the reward model's
 packed scoring (`models.scorer.SequenceScorer.score_prompt_groups`) both lay rows out with it.
-numpy only.
+The windows let a scorer gather the hidden states that predict the response tokens before the
+vocabulary projection (the trainer's row layout, the preference eval's SFT model, the red-team
+prior). numpy only.
 """
 
 from __future__ import annotations
@@ -75,3 +78,21 @@ def group_by_prompt(prompts: Sequence[np.ndarray]) -> list[list[int]]:
     for i, p in enumerate(prompts):
         groups.setdefault(np.asarray(p, np.int32).tobytes(), []).append(i)
     return list(groups.values())
+
+
+def response_windows(
+    first: Sequence[int], lengths: Sequence[int], rows: int, seq: int, width: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """([rows, width] int32 slots, [rows, width] bool real): row i's window starts at slot
+    first[i] (>= 1: slot 0 has no predecessor to predict it) and its first lengths[i] slots are
+    real; past a row's end (seq - 1) the last slot repeats. Rows past len(first) (filler) get the
+    window at slot 1, nothing real."""
+    start = np.ones(rows, np.int64)
+    start[: len(first)] = first
+    if (start < 1).any():
+        raise ValueError("a response window starts at slot >= 1 (scoring needs a non-empty prompt)")
+    slots = np.minimum(start[:, None] + np.arange(width)[None, :], seq - 1).astype(np.int32)
+    real = np.zeros((rows, width), bool)
+    for i, n in enumerate(lengths):
+        real[i, :n] = True
+    return slots, real

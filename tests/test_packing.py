@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tbajax.packing import group_by_prompt, pack_prompt_groups, packed_width
+from tbajax.packing import group_by_prompt, pack_prompt_groups, packed_width, response_windows
 from tbajax.shapes import pow2_steps_bucket
 
 
@@ -37,3 +37,11 @@ def test_pow2_steps_bucket_hand_values():
     got = [pow2_steps_bucket(n, 16, steps=4) for n in (1, 17, 21, 100, 112, 113, 200, 700)]
     assert got == [16, 20, 24, 112, 112, 128, 224, 768]
     assert [pow2_steps_bucket(n, 1, steps=4) for n in (1, 2, 3, 5, 7, 9)] == [1, 2, 4, 5, 7, 10]
+
+
+def test_response_windows_hand_values():
+    slots, real = response_windows([2, 1], [2, 3], rows=3, seq=5, width=4)
+    np.testing.assert_array_equal(slots, [[2, 3, 4, 4], [1, 2, 3, 4], [1, 2, 3, 4]])  # the end repeats
+    np.testing.assert_array_equal(real, [[1, 1, 0, 0], [1, 1, 1, 0], [0, 0, 0, 0]])  # a filler row: none
+    with pytest.raises(ValueError, match="slot >= 1"):
+        response_windows([0], [1], rows=1, seq=4, width=2)

@@ -214,7 +214,7 @@ def packed_mask(segments: Array) -> Array | CausalMask:
     """`packed_attention_mask`, wrapped in a `CausalMask` (attention then skips the blocks above
     the diagonal, `layers.causal_blocks`) for rows of at least PACKED_CAUSAL_BLOCKS_MIN slots
     (read at trace time). The packed TB step with and without the blocks, in alternating rounds
-    (`experiments/benchmarks/packed_groups.py`): slower with them at a few hundred slots, much
+    (`experiments/benchmarks/packed_groups.py`): no faster with them at a few hundred slots, much
     faster at TL;DR's ~1400."""
     mask = packed_attention_mask(segments)
     return CausalMask(mask) if segments.shape[-1] >= PACKED_CAUSAL_BLOCKS_MIN else mask

