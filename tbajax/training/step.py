@@ -273,8 +273,9 @@ def make_train_step(
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, StepOutput]:
         if batch.packed is None and batch.scored is None:  # the same log-probs, and the batch
-            # then has the structure that the shardings were declared for
-            batch = dataclasses.replace(batch, scored=scored_windows(np.asarray(batch.loss_mask), 1))
+            # then has the structure that the shardings were declared for; widths rounded as
+            # `collate`'s, so that varied batches compile a few programs
+            batch = dataclasses.replace(batch, scored=scored_windows(np.asarray(batch.loss_mask)))
         if global_batch:
             batch = host_to_global(batch, in_batch)
         with jax.set_mesh(mesh):
