@@ -414,7 +414,8 @@ def test_orient_for_decode_moves_only_large_weights_out_major_and_undoes_exactly
 
 def test_unfused_transpose_is_the_transpose_whatever_its_first_element():
     """The CPU lowering keeps the transpose in a conditional (so XLA cannot fuse it into its
-    producer); both branches transpose, so a NaN or negative first element changes nothing."""
+    producer or fold it into a product); both branches transpose, so a NaN or negative first
+    element changes nothing."""
     from tbajax.models.layers import unfused_transpose
 
     x = np.arange(12, dtype=np.float32).reshape(3, 4)
@@ -424,6 +425,9 @@ def test_unfused_transpose_is_the_transpose_whatever_its_first_element():
         np.testing.assert_array_equal(f(x), (x * 2).T)
     assert unfused_transpose(jnp.zeros((0, 3))).shape == (3, 0)
     assert "conditional" in f.lower(x).compile().as_text()
+    # batched (the attention VJP's operands): the last two axes swap
+    x4 = np.arange(2 * 3 * 4 * 5, dtype=np.float32).reshape(2, 3, 4, 5) - 7
+    np.testing.assert_array_equal(jax.jit(unfused_transpose)(x4), x4.swapaxes(-1, -2))
 
 
 def test_own_kernel_is_the_identity_with_its_gradient():

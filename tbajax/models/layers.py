@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -86,8 +86,10 @@ def linear(x: Array, w: Array) -> Array:
     axis of both, so one operand must be transposed. XLA CPU transposes g, fusing whatever
     produced g (a RoPE backward, a residual sum) into a loop that runs in the transposed order,
     even when x is the smaller array. Here the smaller of the two is transposed, as a kernel of
-    its own (`unfused_transpose`). A bf16 / fp16 product always takes x^T, materialised
-    row-major (`row_major_transpose`), as its left operand.
+    its own (`unfused_transpose`). When that is g, the product is d w^T = g^T x, transposed
+    after (a weight-sized copy): XLA:CPU ran x^T g with g^T as its operand, whose output it lays
+    out transposed, with its generic dot emitter instead of its library kernels. A bf16 / fp16
+    product always takes x^T, materialised row-major (`row_major_transpose`), as its left operand.
     """
     return matmul("...d,df->...f", x, w)
 
@@ -106,8 +108,8 @@ def _linear_bwd(residuals: tuple[Array, Array], g: Array) -> tuple[Array, Array]
         dw = matmul("dn,nf->df", row_major_transpose(xs), gs)
     elif d <= f:
         dw = matmul("dn,nf->df", unfused_transpose(xs), gs)
-    else:
-        dw = matmul("nd,fn->df", xs, unfused_transpose(gs))
+    else:  # d w^T = g^T x, so that the product writes row-major (see `_row_grads`)
+        dw = unfused_transpose(matmul("fn,nd->fd", unfused_transpose(gs), xs))
     return dx, dw.astype(w.dtype)
 
 
@@ -171,7 +173,7 @@ def project(x: Array, w: Array, in_axes: int = 1) -> Array:
 
 
 def unfused_transpose(x: Array) -> Array:
-    """x.T of a 2-D array, on CPU as a kernel of its own.
+    """x with its last two axes swapped (x.T of a 2-D array), on CPU as a kernel of its own.
 
     XLA CPU fuses a transpose into the loop that produces its operand and runs that loop in the
     transposed order. For the producers a weight gradient has (a key gradient through RoPE's
@@ -184,13 +186,23 @@ def unfused_transpose(x: Array) -> Array:
     several devices: there the predicate would come from one device's shard, a collective that
     the transpose (and the weight gradient after it) would wait for.
     """
+    return _in_own_kernel(x, _swap_last_axes)
+
+
+def _swap_last_axes(x: Array) -> Array:
+    return jnp.swapaxes(x, -1, -2)
+
+
+def _in_own_kernel(x: Array, f: Callable[[Array], Array]) -> Array:
+    """f(x), on CPU in both branches of a `cond` (see `unfused_transpose`), elsewhere and under a
+    mesh of several devices plainly."""
     if x.size == 0 or devices_in_context() > 1:
-        return x.T
+        return f(x)
 
     def in_branch(y: Array) -> Array:
-        return jax.lax.cond(y[0, 0] > 0, jnp.transpose, jnp.transpose, y)
+        return jax.lax.cond(y.reshape(-1)[0] > 0, f, f, y)
 
-    return jax.lax.platform_dependent(x, cpu=in_branch, default=jnp.transpose)
+    return jax.lax.platform_dependent(x, cpu=in_branch, default=f)
 
 
 TRANSPOSE_BLOCKS = 4
@@ -222,14 +234,7 @@ def own_kernel(x: Array) -> Array:
     that XLA does not fuse its producer into every consumer. For a small per-layer weight of a
     scanned stack (a bias), the producer is a dynamic slice that a large consumer loop fusion would
     recompute per element."""
-    if x.size == 0 or devices_in_context() > 1:
-        return x
-
-    def in_branch(y: Array) -> Array:
-        first = y.reshape(-1)[0]
-        return jax.lax.cond(first > 0, jnp.copy, jnp.copy, y)
-
-    return jax.lax.platform_dependent(x, cpu=in_branch, default=lambda y: y)
+    return _in_own_kernel(x, jnp.copy)
 
 
 @jax.custom_vjp
@@ -458,17 +463,20 @@ def _row_grads(keys_d_major: bool, xs: tuple[Array, ...]) -> tuple[Array, Array,
     qi, ki, vi, mi, oi, top, total, gi = xs
     rows, kv, gt, d = qi.shape
     p = jnp.exp(_row_scores(qi, ki, mi, keys_d_major) - top) / total  # [rows, kv, g, t, s]
-    gf = gi.astype(jnp.float32)
-    dv = _bdot(p.reshape(rows, kv, gt, -1), gf.reshape(rows, kv, gt, d), 2, 2)  # [rows, kv, s, d]
-    dp = _bdot(gf.reshape(rows, kv, gt, d), vi.astype(jnp.float32), 3, 3).reshape(p.shape)
-    delta = (gf * oi.astype(jnp.float32)).sum(-1, keepdims=True)
+    gf = gi.astype(jnp.float32).reshape(rows, kv, gt, d)
+    dp = _bdot(gf, vi.astype(jnp.float32), 3, 3).reshape(p.shape)
+    delta = (gf.reshape(oi.shape) * oi.astype(jnp.float32)).sum(-1, keepdims=True)
     ds = jnp.where(mi[:, None, None], p * (dp - delta), 0.0).reshape(rows, kv, gt, -1) * (d**-0.5)
     dq = _bdot(ds, ki.astype(jnp.float32), 3, 3 if keys_d_major else 2)  # [rows, kv, g*t, d]
-    if keys_d_major:
-        dk = _bdot(qi.astype(jnp.float32), ds, 2, 2)  # [rows, kv, d, s]
-    else:
-        dk = _bdot(ds, qi.astype(jnp.float32), 2, 2)  # [rows, kv, s, d]
-    return dq.astype(qi.dtype), dk.astype(ki.dtype), dv.astype(vi.dtype)
+    # dk and dv contract the query rows of both operands: XLA:CPU ran that batched product with
+    # its generic dot emitter (`dot` ops in an op profile) at ~30 GFLOP/s. Here the small operand
+    # (g or q, [g*t, d]) is transposed first and the product writes [d, s], transposed after, so
+    # the product is one its library kernels take; both transposes are kernels of their own
+    # (`unfused_transpose`), else XLA folds them back into the product.
+    dvt = _bdot(unfused_transpose(gf), p.reshape(rows, kv, gt, -1), 3, 2)  # [rows, kv, d, s]
+    dkt = _bdot(unfused_transpose(qi.astype(jnp.float32)), ds, 3, 2)  # [rows, kv, d, s]
+    dk = dkt if keys_d_major else unfused_transpose(dkt)
+    return dq.astype(qi.dtype), dk.astype(ki.dtype), unfused_transpose(dvt).astype(vi.dtype)
 
 
 def _query_blocks(q: Array, t: int, blocks: int) -> list[Array]:
