@@ -21,6 +21,7 @@ import numpy as np
 from tbajax import op_scopes as S
 from tbajax.op_scopes import scoped
 from tbajax.sharding import constrain
+from tbajax.models.layers import unfused_transpose
 
 Array = jax.Array
 
@@ -203,7 +204,9 @@ def _head_bwd(residuals, g: Array):
         dhidden = jnp.einsum("...v,dv->...d", dz, head, preferred_element_type=jnp.float32) / temperature
         flat_h = scaled.reshape(-1, scaled.shape[-1])
         flat_dz = dz.reshape(-1, dz.shape[-1])
-        dhead = jnp.einsum("nv,nd->vd", flat_dz, flat_h, preferred_element_type=jnp.float32).T
+        # (h / T)^T transposed first (the small operand): as "nv,nd->vd" then .T, XLA:CPU ran the
+        # product with its generic dot emitter (see `layers._row_grads`)
+        dhead = jnp.einsum("dn,nv->dv", unfused_transpose(flat_h), flat_dz, preferred_element_type=jnp.float32)
     dtemp = (dtemp_unit / temperature).astype(temperature.dtype)
     return dhidden.astype(scaled.dtype), dhead.astype(head.dtype), _int_zeros(targets), dtemp
 

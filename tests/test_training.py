@@ -925,9 +925,12 @@ def test_windowed_head_projects_only_the_window():
     batch = dataclasses.replace(batch, scored=scored_windows(batch.loss_mask, 1))
     assert batch.scored.shape == (8, 6)
     jaxpr = jax.make_jaxpr(jax.grad(lambda p: sequence_logprobs(graphdef, p, batch, 0.7).sum()))(params)
-    vocab_dots = [e.outvars[0].aval.shape for e in _all_eqns(jaxpr.jaxpr)
+    vocab_dots = [e for e in _all_eqns(jaxpr.jaxpr)
                   if e.primitive.name == "dot_general" and 80 in e.outvars[0].aval.shape]
-    assert vocab_dots and all(shape in ((8, 6, 80), (80, 32)) for shape in vocab_dots), vocab_dots
+    shapes = [e.outvars[0].aval.shape for e in vocab_dots]
+    assert vocab_dots and all(shape in ((8, 6, 80), (32, 80)) for shape in shapes), shapes
+    operands = [v.aval.shape for e in vocab_dots for v in e.invars]  # the head gradient: [32, 48] @ [48, 80]
+    assert all(16 not in shape and 8 * 16 not in shape for shape in operands), operands
 
 
 def _all_eqns(jaxpr):
