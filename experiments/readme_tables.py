@@ -36,6 +36,9 @@ TABLES: dict[str, dict[str, list[str]]] = {
                            "time_saving"],
         "window_rows": ["size", "prompt", "arm", "xla_gflop", "flop_saving", "best_step_s", "time_saving"],
     },
+    "backward_layouts": {"rows": ["size", "batch", "precision", "arm", "generic_dots", "xla_gflop", "step_s",
+                                  "best_step_s", "vs_now", "vs_now_min", "vs_now_max", "first_loss",
+                                  "first_grad_norm"]},
     "reward_scoring": {"rows": ["size", "k", "prompt_tokens", "response_tokens", "real_tokens", "packed_tokens",
                                 "packed_s", "rows_s", "torch_s", "packed_vs_rows", "packed_vs_torch", "rows_vs_torch",
                                 "max_abs_diff_packed_torch"]},
@@ -83,6 +86,7 @@ TABLES["sampler_cpu_devices"] = {"rows": ["model", "batch", "prompt_len", "new_t
                                           "roofline_frac", "torch_tok_s", "torch_threads", "ratio", "mesh_devices",
                                           "mesh_s", "mesh_speedup", "mesh_ratio", "mesh_roofline_frac"]}
 TABLES["sampler_cpu_devices_with_torch"] = TABLES["sampler_cpu_devices"]
+TABLES["backward_layouts_bf16"] = TABLES["backward_layouts"]
 TABLES.update({name: TABLES["forward"] for name in ("forward_bf16", "forward_bf16_before_fp32_accumulation")})
 TABLES.update({name: TABLES["train_step"] for name in (
     "train_step_bf16", "train_step_bf16_before_fp32_accumulation",

@@ -430,6 +430,38 @@ def test_unfused_transpose_is_the_transpose_whatever_its_first_element():
     np.testing.assert_array_equal(jax.jit(unfused_transpose)(x4), x4.swapaxes(-1, -2))
 
 
+def test_backward_products_take_xla_cpu_library_kernels():
+    """The token-contracting products of the backward (attention's dk / dv, a narrow projection's
+    weight gradient, the LM head's) compile on CPU to no generic `dot` op (XLA's fallback emitter,
+    several times slower than its library kernels), where their earlier forms, which
+    `experiments/benchmarks/backward_layouts.py` keeps as its reference, compile to some."""
+    from experiments.benchmarks.backward_layouts import earlier, generic_dots
+    from tbajax.batch import head_logprobs
+
+    rng = np.random.default_rng(4)
+    b, t, heads, kv, d = 2, 128, 4, 2, 32
+    q, k, v = (jnp.asarray(rng.standard_normal((b, t, n, d)), jnp.float32) for n in (heads, kv, kv))
+    causal = L.CausalMask(jnp.tril(jnp.ones((t, t), bool))[None].repeat(b, 0))
+    targets = jnp.asarray(rng.integers(0, 512, 256), jnp.int32)
+    cases = {
+        "attention": (lambda q, k, v: (L.self_attention(q, k, v, causal, None, jnp.float32)[0] ** 2).sum(),
+                      (q, k, v)),
+        "linear": (lambda x, w: jnp.tanh(L.linear(x, w)).sum(),  # d w for a g narrower than x
+                   (jnp.asarray(rng.standard_normal((256, 128)), jnp.float32),
+                    jnp.asarray(rng.standard_normal((128, 64)), jnp.float32))),
+        "head": (lambda h, w: head_logprobs(h, w, targets, jnp.float32(0.7)).sum(),
+                 (jnp.asarray(rng.standard_normal((256, 64)), jnp.float32),
+                  jnp.asarray(rng.standard_normal((64, 512)) / 8, jnp.float32))),
+    }
+    for name, (loss, args) in cases.items():
+        counts = []
+        for before in (False, True):
+            with earlier(**{name: before}):
+                grad = jax.jit(jax.grad(loss, argnums=tuple(range(len(args)))))
+                counts.append(generic_dots(grad.lower(*args).compile().as_text()))
+        assert counts[0] == 0 and counts[1] > 0, (name, counts)
+
+
 def test_own_kernel_is_the_identity_with_its_gradient():
     """`own_kernel` (a scanned layer's bias kept out of its consumers' loop fusions) returns its
     input whatever the first element, passes gradients through, and on CPU stays a conditional."""
