@@ -39,10 +39,6 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from common import (  # noqa: E402
-    keep_freed_memory, machine, machine_line, make_llama_checkpoint, print_table, write_json,
-)
-from train_step import BETA, LR, TEMPERATURE, _vocab, make_batch  # noqa: E402
 
 from tbajax import batch as batch_module  # noqa: E402
 from tbajax.models import layers as L  # noqa: E402
@@ -145,28 +141,20 @@ def generic_dots(hlo: str) -> int:
 
 
 def bench(size: str, rows: int, seq: int, rounds: int, precision: str) -> list[dict[str, Any]]:
-    from tbajax.batch import Batch
+    from common import make_llama_checkpoint
+    from train_step import _vocab, tb_batch, trainer_config
+
     from tbajax.models import load_model
-    from tbajax.training import LRSchedule, OptimizerConfig, TrainerConfig, init_train_state, make_train_step
-    from tbajax.training.collate import scored_windows
+    from tbajax.training import init_train_state, make_train_step
 
     with tempfile.TemporaryDirectory(prefix=f"bench-layouts-{size}-") as d:
         ckpt = make_llama_checkpoint(size, d)
         vocab = _vocab(ckpt)
         model = load_model(ckpt, scan_layers="auto")
-    config = TrainerConfig(optimizer=OptimizerConfig(lr=LRSchedule(peak=LR)), temperature=TEMPERATURE,
-                           compute_dtype="float32" if precision == "fp32" else "bfloat16")
+    config = trainer_config(precision)
     graphdef, state = init_train_state(model, config)
     del model
-    b = make_batch(rows, seq, vocab)
-    zeros = np.zeros((rows, seq), np.float32)
-    batch = jax.device_put(Batch(
-        tokens=b["tokens"], attention_mask=b["attention_mask"], loss_mask=b["loss_mask"],
-        behavior_logprobs=zeros, reference_logprobs=zeros, reward=b["reward"], group_id=b["group_id"],
-        sample_mask=np.ones(rows, bool), policy_version=np.zeros(rows, np.int32),
-        prompt_id=np.zeros(rows, np.int32), beta=np.float32(BETA),
-        token_versions=np.zeros((rows, seq), np.int32), current_version=np.int32(0),
-        scored=scored_windows(b["loss_mask"], 1)))
+    batch = tb_batch(rows, seq, vocab)
     steps, states, info = {}, {}, {}
     for name, which in ARMS.items():
         with earlier(**which):
@@ -200,6 +188,10 @@ def bench(size: str, rows: int, seq: int, rounds: int, precision: str) -> list[d
 
 
 def main() -> None:
+    # imported here, not at the top: tests import this module's earlier forms, and another
+    # folder's `common` module must stay importable in their process
+    from common import keep_freed_memory, machine, machine_line, print_table, write_json
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="10M only, 8 x 128 tokens, 3 rounds (< 1 min)")
     ap.add_argument("--json", help="write the figures to this path")

@@ -88,12 +88,12 @@ def forward_row(ckpt: Path, rounds: int) -> dict[str, Any]:
 def generate_row(ckpt: Path, rounds: int) -> dict[str, Any]:
     from tbajax.models import load_model
     from tbajax.sampling import core
-    from tbajax.sampling.sampler import _jit_generate, _Params
+    from tbajax.sampling.sampler import PreparedParams, _jit_generate
     from tbajax.sharding import MeshConfig, make_mesh
 
     model = load_model(ckpt)
     mesh = make_mesh(MeshConfig(), devices=jax.devices()[:1])
-    params = _Params.from_model(model, mesh)
+    params = PreparedParams.from_model(model, mesh).params  # the serving layout, as the sampler's
     new = 64
     spec = core.DecodeSpec(max_new_tokens=new, top_k=0, use_top_p=False, greedy=False, stop_token_ids=(),
                            pad_token_id=PAD)
@@ -101,35 +101,28 @@ def generate_row(ckpt: Path, rounds: int) -> dict[str, Any]:
     tokens = jnp.asarray(np.random.RandomState(0).randint(3, model.config.vocab_size, (rows, 64)), jnp.int32)
     mask = jnp.ones((rows, 64), bool)
     knobs = core.Knobs(temperature=jnp.float32(1.0), top_p=jnp.float32(1.0), min_new_tokens=jnp.int32(0))
-    cache = jax.jit(lambda: core.init_cache(model.config, rows, 64 + new))
+    phases = core.phase_slots(64, new, 64)  # the decode phases of the Sampler's default
+    cache = jax.jit(lambda: core.init_cache(model.config, rows, phases[-1]))
 
     def make_args() -> tuple:
-        return (params.leaves, cache(), tokens, mask, jnp.ones(rows, bool), jax.random.key(0), knobs,
+        return (params, cache(), tokens, mask, jnp.ones(rows, bool), jax.random.key(0), knobs,
                 jnp.full(rows, new, jnp.int32))
 
     with jax.set_mesh(mesh):
-        lowered = _jit_generate(params, 1, spec).lower(*make_args())
+        lowered = _jit_generate(model.config, 1, spec, phases).lower(*make_args())
         return {"program": f"generate (prefill + {new} decode steps)", **alternate(lowered, make_args, rounds)}
 
 
 def train_step_row(ckpt: Path, rounds: int) -> dict[str, Any]:
-    from train_step import BETA, LR, TEMPERATURE, make_batch
+    from train_step import tb_batch, trainer_config
 
-    from tbajax.batch import Batch
     from tbajax.models import load_model
-    from tbajax.training import LRSchedule, OptimizerConfig, TrainerConfig, init_train_state, make_train_step
+    from tbajax.training import init_train_state, make_train_step
 
-    config = TrainerConfig(optimizer=OptimizerConfig(lr=LRSchedule(peak=LR)), temperature=TEMPERATURE,
-                           compute_dtype="float32")
+    config = trainer_config("fp32")
     model = load_model(ckpt)
     graphdef, state = init_train_state(model, config)
-    b = make_batch(16, 128, model.config.vocab_size)
-    zeros = np.zeros((16, 128), np.float32)
-    batch = jax.device_put(Batch(
-        tokens=b["tokens"], attention_mask=b["attention_mask"], loss_mask=b["loss_mask"], behavior_logprobs=zeros,
-        reference_logprobs=zeros, reward=b["reward"], group_id=b["group_id"], sample_mask=np.ones(16, bool),
-        policy_version=np.zeros(16, np.int32), prompt_id=np.zeros(16, np.int32), beta=np.float32(BETA),
-        token_versions=np.zeros((16, 128), np.int32), current_version=np.int32(0)))
+    batch = tb_batch(16, 128, model.config.vocab_size, scored=False)  # every position, as it was measured
     step = make_train_step(graphdef, config, "tb")
     host = jax.device_get(state)  # the step donates its state: a fresh copy per call
     return {"program": "TB train step", **alternate(step.lower(state, batch),

@@ -241,29 +241,17 @@ def forward_rows(models: list[str], size: str, batch: int, seq: int, calls: int,
 def train_step_rows(sizes: list[str], rows_per_batch: int, seq: int, calls: int,
                     capture: Capture) -> list[dict]:
     from common import best_seconds, make_llama_checkpoint
-    from train_step import BETA, LR, TEMPERATURE, make_batch
+    from train_step import tb_batch, trainer_config
 
-    from tbajax.batch import Batch
     from tbajax.models import load_model
-    from tbajax.training import LRSchedule, OptimizerConfig, TrainerConfig, init_train_state, make_train_step
-    from tbajax.training.collate import scored_windows
+    from tbajax.training import init_train_state, make_train_step
 
     out = []
     for size in sizes:
         model = load_model(make_llama_checkpoint(size), scan_layers="auto")
-        config = TrainerConfig(optimizer=OptimizerConfig(lr=LRSchedule(peak=LR)), temperature=TEMPERATURE,
-                               compute_dtype="float32")
+        config = trainer_config("fp32")
         graphdef, state = init_train_state(model, config)
-        b = make_batch(rows_per_batch, seq, model.config.vocab_size)
-        zeros = np.zeros((rows_per_batch, seq), np.float32)
-        batch = jax.device_put(Batch(
-            tokens=b["tokens"], attention_mask=b["attention_mask"], loss_mask=b["loss_mask"],
-            behavior_logprobs=zeros, reference_logprobs=zeros, reward=b["reward"], group_id=b["group_id"],
-            sample_mask=np.ones(rows_per_batch, bool), policy_version=np.zeros(rows_per_batch, np.int32),
-            prompt_id=np.zeros(rows_per_batch, np.int32), beta=np.float32(BETA),
-            token_versions=np.zeros((rows_per_batch, seq), np.int32), current_version=np.int32(0),
-            scored=scored_windows(b["loss_mask"], 1),  # the response tokens only, as `train_step.py`
-        ))
+        batch = tb_batch(rows_per_batch, seq, model.config.vocab_size)  # response windows, as train_step.py
         step = make_train_step(graphdef, config, "tb").lower(state, batch).compile()
         holder = [state]
 

@@ -75,6 +75,34 @@ def make_batch(rows: int, seq: int, vocab: int, prompt: int = PROMPT, seed: int 
     }
 
 
+def trainer_config(precision: str = "fp32") -> Any:
+    """The benchmarks' trainer config: fp32 master weights, fp32 or bf16 compute."""
+    from tbajax.training import LRSchedule, OptimizerConfig, TrainerConfig
+
+    return TrainerConfig(optimizer=OptimizerConfig(lr=LRSchedule(peak=LR)), temperature=TEMPERATURE,
+                         compute_dtype="float32" if precision == "fp32" else "bfloat16")
+
+
+def tb_batch(rows: int, seq: int, vocab: int, prompt: int = PROMPT, scored: bool = True) -> Any:
+    """`make_batch` as the trainer's `Batch` on the device (no reference / behaviour log-probs yet);
+    `scored`: with its response windows (`Batch.scored`), so that the vocabulary projection skips
+    the prompt as torch's `logits_to_keep` does."""
+    import jax
+
+    from tbajax.batch import Batch
+    from tbajax.training.collate import scored_windows
+
+    b = make_batch(rows, seq, vocab, prompt)
+    zeros = np.zeros((rows, seq), np.float32)
+    return jax.device_put(Batch(
+        tokens=b["tokens"], attention_mask=b["attention_mask"], loss_mask=b["loss_mask"],
+        behavior_logprobs=zeros, reference_logprobs=zeros, reward=b["reward"], group_id=b["group_id"],
+        sample_mask=np.ones(rows, bool), policy_version=np.zeros(rows, np.int32),
+        prompt_id=np.zeros(rows, np.int32), beta=np.float32(BETA),
+        token_versions=np.zeros((rows, seq), np.int32), current_version=np.int32(0),
+        scored=scored_windows(b["loss_mask"], 1) if scored else None))
+
+
 def take_turn() -> None:
     """Block until the coordinator gives this worker the machine (see the module docstring)."""
     print("TURN", flush=True)
@@ -92,42 +120,17 @@ def run_jax(ckpt: str, rows: int, seq: int, repeats: int, precision: str, layers
 
     import jax
 
-    from tbajax.batch import Batch
     from tbajax.models import load_model
-    from tbajax.training import (
-        LRSchedule,
-        OptimizerConfig,
-        TrainerConfig,
-        accumulate_gradients,
-        init_train_state,
-        make_train_step,
-        sequence_logprobs,
-    )
+    from tbajax.training import accumulate_gradients, init_train_state, make_train_step, sequence_logprobs
     from tbajax.objectives import resolve_objective
     from tbajax.objectives.registry import EVERYTHING
-    from tbajax.training.collate import scored_windows
 
     model = load_model(ckpt, scan_layers={"auto": "auto", "scanned": True, "unrolled": False}[layers])
     scan_layers = model.config.scan_layers
-    config = TrainerConfig(
-        optimizer=OptimizerConfig(lr=LRSchedule(peak=LR)),
-        temperature=TEMPERATURE,
-        compute_dtype="float32" if precision == "fp32" else "bfloat16",
-    )
+    config = trainer_config(precision)
     graphdef, state = init_train_state(model, config)
     del model
-    b = make_batch(rows, seq, _vocab(ckpt), prompt)
-    zeros = np.zeros((rows, seq), np.float32)
-    batch = jax.device_put(
-        Batch(
-            tokens=b["tokens"], attention_mask=b["attention_mask"], loss_mask=b["loss_mask"],
-            behavior_logprobs=zeros, reference_logprobs=zeros, reward=b["reward"],
-            group_id=b["group_id"], sample_mask=np.ones(rows, bool),
-            policy_version=np.zeros(rows, np.int32), prompt_id=np.zeros(rows, np.int32),
-            beta=np.float32(BETA), token_versions=np.zeros((rows, seq), np.int32),
-            current_version=np.int32(0), scored=scored_windows(b["loss_mask"], 1),
-        )
-    )
+    batch = tb_batch(rows, seq, _vocab(ckpt), prompt)
     step = make_train_step(graphdef, config, "tb")
     t0 = time.perf_counter()
     compiled = step.lower(state, batch).compile()
