@@ -19,9 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from tbajax import op_scopes as S
+from tbajax.models.layers import unfused_transpose
 from tbajax.op_scopes import scoped
 from tbajax.sharding import constrain
-from tbajax.models.layers import unfused_transpose
 
 Array = jax.Array
 

@@ -127,15 +127,16 @@ ARMS: dict[str, dict[str, bool]] = {
 
 
 def generic_dots(hlo: str) -> int:
-    """Dot instructions of an optimized XLA:CPU program outside fusion bodies: the products its
-    generic dot emitter runs (a library-kernel product is a fusion whose body holds the dot)."""
-    fused = set(re.findall(r"\bfusion\(.*?calls=(%[\w.\-]+)", hlo))
+    """Dot instructions of an optimized XLA:CPU program outside its library-kernel fusions (a
+    fusion marked `__ynn_fusion`, whose body holds the dot): the products its generic dot emitter
+    runs, whether on their own or inside another fusion."""
+    library = set(re.findall(r"\bfusion\(.*?calls=(%[\w.\-]+).*__ynn_fusion", hlo))
     count, computation = 0, None
     for line in hlo.splitlines():
         head = re.match(r"(?:ENTRY )?(%[\w.\-]+) ", line)
         if head and not line.startswith(" "):
             computation = head.group(1)
-        elif computation not in fused and re.search(r"= \S+ dot\(", line):
+        elif computation not in library and re.search(r"= \S+ dot\(", line):
             count += 1
     return count
 

@@ -469,10 +469,11 @@ def _row_grads(keys_d_major: bool, xs: tuple[Array, ...]) -> tuple[Array, Array,
     ds = jnp.where(mi[:, None, None], p * (dp - delta), 0.0).reshape(rows, kv, gt, -1) * (d**-0.5)
     dq = _bdot(ds, ki.astype(jnp.float32), 3, 3 if keys_d_major else 2)  # [rows, kv, g*t, d]
     # dk and dv contract the query rows of both operands: XLA:CPU ran that batched product with
-    # its generic dot emitter (`dot` ops in an op profile) at ~30 GFLOP/s. Here the small operand
-    # (g or q, [g*t, d]) is transposed first and the product writes [d, s], transposed after, so
-    # the product is one its library kernels take; both transposes are kernels of their own
-    # (`unfused_transpose`), else XLA folds them back into the product.
+    # its generic dot emitter, not its library kernels (`experiments/benchmarks/backward_layouts.py`
+    # counts them and times the step both ways). Here the small operand (g or q, [g*t, d]) is
+    # transposed first and the product writes [d, s], transposed after, so the product is one its
+    # library kernels take; both transposes are kernels of their own (`unfused_transpose`), else
+    # XLA folds them back into the product.
     dvt = _bdot(unfused_transpose(gf), p.reshape(rows, kv, gt, -1), 3, 2)  # [rows, kv, d, s]
     dkt = _bdot(unfused_transpose(qi.astype(jnp.float32)), ds, 3, 2)  # [rows, kv, d, s]
     dk = dkt if keys_d_major else unfused_transpose(dkt)
