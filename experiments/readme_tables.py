@@ -66,6 +66,15 @@ TABLES: dict[str, dict[str, list[str]]] = {
     "batched_dot": {"rows": ["shape", "xla_gflops", "torch_gflops", "xla_vs_torch", "xla_1core_gflops",
                              "torch_1core_gflops", "xla_cores_speedup", "torch_cores_speedup"]},
     "dot_backend": {"rows": ["program", "size", "ynnpack_s", "eigen_s", "ratio", "ratio_min", "ratio_max"]},
+    "dot_backend_emitters": {"rows": ["program", "size", "mlir_emitters_s", "legacy_emitters_s", "ratio",
+                                      "ratio_min", "ratio_max", "mlir_emitters_compile_s",
+                                      "legacy_emitters_compile_s", "compile_ratio"]},
+    "compile_cache": {"medians": ["arm", "launcher_wall_s", "run_wall_s", "trainer_wait_s", "first_generate_s",
+                                  "first_eval_s", "wall_vs_off", "first_generate_vs_off"],
+                      "rows": ["round", "arm", "launcher_wall_s", "first_generate_s", "first_eval_s", "cache_files",
+                               "cache_mb"]},
+    "test_suite": {"rows": ["arm", "xla_flags", "wall_s", "x_first_arm", "passed", "failed", "skipped",
+                            "matmul_gflops"]},
     "packed_groups": {"results": ["layout", "tokens_in_step", "step_s", "speedup", "token_ratio", "loss_rel_diff"],
                       "block_rows": ["width", "default_uses_blocks", "causal_blocks_s", "whole_rows_s",
                                      "blocks_speedup"]},
@@ -102,7 +111,9 @@ ABSOLUTE = {"update_s", "tbajax_tok_s", "torch_tok_s", "step_s", "best_step_s", 
             "ours_decode_tok_s", "wall_time_s", "seconds", "samples_per_s", "tokens_per_s", "load_s", "swap_s",
             "decode_step_s", "load_and_prepare_s", "publish_to_swapped_s", "publish_to_first_token_est_s",
             "publish_to_first_chunk_done_s",
-            "ynnpack_s", "eigen_s", "ours_step_ms", "ours_matmul_ms", "torch_matmul_ms",
+            "ynnpack_s", "eigen_s", "mlir_emitters_s", "legacy_emitters_s", "mlir_emitters_compile_s",
+            "legacy_emitters_compile_s", "wall_s", "launcher_wall_s", "run_wall_s", "trainer_wait_s",
+            "first_generate_s", "first_eval_s", "ours_step_ms", "ours_matmul_ms", "torch_matmul_ms",
             "ours_attention_ms", "xla_gflops", "torch_gflops", "xla_1core_gflops", "torch_1core_gflops",
             "fused_ms", "unfused_ms", "producer_only_ms", "wall_ms", "op_ms", "plain_gflops",
             "fp32_acc_gflops", "before_gflops", "mesh_s"}
@@ -185,7 +196,8 @@ def benchmarks_block() -> str:
             shown = columns if timed else [c for c in columns if c not in ABSOLUTE]
             out.append(_table(rows, shown) + "\n")
         if payload.get("command"):
-            out.append(f"`{payload['command']}`\n")
+            command = payload["command"]
+            out.append(f"`{command if isinstance(command, str) else ' '.join(command)}`\n")
     return "\n".join(out).rstrip()
 
 

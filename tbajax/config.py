@@ -224,6 +224,11 @@ class SystemSpec:
       0.97-1.06x (`experiments/results/benchmarks/sampler_cpu_devices.json`). For a searcher
       with cores of its own (not measured in a run sharing them with the trainer); None = leave
       XLA_FLAGS as it is.
+    compile_cache: the directory where every role the launchers start keeps the programs XLA
+      compiled (JAX's persistent compilation cache), so that a restarted searcher or trainer, a
+      resumed run and the next run of the same experiment load them instead of compiling again.
+      "auto" = $JAX_COMPILATION_CACHE_DIR when set, else $TBAJAX_CACHE/xla (~/.cache/tbajax/xla);
+      a path or a bucket URL; None = off. A role started by hand uses $JAX_COMPILATION_CACHE_DIR.
     """
 
     mode: Literal["async", "sync"] = "async"
@@ -248,6 +253,7 @@ class SystemSpec:
     trainer_processes: int = 1
     cpu_devices_per_trainer_process: int | None = None
     cpu_devices_per_searcher: int | None = None
+    compile_cache: str | None = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -477,6 +483,7 @@ RESUME_SAFE_KEYS: tuple[str, ...] = (
     "system.restart_backoff_s",
     "system.stall_timeout_s",
     "system.stop_grace_s",
+    "system.compile_cache",  # where compiled programs are kept, not what they compute
     "system.ray",  # a section: every key under it (placement only, e.g. on another cluster)
 )
 

@@ -4,17 +4,23 @@ import functools
 import os
 import re
 
-# Tests check behaviour, not speed. On a small CPU most of a test's time is compiling, and most of
-# a compile is LLVM's optimisation passes: level 0 skips those (XLA's own HLO passes, fusion and
-# layout, still run), measured 1.5x faster on the compile-heavy files. Float results may differ
-# from an optimised build by reassociation only, within every test's tolerance; tests that compare
-# two runs bit for bit run both under the same flags. Benchmarks and real runs keep the default.
-FAST_COMPILE_FLAG = "--xla_backend_optimization_level=0"
+# Tests check behaviour, not speed. On a small CPU most of a test's time is compiling. Two XLA:CPU
+# flags cut that: optimisation level 0 skips LLVM's optimisation passes, and
+# `xla_cpu_use_fusion_emitters=false` generates each loop fusion with XLA's older elemental
+# emitters instead of its MLIR pipeline. XLA's HLO passes still run; the older emitters fuse a few
+# dynamic-update-slices differently. The default test run took 390 s without the second flag and
+# 252 s with it (`experiments/benchmarks/test_suite.py`, `test_suite.json`). Float results may
+# differ from an optimised build by reassociation only, within every test's tolerance; tests that
+# compare two runs bit for bit run both under the same flags. Benchmarks and real runs keep XLA's
+# defaults: at level 2 the older emitters ran every program 0-6% longer, and compiled the sampler's
+# generate slower too (`dot_backend_emitters.json`).
+FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
 _flags = os.environ.get("XLA_FLAGS")
 if _flags is None:
     _flags = "--xla_force_host_platform_device_count=8"
-if "--xla_backend_optimization_level" not in _flags:
-    _flags = f"{_flags} {FAST_COMPILE_FLAG}".strip()
+for _flag in FAST_COMPILE_FLAGS:
+    if _flag.split("=")[0] not in _flags:
+        _flags = f"{_flags} {_flag}".strip()
 os.environ["XLA_FLAGS"] = _flags
 # what the role processes that tests start get: one CPU device each (as a user's run), same compile flags
 ROLE_XLA_FLAGS = re.sub(r"--xla_force_host_platform_device_count=\S+", "", _flags).strip()

@@ -32,7 +32,9 @@ from tbajax.main import load_experiment, main
 from tbajax.models import CheckpointError
 from tbajax.models.safetensors_io import SafetensorsReader, write_safetensors
 from tbajax.system import rundir
-from tbajax.system.launcher import Supervisor, _Child, describe_exit, last_error, read_summary, restart_delay
+from tbajax.system.launcher import (
+    Supervisor, _Child, child_env, compile_cache_env, describe_exit, last_error, read_summary, restart_delay,
+)
 
 pytestmark = pytest.mark.processes
 
@@ -58,6 +60,24 @@ def test_restart_delay_doubles_within_the_window_and_forgets_old_crashes():
     assert restart_delay([0.0, 150.0], 200.0, **kw) == 4.0
     assert restart_delay([], 0.0, budget=0, window_s=1.0, backoff_s=1.0) is None
     assert restart_delay([1.0] * 10, 2.0, budget=20, window_s=100.0, backoff_s=1.0) == 60.0  # capped
+
+
+def test_roles_get_the_persistent_compile_cache_the_config_names(tmp_path, monkeypatch):
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_MAX_SIZE", raising=False)
+    monkeypatch.setenv("TBAJAX_CACHE", str(tmp_path / "cache"))
+    for role in ("trainer", "searcher", "evaluator"):  # "auto": under $TBAJAX_CACHE, at most 4 GiB
+        env = child_env(_config(), role, 0)
+        assert env["JAX_COMPILATION_CACHE_DIR"] == str(tmp_path / "cache" / "xla")
+        assert env["JAX_COMPILATION_CACHE_MAX_SIZE"] == str(4 << 30)
+    bucket = child_env(_config('system.compile_cache="gs://b/xla"'), "trainer", 0)
+    assert bucket["JAX_COMPILATION_CACHE_DIR"] == "gs://b/xla"
+    assert "JAX_COMPILATION_CACHE_DIR" not in child_env(_config("system.compile_cache=null"), "searcher", 0)
+    # a directory the user (or the test session) already chose wins over "auto", and so does their size
+    assert compile_cache_env("auto", {"JAX_COMPILATION_CACHE_DIR": "/mine"}) == {}
+    chosen = compile_cache_env("/run/xla", {"JAX_COMPILATION_CACHE_MAX_SIZE": "-1"})
+    assert chosen == {"JAX_COMPILATION_CACHE_DIR": "/run/xla"}
+    assert compile_cache_env(None, {}) == {}
 
 
 def test_describe_exit_names_the_signal():

@@ -23,7 +23,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -164,6 +164,7 @@ def child_env(config: ExperimentConfig, role: str, index: int) -> dict[str, str]
         # several JAX processes on one GPU: none may preallocate 75% of it
         share = 0.9 / (sysc.trainer_processes + sysc.num_searchers + int(has_evaluator(config)))
         env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{share:.3f}")
+    env.update(compile_cache_env(sysc.compile_cache, env))
     host_devices = {"trainer": sysc.cpu_devices_per_trainer_process,
                     "searcher": sysc.cpu_devices_per_searcher}.get(role)
     if host_devices is not None:
@@ -178,6 +179,27 @@ def child_env(config: ExperimentConfig, role: str, index: int) -> dict[str, str]
             ids = range(first, first + sysc.devices_per_searcher)
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, ids))
     return env
+
+
+def compile_cache_env(setting: str | None, env: Mapping[str, str]) -> dict[str, str]:
+    """The variables that point a role's JAX at the persistent compilation cache (`system.compile_cache`).
+
+    Through the environment, so that the role's `import jax` reads them before its first compile.
+    With "auto", a $JAX_COMPILATION_CACHE_DIR already set (by the user, or the test session's
+    shared cache) wins. Programs that compiled in under a second are not written: loading one costs
+    about as much as compiling it. The cache keeps at most 4 GiB, least recently used first out,
+    unless $JAX_COMPILATION_CACHE_MAX_SIZE says otherwise.
+    """
+    if setting is None:
+        return {}
+    if setting == "auto":
+        if env.get("JAX_COMPILATION_CACHE_DIR"):
+            return {}
+        setting = str(Path(env.get("TBAJAX_CACHE", "~/.cache/tbajax")).expanduser() / "xla")
+    out = {"JAX_COMPILATION_CACHE_DIR": setting}
+    if "JAX_COMPILATION_CACHE_MAX_SIZE" not in env:
+        out["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(4 << 30)
+    return out
 
 
 def resume_command(run_dir: Path) -> str:
