@@ -228,7 +228,8 @@ class SystemSpec:
       compiled (JAX's persistent compilation cache), so that a restarted searcher or trainer, a
       resumed run and the next run of the same experiment load them instead of compiling again.
       "auto" = $JAX_COMPILATION_CACHE_DIR when set, else $TBAJAX_CACHE/xla (~/.cache/tbajax/xla);
-      a path or a bucket URL; None = off. A role started by hand uses $JAX_COMPILATION_CACHE_DIR.
+      a path or a bucket URL; None = off (an inherited $JAX_COMPILATION_CACHE_DIR too). A role
+      started by hand uses $JAX_COMPILATION_CACHE_DIR.
     """
 
     mode: Literal["async", "sync"] = "async"

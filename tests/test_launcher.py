@@ -33,7 +33,8 @@ from tbajax.models import CheckpointError
 from tbajax.models.safetensors_io import SafetensorsReader, write_safetensors
 from tbajax.system import rundir
 from tbajax.system.launcher import (
-    Supervisor, _Child, child_env, compile_cache_env, describe_exit, last_error, read_summary, restart_delay,
+    Supervisor, _Child, check_compile_cache, child_env, compile_cache_env, describe_exit, last_error, read_summary,
+    restart_delay,
 )
 
 pytestmark = pytest.mark.processes
@@ -65,19 +66,28 @@ def test_restart_delay_doubles_within_the_window_and_forgets_old_crashes():
 def test_roles_get_the_persistent_compile_cache_the_config_names(tmp_path, monkeypatch):
     monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
     monkeypatch.delenv("JAX_COMPILATION_CACHE_MAX_SIZE", raising=False)
+    monkeypatch.delenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", raising=False)
     monkeypatch.setenv("TBAJAX_CACHE", str(tmp_path / "cache"))
     for role in ("trainer", "searcher", "evaluator"):  # "auto": under $TBAJAX_CACHE, at most 4 GiB
         env = child_env(_config(), role, 0)
         assert env["JAX_COMPILATION_CACHE_DIR"] == str(tmp_path / "cache" / "xla")
         assert env["JAX_COMPILATION_CACHE_MAX_SIZE"] == str(4 << 30)
+        assert env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] == "0.2"
     bucket = child_env(_config('system.compile_cache="gs://b/xla"'), "trainer", 0)
     assert bucket["JAX_COMPILATION_CACHE_DIR"] == "gs://b/xla"
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "inherited"))
     assert "JAX_COMPILATION_CACHE_DIR" not in child_env(_config("system.compile_cache=null"), "searcher", 0)
     # a directory the user (or the test session) already chose wins over "auto", and so does their size
-    assert compile_cache_env("auto", {"JAX_COMPILATION_CACHE_DIR": "/mine"}) == {}
-    chosen = compile_cache_env("/run/xla", {"JAX_COMPILATION_CACHE_MAX_SIZE": "-1"})
-    assert chosen == {"JAX_COMPILATION_CACHE_DIR": "/run/xla"}
-    assert compile_cache_env(None, {}) == {}
+    mine = {"JAX_COMPILATION_CACHE_MAX_SIZE": "-1", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "1"}
+    assert compile_cache_env("auto", {"JAX_COMPILATION_CACHE_DIR": "/mine", **mine}) == {
+        "JAX_COMPILATION_CACHE_DIR": "/mine"}
+    assert compile_cache_env("/run/xla", mine) == {"JAX_COMPILATION_CACHE_DIR": "/run/xla"}
+    # a directory that cannot be created is one clear error before any role starts
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match="compile_cache: cannot create .*system.compile_cache=null"):
+        check_compile_cache(str(tmp_path / "file" / "xla"))
+    check_compile_cache(str(tmp_path / "new" / "xla"))
+    assert (tmp_path / "new" / "xla").is_dir()
 
 
 def test_describe_exit_names_the_signal():

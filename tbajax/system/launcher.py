@@ -164,7 +164,10 @@ def child_env(config: ExperimentConfig, role: str, index: int) -> dict[str, str]
         # several JAX processes on one GPU: none may preallocate 75% of it
         share = 0.9 / (sysc.trainer_processes + sysc.num_searchers + int(has_evaluator(config)))
         env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{share:.3f}")
-    env.update(compile_cache_env(sysc.compile_cache, env))
+    if sysc.compile_cache is None:  # off, also for a cache directory this process inherited
+        env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    else:
+        env.update(compile_cache_env(sysc.compile_cache, env))
     host_devices = {"trainer": sysc.cpu_devices_per_trainer_process,
                     "searcher": sysc.cpu_devices_per_searcher}.get(role)
     if host_devices is not None:
@@ -181,25 +184,22 @@ def child_env(config: ExperimentConfig, role: str, index: int) -> dict[str, str]
     return env
 
 
-def compile_cache_env(setting: str | None, env: Mapping[str, str]) -> dict[str, str]:
+def compile_cache_env(setting: str, env: Mapping[str, str]) -> dict[str, str]:
     """The variables that point a role's JAX at the persistent compilation cache (`system.compile_cache`).
 
     Through the environment, so that the role's `import jax` reads them before its first compile.
     With "auto", a $JAX_COMPILATION_CACHE_DIR already set (by the user, or the test session's
-    shared cache) wins. Programs that compiled in under a second are not written: loading one costs
-    about as much as compiling it. The cache keeps at most 4 GiB, least recently used first out,
-    unless $JAX_COMPILATION_CACHE_MAX_SIZE says otherwise.
+    shared cache) wins. Programs that compile in 0.2 s or more are written (with JAX's default, 1 s,
+    the default experiment's warm searcher still spent 1.76 s on its first generate call against
+    1.09 s: `experiments/benchmarks/compile_cache.py`). The cache keeps at most 4 GiB, least
+    recently used first out. Those two variables, when already set in `env`, are left as they are.
     """
-    if setting is None:
-        return {}
     if setting == "auto":
-        if env.get("JAX_COMPILATION_CACHE_DIR"):
-            return {}
-        setting = str(Path(env.get("TBAJAX_CACHE", "~/.cache/tbajax")).expanduser() / "xla")
-    out = {"JAX_COMPILATION_CACHE_DIR": setting}
-    if "JAX_COMPILATION_CACHE_MAX_SIZE" not in env:
-        out["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(4 << 30)
-    return out
+        setting = env.get("JAX_COMPILATION_CACHE_DIR") or str(
+            Path(env.get("TBAJAX_CACHE", "~/.cache/tbajax")).expanduser() / "xla")
+    defaults = {"JAX_COMPILATION_CACHE_DIR": setting, "JAX_COMPILATION_CACHE_MAX_SIZE": str(4 << 30),
+                "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.2"}
+    return {k: v for k, v in defaults.items() if k not in env or k == "JAX_COMPILATION_CACHE_DIR"}
 
 
 def resume_command(run_dir: Path) -> str:
@@ -558,6 +558,24 @@ def preflight(config: ExperimentConfig) -> None:
         raise ConfigError(str(e.args[0]) if e.args else repr(e)) from None
     except (ValueError, ImportError, AttributeError, TypeError, OSError) as e:
         raise ConfigError(f"{type(e).__name__}: {e}") from None
+    check_compile_cache(config.system.compile_cache)
+
+
+def check_compile_cache(setting: str | None) -> None:
+    """A local cache directory the roles could not create would cost every compile a warning."""
+    from tbajax.config import ConfigError
+
+    if setting is None:
+        return
+    directory = compile_cache_env(setting, os.environ)["JAX_COMPILATION_CACHE_DIR"]
+    if "://" in directory or Path(directory).is_dir():  # a bucket: JAX's file layer reaches it
+        return
+    try:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"system.compile_cache: cannot create {directory} ({e.strerror or e}); choose a "
+                          "writable directory with --set system.compile_cache=DIR, or turn the cache off "
+                          "with --set system.compile_cache=null") from None
 
 
 def read_summary(run_dir: Path, since: float | None = None) -> dict[str, Any] | None:
