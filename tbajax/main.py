@@ -235,6 +235,11 @@ def _run(args: argparse.Namespace) -> int:
           f"{'Ray actors' if args.launcher == 'ray' else 'processes'}"
           f"{' + an evaluator' if evaluator else ', evaluation inline in the trainer'}) -> {run_dir}",
           flush=True)
+    if config.system.compile_cache is not None:
+        from tbajax.system.launcher import compile_cache_env
+
+        cache = compile_cache_env(config.system.compile_cache, os.environ)["JAX_COMPILATION_CACHE_DIR"]
+        print(f"compiled programs are kept in {cache} (system.compile_cache; null turns it off)", flush=True)
     if config.system.mode == "sync" and config.eval.mode == "process":
         print("note: eval.mode=process needs async mode; this sync run evaluates inline, in its one process",
               flush=True)
