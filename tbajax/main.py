@@ -230,9 +230,10 @@ def _run(args: argparse.Namespace) -> int:
             "actor; start a multi-process trainer with the process launcher (one machine) or one "
             "`--role=trainer --coordinator-address=...` per host (see the README's multi-host section)")
     evaluator = config.system.mode == "async" and config.eval.mode == "process"
+    searchers = config.system.num_searchers if config.system.mode == "async" else 0
+    kind = (("Ray actor", "Ray actors") if args.launcher == "ray" else ("process", "processes"))[searchers != 1]
     print(f"tbajax: experiment {config.name!r} ({config.system.mode}, objective {config.train.objective}, "
-          f"{config.system.num_searchers if config.system.mode == 'async' else 0} searcher "
-          f"{'Ray actors' if args.launcher == 'ray' else 'processes'}"
+          f"{searchers} searcher {kind}"
           f"{' + an evaluator' if evaluator else ', evaluation inline in the trainer'}) -> {run_dir}",
           flush=True)
     if config.system.compile_cache is not None:
