@@ -196,8 +196,7 @@ def benchmarks_block() -> str:
             shown = columns if timed else [c for c in columns if c not in ABSOLUTE]
             out.append(_table(rows, shown) + "\n")
         if payload.get("command"):
-            command = payload["command"]
-            out.append(f"`{command if isinstance(command, str) else ' '.join(command)}`\n")
+            out.append(f"`{payload['command']}`\n")
     return "\n".join(out).rstrip()
 
 

@@ -231,15 +231,15 @@ def _run(args: argparse.Namespace) -> int:
             "`--role=trainer --coordinator-address=...` per host (see the README's multi-host section)")
     evaluator = config.system.mode == "async" and config.eval.mode == "process"
     searchers = config.system.num_searchers if config.system.mode == "async" else 0
-    kind = (("Ray actor", "Ray actors") if args.launcher == "ray" else ("process", "processes"))[searchers != 1]
+    units = ("Ray actor", "Ray actors") if args.launcher == "ray" else ("process", "processes")
     print(f"tbajax: experiment {config.name!r} ({config.system.mode}, objective {config.train.objective}, "
-          f"{searchers} searcher {kind}"
+          f"{searchers} searcher {units[searchers != 1]}"
           f"{' + an evaluator' if evaluator else ', evaluation inline in the trainer'}) -> {run_dir}",
           flush=True)
     if config.system.compile_cache is not None:
-        from tbajax.system.launcher import compile_cache_env
+        from tbajax.system.launcher import compile_cache_dir
 
-        cache = compile_cache_env(config.system.compile_cache, os.environ)["JAX_COMPILATION_CACHE_DIR"]
+        cache = compile_cache_dir(config.system.compile_cache, os.environ)
         print(f"compiled programs are kept in {cache} (system.compile_cache; null turns it off)", flush=True)
     if config.system.mode == "sync" and config.eval.mode == "process":
         print("note: eval.mode=process needs async mode; this sync run evaluates inline, in its one process",

@@ -9,7 +9,8 @@ import re
 # `xla_cpu_use_fusion_emitters=false` generates each loop fusion with XLA's older elemental
 # emitters instead of its MLIR pipeline. XLA's HLO passes still run; the older emitters fuse a few
 # dynamic-update-slices differently. The default test run took 390 s without the second flag and
-# 252 s with it (`experiments/benchmarks/test_suite.py`, `test_suite.json`). Float results may
+# 252 s with it (`test_suite.json`, 240 GFLOP/s fp32 matmul measured before each run;
+# `experiments/benchmarks/test_suite.py`). Float results may
 # differ from an optimised build by reassociation only, within every test's tolerance; tests that
 # compare two runs bit for bit run both under the same flags. Benchmarks and real runs keep XLA's
 # defaults: at level 2 the older emitters ran every program 0-6% longer, and compiled the sampler's

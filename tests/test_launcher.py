@@ -33,8 +33,8 @@ from tbajax.models import CheckpointError
 from tbajax.models.safetensors_io import SafetensorsReader, write_safetensors
 from tbajax.system import rundir
 from tbajax.system.launcher import (
-    Supervisor, _Child, check_compile_cache, child_env, compile_cache_env, describe_exit, last_error, read_summary,
-    restart_delay,
+    Supervisor, _Child, check_compile_cache, child_env, compile_cache_env, describe_exit, last_error,
+    read_summary, restart_delay,
 )
 
 pytestmark = pytest.mark.processes

@@ -184,22 +184,30 @@ def child_env(config: ExperimentConfig, role: str, index: int) -> dict[str, str]
     return env
 
 
-def compile_cache_env(setting: str, env: Mapping[str, str]) -> dict[str, str]:
-    """The variables that point a role's JAX at the persistent compilation cache (`system.compile_cache`).
+def compile_cache_dir(setting: str, env: Mapping[str, str]) -> str:
+    """The directory (or bucket URL) `system.compile_cache` names: "auto" is a
+    $JAX_COMPILATION_CACHE_DIR already set (by the user, or the test session's shared cache), else
+    $TBAJAX_CACHE/xla."""
+    if setting != "auto":
+        return setting
+    return env.get("JAX_COMPILATION_CACHE_DIR") or str(
+        Path(env.get("TBAJAX_CACHE", "~/.cache/tbajax")).expanduser() / "xla")
 
-    Through the environment, so that the role's `import jax` reads them before its first compile.
-    With "auto", a $JAX_COMPILATION_CACHE_DIR already set (by the user, or the test session's
-    shared cache) wins. Programs that compile in 0.2 s or more are written (with JAX's default, 1 s,
-    the default experiment's warm searcher still spent 1.76 s on its first generate call against
-    1.09 s: `experiments/benchmarks/compile_cache.py`). The cache keeps at most 4 GiB, least
-    recently used first out. Those two variables, when already set in `env`, are left as they are.
-    """
-    if setting == "auto":
-        setting = env.get("JAX_COMPILATION_CACHE_DIR") or str(
-            Path(env.get("TBAJAX_CACHE", "~/.cache/tbajax")).expanduser() / "xla")
-    defaults = {"JAX_COMPILATION_CACHE_DIR": setting, "JAX_COMPILATION_CACHE_MAX_SIZE": str(4 << 30),
-                "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.2"}
-    return {k: v for k, v in defaults.items() if k not in env or k == "JAX_COMPILATION_CACHE_DIR"}
+
+# JAX's cache settings for the roles, unless the environment already has its own: programs that
+# compile in 0.2 s or more are kept (JAX's own threshold, 1 s, left most of the default
+# experiment's first generate call to compile again: `experiments/benchmarks/compile_cache.py`),
+# and at most 4 GiB, least recently used first out.
+COMPILE_CACHE_DEFAULTS = {"JAX_COMPILATION_CACHE_MAX_SIZE": str(4 << 30),
+                          "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.2"}
+
+
+def compile_cache_env(setting: str, env: Mapping[str, str]) -> dict[str, str]:
+    """The variables that point a role's JAX at the persistent compilation cache, passed through
+    the environment so that the role's `import jax` reads them before its first compile."""
+    out = {"JAX_COMPILATION_CACHE_DIR": compile_cache_dir(setting, env)}
+    out.update({k: v for k, v in COMPILE_CACHE_DEFAULTS.items() if k not in env})
+    return out
 
 
 def resume_command(run_dir: Path) -> str:
@@ -567,8 +575,8 @@ def check_compile_cache(setting: str | None) -> None:
 
     if setting is None:
         return
-    directory = compile_cache_env(setting, os.environ)["JAX_COMPILATION_CACHE_DIR"]
-    if "://" in directory or Path(directory).is_dir():  # a bucket: JAX's file layer reaches it
+    directory = compile_cache_dir(setting, os.environ)
+    if "://" in directory or Path(directory).is_dir():  # a bucket URL is JAX's file layer's to reach
         return
     try:
         Path(directory).mkdir(parents=True, exist_ok=True)
