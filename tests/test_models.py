@@ -478,6 +478,24 @@ def test_own_kernel_is_the_identity_with_its_gradient():
     assert "conditional" in f.lower(x).compile().as_text()
 
 
+def test_gelu_exact_matches_torch_gelu_and_its_gradient_in_fp32_and_bf16():
+    """The erf form (`layers.gelu_exact`) against torch's "gelu" over the range that matters, the
+    tails included (where the erfc form is the more precise one): values within fp32 rounding,
+    gradients too (in the negative tail both lose the digits that 1 + erf cancels: an absolute
+    1e-6); a bf16 input is computed in fp32 and rounded once, as torch does (to within one bf16
+    step: the two erf approximations may round either side of a midpoint)."""
+    x = np.concatenate([np.linspace(-12, 12, 2001), [-30.0, -6.5, 0.0, 1e-6, 30.0]]).astype(np.float32)
+    tx = torch.tensor(x, requires_grad=True)
+    torch.nn.functional.gelu(tx).sum().backward()
+    want = torch.nn.functional.gelu(tx).detach().numpy()
+    np.testing.assert_allclose(L.gelu_exact(jnp.asarray(x)), want, rtol=2e-6, atol=1e-6)
+    np.testing.assert_allclose(jax.grad(lambda a: L.gelu_exact(a).sum())(jnp.asarray(x)), tx.grad.numpy(),
+                               rtol=2e-6, atol=2e-6)
+    got16 = np.asarray(L.gelu_exact(jnp.asarray(x, jnp.bfloat16)).astype(jnp.float32))
+    want16 = torch.nn.functional.gelu(torch.tensor(x).bfloat16()).float().numpy()
+    np.testing.assert_allclose(got16, want16, rtol=2**-7, atol=2e-5)
+
+
 def test_matmul_accumulates_bf16_in_fp32_and_leaves_fp32_alone():
     """`layers.matmul`: fp32 operands give jnp.einsum's program; bf16 ones a product with an fp32
     result on CPU (YNNPACK's bf16 kernels), rounded back to bf16, and gradients through `linear`."""

@@ -1,6 +1,6 @@
 """Forward-pass tokens/s: tbajax's Flax decoders vs torch transformers, same checkpoint and batch.
 
-    python experiments/benchmarks/forward.py [--quick] [--dtype bfloat16] [--json PATH]
+    python experiments/benchmarks/forward.py [--quick] [--dtype bfloat16] [--compare gelu] [--json PATH]
 
 Rows: a Llama-style causal LM, a GPT-NeoX (Pythia-style: partial rotary, parallel residual)
 causal LM, and a GPT-NeoX reward model (`*ForSequenceClassification`, one label) scored at each
@@ -9,6 +9,10 @@ pooled logits). Both sides hold and compute in fp32 (or both in bf16 with `--dty
 on this machine's CPU; compile time is reported separately
 from steady state. The two sides take turns call by call (`common.timed_in_turns`): the ratio is
 the median over rounds of torch's / tbajax's time, tok/s come from each side's best call.
+
+`--compare gelu` times each GPT-NeoX causal-LM row once more against the same forward with
+`jax.nn.gelu(approximate=False)` (erfc-based) in place of `layers.gelu_exact` (erf-based, as
+torch's kernel), the two taking turns; `gelu_speedup` is that arm's median time / tbajax's.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
+from unittest import mock
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[2])]
 
@@ -26,17 +32,23 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from common import (  # noqa: E402
     PAD, SIZES, keep_freed_memory, machine, machine_line, make_llama_checkpoint, make_neox_checkpoint,
-    peak_rss_mb, print_table, timed_in_turns, write_json,
+    median_seconds_in_turns, peak_rss_mb, print_table, timed_in_turns, write_json,
 )
 from flax import nnx  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification  # noqa: E402
 
-from tbajax.models import load_model, load_scorer  # noqa: E402
+from tbajax.models import layers, load_model, load_scorer  # noqa: E402
 
 
+def erfc_gelu(x: jax.Array) -> jax.Array:
+    """`layers.gelu_exact` as it was before (jax.nn.gelu's erfc form), for `--compare gelu`."""
+    return jax.nn.gelu(x, approximate=False)
 
-def bench(model_name: str, size: str, batch: int, seq: int, repeats: int, dtype: str = "float32") -> dict:
+
+def bench(model_name: str, size: str, batch: int, seq: int, repeats: int, dtype: str = "float32",
+          compare_gelu: bool = False) -> dict:
     vocab = SIZES[size]["vocab_size"]
+    gelu_arms: dict[str, Any] = {}
     rng = np.random.RandomState(0)
     ids = rng.randint(3, vocab, (batch, seq))
     mask = np.ones((batch, seq), np.int64)
@@ -61,6 +73,10 @@ def bench(model_name: str, size: str, batch: int, seq: int, repeats: int, dtype:
         fwd = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t)[0])
         tokens = jnp.asarray(ids)
         ours = lambda: fwd(state, tokens).block_until_ready()  # noqa: E731
+        if compare_gelu and model_name == "neox":
+            with mock.patch.object(layers, "gelu_exact", erfc_gelu):
+                erfc_fwd = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t)[0]).lower(state, tokens).compile()
+            gelu_arms = {"erf": ours, "erfc": lambda: erfc_fwd(state, tokens).block_until_ready()}
         ref = AutoModelForCausalLM.from_pretrained(directory, dtype=getattr(torch, dtype)).eval()
     tids, tmask = torch.tensor(ids), torch.tensor(mask)
 
@@ -70,6 +86,10 @@ def bench(model_name: str, size: str, batch: int, seq: int, repeats: int, dtype:
 
     t = timed_in_turns(ours, torch_fwd, repeats)
     n = int(mask.sum())
+    gelu = {}
+    if gelu_arms:
+        med = median_seconds_in_turns(gelu_arms, repeats, warmup=1)
+        gelu = {"gelu_erfc_tok_s": n / med["erfc"], "gelu_speedup": med["erfc"] / med["erf"]}
     return {
         "model": model_name,
         "size": size,
@@ -83,6 +103,7 @@ def bench(model_name: str, size: str, batch: int, seq: int, repeats: int, dtype:
         "ratio_min": t["ratio_min"],
         "ratio_max": t["ratio_max"],
         "compile_s": t["first_s"]["ours"],
+        **gelu,
     }
 
 
@@ -92,6 +113,7 @@ def main() -> None:
     ap.add_argument("--json", help="write the figures to this path")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                     help="weights and compute dtype of both sides (default float32)")
+    ap.add_argument("--compare", choices=("gelu",), help="gelu: time the GPT-NeoX rows with jax.nn.gelu too")
     args = ap.parse_args()
     keep_freed_memory()
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -99,15 +121,17 @@ def main() -> None:
         cases = [("llama", "10M", 8, 128), ("neox", "10M", 8, 128), ("neox_rm", "10M", 8, 128)]
     else:
         cases = [(m, s, 16, 256) for s in ("10M", "50M") for m in ("llama", "neox", "neox_rm")]
-    rows = [bench(m, s, b, t, 3 if args.quick else 7, args.dtype) for m, s, b, t in cases]
+    rows = [bench(m, s, b, t, 3 if args.quick else 7, args.dtype, args.compare == "gelu") for m, s, b, t in cases]
     info = {**machine(), "torch_threads": torch.get_num_threads(), "peak_rss_mb": peak_rss_mb()}
     print(f"forward pass, {args.dtype}, torch {torch.__version__} at {info['torch_threads']} threads")
     print(machine_line(info))
-    print_table(rows, ["model", "size", "params_M", "batch", "seq", "tbajax_tok_s", "torch_tok_s", "ratio", "ratio_min",
-                       "ratio_max", "compile_s"])
+    columns = ["model", "size", "params_M", "batch", "seq", "tbajax_tok_s", "torch_tok_s", "ratio", "ratio_min",
+               "ratio_max", "compile_s"]
+    print_table(rows, columns + (["gelu_erfc_tok_s", "gelu_speedup"] if args.compare == "gelu" else []))
     print("ratio = median over alternating rounds of torch time / tbajax time (>1: tbajax faster); tok/s: "
           "best call of each side; tokens = real (unpadded) tokens")
-    write_json(args.json, {"benchmark": "forward", "dtype": args.dtype, "machine": info, "rows": rows})
+    write_json(args.json, {"benchmark": "forward", "dtype": args.dtype, "compare": args.compare, "machine": info,
+                           "rows": rows})
 
 
 if __name__ == "__main__":
