@@ -478,6 +478,36 @@ def test_own_kernel_is_the_identity_with_its_gradient():
     assert "conditional" in f.lower(x).compile().as_text()
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_scan_layers_is_lax_scan_without_an_fp32_copy_of_a_low_precision_stack(dtype):
+    """`layers.scan_layers` gives lax.scan's outputs and gradients bit for bit (weights, carry and
+    an fp32 weight beside them), and on CPU its program holds no fp32 array of a bf16 stack's
+    shape (XLA's hoisted convert of the whole stack, which lax.scan's program has)."""
+    rng = np.random.default_rng(0)
+    stacked = {"w": jnp.asarray(rng.standard_normal((3, 8, 8)) * 0.3, dtype),
+               "b": jnp.asarray(rng.standard_normal((3, 8)), jnp.float32)}
+    x = jnp.asarray(rng.standard_normal((4, 8)), dtype)
+
+    def body(h, p):
+        return jnp.tanh(h @ p["w"] + p["b"].astype(h.dtype)), (h * 2).sum()
+
+    def loss(scan, s, h):
+        out, ys = scan(body, h, s)
+        return out.astype(jnp.float32).sum() + ys.astype(jnp.float32).sum()
+
+    got = jax.jit(lambda s, h: L.scan_layers(body, h, s))(stacked, x)
+    want = jax.jit(lambda s, h: jax.lax.scan(body, h, s))(stacked, x)
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+    grads = [jax.jit(jax.grad(lambda s, h, f=f: loss(f, s, h), argnums=(0, 1)))(stacked, x)
+             for f in (L.scan_layers, jax.lax.scan)]
+    jax.tree.map(np.testing.assert_array_equal, *grads)
+    assert float(jnp.abs(grads[0][0]["w"].astype(jnp.float32)).max()) > 0
+    if dtype == jnp.bfloat16:
+        hlo = {f: jax.jit(lambda s, h, f=f: f(body, h, s)).lower(stacked, x).compile().as_text()
+               for f in (L.scan_layers, jax.lax.scan)}
+        assert "f32[3,8,8]" in hlo[jax.lax.scan] and "f32[3,8,8]" not in hlo[L.scan_layers]
+
+
 def test_gelu_exact_matches_torch_gelu_and_its_gradient_in_fp32_and_bf16():
     """The erf form (`layers.gelu_exact`) against torch's "gelu" over the range that matters, the
     tails included (where the erfc form is the more precise one): values within fp32 rounding,

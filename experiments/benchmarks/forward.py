@@ -1,6 +1,6 @@
 """Forward-pass tokens/s: tbajax's Flax decoders vs torch transformers, same checkpoint and batch.
 
-    python experiments/benchmarks/forward.py [--quick] [--dtype bfloat16] [--compare gelu] [--json PATH]
+    python experiments/benchmarks/forward.py [--quick] [--dtype bfloat16] [--compare NAME] [--json PATH]
 
 Rows: a Llama-style causal LM, a GPT-NeoX (Pythia-style: partial rotary, parallel residual)
 causal LM, and a GPT-NeoX reward model (`*ForSequenceClassification`, one label) scored at each
@@ -10,14 +10,21 @@ on this machine's CPU; compile time is reported separately
 from steady state. The two sides take turns call by call (`common.timed_in_turns`): the ratio is
 the median over rounds of torch's / tbajax's time, tok/s come from each side's best call.
 
-`--compare gelu` times each GPT-NeoX causal-LM row once more against the same forward with
-`jax.nn.gelu(approximate=False)` (erfc-based) in place of `layers.gelu_exact` (erf-based, as
-torch's kernel), the two taking turns; `gelu_speedup` is that arm's median time / tbajax's.
+`--compare NAME` times the causal-LM rows it applies to once more against the same forward with
+one piece of tbajax replaced by what it was before (`COMPARISONS`), the two arms taking turns
+(three times as many rounds as against torch):
+`before_tok_s` from that arm's median time, `speedup` = its median time / tbajax's, and both
+programs' temporary memory as XLA plans it (`temp_mb`, `before_temp_mb`).
+  gelu: `layers.gelu_exact` (erf-based, as torch's kernel) vs `jax.nn.gelu(approximate=False)`
+        (erfc-based); GPT-NeoX rows.
+  stack_slicing: the layer scan with `layers.scan_layers` (bf16 / fp16 weights sliced as
+        integers on CPU) vs a plain `jax.lax.scan` over the weights; with `--dtype bfloat16`.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
@@ -37,7 +44,7 @@ from common import (  # noqa: E402
 from flax import nnx  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification  # noqa: E402
 
-from tbajax.models import layers, load_model, load_scorer  # noqa: E402
+from tbajax.models import decoder, layers, load_model, load_scorer  # noqa: E402
 
 
 def erfc_gelu(x: jax.Array) -> jax.Array:
@@ -45,10 +52,26 @@ def erfc_gelu(x: jax.Array) -> jax.Array:
     return jax.nn.gelu(x, approximate=False)
 
 
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """`module.attribute` replaced by `before` in the compared arm, for the rows of `models`."""
+
+    module: Any
+    attribute: str
+    before: Any
+    models: tuple[str, ...]
+
+
+COMPARISONS = {
+    "gelu": Comparison(layers, "gelu_exact", erfc_gelu, ("neox",)),
+    "stack_slicing": Comparison(decoder, "scan_layers", jax.lax.scan, ("llama", "neox")),
+}
+
+
 def bench(model_name: str, size: str, batch: int, seq: int, repeats: int, dtype: str = "float32",
-          compare_gelu: bool = False) -> dict:
+          compare: Comparison | None = None) -> dict:
     vocab = SIZES[size]["vocab_size"]
-    gelu_arms: dict[str, Any] = {}
+    compared_here = False
     rng = np.random.RandomState(0)
     ids = rng.randint(3, vocab, (batch, seq))
     mask = np.ones((batch, seq), np.int64)
@@ -73,10 +96,7 @@ def bench(model_name: str, size: str, batch: int, seq: int, repeats: int, dtype:
         fwd = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t)[0])
         tokens = jnp.asarray(ids)
         ours = lambda: fwd(state, tokens).block_until_ready()  # noqa: E731
-        if compare_gelu and model_name == "neox":
-            with mock.patch.object(layers, "gelu_exact", erfc_gelu):
-                erfc_fwd = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t)[0]).lower(state, tokens).compile()
-            gelu_arms = {"erf": ours, "erfc": lambda: erfc_fwd(state, tokens).block_until_ready()}
+        compared_here = compare is not None and model_name in compare.models
         ref = AutoModelForCausalLM.from_pretrained(directory, dtype=getattr(torch, dtype)).eval()
     tids, tmask = torch.tensor(ids), torch.tensor(mask)
 
@@ -86,10 +106,16 @@ def bench(model_name: str, size: str, batch: int, seq: int, repeats: int, dtype:
 
     t = timed_in_turns(ours, torch_fwd, repeats)
     n = int(mask.sum())
-    gelu = {}
-    if gelu_arms:
-        med = median_seconds_in_turns(gelu_arms, repeats, warmup=1)
-        gelu = {"gelu_erfc_tok_s": n / med["erfc"], "gelu_speedup": med["erfc"] / med["erf"]}
+    compared = {}
+    if compared_here:  # compiled after timed_in_turns, whose first call times our compile
+        assert compare is not None
+        with mock.patch.object(compare.module, compare.attribute, compare.before):
+            before = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t)[0]).lower(state, tokens).compile()
+        arms = {"now": ours, "before": lambda: before(state, tokens).block_until_ready()}
+        med = median_seconds_in_turns(arms, 3 * repeats, warmup=1)  # effects of a few percent
+        temp = [f.memory_analysis().temp_size_in_bytes / 2**20 for f in (fwd.lower(state, tokens).compile(), before)]
+        compared = {"before_tok_s": n / med["before"], "speedup": med["before"] / med["now"],
+                    "temp_mb": temp[0], "before_temp_mb": temp[1]}
     return {
         "model": model_name,
         "size": size,
@@ -103,7 +129,7 @@ def bench(model_name: str, size: str, batch: int, seq: int, repeats: int, dtype:
         "ratio_min": t["ratio_min"],
         "ratio_max": t["ratio_max"],
         "compile_s": t["first_s"]["ours"],
-        **gelu,
+        **compared,
     }
 
 
@@ -113,7 +139,7 @@ def main() -> None:
     ap.add_argument("--json", help="write the figures to this path")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                     help="weights and compute dtype of both sides (default float32)")
-    ap.add_argument("--compare", choices=("gelu",), help="gelu: time the GPT-NeoX rows with jax.nn.gelu too")
+    ap.add_argument("--compare", choices=sorted(COMPARISONS), help="time the rows with one change undone too")
     args = ap.parse_args()
     keep_freed_memory()
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -121,13 +147,14 @@ def main() -> None:
         cases = [("llama", "10M", 8, 128), ("neox", "10M", 8, 128), ("neox_rm", "10M", 8, 128)]
     else:
         cases = [(m, s, 16, 256) for s in ("10M", "50M") for m in ("llama", "neox", "neox_rm")]
-    rows = [bench(m, s, b, t, 3 if args.quick else 7, args.dtype, args.compare == "gelu") for m, s, b, t in cases]
+    compare = COMPARISONS[args.compare] if args.compare else None
+    rows = [bench(m, s, b, t, 3 if args.quick else 7, args.dtype, compare) for m, s, b, t in cases]
     info = {**machine(), "torch_threads": torch.get_num_threads(), "peak_rss_mb": peak_rss_mb()}
     print(f"forward pass, {args.dtype}, torch {torch.__version__} at {info['torch_threads']} threads")
     print(machine_line(info))
     columns = ["model", "size", "params_M", "batch", "seq", "tbajax_tok_s", "torch_tok_s", "ratio", "ratio_min",
                "ratio_max", "compile_s"]
-    print_table(rows, columns + (["gelu_erfc_tok_s", "gelu_speedup"] if args.compare == "gelu" else []))
+    print_table(rows, columns + (["before_tok_s", "speedup", "temp_mb", "before_temp_mb"] if compare else []))
     print("ratio = median over alternating rounds of torch time / tbajax time (>1: tbajax faster); tok/s: "
           "best call of each side; tokens = real (unpadded) tokens")
     write_json(args.json, {"benchmark": "forward", "dtype": args.dtype, "compare": args.compare, "machine": info,

@@ -22,6 +22,7 @@ from tbajax.models.config import ModelConfig, rope_inv_freq
 from tbajax.models.families import Family, ParamSpec, family_for
 from tbajax.models.layers import CausalMask, apply_rope, attention, rms_norm  # noqa: F401  (re-exported)
 from tbajax.models.layers import rope_tables as _rope_tables
+from tbajax.models.layers import scan_layers
 from tbajax.models.serving import KVCache, ServingParams, cached_pass, unstack
 from tbajax.op_scopes import scoped
 from tbajax.sharding import constrain
@@ -163,7 +164,7 @@ class CausalLM(nnx.Module):
             return h, None
 
         if cfg.scan_layers:
-            x, _ = jax.lax.scan(body, x, params)
+            x, _ = scan_layers(body, x, params)
         else:
             for p in unstack(params, cfg.num_layers):
                 x, _ = body(x, p)
