@@ -31,7 +31,7 @@ from jax.sharding import Mesh, SingleDeviceSharding
 
 from tbajax.models.config import DTYPES, UnsupportedModelError
 from tbajax.models.hf import resolve_checkpoint
-from tbajax.models.layers import matmul
+from tbajax.models.layers import matmul, scan_layers
 from tbajax.models.safetensors_io import CheckpointError, SafetensorsReader, write_sharded
 from tbajax.shapes import pow2_bucket
 from tbajax.sharding import constrain, param_shardings
@@ -383,7 +383,7 @@ class Encoder(nnx.Module):
         def body(h: Array, p: dict[str, Array]) -> tuple[Array, None]:
             return _layer(cfg, p, h, mask), None
 
-        x, _ = jax.lax.scan(body, x, self.layers.stacked(cfg))
+        x, _ = scan_layers(body, x, self.layers.stacked(cfg))
         return x
 
     def __call__(
