@@ -44,8 +44,8 @@ def gelu_exact(x: Array) -> Array:
     """transformers' "gelu": x * Phi(x) with the erf CDF, in fp32, as torch computes it.
 
     Written 0.5 x (1 + erf(x / sqrt 2)) as torch's kernel is: `jax.nn.gelu` takes erfc(-x / sqrt 2),
-    which XLA:CPU evaluates with more branches; the GPT-NeoX 50M forward ran ~4% longer with it
-    (`experiments/benchmarks/forward.py --compare gelu`)."""
+    which XLA:CPU evaluates with more branches; the GPT-NeoX forward ran 3-5% longer with it
+    (`forward.json`, `experiments/benchmarks/forward.py --compare gelu`)."""
     xf = x.astype(jnp.float32)
     return (0.5 * xf * (1.0 + jax.lax.erf(xf * (1.0 / math.sqrt(2.0))))).astype(x.dtype)
 
