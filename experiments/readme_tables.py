@@ -29,7 +29,8 @@ README = REPO / "README.md"
 # "rows" (or "results") with the first scalar columns. "total" is a single summary line.
 TABLES: dict[str, dict[str, list[str]]] = {
     "forward": {"rows": ["model", "size", "batch", "seq", "tbajax_tok_s", "torch_tok_s", "ratio", "ratio_min",
-                         "ratio_max", "before_tok_s", "speedup", "temp_mb", "before_temp_mb"]},
+                         "ratio_max", "before_tok_s", "speedup", "temp_mb", "before_temp_mb", "stub_tok_s",
+                         "torch_stub_tok_s", "stub_ratio", "attention_ms", "torch_attention_ms"]},
     "train_step": {
         "rows": ["size", "batch", "tbajax_tok_s", "torch_tok_s", "ratio", "ratio_min", "ratio_max"],
         "objective_rows": ["size", "objective", "reference_forward", "xla_gflop", "flop_saving", "best_step_s",
@@ -116,7 +117,8 @@ ABSOLUTE = {"update_s", "tbajax_tok_s", "torch_tok_s", "step_s", "best_step_s", 
             "first_generate_s", "first_eval_s", "ours_step_ms", "ours_matmul_ms", "torch_matmul_ms",
             "ours_attention_ms", "xla_gflops", "torch_gflops", "xla_1core_gflops", "torch_1core_gflops",
             "fused_ms", "unfused_ms", "producer_only_ms", "wall_ms", "op_ms", "plain_gflops",
-            "fp32_acc_gflops", "before_gflops", "mesh_s", "before_tok_s"}
+            "fp32_acc_gflops", "before_gflops", "mesh_s", "before_tok_s", "stub_tok_s", "torch_stub_tok_s",
+            "attention_ms", "torch_attention_ms"}
 
 
 def _fmt(v: Any) -> str:

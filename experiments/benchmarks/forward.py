@@ -19,6 +19,13 @@ programs' temporary memory as XLA plans it (`temp_mb`, `before_temp_mb`).
         (erfc-based); GPT-NeoX rows.
   stack_slicing: the layer scan with `layers.scan_layers` (bf16 / fp16 weights sliced as
         integers on CPU) vs a plain `jax.lax.scan` over the weights; with `--dtype bfloat16`.
+
+`--attention-stub` splits the causal-LM rows' time into attention and the rest: both sides are
+timed again with their attention replaced by the same stand-in (q plus the keys and values, each
+kv head repeated over its query group: the same shapes, no softmax), tbajax's `self_attention`
+without a cache and torch's `scaled_dot_product_attention`, all four arms taking turns.
+`stub_ratio` = torch's stubbed time / ours (the rest of the model), `attention_ms` /
+`torch_attention_ms` = each side's full time minus its stubbed time.
 """
 
 from __future__ import annotations
@@ -68,8 +75,42 @@ COMPARISONS = {
 }
 
 
+def stub_self_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: Any, cache: Any, dtype: Any) -> Any:
+    """`layers.self_attention` for `--attention-stub`: the cache path as before, else q + k + v."""
+    if cache is not None:
+        return STUB_ORIGINAL(q, k, v, mask, cache, dtype)
+    g = q.shape[2] // k.shape[2]
+    return q + jnp.repeat(k, g, axis=2) + jnp.repeat(v, g, axis=2), None
+
+
+STUB_ORIGINAL = layers.self_attention
+
+
+def stub_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """torch's `scaled_dot_product_attention` for `--attention-stub`: q + k + v ([b, heads, t, d])."""
+    g = q.shape[1] // k.shape[1]
+    return q + k.repeat_interleave(g, 1) + v.repeat_interleave(g, 1)
+
+
+def attention_split(fwd_ours: Any, build_stubbed: Any, torch_fwd: Any, n: int, rounds: int) -> dict[str, float]:
+    """Both sides with and without their attention (`--attention-stub`), the four arms in turns."""
+    with mock.patch.object(layers, "self_attention", stub_self_attention):
+        stubbed = build_stubbed()
+
+    def torch_stubbed() -> None:
+        with mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", stub_sdpa):
+            torch_fwd()
+
+    med = median_seconds_in_turns({"ours": fwd_ours, "ours_stub": stubbed, "torch": torch_fwd,
+                                   "torch_stub": torch_stubbed}, rounds, warmup=1)
+    return {"stub_tok_s": n / med["ours_stub"], "torch_stub_tok_s": n / med["torch_stub"],
+            "stub_ratio": med["torch_stub"] / med["ours_stub"],
+            "attention_ms": 1e3 * (med["ours"] - med["ours_stub"]),
+            "torch_attention_ms": 1e3 * (med["torch"] - med["torch_stub"])}
+
+
 def bench(model_name: str, size: str, batch: int, seq: int, repeats: int, dtype: str = "float32",
-          compare: Comparison | None = None) -> dict:
+          compare: Comparison | None = None, attention_stub: bool = False) -> dict:
     vocab = SIZES[size]["vocab_size"]
     compared_here = False
     rng = np.random.RandomState(0)
@@ -116,6 +157,12 @@ def bench(model_name: str, size: str, batch: int, seq: int, repeats: int, dtype:
         temp = [f.memory_analysis().temp_size_in_bytes / 2**20 for f in (fwd.lower(state, tokens).compile(), before)]
         compared = {"before_tok_s": n / med["before"], "speedup": med["before"] / med["now"],
                     "temp_mb": temp[0], "before_temp_mb": temp[1]}
+    if attention_stub and model_name != "neox_rm":
+        def build_stubbed() -> Any:
+            stubbed = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t)[0]).lower(state, tokens).compile()
+            return lambda: stubbed(state, tokens).block_until_ready()
+
+        compared.update(attention_split(ours, build_stubbed, torch_fwd, n, 3 * repeats))
     return {
         "model": model_name,
         "size": size,
@@ -140,6 +187,8 @@ def main() -> None:
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                     help="weights and compute dtype of both sides (default float32)")
     ap.add_argument("--compare", choices=sorted(COMPARISONS), help="time the rows with one change undone too")
+    ap.add_argument("--attention-stub", action="store_true",
+                    help="time both sides with attention stubbed out too (attention vs the rest)")
     args = ap.parse_args()
     keep_freed_memory()
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -148,17 +197,21 @@ def main() -> None:
     else:
         cases = [(m, s, 16, 256) for s in ("10M", "50M") for m in ("llama", "neox", "neox_rm")]
     compare = COMPARISONS[args.compare] if args.compare else None
-    rows = [bench(m, s, b, t, 3 if args.quick else 7, args.dtype, compare) for m, s, b, t in cases]
+    rows = [bench(m, s, b, t, 3 if args.quick else 7, args.dtype, compare, args.attention_stub)
+            for m, s, b, t in cases]
     info = {**machine(), "torch_threads": torch.get_num_threads(), "peak_rss_mb": peak_rss_mb()}
     print(f"forward pass, {args.dtype}, torch {torch.__version__} at {info['torch_threads']} threads")
     print(machine_line(info))
     columns = ["model", "size", "params_M", "batch", "seq", "tbajax_tok_s", "torch_tok_s", "ratio", "ratio_min",
                "ratio_max", "compile_s"]
-    print_table(rows, columns + (["before_tok_s", "speedup", "temp_mb", "before_temp_mb"] if compare else []))
+    columns += ["before_tok_s", "speedup", "temp_mb", "before_temp_mb"] if compare else []
+    columns += ["stub_tok_s", "torch_stub_tok_s", "stub_ratio", "attention_ms", "torch_attention_ms"] \
+        if args.attention_stub else []
+    print_table(rows, columns)
     print("ratio = median over alternating rounds of torch time / tbajax time (>1: tbajax faster); tok/s: "
           "best call of each side; tokens = real (unpadded) tokens")
-    write_json(args.json, {"benchmark": "forward", "dtype": args.dtype, "compare": args.compare, "machine": info,
-                           "rows": rows})
+    write_json(args.json, {"benchmark": "forward", "dtype": args.dtype, "compare": args.compare,
+                           "attention_stub": args.attention_stub, "machine": info, "rows": rows})
 
 
 if __name__ == "__main__":
