@@ -17,8 +17,8 @@ one piece of tbajax replaced by what it was before (`COMPARISONS`), the two arms
 programs' temporary memory as XLA plans it (`temp_mb`, `before_temp_mb`).
   gelu: `layers.gelu_exact` (erf-based, as torch's kernel) vs `jax.nn.gelu(approximate=False)`
         (erfc-based); GPT-NeoX rows.
-  stack_slicing: the layer scan with `layers.scan_layers` (bf16 / fp16 weights sliced as
-        integers on CPU) vs a plain `jax.lax.scan` over the weights; with `--dtype bfloat16`.
+  stack_slicing: the layer scan with `layers.scan_layers` (bf16 weights sliced as integers
+        on CPU) vs a plain `jax.lax.scan` over the weights; with `--dtype bfloat16`.
 
 `--attention-stub` splits the causal-LM rows' time into attention and the rest: both sides are
 timed again with their attention replaced by the same stand-in (q plus the keys and values, each
@@ -75,15 +75,15 @@ COMPARISONS = {
 }
 
 
+STUB_ORIGINAL = layers.self_attention
+
+
 def stub_self_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: Any, cache: Any, dtype: Any) -> Any:
     """`layers.self_attention` for `--attention-stub`: the cache path as before, else q + k + v."""
     if cache is not None:
         return STUB_ORIGINAL(q, k, v, mask, cache, dtype)
     g = q.shape[2] // k.shape[2]
     return q + jnp.repeat(k, g, axis=2) + jnp.repeat(v, g, axis=2), None
-
-
-STUB_ORIGINAL = layers.self_attention
 
 
 def stub_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
