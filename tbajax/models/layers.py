@@ -248,16 +248,14 @@ def scan_layers(body: Callable[[Array, dict[str, Array]], tuple[Array, Any]], x:
     Differentiable: the weights' tangents are sliced as before (`_integer_sliced`). Other
     backends slice the weights themselves.
     """
-    pairs = {k: (jax.lax.bitcast_convert_type(w, _BITS[w.dtype]), w) if w.dtype in _BITS else w
+    # fp16 stacks are left to lax.scan: XLA:CPU (jax 0.10) made no fp32 copy of those
+    pairs = {k: (jax.lax.bitcast_convert_type(w, jnp.uint16), w) if w.dtype == jnp.bfloat16 else w
              for k, w in stacked.items()}
 
     def sliced_body(h: Array, p: dict[str, Any]) -> tuple[Array, Any]:
         return body(h, {k: _integer_sliced(*v) if isinstance(v, tuple) else v for k, v in p.items()})
 
     return jax.lax.scan(sliced_body, x, pairs)
-
-
-_BITS = {jnp.dtype(jnp.bfloat16): jnp.uint16}  # fp16 stacks were not copied (XLA:CPU, jax 0.10)
 
 
 @jax.custom_jvp
