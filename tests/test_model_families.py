@@ -229,6 +229,28 @@ def test_greedy_sampler_matches_torch_generate(ckpt, name):
     np.testing.assert_array_equal(got.tokens, np.stack(expected))
 
 
+@pytest.mark.parametrize("name", ["llama", "neox_parallel"])
+def test_shared_prompt_cache_samples_like_copied_prompts(ckpt, tiny_checkpoint, name):
+    """K samples of a prompt read its cached keys once (`serving.PromptCache`, grouped-query
+    Llama and multi-head NeoX): the same tokens, stops and lengths as with the prompt copied into
+    every sample's row, log-probs up to summation order, a padding prompt of the bucket included."""
+    model = load_model(tiny_checkpoint("llama") if name == "llama" else ckpt(name))
+    prompts = [[1, 5, 6, 7], [1, 9], [1, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
+    cfg = SamplingConfig(max_new_tokens=12, num_samples=3, temperature=1.0, min_new_tokens=2,
+                         stop_token_ids=(2, 3, 4))
+    key = jax.random.key(5)
+    sampler = Sampler(model, first_decode_phase=4)
+    shared = sampler.sample(prompts, cfg, key)
+    copied = Sampler(model, first_decode_phase=4, share_prompt_cache=False).sample(prompts, cfg, key)
+    cache = sampler._cache  # 4 prompts (3 + bucket padding) x 16 slots, 12 x 12 new-token slots
+    assert (cache.prompt.rows, cache.prompt.slots, cache.rows, cache.slots) == (4, 16, 12, 12)
+    assert shared.finished.any() and (~shared.finished).any()
+    np.testing.assert_array_equal(shared.tokens, copied.tokens)
+    np.testing.assert_array_equal(shared.length, copied.length)
+    np.testing.assert_array_equal(shared.finished, copied.finished)
+    np.testing.assert_allclose(shared.logprobs, copied.logprobs, atol=1e-5)
+
+
 @pytest.mark.parametrize("name", ["neox_sequential", "gpt2"])
 def test_export_round_trip_loads_in_torch(ckpt, tmp_path, name):
     directory = ckpt(name)

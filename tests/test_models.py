@@ -1,6 +1,7 @@
 """Parity of our Flax decoder with torch transformers, the KV-cache path, and HF checkpoint I/O."""
 
 import dataclasses
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -591,6 +592,35 @@ def test_rows_per_step_takes_the_batch_when_its_scores_fit_else_a_divisor_within
     assert rows_per_step(7, 100, budget=599) == 1  # 7 is prime: one row a step
     assert rows_per_step(4, 10 * mib) == 1  # one row beyond the budget still takes a step
     assert rows_per_step(4, 100, budget=0) == 1
+
+
+@pytest.mark.parametrize("h,kv", [(6, 2), (4, 4)])
+def test_attention_after_a_shared_prompt_equals_attention_over_copied_prompts(h, kv):
+    """One new token per row over its prompt's keys held once per prompt plus its own row's
+    cache equals `cached_attention` over each row's prompt copied in front of its own slots:
+    grouped queries and multi-head (g = 1), left padding, an all-padding prompt, masked slots
+    holding NaN-free garbage."""
+    from tbajax.models.layers import PromptKV, attention_after_prompt, cached_attention
+
+    r = np.random.default_rng(1)
+    n, k, d, p, s = 3, 4, 8, 5, 7
+    b = n * k
+    q = jnp.asarray(r.normal(size=(b, 1, h, d)), jnp.float32)
+    pk, pv = (jnp.asarray(r.normal(size=shape), jnp.float32) for shape in ((n, kv, d, p), (n, kv, p, d)))
+    kt, v = (jnp.asarray(r.normal(size=shape), jnp.float32) for shape in ((b, kv, d, s), (b, kv, s, d)))
+    pvalid = np.arange(p)[None, :] >= np.array([0, 2, p])[:, None]  # left padding; prompt 2: padding only
+    valid = np.arange(s)[None, :] < r.integers(1, s + 1, b)[:, None]  # each row's own tokens
+    got = jax.jit(attention_after_prompt)(q, kt, v, jnp.asarray(valid[:, None]),
+                                          PromptKV(pk, pv, jnp.asarray(pvalid)))
+    rep = functools.partial(jnp.repeat, repeats=k, axis=0)
+    full_valid = np.concatenate([np.repeat(pvalid, k, 0), valid], 1)[:, None]
+    want = cached_attention(q, jnp.concatenate([rep(pk), kt], 3), jnp.concatenate([rep(pv), v], 2),
+                            jnp.asarray(full_valid))
+    assert got.shape == (b, 1, h, d)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
+    with pytest.raises(ValueError, match="one token per row"):
+        attention_after_prompt(jnp.concatenate([q, q], 1), kt, v, jnp.asarray(valid[:, None]),
+                               PromptKV(pk, pv, jnp.asarray(pvalid)))
 
 
 @pytest.mark.parametrize("dtype,t,budget", [

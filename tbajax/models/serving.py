@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from tbajax import op_scopes as S
+from tbajax.models import layers as L
 from tbajax.models.config import ModelConfig
 from tbajax.models.families import Family, family_for
 from tbajax.models.layers import EMIT_KV, CausalMask
@@ -32,6 +33,34 @@ from tbajax.op_scopes import scoped
 from tbajax.sharding import constrain
 
 Array = jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PromptCache:
+    """The prompt part of a cache whose rows are K samples of each prompt (prompt-major): every
+    prompt's keys/values once, not once per sample (`layers.attention_after_prompt` reads them
+    for all K). Same layouts as `KVCache`, rows = prompts, slots = the prompt bucket."""
+
+    k: tuple[Array, ...]  # per layer [prompts, kv_heads, head_dim, slots]
+    v: tuple[Array, ...]  # per layer [prompts, kv_heads, slots, head_dim]
+    valid: Array  # [prompts, slots] bool
+
+    @classmethod
+    def init(cls, cfg: ModelConfig, prompts: int, slots: int, dtype: Any = None) -> "PromptCache":
+        cache = KVCache.init(cfg, prompts, slots, dtype)
+        return cls(k=cache.k, v=cache.v, valid=cache.valid)
+
+    @property
+    def rows(self) -> int:
+        return self.valid.shape[0]
+
+    @property
+    def slots(self) -> int:
+        return self.valid.shape[1]
+
+    def nbytes(self) -> int:
+        return sum(x.nbytes for x in (*self.k, *self.v)) + self.valid.nbytes
 
 
 @jax.tree_util.register_dataclass
@@ -47,12 +76,15 @@ class KVCache:
     `dynamic_update_slice` per layer writes the whole batch. The continuous-batching engine
     (`tbajax.sampling.continuous`) uses it as a ring: index advances mod `slots` and each row's
     history is wherever it was written (single-token steps attend by `valid` alone).
+    With a `prompt` part (the static sampler's K > 1 samples per prompt), the prompt's tokens
+    live there once per prompt and these buffers hold the generated tokens only.
     """
 
     k: tuple[Array, ...]  # per layer [batch, kv_heads, head_dim, slots]
     v: tuple[Array, ...]  # per layer [batch, kv_heads, slots, head_dim]
     valid: Array  # [batch, slots] bool
     index: Array  # int32 scalar: next slot to write
+    prompt: PromptCache | None = None
 
     K_AXES = ("batch", "kv_heads", "head_dim", "length")
     V_AXES = ("batch", "kv_heads", "length", "head_dim")
@@ -81,7 +113,15 @@ class KVCache:
         return self.k[0].dtype
 
     def nbytes(self) -> int:
-        return sum(x.nbytes for x in (*self.k, *self.v)) + self.valid.nbytes
+        own = sum(x.nbytes for x in (*self.k, *self.v)) + self.valid.nbytes
+        return own + (0 if self.prompt is None else self.prompt.nbytes())
+
+    def layer(self, i: int) -> L.LayerCache:
+        """Layer i's cache as `layers.self_attention` takes it."""
+        if self.prompt is None:
+            return self.k[i], self.v[i], self.index
+        prompt = L.PromptKV(self.prompt.k[i], self.prompt.v[i], self.prompt.valid)
+        return self.k[i], self.v[i], self.index, prompt
 
 
 @jax.tree_util.register_dataclass
@@ -178,6 +218,8 @@ def cached_pass(
     write and read happens in place."""
     family = family_for(cfg.model_type)
     t = tokens.shape[1]
+    if cache.prompt is not None and t != 1:
+        raise ValueError(f"a cache with a shared prompt part takes one token per row and step, got {t}")
     valid = jax.lax.dynamic_update_slice(cache.valid, mask.astype(bool), (0, cache.index))
     if t == 1:
         attend = valid[:, None, :]
@@ -188,10 +230,10 @@ def cached_pass(
     tables = family.position_tables(cfg, positions)
     ks, vs = [], []
     for i, p in enumerate(params.layers):
-        x, (k, v) = family.block(cfg, p, x, tables, attend, (cache.k[i], cache.v[i], cache.index))
+        x, (k, v) = family.block(cfg, p, x, tables, attend, cache.layer(i))
         ks.append(k)
         vs.append(v)
-    cache = KVCache(k=tuple(ks), v=tuple(vs), valid=valid, index=cache.index + t)
+    cache = KVCache(k=tuple(ks), v=tuple(vs), valid=valid, index=cache.index + t, prompt=cache.prompt)
     return family.final_norm(cfg, params.top, x), cache
 
 

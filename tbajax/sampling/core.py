@@ -6,7 +6,8 @@ bucket with the config (or the model's graphdef) static and the weights passed a
 
 Layout: prompts are LEFT-padded to P slots, so every row's next token is written at the same
 cache slot (`KVCache.index`); a row's position ids skip its padding (cumsum(mask) - 1). Response
-token j of a row sits at position `prompt_len + j` and cache slot `P + j`.
+token j of a row sits at position `prompt_len + j` and cache slot `P + j`, or slot j when the
+prompts' keys are held once per prompt in the cache's prompt part (K > 1 samples each).
 """
 
 from __future__ import annotations
@@ -60,11 +61,13 @@ class Knobs(NamedTuple):
 def prefill(
     cfg: ModelConfig, params: ServingParams, cache: KVCache, tokens: Array, mask: Array, *, num_samples: int
 ) -> tuple[KVCache, Array, Array]:
-    """Run the prompts [B, P] once (`serving.prompt_pass`) and write their keys/values, repeated K
-    times per prompt, into the first P slots of the preallocated `cache` ([B*K] rows, pass it
-    donated: the writes then happen in place). Every later slot is marked invalid and its values
-    zeroed: a masked slot's weight is exactly 0, but 0 x NaN is not, so a non-finite value an
-    earlier call left there must not stay (its keys may: masking selects their scores away).
+    """Run the prompts [B, P] once (`serving.prompt_pass`) and write their keys/values into the
+    preallocated `cache` ([B*K] rows, pass it donated: the writes then happen in place): into its
+    prompt part once per prompt when it has one (`serving.PromptCache`, P slots; the per-sample
+    buffers then start empty), else repeated K times per prompt into the first P slots. Every
+    later slot is marked invalid and its values zeroed: a masked slot's weight is exactly 0, but
+    0 x NaN is not, so a non-finite value an earlier call left there must not stay (its keys may:
+    masking selects their scores away).
 
     Returns the cache, the next-token logits [B*K, V] and the real prompt lengths [B*K]; rows are
     prompt-major (row = prompt * K + k).
@@ -72,6 +75,10 @@ def prefill(
     b, p = tokens.shape
     if cache.rows != b * num_samples:
         raise ValueError(f"cache has {cache.rows} rows, need {b} prompts x {num_samples} samples")
+    shared = cache.prompt
+    if shared is not None and (shared.rows, shared.slots) != (b, p):
+        raise ValueError(f"the cache's prompt part holds {shared.rows} x {shared.slots}, "
+                         f"the prompts are {b} x {p}")
     mask = mask.astype(bool)
     last, keys, values = serving.prompt_pass(cfg, params, tokens, mask, positions_from_mask(mask))
     logits = serving.logits(cfg, params, last)  # left padding: the last column is every row's last token
@@ -79,19 +86,30 @@ def prefill(
     def rep(x: Array) -> Array:
         return jnp.repeat(x, num_samples, axis=0) if num_samples > 1 else x
 
-    def write(buf: Array, x: Array, axes: tuple[str, ...]) -> Array:
-        return constrain(jax.lax.dynamic_update_slice(buf, rep(x).astype(buf.dtype), (0,) * x.ndim), axes)
+    def put(buf: Array, x: Array, axes: tuple[str, ...]) -> Array:
+        return constrain(jax.lax.dynamic_update_slice(buf, x.astype(buf.dtype), (0,) * x.ndim), axes)
 
-    def write_values(buf: Array, x: Array) -> Array:
-        return write(_zero_from(buf, p), x, KVCache.V_AXES)
-
-    valid = jnp.zeros((b, cache.slots), bool).at[:, :p].set(mask)
-    cache = KVCache(
-        k=tuple(write(buf, x, KVCache.K_AXES) for buf, x in zip(cache.k, keys)),
-        v=tuple(write_values(buf, x) for buf, x in zip(cache.v, values)),
-        valid=write(cache.valid, valid, ("batch", "length")),
-        index=jnp.asarray(p, jnp.int32),
-    )
+    if shared is not None:
+        prompt = serving.PromptCache(
+            k=tuple(put(buf, x, KVCache.K_AXES) for buf, x in zip(shared.k, keys)),
+            v=tuple(put(buf, x, KVCache.V_AXES) for buf, x in zip(shared.v, values)),
+            valid=put(shared.valid, mask, ("batch", "length")),
+        )
+        cache = KVCache(
+            k=cache.k,
+            v=tuple(constrain(jnp.zeros_like(buf), KVCache.V_AXES) for buf in cache.v),
+            valid=constrain(jnp.zeros_like(cache.valid), ("batch", "length")),
+            index=jnp.asarray(0, jnp.int32),
+            prompt=prompt,
+        )
+    else:
+        valid = jnp.zeros((b, cache.slots), bool).at[:, :p].set(mask)
+        cache = KVCache(
+            k=tuple(put(buf, rep(x), KVCache.K_AXES) for buf, x in zip(cache.k, keys)),
+            v=tuple(put(_zero_from(buf, p), rep(x), KVCache.V_AXES) for buf, x in zip(cache.v, values)),
+            valid=put(cache.valid, rep(valid), ("batch", "length")),
+            index=jnp.asarray(p, jnp.int32),
+        )
     return cache, constrain(rep(logits), ("batch", "act_vocab")), rep(mask.sum(-1, dtype=jnp.int32))
 
 
@@ -140,17 +158,30 @@ def grow_cache(small: KVCache, big: KVCache) -> KVCache:
         v=tuple(put(_zero_from(b, s), x, KVCache.V_AXES) for b, x in zip(big.v, small.v)),
         valid=put(jnp.zeros_like(big.valid), small.valid, ("batch", "length")),
         index=small.index,
+        prompt=small.prompt,  # held once; the bigger cache's own prompt part, if any, is not read
     )
 
 
-def init_cache(cfg: ModelConfig, rows: int, slots: int) -> KVCache:
-    """An empty cache laid out over the mesh like the one `prefill` returns."""
+def init_cache(cfg: ModelConfig, rows: int, slots: int, prompts: int = 0, prompt_slots: int = 0) -> KVCache:
+    """An empty cache laid out over the mesh like the one `prefill` returns; with prompts > 0, a
+    prompt part of `prompts` x `prompt_slots` for rows that are K = rows / prompts samples each."""
     cache = KVCache.init(cfg, rows, slots)
+    prompt = None
+    if prompts:
+        if rows % prompts:
+            raise ValueError(f"{rows} rows are not K samples of each of {prompts} prompts")
+        part = serving.PromptCache.init(cfg, prompts, prompt_slots)
+        prompt = serving.PromptCache(
+            k=tuple(constrain(x, KVCache.K_AXES) for x in part.k),
+            v=tuple(constrain(x, KVCache.V_AXES) for x in part.v),
+            valid=constrain(part.valid, ("batch", "length")),
+        )
     return KVCache(
         k=tuple(constrain(x, KVCache.K_AXES) for x in cache.k),
         v=tuple(constrain(x, KVCache.V_AXES) for x in cache.v),
         valid=constrain(cache.valid, ("batch", "length")),
         index=cache.index,
+        prompt=prompt,
     )
 
 

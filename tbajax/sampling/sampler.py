@@ -1,9 +1,10 @@
 """`Sampler`: the stateful edge around the pure core (compiled-function cache, params, mesh).
 
-One call = prefill the unique prompts once, repeat their cache rows K times, decode inside one
-compiled `lax.while_loop`, optionally score the samples under a reference model, and hand back
-numpy arrays. Shapes are bucketed (prompt batch to a power of two, prompt length to a power of
-two) so a long-running searcher compiles a handful of programs, each logged once.
+One call = prefill the unique prompts once, hold their cache rows once for their K samples (or
+repeat them K times: `share_prompt_cache=False`), decode inside compiled `lax.while_loop`s,
+optionally score the samples under a reference model, and hand back numpy arrays. Shapes are
+bucketed (prompt batch to a power of two, prompt length to a power of two) so a long-running
+searcher compiles a handful of programs, each logged once.
 
 The policy is held only in its serving layout (`tbajax.models.serving.ServingParams`: per-layer
 weights in the family's decode layout, the head vocab-major), built once per params version by
@@ -102,6 +103,9 @@ class Sampler:
       max_position_embeddings). min_prompt_bucket: smallest prompt-length bucket.
     first_decode_phase: new tokens the decode loop writes into a cache of prompt + this many slots
       before it moves to a larger one (`core.phase_slots`; 0: one full-length cache from the start).
+    share_prompt_cache: with K > 1 samples per prompt, cache each prompt's keys/values once and
+      have its K samples' decode attention read them together (`serving.PromptCache`,
+      `layers.attention_after_prompt`) instead of copying them into K rows (False: the copies).
     reference: an optional reference model for `sample(..., reference_logprobs=True)`.
     """
 
@@ -114,6 +118,7 @@ class Sampler:
         min_prompt_bucket: int = 16,
         reference: CausalLM | None = None,
         first_decode_phase: int = 64,
+        share_prompt_cache: bool = True,
     ):
         for m in (model, reference):
             if m is not None and m.config.num_labels is not None:
@@ -130,6 +135,7 @@ class Sampler:
         if first_decode_phase < 0:
             raise ValueError(f"first_decode_phase must be >= 0 (0: no phases), got {first_decode_phase}")
         self.first_decode_phase = first_decode_phase
+        self.share_prompt_cache = share_prompt_cache
         self.batch_shards = self.mesh.shape.get("data", 1) * self.mesh.shape.get("fsdp", 1)
         self._policy = PreparedParams.from_model(model, self.mesh)
         self._reference = _Params.from_model(reference, self.mesh) if reference is not None else None
@@ -217,7 +223,11 @@ class Sampler:
         b = batch_bucket(n_prompts, k, self.batch_shards)
         longest = max(len(p) for p in prompt_arrays)
         p_len = length_bucket(longest, self.max_cache_length - config.max_new_tokens, self.min_prompt_bucket)
-        slots = p_len + config.max_new_tokens
+        # K > 1 samples of a prompt share its cached keys (`serving.PromptCache`) unless the
+        # prompts do not split over the mesh's batch shards as their rows do
+        shared = self.share_prompt_cache and k > 1 and b % self.batch_shards == 0
+        prompt_slots = 0 if shared else p_len  # the per-sample buffers' prompt slots
+        slots = prompt_slots + config.max_new_tokens
         tokens, mask = left_pad(prompt_arrays, b, p_len, pad)
         n = b * k
         active = np.arange(n) < n_prompts * k
@@ -244,13 +254,14 @@ class Sampler:
             top_p=self._put(np.float32(config.top_p), ()),
             min_new_tokens=self._put(np.int32(config.min_new_tokens), ()),
         )
-        phases = core.phase_slots(p_len, config.max_new_tokens, self.first_decode_phase)
-        shape = (("batch", b), ("prompt_len", p_len), ("num_samples", k), ("spec", spec), ("phases", phases))
+        phases = core.phase_slots(prompt_slots, config.max_new_tokens, self.first_decode_phase)
+        shape = (("batch", b), ("prompt_len", p_len), ("num_samples", k), ("spec", spec), ("phases", phases),
+                 ("shared_prompt", shared))
         out, self._cache = self._run(
             ("generate", shape),
             lambda: _jit_generate(self.config, k, spec, phases),
             self._policy.params,
-            self._take_cache(n, slots),
+            self._take_cache(n, slots, (b, p_len) if shared else None),
             self._put(tokens, ("batch", "length")),
             self._put(mask, ("batch", "length")),
             self._put(active, ("batch",)),
@@ -369,14 +380,18 @@ class Sampler:
             return jax.device_put(x, NamedSharding(self.mesh, P()))
         return jax.device_put(x, named_sharding(logical_axes, x.shape, self.mesh))
 
-    def _take_cache(self, rows: int, slots: int) -> core.KVCache:
-        """The preallocated cache for this shape (the previous one if it fits; it is donated)."""
+    def _take_cache(self, rows: int, slots: int, prompt: tuple[int, int] | None) -> core.KVCache:
+        """The preallocated cache for this shape (the previous one if it fits; it is donated);
+        prompt: (prompts, prompt slots) of its shared prompt part, or None for none."""
         cache, self._cache = self._cache, None
-        if cache is None or cache.rows != rows or cache.slots != slots:
+        held = None if cache is None or cache.prompt is None else (cache.prompt.rows, cache.prompt.slots)
+        if cache is None or cache.rows != rows or cache.slots != slots or held != prompt:
             del cache  # free the old buffer before allocating the new one
+            prompts, prompt_slots = prompt or (0, 0)
             cache = self._run(
-                ("cache", (("rows", rows), ("slots", slots))),
-                lambda: jax.jit(functools.partial(core.init_cache, self.config, rows, slots)),
+                ("cache", (("rows", rows), ("slots", slots), ("prompt", prompt))),
+                lambda: jax.jit(functools.partial(core.init_cache, self.config, rows, slots, prompts,
+                                                  prompt_slots)),
             )
         return cache
 
@@ -390,8 +405,11 @@ class Sampler:
 
     @property
     def cache_slots(self) -> int:
-        """Slots per row of the last call's KV cache (its prompt bucket + max_new_tokens); 0 before any."""
-        return 0 if self._cache is None else self._cache.slots
+        """Slots per row of the last call's KV cache (its prompt bucket + max_new_tokens, the prompt
+        part included when it is shared); 0 before any."""
+        if self._cache is None:
+            return 0
+        return self._cache.slots + (0 if self._cache.prompt is None else self._cache.prompt.slots)
 
     def _put_key(self, key: jax.Array) -> jax.Array:
         if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
@@ -557,7 +575,8 @@ def _jit_generate(cfg: ModelConfig, num_samples: int, spec: core.DecodeSpec, pha
         if phases[-1] != cache.slots:
             raise ValueError(f"cache has {cache.slots} slots, the phases end at {phases[-1]}")
         caches = (*(core.init_cache(cfg, cache.rows, s) for s in phases[:-1]), cache)
-        first, first_logits, prompt_len = core.prefill(cfg, params, caches[0], tokens, mask,
+        start = dataclasses.replace(caches[0], prompt=cache.prompt)  # one prompt part for every phase
+        first, first_logits, prompt_len = core.prefill(cfg, params, start, tokens, mask,
                                                        num_samples=num_samples)
         return core.decode(cfg, params, first, first_logits, prompt_len, active, key, knobs, spec, limit,
                            larger=caches[1:])
