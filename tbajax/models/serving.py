@@ -35,21 +35,16 @@ from tbajax.sharding import constrain
 Array = jax.Array
 
 
-@jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class PromptCache:
-    """The prompt part of a cache whose rows are K samples of each prompt (prompt-major): every
-    prompt's keys/values once, not once per sample (`layers.attention_after_prompt` reads them
-    for all K). Same layouts as `KVCache`, rows = prompts, slots = the prompt bucket."""
+class _Slots:
+    """Per-layer keys and values over cache slots, and which slots hold real tokens (`KVCache`)."""
 
-    k: tuple[Array, ...]  # per layer [prompts, kv_heads, head_dim, slots]
-    v: tuple[Array, ...]  # per layer [prompts, kv_heads, slots, head_dim]
-    valid: Array  # [prompts, slots] bool
+    k: tuple[Array, ...]  # per layer [rows, kv_heads, head_dim, slots]
+    v: tuple[Array, ...]  # per layer [rows, kv_heads, slots, head_dim]
+    valid: Array  # [rows, slots] bool
 
-    @classmethod
-    def init(cls, cfg: ModelConfig, prompts: int, slots: int, dtype: Any = None) -> "PromptCache":
-        cache = KVCache.init(cfg, prompts, slots, dtype)
-        return cls(k=cache.k, v=cache.v, valid=cache.valid)
+    K_AXES = ("batch", "kv_heads", "head_dim", "length")
+    V_AXES = ("batch", "kv_heads", "length", "head_dim")
 
     @property
     def rows(self) -> int:
@@ -65,7 +60,20 @@ class PromptCache:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class KVCache:
+class PromptCache(_Slots):
+    """The prompt part of a cache whose rows are K samples of each prompt (prompt-major): every
+    prompt's keys/values once, not once per sample (`layers.attention_after_prompt` reads them
+    for all K). Same layouts as `KVCache`, rows = prompts, slots = the prompt bucket."""
+
+    @classmethod
+    def init(cls, cfg: ModelConfig, prompts: int, slots: int, dtype: Any = None) -> "PromptCache":
+        cache = KVCache.init(cfg, prompts, slots, dtype)
+        return cls(k=cache.k, v=cache.v, valid=cache.valid)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache(_Slots):
     """Preallocated keys/values, one buffer per layer, plus which slots hold real tokens.
 
     Keys are stored d-major ([batch, kv_heads, head_dim, slots]) and values slot-major
@@ -80,14 +88,8 @@ class KVCache:
     live there once per prompt and these buffers hold the generated tokens only.
     """
 
-    k: tuple[Array, ...]  # per layer [batch, kv_heads, head_dim, slots]
-    v: tuple[Array, ...]  # per layer [batch, kv_heads, slots, head_dim]
-    valid: Array  # [batch, slots] bool
     index: Array  # int32 scalar: next slot to write
     prompt: PromptCache | None = None
-
-    K_AXES = ("batch", "kv_heads", "head_dim", "length")
-    V_AXES = ("batch", "kv_heads", "length", "head_dim")
 
     @classmethod
     def init(cls, cfg: ModelConfig, batch: int, slots: int, dtype: Any = None) -> "KVCache":
@@ -101,20 +103,11 @@ class KVCache:
         )
 
     @property
-    def rows(self) -> int:
-        return self.valid.shape[0]
-
-    @property
-    def slots(self) -> int:
-        return self.valid.shape[1]
-
-    @property
     def dtype(self) -> Any:
         return self.k[0].dtype
 
     def nbytes(self) -> int:
-        own = sum(x.nbytes for x in (*self.k, *self.v)) + self.valid.nbytes
-        return own + (0 if self.prompt is None else self.prompt.nbytes())
+        return super().nbytes() + (0 if self.prompt is None else self.prompt.nbytes())
 
     def layer(self, i: int) -> L.LayerCache:
         """Layer i's cache as `layers.self_attention` takes it."""
