@@ -104,6 +104,8 @@ TABLES.update({name: TABLES["train_step"] for name in (
 TABLES["shared_prompt"] = {"rows": ["model", "shape", "prompts_x_k", "tokens", "shared_tok_s", "copied_tok_s",
                                      "speedup", "shared_kv_mb", "copied_kv_mb", "same_rows", "torch_tok_s",
                                      "shared_vs_torch", "copied_vs_torch"]}
+TABLES["searcher_reference"] = {"rows": ["model", "shape", "prompts_x_k", "tokens", "packed_s", "rows_s",
+                                          "sample_only_s", "speedup", "reference_saving", "max_abs_diff"]}
 TABLES["bf16_matmul"] = {"rows": ["product", "rows", "in", "out", "plain_gflops", "fp32_acc_gflops",
                                   "before_gflops", "torch_gflops", "speedup", "plain_vs_torch",
                                   "fp32_acc_vs_torch", "plain_max_err", "fp32_acc_max_err"]}
@@ -121,7 +123,8 @@ ABSOLUTE = {"update_s", "tbajax_tok_s", "torch_tok_s", "step_s", "best_step_s", 
             "ours_attention_ms", "xla_gflops", "torch_gflops", "xla_1core_gflops", "torch_1core_gflops",
             "fused_ms", "unfused_ms", "producer_only_ms", "wall_ms", "op_ms", "plain_gflops",
             "fp32_acc_gflops", "before_gflops", "mesh_s", "before_tok_s", "stub_tok_s", "torch_stub_tok_s",
-            "attention_ms", "torch_attention_ms", "shared_tok_s", "copied_tok_s"}
+            "attention_ms", "torch_attention_ms", "shared_tok_s", "copied_tok_s", "packed_s", "rows_s",
+            "sample_only_s"}
 
 
 def _fmt(v: Any) -> str:

@@ -24,7 +24,7 @@ from tbajax.sampling import (
     score,
 )
 from tbajax.sampling.core import phase_slots
-from tbajax.sampling.sampler import left_pad
+from tbajax.sampling.sampler import left_pad, pack_responses, packing_is_cheaper
 from tbajax.shapes import next_pow2, pow2_bucket
 from tbajax.sharding import MeshConfig, make_mesh
 
@@ -148,7 +148,9 @@ def test_logprobs_equal_training_forward(llama, llama_sampler):
         expected[i, : out.length[i]] = train_lp[i, s : s + out.length[i]]
     assert np.abs(out.logprobs - expected).max() <= 1e-4
     assert (out.logprobs[~m] == 0).all() and (out.logprobs[m] < 0).all()
-    # the reference (same weights here) scored in one batched forward gives the same numbers
+    # the reference (same weights here), each prompt scored once with its K responses packed
+    # behind it, gives the same numbers
+    assert "score_packed" in {e.kind for e in llama_sampler.compile_events}
     assert np.abs(out.reference_logprobs - expected).max() <= 1e-4
 
     # scoring in strided row chunks (bounded logits memory) gives the same numbers as one chunk
@@ -158,6 +160,24 @@ def test_logprobs_equal_training_forward(llama, llama_sampler):
         jnp.asarray(out.mask), jnp.float32(t),
     )
     np.testing.assert_allclose(np.asarray(chunked), out.reference_logprobs, atol=1e-5)
+
+
+def test_pack_responses_and_when_packing_pays(llama):
+    """Each prompt with its K responses in one row: every response token is predicted by the slot
+    before it, a response's first token by the prompt's last; packing is chosen for short
+    responses behind a prompt and not for long ones."""
+    prompts = [np.array([7, 8, 9]), np.array([5])]
+    tokens = np.array([[11, 12, 0], [13, 0, 0], [21, 22, 23], [24, 25, 0]])  # K = 2, R = 3
+    rows, previous, targets = pack_responses(prompts, tokens, np.array([2, 1, 3, 2]), 2, 4, 10)
+    np.testing.assert_array_equal(rows.tokens[:2], [[7, 8, 9, 11, 12, 13, 0, 0, 0, 0],
+                                                    [5, 21, 22, 23, 24, 25, 0, 0, 0, 0]])
+    np.testing.assert_array_equal(rows.positions[0, :6], [0, 1, 2, 3, 4, 3])
+    np.testing.assert_array_equal(rows.segments[1, :7], [0, 1, 1, 1, 2, 2, -1])
+    assert (rows.segments[2:] == -1).all()  # groups past the real prompts are padding
+    np.testing.assert_array_equal(previous[:2], [[2, 3, 0, 2, 0, 0], [0, 1, 2, 0, 4, 0]])
+    np.testing.assert_array_equal(targets[:2], [[11, 12, 0, 13, 0, 0], [21, 22, 23, 24, 25, 0]])
+    assert packing_is_cheaper(llama.config, 256, 16, 8) and packing_is_cheaper(llama.config, 16, 8, 4)
+    assert not packing_is_cheaper(llama.config, 64, 1024, 16)
 
 
 # ----------------------------------------------------------------------------- sampling step
@@ -308,7 +328,7 @@ def test_buckets_determinism_and_large_k(llama_sampler):
     cfg = COMMON
     a = sampler.sample(PROMPTS, cfg, jax.random.key(0))  # compiles, unless an earlier test did
     compiles = len(sampler.compile_events)
-    assert {e.kind for e in sampler.compile_events} <= {"cache", "generate", "score"}
+    assert {e.kind for e in sampler.compile_events} <= {"cache", "generate", "score", "score_packed"}
     # fewer, shorter prompts in the same buckets and new knobs: no recompile
     b = sampler.sample(PROMPTS[:3], dataclasses.replace(cfg, temperature=0.5), jax.random.key(0))
     again = sampler.sample(PROMPTS, cfg, jax.random.key(0))

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from tbajax import op_scopes as S
 from tbajax.batch import tempered_logprobs
 from tbajax.models import CausalLM, ModelConfig, positions_from_mask, serving
+from tbajax.models.decoder import packed_mask
 from tbajax.models.serving import KVCache, ServingParams
 from tbajax.op_scopes import scoped
 from tbajax.sampling.step import sample_keys, sample_logits, step_keys
@@ -328,3 +329,34 @@ def score(
         lp = jax.lax.map(one, (split(tokens), split(mask)))  # [m, chunk, r]
         lp = lp.swapaxes(0, 1).reshape(n, r)
     return jnp.where(response_mask, lp, 0.0)
+
+
+def score_packed(
+    model: CausalLM,
+    tokens: Array,
+    positions: Array,
+    segments: Array,
+    previous: Array,
+    targets: Array,
+    temperature: Array,
+    *,
+    chunk: int,
+) -> Array:
+    """Log-probs [G, S] of `targets` under softmax(logits / T), each predicted by the hidden state
+    at its `previous` slot, for rows that pack a prompt and its K responses (`tbajax.packing`:
+    tokens, positions, segments [G, W]; every response attends to the prompt and itself only).
+    The prompt runs once per group instead of once per sample. Row chunks of `chunk` as `score`."""
+    g = tokens.shape[0]
+
+    def one(args: tuple[Array, ...]) -> Array:
+        t, pos, seg, prev, tgt = args
+        hidden, _ = model.hidden_states(t, pos, packed_mask(seg))
+        picked = hidden[jnp.arange(t.shape[0])[:, None], prev]  # [rows, S, D]
+        return tempered_logprobs(model.logits(picked), tgt, jnp.asarray(temperature, jnp.float32))
+
+    xs = (tokens, positions, segments, previous, targets)
+    if chunk >= g:
+        return one(xs)
+    m = g // chunk
+    lp = jax.lax.map(one, tuple(x.reshape(chunk, m, *x.shape[1:]).swapaxes(0, 1) for x in xs))
+    return lp.swapaxes(0, 1).reshape(g, -1)

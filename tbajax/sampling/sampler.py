@@ -30,7 +30,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tbajax.models import CausalLM, ModelConfig
+from tbajax.models.families import family_for
 from tbajax.models.serving import ServingParams, stacked_params
+from tbajax.packing import PromptGroupRows, pack_prompt_groups
 from tbajax.sampling import core
 from tbajax.sampling.config import SamplingConfig
 from tbajax.shapes import next_pow2, pow2_bucket
@@ -90,6 +92,18 @@ def batch_bucket(num_prompts: int, num_samples: int, batch_shards: int) -> int:
 def length_bucket(longest: int, limit: int, minimum: int) -> int:
     """Prompt slots: a power of two >= longest (at least `minimum`), capped at `limit`."""
     return pow2_bucket(longest, limit, minimum)
+
+
+def packing_is_cheaper(cfg: ModelConfig, prompt: int, response: int, k: int) -> bool:
+    """Whether scoring a prompt's K responses in one packed row (prompt once, then each response:
+    `core.score_packed`) takes fewer FLOPs than K rows of prompt + response. Per layer and token:
+    the layer's weights twice; per (query, key) pair: 4 x heads x head_dim, where rows skip the
+    half above the diagonal and a packed row computes it masked. A packed row is P + K*R tokens
+    long, so it wins for short responses (the prompt is the bulk) and loses for long ones."""
+    weights = 2 * sum(math.prod(s.shape) for s in family_for(cfg.model_type).layer_params(cfg).values())
+    pair = 4 * cfg.num_heads * cfg.head_dim
+    row, packed = prompt + response, prompt + k * response
+    return packed * weights + pair * packed**2 < k * (row * weights + pair * row**2 / 2)
 
 
 # ----------------------------------------------------------------------------- the edge
@@ -203,6 +217,9 @@ class Sampler:
         tokens depend only on that key (`tbajax.sampling.continuous` reproduces them).
         max_new_per_row: optional [prompts * K] cap on each row's new tokens (<= max_new_tokens),
         e.g. to give a benchmark a fixed length mix; a row at its cap is not `finished`.
+        reference_logprobs: also score every sample under the reference model, each prompt once
+        with its K responses packed behind it where that takes fewer FLOPs (`packing_is_cheaper`:
+        short responses), else as K rows of prompt + response.
 
         Rows come back prompt-major (row = prompt * K + k). Bad input (empty or too long prompts,
         ids outside the vocabulary, a missing reference model) raises ValueError before any
@@ -269,22 +286,30 @@ class Sampler:
             knobs,
             self._put(limit, ("batch",)),
         )
+        real = n_prompts * k
+        # the reference scores each prompt once, its K responses packed behind it, where that is cheaper
+        packed = (reference_logprobs and k > 1 and b % self.batch_shards == 0
+                  and packing_is_cheaper(cfg, p_len, config.max_new_tokens, k))
         ref = None
-        if reference_logprobs:
+        if reference_logprobs and not packed:
             resp_mask = jnp.arange(config.max_new_tokens)[None, :] < out.lengths[:, None]
             ref = self._score_reference(
                 np.repeat(tokens, k, axis=0), np.repeat(mask, k, axis=0), out.tokens, resp_mask,
                 knobs.temperature,
             )
-        real = n_prompts * k
         host = jax.device_get(out)
+        if ref is not None:
+            ref = np.asarray(jax.device_get(ref))[:real]
+        elif packed:
+            ref = self._score_reference_packed(prompt_arrays, host.tokens[:real], host.lengths[:real], k, b,
+                                               p_len, knobs.temperature)
         return SampleOutput(
             prompt_index=(np.arange(real) // k).astype(np.int32),
             tokens=np.asarray(host.tokens[:real]),
             length=np.asarray(host.lengths[:real]),
             finished=np.asarray(host.finished[:real]),
             logprobs=np.asarray(host.logprobs[:real]),
-            reference_logprobs=None if ref is None else np.asarray(jax.device_get(ref))[:real],
+            reference_logprobs=ref,
         )
 
     def reference_logprobs(
@@ -338,6 +363,29 @@ class Sampler:
             resp_mask,
             temperature,
         )
+
+    def _score_reference_packed(
+        self, prompts: list[np.ndarray], tokens: np.ndarray, lengths: np.ndarray, k: int, groups: int,
+        prompt_slots: int, temperature: Any,
+    ) -> np.ndarray:
+        """Reference log-probs [N, R] (0 past each length) of the host responses [N, R] (N = K per
+        prompt, prompt-major), each prompt and its K responses packed in one row of `groups`."""
+        assert self._reference is not None
+        new = tokens.shape[1]
+        rows, previous, targets = pack_responses(prompts, tokens, lengths, k, groups, prompt_slots + k * new)
+        scored = k * new
+        chunk = score_chunk(groups, scored, self.config.vocab_size, self.batch_shards)
+        axes = ("batch", "length")
+        lp = self._run(
+            ("score_packed", (("groups", groups), ("width", rows.tokens.shape[1]), ("scored", scored),
+                              ("chunk", chunk))),
+            lambda: _jit_score_packed(self._reference, chunk),
+            self._reference.leaves,
+            *(self._put(x, axes) for x in (rows.tokens, rows.positions, rows.segments, previous, targets)),
+            temperature,
+        )
+        lp = np.asarray(jax.device_get(lp))[: len(prompts)].reshape(len(prompts) * k, new)
+        return np.where(np.arange(new)[None, :] < lengths[:, None], lp, 0.0).astype(np.float32)
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -443,6 +491,30 @@ def left_pad(
         mask[i, length - len(p) :] = True
     mask[len(prompts) :, -1] = True
     return tokens, mask
+
+
+def pack_responses(
+    prompts: Sequence[np.ndarray], tokens: np.ndarray, lengths: np.ndarray, k: int, groups: int, width: int
+) -> tuple[PromptGroupRows, np.ndarray, np.ndarray]:
+    """Prompt i and its K responses (rows i*K ... of tokens [N, R], each `lengths` long) packed in
+    row i of `groups` rows of `width` slots (`packing.pack_prompt_groups`), and per row the slot
+    of the hidden state that predicts each response token and the token, [groups, K*R] each
+    (response j's token t at j*R + t; 0 past its length): a response's first token is predicted
+    by the prompt's last slot, every later one by the slot before it."""
+    new = tokens.shape[1]
+    responses = [[tokens[i * k + j, : lengths[i * k + j]] for j in range(k)] for i in range(len(prompts))]
+    rows = pack_prompt_groups(prompts, responses, width, rows=groups)
+    previous = np.zeros((groups, k * new), np.int32)
+    targets = np.zeros((groups, k * new), np.int32)
+    for i, starts in enumerate(rows.starts):
+        for j, (start, answer) in enumerate(zip(starts, responses[i])):
+            n = len(answer)
+            if n == 0:
+                continue
+            predictors = np.concatenate([[len(prompts[i]) - 1], start + np.arange(n - 1)])
+            previous[i, j * new : j * new + n] = predictors
+            targets[i, j * new : j * new + n] = answer
+    return rows, previous, targets
 
 
 def score_chunk(rows: int, seq: int, vocab: int, batch_shards: int) -> int:
@@ -582,6 +654,13 @@ def _jit_generate(cfg: ModelConfig, num_samples: int, spec: core.DecodeSpec, pha
                            larger=caches[1:])
 
     return jax.jit(fn, donate_argnums=(1,))
+
+
+def _jit_score_packed(params: _Params, chunk: int) -> Any:
+    def fn(leaves, *packed):  # type: ignore[no-untyped-def]
+        return core.score_packed(params.model(leaves), *packed, chunk=chunk)  # packed rows, temperature
+
+    return jax.jit(fn)
 
 
 def _jit_score(params: _Params, chunk: int) -> Any:
