@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +24,7 @@ from tbajax.sampling import (
     sample_logits,
     score,
 )
+from tbajax.sampling import sampler as sampler_module
 from tbajax.sampling.core import phase_slots
 from tbajax.sampling.sampler import left_pad, pack_responses, packing_is_cheaper
 from tbajax.shapes import next_pow2, pow2_bucket
@@ -152,6 +154,15 @@ def test_logprobs_equal_training_forward(llama, llama_sampler):
     # behind it, gives the same numbers
     assert "score_packed" in {e.kind for e in llama_sampler.compile_events}
     assert np.abs(out.reference_logprobs - expected).max() <= 1e-4
+    # as the continuous engine asks for them: (prompt, response) pairs, equal prompts found and
+    # packed together; and as rows of prompt + response
+    pairs = ([np.asarray(PROMPTS[i]) for i in out.prompt_index], [out.response(i) for i in range(len(out))])
+    packed = llama_sampler.reference_logprobs(*pairs, COMMON)
+    with mock.patch.object(sampler_module, "packing_is_cheaper", lambda *a: False):
+        rows = llama_sampler.reference_logprobs(*pairs, COMMON)
+    for i in range(len(out)):
+        np.testing.assert_allclose(packed[i], out.reference_logprobs[i, : out.length[i]], atol=1e-5)
+        np.testing.assert_allclose(rows[i], packed[i], atol=1e-5)
 
     # scoring in strided row chunks (bounded logits memory) gives the same numbers as one chunk
     prompt, prompt_mask = left_pad([np.asarray(PROMPTS[i]) for i in out.prompt_index], len(out), 16, 0)
@@ -167,8 +178,8 @@ def test_pack_responses_and_when_packing_pays(llama):
     before it, a response's first token by the prompt's last; packing is chosen for short
     responses behind a prompt and not for long ones."""
     prompts = [np.array([7, 8, 9]), np.array([5])]
-    tokens = np.array([[11, 12, 0], [13, 0, 0], [21, 22, 23], [24, 25, 0]])  # K = 2, R = 3
-    rows, previous, targets = pack_responses(prompts, tokens, np.array([2, 1, 3, 2]), 2, 4, 10)
+    responses = [[np.array([11, 12]), np.array([13])], [np.array([21, 22, 23]), np.array([24, 25])]]
+    rows, previous, targets = pack_responses(prompts, responses, 2, 3, 4, 10)  # K = 2, R = 3
     np.testing.assert_array_equal(rows.tokens[:2], [[7, 8, 9, 11, 12, 13, 0, 0, 0, 0],
                                                     [5, 21, 22, 23, 24, 25, 0, 0, 0, 0]])
     np.testing.assert_array_equal(rows.positions[0, :6], [0, 1, 2, 3, 4, 3])

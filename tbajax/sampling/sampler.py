@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 from tbajax.models import CausalLM, ModelConfig
 from tbajax.models.families import family_for
 from tbajax.models.serving import ServingParams, stacked_params
-from tbajax.packing import PromptGroupRows, pack_prompt_groups
+from tbajax.packing import PromptGroupRows, group_by_prompt, pack_prompt_groups
 from tbajax.sampling import core
 from tbajax.sampling.config import SamplingConfig
 from tbajax.shapes import next_pow2, pow2_bucket
@@ -301,8 +301,11 @@ class Sampler:
         if ref is not None:
             ref = np.asarray(jax.device_get(ref))[:real]
         elif packed:
-            ref = self._score_reference_packed(prompt_arrays, host.tokens[:real], host.lengths[:real], k, b,
-                                               p_len, knobs.temperature)
+            new = config.max_new_tokens
+            responses = [[host.tokens[i * k + j, : host.lengths[i * k + j]] for j in range(k)]
+                         for i in range(n_prompts)]
+            lp = self._score_reference_packed(prompt_arrays, responses, k, b, p_len, new, knobs.temperature)
+            ref = lp[:n_prompts].reshape(real, new).astype(np.float32)  # 0 past each length
         return SampleOutput(
             prompt_index=(np.arange(real) // k).astype(np.int32),
             tokens=np.asarray(host.tokens[:real]),
@@ -329,16 +332,31 @@ class Sampler:
         if len(prompts) != len(responses) or not prompts:
             raise ValueError(f"need one response per prompt, got {len(prompts)} and {len(responses)}")
         pad = config.pad_token_id if config.pad_token_id is not None else (self.config.pad_token_id or 0)
-        rows = batch_bucket(len(prompts), 1, self.batch_shards)
         p_len = length_bucket(max(len(p) for p in prompts), self.max_cache_length - config.max_new_tokens,
                               self.min_prompt_bucket)
+        new = config.max_new_tokens
+        if max(map(len, responses)) > new:
+            raise ValueError(f"a response is longer than max_new_tokens={new}")
+        temperature = self._put(np.float32(config.logprob_temperature), ())
+        groups = group_by_prompt(prompts)  # a prompt's K samples: scored packed behind it if cheaper
+        k = max(config.num_samples, *map(len, groups))
+        if k > 1 and len(groups) < len(prompts) and packing_is_cheaper(self.config, p_len, new, k):
+            rows = batch_bucket(len(groups), 1, self.batch_shards)
+            lp = self._score_reference_packed([np.asarray(prompts[g[0]]) for g in groups],
+                                              [[np.asarray(responses[i]) for i in g] for g in groups],
+                                              k, rows, p_len, new, temperature)
+            out: list[np.ndarray] = [np.zeros(0, np.float32)] * len(prompts)
+            for gi, g in enumerate(groups):
+                for j, i in enumerate(g):
+                    out[i] = lp[gi, j * new : j * new + len(responses[i])].astype(np.float32)
+            return out
+        rows = batch_bucket(len(prompts), 1, self.batch_shards)
         tokens, mask = left_pad(prompts, rows, p_len, pad)
         resp = np.full((rows, config.max_new_tokens), pad, np.int32)
         resp_mask = np.zeros((rows, config.max_new_tokens), bool)
         for i, r in enumerate(responses):
             resp[i, : len(r)] = r
             resp_mask[i, : len(r)] = True
-        temperature = self._put(np.float32(config.logprob_temperature), ())
         ref = self._score_reference(tokens, mask, self._put(resp, ("batch", "length")),
                                     self._put(resp_mask, ("batch", "length")), temperature)
         host = np.asarray(jax.device_get(ref))
@@ -365,14 +383,14 @@ class Sampler:
         )
 
     def _score_reference_packed(
-        self, prompts: list[np.ndarray], tokens: np.ndarray, lengths: np.ndarray, k: int, groups: int,
-        prompt_slots: int, temperature: Any,
+        self, prompts: list[np.ndarray], responses: list[list[np.ndarray]], k: int, groups: int,
+        prompt_slots: int, new: int, temperature: Any,
     ) -> np.ndarray:
-        """Reference log-probs [N, R] (0 past each length) of the host responses [N, R] (N = K per
-        prompt, prompt-major), each prompt and its K responses packed in one row of `groups`."""
+        """Reference log-probs [groups, k * new] of each prompt's (up to k) responses of up to
+        `new` tokens, the prompt and its responses packed in one row (`pack_responses`);
+        response j's token t at j * new + t, 0 past its length."""
         assert self._reference is not None
-        new = tokens.shape[1]
-        rows, previous, targets = pack_responses(prompts, tokens, lengths, k, groups, prompt_slots + k * new)
+        rows, previous, targets = pack_responses(prompts, responses, k, new, groups, prompt_slots + k * new)
         scored = k * new
         chunk = score_chunk(groups, scored, self.config.vocab_size, self.batch_shards)
         axes = ("batch", "length")
@@ -384,8 +402,7 @@ class Sampler:
             *(self._put(x, axes) for x in (rows.tokens, rows.positions, rows.segments, previous, targets)),
             temperature,
         )
-        lp = np.asarray(jax.device_get(lp))[: len(prompts)].reshape(len(prompts) * k, new)
-        return np.where(np.arange(new)[None, :] < lengths[:, None], lp, 0.0).astype(np.float32)
+        return np.where(targets_real(responses, k, new, groups), np.asarray(jax.device_get(lp)), 0.0)
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -494,15 +511,14 @@ def left_pad(
 
 
 def pack_responses(
-    prompts: Sequence[np.ndarray], tokens: np.ndarray, lengths: np.ndarray, k: int, groups: int, width: int
+    prompts: Sequence[np.ndarray], responses: Sequence[Sequence[np.ndarray]], k: int, new: int, groups: int,
+    width: int,
 ) -> tuple[PromptGroupRows, np.ndarray, np.ndarray]:
-    """Prompt i and its K responses (rows i*K ... of tokens [N, R], each `lengths` long) packed in
-    row i of `groups` rows of `width` slots (`packing.pack_prompt_groups`), and per row the slot
-    of the hidden state that predicts each response token and the token, [groups, K*R] each
-    (response j's token t at j*R + t; 0 past its length): a response's first token is predicted
-    by the prompt's last slot, every later one by the slot before it."""
-    new = tokens.shape[1]
-    responses = [[tokens[i * k + j, : lengths[i * k + j]] for j in range(k)] for i in range(len(prompts))]
+    """Prompt i and its responses (at most k, each at most `new` tokens) packed in row i of
+    `groups` rows of `width` slots (`packing.pack_prompt_groups`), and per row the slot of the
+    hidden state that predicts each response token and the token, [groups, k * new] each
+    (response j's token t at j * new + t; 0 past its length): a response's first token is
+    predicted by the prompt's last slot, every later one by the slot before it."""
     rows = pack_prompt_groups(prompts, responses, width, rows=groups)
     previous = np.zeros((groups, k * new), np.int32)
     targets = np.zeros((groups, k * new), np.int32)
@@ -515,6 +531,15 @@ def pack_responses(
             previous[i, j * new : j * new + n] = predictors
             targets[i, j * new : j * new + n] = answer
     return rows, previous, targets
+
+
+def targets_real(responses: Sequence[Sequence[np.ndarray]], k: int, new: int, groups: int) -> np.ndarray:
+    """[groups, k * new] bool: which entries of `pack_responses`' targets are response tokens."""
+    real = np.zeros((groups, k, new), bool)
+    for i, answers in enumerate(responses):
+        for j, answer in enumerate(answers):
+            real[i, j, : len(answer)] = True
+    return real.reshape(groups, k * new)
 
 
 def score_chunk(rows: int, seq: int, vocab: int, batch_shards: int) -> int:
