@@ -89,6 +89,9 @@ class RolloutSpec:
       prompt + this many slots, then over caches with room for twice as many (attention reads
       every slot of its cache; `tbajax.sampling.core.phase_slots`); 0: one full-length cache (one
       compiled loop body, no second cache in memory).
+    share_prompt_cache: the static engine caches each prompt's keys/values once for its K samples
+      and their decode attention reads them once (`Sampler(share_prompt_cache=...)`); false copies
+      the prompt into each sample's row, as before.
     """
 
     prompts_per_call: int = 8
@@ -104,6 +107,7 @@ class RolloutSpec:
     decode_chunk: int = 16
     random_temperature: tuple[float, float, float] | None = None
     first_decode_phase: int = 64
+    share_prompt_cache: bool = True
 
     def __post_init__(self) -> None:
         if self.first_decode_phase < 0:

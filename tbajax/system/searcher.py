@@ -111,6 +111,7 @@ class Rollouts:
             max_cache_length=config.rollout.max_prompt_tokens + sampling.max_new_tokens,
             reference=_frozen_copy(model) if reference_logprobs else None,
             first_decode_phase=config.rollout.first_decode_phase,
+            share_prompt_cache=config.rollout.share_prompt_cache,
         )
         self._prompt_cache: dict[tuple[str, int], np.ndarray] = {}
         self.skipped_prompts = 0
