@@ -11,8 +11,9 @@ checks the log-probs up to a row's first difference); torch transformers `genera
 with `num_return_sequences=K` (which also copies the prompt K times) runs on the same checkpoint
 as the reference. The three arms take turns call by call (median of `--rounds`), full-vocabulary
 sampling at T = 1, no early stop. Rows: a math-like shape (prompt 64, 128 new tokens, 4 prompts
-x K = 8) and a TL;DR-like one (prompt 256, 64 new tokens, 2 x K = 16), on the Llama-style 10M /
-50M models of `sampler.py` (grouped-query) and a 10M GPT-NeoX (multi-head, as Pythia).
+x K = 8), a TL;DR-like one (prompt 256, 64 new tokens, 2 x K = 16) and one with little to share
+(prompt 32, 128 new tokens, 16 x K = 2), on the Llama-style 10M / 50M models of `sampler.py`
+(grouped-query) and a 10M GPT-NeoX (multi-head, as Pythia).
 """
 
 from __future__ import annotations
@@ -57,8 +58,9 @@ class Shape:
     new_tokens: int
 
 
-SHAPES = [Shape("math-like", 4, 8, 64, 128), Shape("tldr-like", 2, 16, 256, 64)]
-RUNS = [("10M", SHAPES[0]), ("10M", SHAPES[1]), ("50M", SHAPES[0]), ("50M", SHAPES[1]),
+SHAPES = [Shape("math-like", 4, 8, 64, 128), Shape("tldr-like", 2, 16, 256, 64),
+          Shape("small K", 16, 2, 32, 128)]
+RUNS = [("10M", SHAPES[0]), ("10M", SHAPES[1]), ("10M", SHAPES[2]), ("50M", SHAPES[0]), ("50M", SHAPES[1]),
         ("neox-10M", SHAPES[1])]
 QUICK = [("10M", Shape("tldr-like", 2, 16, 128, 16))]
 
