@@ -72,6 +72,17 @@ def pack_prompt_groups(
     return PromptGroupRows(tokens=tokens, positions=positions, segments=segments, starts=tuple(starts))
 
 
+def predicting_slots(prompt_len: int, start: int, length: int) -> np.ndarray:
+    """Slots of the hidden states that predict a packed response's `length` tokens (at slots
+    start ... start + length - 1 of a row from `pack_prompt_groups`): the prompt's last slot for
+    its first token (the response follows the prompt, not the response packed before it), the
+    slot before it for every later one."""
+    previous = np.arange(start - 1, start + length - 1, dtype=np.int32)
+    if length:
+        previous[0] = prompt_len - 1
+    return previous
+
+
 def group_by_prompt(prompts: Sequence[np.ndarray]) -> list[list[int]]:
     """Indices of equal prompts, in order of first appearance: [[i, j, ...], ...]."""
     groups: dict[bytes, list[int]] = {}

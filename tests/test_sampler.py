@@ -179,7 +179,7 @@ def test_pack_responses_and_when_packing_pays(llama):
     responses behind a prompt and not for long ones."""
     prompts = [np.array([7, 8, 9]), np.array([5])]
     responses = [[np.array([11, 12]), np.array([13])], [np.array([21, 22, 23]), np.array([24, 25])]]
-    rows, previous, targets = pack_responses(prompts, responses, 2, 3, 4, 10)  # K = 2, R = 3
+    rows, previous, targets, real = pack_responses(prompts, responses, 2, 3, 4, 10)  # K = 2, R = 3
     np.testing.assert_array_equal(rows.tokens[:2], [[7, 8, 9, 11, 12, 13, 0, 0, 0, 0],
                                                     [5, 21, 22, 23, 24, 25, 0, 0, 0, 0]])
     np.testing.assert_array_equal(rows.positions[0, :6], [0, 1, 2, 3, 4, 3])
@@ -187,6 +187,8 @@ def test_pack_responses_and_when_packing_pays(llama):
     assert (rows.segments[2:] == -1).all()  # groups past the real prompts are padding
     np.testing.assert_array_equal(previous[:2], [[2, 3, 0, 2, 0, 0], [0, 1, 2, 0, 4, 0]])
     np.testing.assert_array_equal(targets[:2], [[11, 12, 0, 13, 0, 0], [21, 22, 23, 24, 25, 0]])
+    np.testing.assert_array_equal(real[:2], [[1, 1, 0, 1, 0, 0], [1, 1, 1, 1, 1, 0]])
+    assert not real[2:].any()
     assert packing_is_cheaper(llama.config, 256, 16, 8) and packing_is_cheaper(llama.config, 16, 8, 4)
     assert not packing_is_cheaper(llama.config, 64, 1024, 16)
 

@@ -19,7 +19,6 @@ new tokens), and a TL;DR-like shape on the 10M Llama of `sampler.py` (2 x 16, 25
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import tempfile
 from pathlib import Path
@@ -33,22 +32,13 @@ import numpy as np  # noqa: E402
 from common import (  # noqa: E402
     keep_freed_memory, machine, machine_line, median_seconds_in_turns, print_table, write_json,
 )
+from shared_prompt import Shape  # noqa: E402
 
 from tbajax.models import load_model  # noqa: E402
 from tbajax.sampling import Sampler, SamplingConfig  # noqa: E402
 from tbajax.sampling import sampler as sampler_module  # noqa: E402
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parents[1] / "assets" / "tiny-arithmetic"
-
-
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    name: str
-    prompts: int
-    samples: int
-    prompt_len: int  # the longest prompt; prompts are 1/2 to all of it long
-    new_tokens: int
-    temperature: float
 
 
 def bench(name: str, directory: Path, shape: Shape, rounds: int) -> dict[str, Any]:

@@ -54,8 +54,9 @@ class Shape:
     name: str
     prompts: int
     samples: int
-    prompt_len: int
+    prompt_len: int  # searcher_reference.py: the longest prompt (prompts are 1/2 to all of it long)
     new_tokens: int
+    temperature: float = 1.0  # searcher_reference.py samples at this temperature
 
 
 SHAPES = [Shape("math-like", 4, 8, 64, 128), Shape("tldr-like", 2, 16, 256, 64),

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -306,8 +306,7 @@ def score(
     """Log-probs [N, R] of `response` after the left-padded `prompt` under softmax(logits / T),
     0 off `response_mask`. One batched forward over `prompt + response`, in row chunks of `chunk`
     (strided, so each chunk spans every data shard) to bound the [rows, R, vocab] logits."""
-    n, p = prompt.shape
-    r = response.shape[1]
+    p, r = prompt.shape[1], response.shape[1]
     tokens = jnp.concatenate([prompt, response], axis=1)
     mask = jnp.concatenate([prompt_mask, response_mask], axis=1).astype(bool)
 
@@ -318,17 +317,18 @@ def score(
         logits = model.logits(hidden[:, p - 1 : p + r - 1])
         return tempered_logprobs(logits, t[:, p:], jnp.asarray(temperature, jnp.float32))
 
+    return jnp.where(response_mask, _in_row_chunks(one, (tokens, mask), chunk), 0.0)
+
+
+def _in_row_chunks(one: Any, xs: tuple[Array, ...], chunk: int) -> Array:
+    """one(xs) [n, ...] computed `chunk` rows at a time (a loop over n / chunk strided chunks:
+    row i*m + j goes to step j, so each chunk spans every data shard)."""
+    n = xs[0].shape[0]
     if chunk >= n:
-        lp = one((tokens, mask))
-    else:
-        m = n // chunk
-
-        def split(x: Array) -> Array:  # row i*m + j -> [j, i]: iterate j, each chunk strided
-            return x.reshape(chunk, m, *x.shape[1:]).swapaxes(0, 1)
-
-        lp = jax.lax.map(one, (split(tokens), split(mask)))  # [m, chunk, r]
-        lp = lp.swapaxes(0, 1).reshape(n, r)
-    return jnp.where(response_mask, lp, 0.0)
+        return one(xs)
+    m = n // chunk
+    out = jax.lax.map(one, tuple(x.reshape(chunk, m, *x.shape[1:]).swapaxes(0, 1) for x in xs))
+    return out.swapaxes(0, 1).reshape(n, *out.shape[2:])
 
 
 def score_packed(
@@ -346,7 +346,6 @@ def score_packed(
     at its `previous` slot, for rows that pack a prompt and its K responses (`tbajax.packing`:
     tokens, positions, segments [G, W]; every response attends to the prompt and itself only).
     The prompt runs once per group instead of once per sample. Row chunks of `chunk` as `score`."""
-    g = tokens.shape[0]
 
     def one(args: tuple[Array, ...]) -> Array:
         t, pos, seg, prev, tgt = args
@@ -354,9 +353,4 @@ def score_packed(
         picked = hidden[jnp.arange(t.shape[0])[:, None], prev]  # [rows, S, D]
         return tempered_logprobs(model.logits(picked), tgt, jnp.asarray(temperature, jnp.float32))
 
-    xs = (tokens, positions, segments, previous, targets)
-    if chunk >= g:
-        return one(xs)
-    m = g // chunk
-    lp = jax.lax.map(one, tuple(x.reshape(chunk, m, *x.shape[1:]).swapaxes(0, 1) for x in xs))
-    return lp.swapaxes(0, 1).reshape(g, -1)
+    return _in_row_chunks(one, (tokens, positions, segments, previous, targets), chunk)

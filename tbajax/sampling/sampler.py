@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 from tbajax.models import CausalLM, ModelConfig
 from tbajax.models.families import family_for
 from tbajax.models.serving import ServingParams, stacked_params
-from tbajax.packing import PromptGroupRows, group_by_prompt, pack_prompt_groups
+from tbajax.packing import PromptGroupRows, group_by_prompt, pack_prompt_groups, predicting_slots
 from tbajax.sampling import core
 from tbajax.sampling.config import SamplingConfig
 from tbajax.shapes import next_pow2, pow2_bucket
@@ -390,7 +390,8 @@ class Sampler:
         `new` tokens, the prompt and its responses packed in one row (`pack_responses`);
         response j's token t at j * new + t, 0 past its length."""
         assert self._reference is not None
-        rows, previous, targets = pack_responses(prompts, responses, k, new, groups, prompt_slots + k * new)
+        rows, previous, targets, real = pack_responses(prompts, responses, k, new, groups,
+                                                       prompt_slots + k * new)
         scored = k * new
         chunk = score_chunk(groups, scored, self.config.vocab_size, self.batch_shards)
         axes = ("batch", "length")
@@ -402,7 +403,7 @@ class Sampler:
             *(self._put(x, axes) for x in (rows.tokens, rows.positions, rows.segments, previous, targets)),
             temperature,
         )
-        return np.where(targets_real(responses, k, new, groups), np.asarray(jax.device_get(lp)), 0.0)
+        return np.where(real, np.asarray(jax.device_get(lp)), 0.0)
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -513,33 +514,23 @@ def left_pad(
 def pack_responses(
     prompts: Sequence[np.ndarray], responses: Sequence[Sequence[np.ndarray]], k: int, new: int, groups: int,
     width: int,
-) -> tuple[PromptGroupRows, np.ndarray, np.ndarray]:
+) -> tuple[PromptGroupRows, np.ndarray, np.ndarray, np.ndarray]:
     """Prompt i and its responses (at most k, each at most `new` tokens) packed in row i of
-    `groups` rows of `width` slots (`packing.pack_prompt_groups`), and per row the slot of the
-    hidden state that predicts each response token and the token, [groups, k * new] each
-    (response j's token t at j * new + t; 0 past its length): a response's first token is
-    predicted by the prompt's last slot, every later one by the slot before it."""
+    `groups` rows of `width` slots (`packing.pack_prompt_groups`), and per row, [groups, k * new]
+    each with response j's token t at j * new + t: the slot of the hidden state that predicts it
+    (`packing.predicting_slots`), the token, and whether that entry is a token (0 / False past a
+    response's length)."""
     rows = pack_prompt_groups(prompts, responses, width, rows=groups)
-    previous = np.zeros((groups, k * new), np.int32)
-    targets = np.zeros((groups, k * new), np.int32)
+    previous = np.zeros((groups, k, new), np.int32)
+    targets = np.zeros((groups, k, new), np.int32)
+    real = np.zeros((groups, k, new), bool)
     for i, starts in enumerate(rows.starts):
         for j, (start, answer) in enumerate(zip(starts, responses[i])):
             n = len(answer)
-            if n == 0:
-                continue
-            predictors = np.concatenate([[len(prompts[i]) - 1], start + np.arange(n - 1)])
-            previous[i, j * new : j * new + n] = predictors
-            targets[i, j * new : j * new + n] = answer
-    return rows, previous, targets
-
-
-def targets_real(responses: Sequence[Sequence[np.ndarray]], k: int, new: int, groups: int) -> np.ndarray:
-    """[groups, k * new] bool: which entries of `pack_responses`' targets are response tokens."""
-    real = np.zeros((groups, k, new), bool)
-    for i, answers in enumerate(responses):
-        for j, answer in enumerate(answers):
-            real[i, j, : len(answer)] = True
-    return real.reshape(groups, k * new)
+            previous[i, j, :n] = predicting_slots(len(prompts[i]), start, n)
+            targets[i, j, :n] = answer
+            real[i, j, :n] = True
+    return rows, *(x.reshape(groups, k * new) for x in (previous, targets, real))
 
 
 def score_chunk(rows: int, seq: int, vocab: int, batch_shards: int) -> int:

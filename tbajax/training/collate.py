@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from tbajax.batch import Batch, PackedGroups
-from tbajax.packing import pack_prompt_groups, packed_width, response_windows
+from tbajax.packing import pack_prompt_groups, packed_width, predicting_slots, response_windows
 from tbajax.shapes import pow2_steps_bucket
 from tbajax.trajectory import Trajectory
 
@@ -192,9 +192,7 @@ def pack_groups(
                 r = int(response_len[i])
                 k = at - p  # this response's first index among the group's scored slots
                 scored[g, k : k + r] = np.arange(at, at + r)
-                previous[g, k : k + r] = np.arange(at, at + r) - 1
-                if r:
-                    previous[g, k] = p - 1  # a response's first token follows the prompt
+                previous[g, k : k + r] = predicting_slots(p, at, r)
                 source[i, p : p + r] = local * scored_width + k + np.arange(r)
     return PackedGroups(
         tokens=np.concatenate([x.tokens for x in parts]),
