@@ -104,6 +104,10 @@ TABLES.update({name: TABLES["train_step"] for name in (
 TABLES["shared_prompt"] = {"rows": ["model", "shape", "prompts_x_k", "tokens", "shared_tok_s", "copied_tok_s",
                                      "speedup", "shared_kv_mb", "copied_kv_mb", "same_rows", "torch_tok_s",
                                      "shared_vs_torch", "copied_vs_torch"]}
+TABLES["continuous_shared_prompt"] = {"rows": ["workload", "arm", "prompts_x_k", "prompt_tokens", "slots", "pool",
+                                                "seconds", "samples_per_s", "vs_copied", "vs_copied_min",
+                                                "vs_copied_max", "slot_occupancy", "kv_mb", "identical",
+                                                "samples"]}
 TABLES["searcher_reference"] = {"rows": ["model", "shape", "prompts_x_k", "tokens", "packed_s", "rows_s",
                                           "sample_only_s", "speedup", "reference_saving", "max_abs_diff"]}
 TABLES["bf16_matmul"] = {"rows": ["product", "rows", "in", "out", "plain_gflops", "fp32_acc_gflops",

@@ -89,9 +89,14 @@ class RolloutSpec:
       prompt + this many slots, then over caches with room for twice as many (attention reads
       every slot of its cache; `tbajax.sampling.core.phase_slots`); 0: one full-length cache (one
       compiled loop body, no second cache in memory).
-    share_prompt_cache: the static engine caches each prompt's keys/values once for its K samples
-      and their decode attention reads them once (`Sampler(share_prompt_cache=...)`); false copies
-      the prompt into each sample's row, as before.
+    share_prompt_cache: each prompt's keys/values are cached once for its K samples and their
+      decode attention reads them once (`Sampler(share_prompt_cache=...)`; the continuous engine
+      holds them in a pool of `prompt_pool` prompts); false copies the prompt into each sample's
+      row, as before.
+    prompt_pool: prompts whose keys/values the continuous engine holds at once (None: 2 x
+      decode_slots / K). A prompt waits for a free entry and holds it until its last sample ends;
+      every decode step reads the whole pool, so a larger pool costs time, a smaller one idles
+      slots behind stragglers.
     """
 
     prompts_per_call: int = 8
@@ -108,8 +113,12 @@ class RolloutSpec:
     random_temperature: tuple[float, float, float] | None = None
     first_decode_phase: int = 64
     share_prompt_cache: bool = True
+    prompt_pool: int | None = None
 
     def __post_init__(self) -> None:
+        if self.prompt_pool is not None and self.prompt_pool < 1:
+            raise ConfigError(f"rollout.prompt_pool={self.prompt_pool} must hold at least one prompt "
+                              "(or null: 2 x decode_slots / K)")
         if self.first_decode_phase < 0:
             raise ConfigError(f"rollout.first_decode_phase={self.first_decode_phase} must be >= 0 "
                               "(0: decode over one full-length cache)")

@@ -35,6 +35,9 @@ def test_overrides_are_typed():
     assert out.model.scan_layers is False and cfg.model.scan_layers == "auto"
     assert apply_overrides(cfg, ["model.scan_layers=true"]).model.scan_layers is True
     assert apply_overrides(cfg, ["rollout.share_prompt_cache=false"]).rollout.share_prompt_cache is False
+    assert apply_overrides(cfg, ["rollout.prompt_pool=6"]).rollout.prompt_pool == 6
+    with pytest.raises(ConfigError, match="prompt_pool=0"):
+        apply_overrides(cfg, ["rollout.prompt_pool=0"])
     assert out.train.steps == 7 and isinstance(out.train.steps, int)
     assert out.train.trainer.optimizer.lr.peak == 3e-4
     assert out.train.objective == "dr_grpo" and out.system.mode == "sync"

@@ -31,8 +31,8 @@ def llama(tiny_checkpoint):
     return load_model(tiny_checkpoint("llama"))
 
 
-def _run_engine(sampler, cfg, key, prompts, *, slots, chunk, caps=None):
-    engine = ContinuousEngine(sampler, cfg, slots=slots, chunk=chunk, max_prompt_tokens=32)
+def _run_engine(sampler, cfg, key, prompts, *, slots, chunk, caps=None, **options):
+    engine = ContinuousEngine(sampler, cfg, slots=slots, chunk=chunk, max_prompt_tokens=32, **options)
     k = cfg.num_samples
     for i, p in enumerate(prompts):
         engine.submit(p, request_keys(key, i * k, k), tag=i,
@@ -58,10 +58,15 @@ def test_ring_sources():
     np.testing.assert_array_equal(ring_sources(jnp.int32(3), 6, 3), [0, 1, 2, 3, 4, 5])
 
 
-def test_continuous_matches_static(llama):
+@pytest.mark.parametrize("pool", [0, 1, 3, None],
+                         ids=["copied_prompts", "pool_of_1", "pool_of_3", "default_pool"])
+def test_continuous_matches_static(llama, pool):
     """Fewer slots than samples (refills mid-run, the ring wraps), two prompt buckets, stops,
     min_new_tokens, per-sample caps on new tokens, top-k + top-p, temperature: every sample equals
-    the static sampler's row for the same key."""
+    the static sampler's row for the same key. With a shared prompt pool too: of one entry (a
+    prompt waits for the last one's stragglers), of three (rows of a finished sample go to
+    another prompt while their old prompt is still in the pool), and the default (the sampler's
+    share_prompt_cache, 2 x slots / K entries)."""
     sampler = Sampler(llama, max_cache_length=64)
     key = jax.random.key(3)
     caps = np.random.default_rng(0).integers(1, 11, len(PROMPTS) * CFG.num_samples)
@@ -69,8 +74,11 @@ def test_continuous_matches_static(llama):
     static = sampler.sample(PROMPTS, CFG, key, max_new_per_row=caps)
     assert (static.length <= caps).all()
     assert static.finished.any() and (static.length == caps).any() and (static.length > 3).any()
-    engine, groups = _run_engine(sampler, CFG, key, PROMPTS, slots=4, chunk=3, caps=caps)
+    options = {"share_prompt_cache": False} if pool == 0 else {} if pool is None else {"prompt_pool": pool}
+    engine, groups = _run_engine(sampler, CFG, key, PROMPTS, slots=4, chunk=3, caps=caps, **options)
     _assert_same(static, groups, CFG.num_samples)
+    assert engine.pool == (2 if pool is None else pool)
+    assert sorted(engine._free_entries) == list(range(engine.pool))  # every entry freed
     assert all((v == 0).all() for g in groups.values() for v in g.token_versions)
     kinds = [e.kind for e in sampler.compile_events]
     assert kinds.count("decode_chunk") == 1  # two prompt buckets, one decode program
@@ -84,6 +92,10 @@ def test_bad_engine_inputs(llama):
         ContinuousEngine(sampler, CFG, slots=2, chunk=4)
     with pytest.raises(ValueError, match="chunk"):
         ContinuousEngine(sampler, CFG, slots=4, chunk=0)
+    with pytest.raises(ValueError, match="at least one prompt"):
+        ContinuousEngine(sampler, CFG, slots=4, chunk=4, prompt_pool=0)
+    with pytest.raises(ValueError, match="needs share_prompt_cache"):
+        ContinuousEngine(sampler, CFG, slots=4, chunk=4, share_prompt_cache=False, prompt_pool=2)
     engine = ContinuousEngine(sampler, CFG, slots=4, chunk=4, max_prompt_tokens=8)
     with pytest.raises(ValueError, match="at most 8"):
         engine.submit(list(range(1, 12)), request_keys(jax.random.key(0), 0, 3))
@@ -155,14 +167,17 @@ def test_inflight_swap_records_versions(llama):
         np.testing.assert_allclose(np.stack(g.logprobs), ref_lp, atol=1e-5)
 
 
-def test_sharded_engine_matches_single_device(tiny_checkpoint, llama):
+@pytest.mark.parametrize("shared", [False, True], ids=["copied_prompts", "prompt_pool"])
+def test_sharded_engine_matches_single_device(tiny_checkpoint, llama, shared):
     assert jax.device_count() == 8
     key = jax.random.key(5)
     single = Sampler(llama, max_cache_length=64).sample(PROMPTS[:4], CFG, key)
     mesh = make_mesh(MeshConfig(data=4, tensor=2))
     sampler = Sampler(load_model(tiny_checkpoint("llama"), mesh=mesh), mesh=mesh, max_cache_length=64)
-    engine, groups = _run_engine(sampler, CFG, key, PROMPTS[:4], slots=8, chunk=4)
-    for buf in (*engine._cache.k, *engine._cache.v):  # per layer [batch, ...]
+    engine, groups = _run_engine(sampler, CFG, key, PROMPTS[:4], slots=8, chunk=4, share_prompt_cache=shared)
+    pool = engine._cache.prompt
+    assert (pool is not None) == shared and engine.pool == (4 if shared else 0)  # 2 x 8 // 3, 4 shards
+    for buf in (*engine._cache.k, *engine._cache.v, *(pool.k if shared else ())):  # per layer [batch, ...]
         assert buf.sharding.spec[0] == "data" and len(buf.sharding.device_set) == 8
     _assert_same(single, groups, CFG.num_samples)
 

@@ -623,6 +623,37 @@ def test_attention_after_a_shared_prompt_equals_attention_over_copied_prompts(h,
                                PromptKV(pk, pv, jnp.asarray(pvalid)))
 
 
+@pytest.mark.parametrize("h,kv", [(4, 2), (4, 4)], ids=["gqa", "mha"])
+def test_attention_after_a_pooled_prompt_equals_attention_over_copied_prompts(h, kv):
+    """A pool of prompts (continuous batching): rows in any order, each the sample j of the pool
+    entry its table names, equal to `cached_attention` over its prompt copied in front of its own
+    slots. Also: an entry with no live sample, a table entry left pointing at a row that now
+    continues another prompt (stale), and a row that holds no sample, which stays finite."""
+    from tbajax.models.layers import PromptKV, attention_after_prompt, cached_attention
+
+    r = np.random.default_rng(2)
+    n, k, d, p, s, b = 4, 3, 8, 5, 6, 7  # 4 pool entries of K = 3; 7 rows
+    q = jnp.asarray(r.normal(size=(b, 1, h, d)), jnp.float32)
+    pk, pv = (jnp.asarray(r.normal(size=shape), jnp.float32) for shape in ((n, kv, d, p), (n, kv, p, d)))
+    kt, v = (jnp.asarray(r.normal(size=shape), jnp.float32) for shape in ((b, kv, d, s), (b, kv, s, d)))
+    pvalid = np.arange(p)[None, :] >= np.array([0, 2, 1, p])[:, None]  # entry 3: empty
+    valid = np.arange(s)[None, :] < r.integers(1, s + 1, b)[:, None]
+    # entry 0: rows 4, 0 (its sample 2 has ended); entry 1: rows 2, 5, 1; entry 2: row 6, and its
+    # sample 0 still names row 5, which has since gone to entry 1 (stale); row 3 holds no sample
+    samples = np.array([[4, 0, b], [2, 5, 1], [5, b, 6], [b, b, b]])
+    owner = {4: (0, 0), 0: (0, 1), 2: (1, 0), 5: (1, 1), 1: (1, 2), 6: (2, 2)}
+    entry = np.array([owner[i][0] * k + owner[i][1] if i in owner else 0 for i in range(b)])
+    got = jax.jit(attention_after_prompt)(q, kt, v, jnp.asarray(valid[:, None]), PromptKV(
+        pk, pv, jnp.asarray(pvalid), jnp.asarray(samples, jnp.int32), jnp.asarray(entry, jnp.int32)))
+    assert got.shape == (b, 1, h, d) and np.isfinite(np.asarray(got)).all()
+    of = np.array([owner[i][0] if i in owner else 0 for i in range(b)])
+    full_valid = np.concatenate([pvalid[of], valid], 1)[:, None]
+    want = cached_attention(q, jnp.concatenate([pk[of], kt], 3), jnp.concatenate([pv[of], v], 2),
+                            jnp.asarray(full_valid))
+    live = sorted(owner)
+    np.testing.assert_allclose(np.asarray(got)[live], np.asarray(want)[live], atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype,t,budget", [
     (jnp.float32, 6, None), (jnp.bfloat16, 6, None), (jnp.float32, 128, None),
     (jnp.float32, 6, 0), (jnp.float32, 6, 3000), (jnp.float32, 128, 0),

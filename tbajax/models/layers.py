@@ -24,11 +24,16 @@ _MASK_VALUE = -1e30
 class PromptKV(NamedTuple):
     """One layer's keys/values of each prompt, held once for the K samples that continue it
     (`serving.PromptCache`): keys d-major [prompts, kv, d, p], values [prompts, kv, p, d], which
-    slots hold real tokens [prompts, p]. Rows of the per-sample cache are prompt-major."""
+    slots hold real tokens [prompts, p]. Rows of the per-sample cache are prompt-major, unless
+    the tables say where each sample is (a pool of prompts, as continuous batching holds):
+    samples [prompts, K] the row of each prompt's sample j (>= rows: none), and entry [rows]
+    each row's prompt * K + j."""
 
     k: Array
     v: Array
     valid: Array
+    samples: Array | None = None
+    entry: Array | None = None
 
 
 # (keys, values, write index), and the prompt part when the cache holds it once per prompt
@@ -454,6 +459,8 @@ def attention_after_prompt(q: Array, kt: Array, v: Array, mask: Array, prompt: P
     K = 16 the decode attention reads ~1/4 of the bytes). The softmax spans both parts: one max
     and one sum over both, the values of both added before the division. Rows are prompt-major.
     """
+    if prompt.samples is not None:
+        return _attention_after_pooled_prompt(q, kt, v, mask, prompt)
     b, t, h, d = q.shape
     kv, n = kt.shape[1], prompt.k.shape[0]
     g, k = h // kv, b // n
@@ -489,6 +496,54 @@ def attention_after_prompt(q: Array, kt: Array, v: Array, mask: Array, prompt: P
     out_p = rows(jnp.einsum("nhqs,nhsd->nhqd", ep, prompt.v.astype(jnp.float32)))
     total = rows(ep.sum(-1)) + er.sum(-1).reshape(b, kv, g)
     return ((out_p + out_r) / total[..., None]).reshape(b, 1, h, d).astype(v.dtype)
+
+
+def _attention_after_pooled_prompt(q: Array, kt: Array, v: Array, mask: Array, prompt: PromptKV) -> Array:
+    """`attention_after_prompt` where any row may continue any prompt of the pool (`PromptKV`'s
+    tables): each prompt's K queries are gathered from their rows (a few KB), its keys and values
+    read once, and its rows' results gathered back. The two parts keep their own max and sum and
+    merge after (as flash attention merges blocks), so a row that holds no live sample, whose
+    table entries may be stale, still gives finite numbers."""
+    b, t, h, d = q.shape
+    kv = kt.shape[1]
+    n, k = prompt.samples.shape
+    g = h // kv
+    if t != 1:
+        raise ValueError(f"attention after a pooled prompt takes one token per row, got q {q.shape}")
+    scale = d**-0.5
+    qf = q.reshape(b, kv, g, d).astype(jnp.float32)
+    qe = jnp.take(qf, prompt.samples.reshape(-1), axis=0, mode="fill", fill_value=0)  # [n*k, kv, g, d]
+    qp = qe.reshape(n, k, kv, g, d).swapaxes(1, 2).reshape(n, kv, k * g, d)
+    sp = jnp.einsum("nhqd,nhds->nhqs", qp, prompt.k.astype(jnp.float32)) * scale
+    sp = jnp.where(prompt.valid[:, None, None], sp, _MASK_VALUE)
+    top_p = sp.max(-1)
+    ep = jnp.exp(sp - top_p[..., None])
+    out_p = jnp.einsum("nhqs,nhsd->nhqd", ep, prompt.v.astype(jnp.float32))
+
+    def to_rows(x: Array) -> Array:  # [n, kv, k*g, ...] -> [b, kv, g, ...] at each row's entry
+        rest = x.shape[3:]
+        x = x.reshape(n, kv, k, g, *rest).swapaxes(1, 2).reshape(n * k, kv, g, *rest)
+        return jnp.take(x, prompt.entry, axis=0, mode="clip")
+
+    if g == 1:  # no size-1 group axis in the row part's products (see `cached_attention`)
+        sr = (qf.reshape(b, kv, d, 1) * kt.astype(jnp.float32)).sum(2) * scale  # [b, kv, s]
+        sr = jnp.where(mask[:, :1], sr, _MASK_VALUE)
+        top_r = sr.max(-1)
+        er = jnp.exp(sr - top_r[..., None])
+        out_r = (er[..., None] * v.astype(jnp.float32)).sum(2).reshape(b, kv, 1, d)
+        top_r, sum_r = top_r[..., None], er.sum(-1)[..., None]
+    else:
+        sr = (qf[..., None] * kt[:, :, None].astype(jnp.float32)).sum(3) * scale  # [b, kv, g, s]
+        sr = jnp.where(mask[:, :1, None], sr, _MASK_VALUE)
+        top_r = sr.max(-1)
+        er = jnp.exp(sr - top_r[..., None])
+        out_r = (er[..., None] * v[:, :, None].astype(jnp.float32)).sum(3)
+        sum_r = er.sum(-1)
+    top_p, sum_p, out_p = to_rows(top_p), to_rows(ep.sum(-1)), to_rows(out_p)
+    top = jnp.maximum(top_p, top_r)
+    a, c = jnp.exp(top_p - top), jnp.exp(top_r - top)  # one of them is 1: the sum is >= 1
+    out = (out_p * a[..., None] + out_r * c[..., None]) / (sum_p * a + sum_r * c)[..., None]
+    return out.reshape(b, 1, h, d).astype(v.dtype)
 
 
 def _group_queries(q: Array, kv: int) -> Array:

@@ -63,12 +63,31 @@ class _Slots:
 class PromptCache(_Slots):
     """The prompt part of a cache whose rows are K samples of each prompt (prompt-major): every
     prompt's keys/values once, not once per sample (`layers.attention_after_prompt` reads them
-    for all K). Same layouts as `KVCache`, rows = prompts, slots = the prompt bucket."""
+    for all K). Same layouts as `KVCache`, rows = prompts, slots = the prompt bucket.
+
+    As a *pool* (continuous batching, `pool`), any row may continue any prompt: samples
+    [prompts, K] holds the row of each prompt's sample j (>= rows: none) and entry [rows] each
+    row's prompt * K + j (`layers.PromptKV`)."""
+
+    samples: Array | None = None
+    entry: Array | None = None
 
     @classmethod
     def init(cls, cfg: ModelConfig, prompts: int, slots: int, dtype: Any = None) -> "PromptCache":
         cache = KVCache.init(cfg, prompts, slots, dtype)
         return cls(k=cache.k, v=cache.v, valid=cache.valid)
+
+    @classmethod
+    def pool(cls, cfg: ModelConfig, prompts: int, slots: int, num_samples: int, rows: int,
+             dtype: Any = None) -> "PromptCache":
+        """An empty pool of `prompts` entries for a cache of `rows` rows: no sample anywhere."""
+        cache = cls.init(cfg, prompts, slots, dtype)
+        return dataclasses.replace(cache, samples=jnp.full((prompts, num_samples), rows, jnp.int32),
+                                   entry=jnp.zeros((rows,), jnp.int32))
+
+    def nbytes(self) -> int:
+        tables = sum(x.nbytes for x in (self.samples, self.entry) if x is not None)
+        return super().nbytes() + tables
 
 
 @jax.tree_util.register_dataclass
@@ -113,7 +132,8 @@ class KVCache(_Slots):
         """Layer i's cache as `layers.self_attention` takes it."""
         if self.prompt is None:
             return self.k[i], self.v[i], self.index
-        prompt = L.PromptKV(self.prompt.k[i], self.prompt.v[i], self.prompt.valid)
+        p = self.prompt
+        prompt = L.PromptKV(p.k[i], p.v[i], p.valid, p.samples, p.entry)
         return self.k[i], self.v[i], self.index, prompt
 
 

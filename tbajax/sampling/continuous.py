@@ -15,6 +15,17 @@ attention is order-invariant given the mask, so a row's logits are those of a li
 writes at most P_bucket + max_new - 1 slots before it ends, fewer than S, so the ring never
 overwrites live history.
 
+Shared prompts (`share_prompt_cache`, K > 1): a prompt's keys/values go once into an entry of a
+*prompt pool* (`serving.PromptCache.pool`) instead of K times into its rows, and the ring holds
+generated tokens only (S = max_new_tokens). A sample's slot need not sit next to its siblings, so
+two small tables say who is where: the pool entry's K sample rows and each row's entry. A decode
+step gathers each entry's K queries (a few KB), reads the entry's keys/values once, and gathers
+the results back to the rows (`layers.attention_after_prompt`). The pool is read whole at every
+step, so it is sized to the prompts in flight (2 x slots / K by default), not to the slots: a
+prompt is admitted when K slots and an entry are free, and its entry is freed with its last
+sample. For long prompts this halves the cache and reads fewer bytes per step
+(`experiments/benchmarks/continuous_shared_prompt.py`).
+
 Randomness: every sample has its own key and draws its step-s token from fold_in(key, s), exactly
 as the static sampler's row keys do, so for the same per-sample keys both engines give the same
 tokens and log-probs whatever slot or batch a sample lands in.
@@ -115,33 +126,22 @@ def admit(
     limit: Array,
     knobs: core.Knobs,
     spec: core.DecodeSpec,
+    entries: Array,
     *,
     num_samples: int,
 ) -> tuple[KVCache, SlotState, AdmitOut]:
-    """Prefill B left-padded prompts [B, P] and place each one's keys/values, K times, into the
-    cache rows `slots` [B*K] (prompt-major; an index >= the slot count drops that row), ending at
-    the ring index; sample each sample's first token from its key (step 0)."""
-    b, p = tokens.shape
-    ring = cache.slots
+    """Prefill B left-padded prompts [B, P] for the cache rows `slots` [B*K] (prompt-major; an
+    index >= the slot count drops that row); sample each sample's first token from its key
+    (step 0). A cache with a prompt pool takes each prompt's keys/values once, at its pool entry
+    `entries` [B] (>= the pool size: dropped), and its rows start empty; otherwise they are placed
+    K times, into the rows, ending at the ring index."""
     mask = mask.astype(bool)
     last, keys_p, values_p = serving.prompt_pass(cfg, params, tokens, mask, positions_from_mask(mask))
     logits = jnp.repeat(serving.logits(cfg, params, last), num_samples, axis=0)
-    src = ring_sources(cache.index, ring, p)
-    take = jnp.minimum(src, p - 1)
-    placed = src < p
-
-    def place(buf: Array, x: Array, slot_axis: int, axes: tuple[str, ...]) -> Array:
-        # a layer's [B, ...P...] prompt buffer -> its B*K cache rows, the P columns in ring order
-        rows = jnp.repeat(jnp.take(x, take, axis=slot_axis), num_samples, axis=0)
-        return constrain(buf.at[slots].set(rows.astype(buf.dtype), mode="drop"), axes)
-
-    valid = jnp.repeat(jnp.take(mask, take, axis=1) & placed[None, :], num_samples, axis=0)
-    cache = KVCache(
-        k=tuple(place(buf, x, 3, KVCache.K_AXES) for buf, x in zip(cache.k, keys_p)),
-        v=tuple(place(buf, x, 2, KVCache.V_AXES) for buf, x in zip(cache.v, values_p)),
-        valid=constrain(cache.valid.at[slots].set(valid, mode="drop"), ("batch", "length")),
-        index=cache.index,
-    )
+    if cache.prompt is None:
+        cache = _place_in_rows(cache, keys_p, values_p, mask, slots, num_samples)
+    else:
+        cache = _place_in_pool(cache, keys_p, values_p, mask, slots, entries, num_samples)
     tok, lp = core.pick_tokens(logits, step_keys(keys, 0), jnp.zeros((), jnp.int32), knobs=knobs, spec=spec)
     stopped = core.is_stop(tok, spec)
     prompt_len = jnp.repeat(mask.sum(-1, dtype=jnp.int32), num_samples)
@@ -159,6 +159,57 @@ def admit(
         limit=put(state.limit, limit),
     )
     return cache, state, AdmitOut(tok, lp)
+
+
+def _place_in_rows(cache: KVCache, keys_p: tuple[Array, ...], values_p: tuple[Array, ...], mask: Array,
+                   slots: Array, num_samples: int) -> KVCache:
+    """Each prompt's keys/values into its K rows, the P columns ending at the ring index."""
+    p = mask.shape[1]
+    src = ring_sources(cache.index, cache.slots, p)
+    take = jnp.minimum(src, p - 1)
+    placed = src < p
+
+    def place(buf: Array, x: Array, slot_axis: int, axes: tuple[str, ...]) -> Array:
+        # a layer's [B, ...P...] prompt buffer -> its B*K cache rows, the P columns in ring order
+        rows = jnp.repeat(jnp.take(x, take, axis=slot_axis), num_samples, axis=0)
+        return constrain(buf.at[slots].set(rows.astype(buf.dtype), mode="drop"), axes)
+
+    valid = jnp.repeat(jnp.take(mask, take, axis=1) & placed[None, :], num_samples, axis=0)
+    return KVCache(
+        k=tuple(place(buf, x, 3, KVCache.K_AXES) for buf, x in zip(cache.k, keys_p)),
+        v=tuple(place(buf, x, 2, KVCache.V_AXES) for buf, x in zip(cache.v, values_p)),
+        valid=constrain(cache.valid.at[slots].set(valid, mode="drop"), ("batch", "length")),
+        index=cache.index,
+    )
+
+
+def _place_in_pool(cache: KVCache, keys_p: tuple[Array, ...], values_p: tuple[Array, ...], mask: Array,
+                   slots: Array, entries: Array, num_samples: int) -> KVCache:
+    """Each prompt's keys/values once, at its pool entry (columns past its bucket invalid); the
+    tables point its K samples at their rows, and no other entry at those rows any more."""
+    pool = cache.prompt
+    assert pool is not None and pool.samples is not None and pool.entry is not None
+    b, p = mask.shape
+    pad = pool.slots - p
+
+    def place(buf: Array, x: Array, slot_axis: int, axes: tuple[str, ...]) -> Array:
+        widths = [(0, 0)] * x.ndim
+        widths[slot_axis] = (0, pad)
+        return constrain(buf.at[entries].set(jnp.pad(x, widths).astype(buf.dtype), mode="drop"), axes)
+
+    samples = jnp.where(jnp.isin(pool.samples, slots), cache.rows, pool.samples)
+    samples = samples.at[entries].set(slots.reshape(b, num_samples), mode="drop")
+    positions = (entries[:, None] * num_samples + jnp.arange(num_samples, dtype=jnp.int32)).reshape(-1)
+    pool = serving.PromptCache(
+        k=tuple(place(buf, x, 3, KVCache.K_AXES) for buf, x in zip(pool.k, keys_p)),
+        v=tuple(place(buf, x, 2, KVCache.V_AXES) for buf, x in zip(pool.v, values_p)),
+        valid=constrain(pool.valid.at[entries].set(jnp.pad(mask, ((0, 0), (0, pad))), mode="drop"),
+                        ("batch", "length")),
+        samples=samples,
+        entry=pool.entry.at[slots].set(positions, mode="drop"),
+    )
+    return KVCache(k=cache.k, v=cache.v, index=cache.index, prompt=pool,
+                   valid=constrain(cache.valid.at[slots].set(False, mode="drop"), ("batch", "length")))
 
 
 def decode_chunk(
@@ -247,6 +298,7 @@ class _Request:
     prompt: np.ndarray
     keys: Any  # [K] typed PRNG keys
     limit: np.ndarray  # [K] int32
+    entry: int | None = None  # its prompt pool entry, once admitted into a shared prompt cache
     done: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, bool]] = dataclasses.field(default_factory=dict)
 
 
@@ -280,6 +332,13 @@ class ContinuousEngine:
     compiled chunk; max_prompt_tokens: the longest prompt to admit (sets the ring size). The
     sampler's `update_params` (or this engine's, which also sets the version) swaps the policy for
     the next chunk.
+
+    share_prompt_cache (None: the sampler's setting; applies with K > 1): each prompt's keys/values
+    are held once, in a pool of `prompt_pool` entries (default 2 * slots / K), and its K samples'
+    decode steps read them once (`layers.attention_after_prompt`); the rows' ring then holds
+    generated tokens only. A prompt is admitted when K slots and a pool entry are free; its entry
+    is freed when its last sample ends, so a pool too small for the stragglers in flight leaves
+    slots idle (the occupancy shows it). Off: each prompt is copied into its K rows.
     """
 
     def __init__(
@@ -291,6 +350,8 @@ class ContinuousEngine:
         chunk: int,
         max_prompt_tokens: int | None = None,
         version: int = 0,
+        share_prompt_cache: bool | None = None,
+        prompt_pool: int | None = None,
     ):
         cfg = sampler.config
         k = config.num_samples
@@ -325,16 +386,43 @@ class ContinuousEngine:
             min_new_tokens=sampler._put(np.int32(config.min_new_tokens), ()),
         )
         p_max = length_bucket(self.max_prompt, limit, sampler.min_prompt_bucket)
-        self.ring = p_max + config.max_new_tokens
+        shards = sampler.batch_shards
+        self.pool = 0
+        if share_prompt_cache is None:
+            share_prompt_cache = sampler.share_prompt_cache
+        if share_prompt_cache and k > 1:
+            wanted = prompt_pool if prompt_pool is not None else 2 * (slots // k)
+            if wanted < 1:
+                raise ValueError(f"prompt_pool={prompt_pool} must hold at least one prompt")
+            self.pool = -(-wanted // shards) * shards  # whole entries per batch shard
+        elif prompt_pool is not None:
+            raise ValueError("prompt_pool sizes a shared prompt cache, which needs share_prompt_cache "
+                             "and K > 1 samples per prompt")
+        # a row writes at most max_new - 1 generated tokens (after its prompt, unless the pool holds it)
+        self.ring = config.max_new_tokens if self.pool else p_max + config.max_new_tokens
+        self._free_entries = list(range(self.pool))
         self.version = version
         self.stats = EngineStats()
         self._queue: collections.deque[int] = collections.deque()
         self._requests: dict[int, _Request] = {}
         self._next_id = 0
         self._slot: list[_Live | None] = [None] * slots
+        pool, ring = self.pool, self.ring
+
+        def empty_cache() -> KVCache:
+            cache = core.init_cache(cfg, slots, ring)
+            if not pool:
+                return cache
+            part = serving.PromptCache.pool(cfg, pool, p_max, k, slots)
+            return dataclasses.replace(cache, prompt=dataclasses.replace(
+                part, k=tuple(constrain(x, KVCache.K_AXES) for x in part.k),
+                v=tuple(constrain(x, KVCache.V_AXES) for x in part.v),
+                valid=constrain(part.valid, ("batch", "length"))))
+
         self._cache = sampler._run(
-            ("cache", (("rows", slots), ("slots", self.ring))),
-            lambda: jax.jit(lambda: core.init_cache(cfg, slots, self.ring)),
+            ("cache", (("rows", slots), ("slots", ring), ("pool", pool), ("pool_slots", p_max),
+                       ("num_samples", k))),
+            lambda: jax.jit(empty_cache),
         )
         proto = request_keys(jax.random.PRNGKey(0), 0, 1)[0]
         self._state = sampler._run(
@@ -419,7 +507,7 @@ class ContinuousEngine:
         version = self.version
         cache, state, out = self.sampler._run(
             ("decode_chunk", (("slots", self.slots), ("ring", self.ring), ("chunk", self.chunk),
-                              ("spec", self.spec))),
+                              ("pool", self.pool), ("spec", self.spec))),
             lambda: _jit_chunk(self.sampler.config, self.spec, self.chunk),
             self.sampler.serving_params, self._cache, self._state, self.knobs,
             self.sampler._put(np.int32(k if self._queue else self.slots + 1), ()),
@@ -456,6 +544,8 @@ class ContinuousEngine:
         for the first tokens (fetched with the next chunk's outputs)."""
         k = self.config.num_samples
         take = min(len(self._queue), self.free_slots // k)
+        if self.pool:
+            take = min(take, len(self._free_entries))
         if take == 0:
             return []
         rids = [self._queue.popleft() for _ in range(take)]
@@ -472,8 +562,12 @@ class ContinuousEngine:
                                + [self._requests[rids[0]].keys] * (b - take))
         limit = np.concatenate([self._requests[r].limit for r in rids]
                                + [np.ones(k, np.int32)] * (b - take))
+        entries = np.full(b, self.pool, np.int32)  # out of range: dropped
+        if self.pool:
+            for i, r in enumerate(rids):
+                entries[i] = self._requests[r].entry = self._free_entries.pop()
         shape = (("batch", b), ("prompt_len", p_len), ("num_samples", k), ("ring", self.ring),
-                 ("slots", self.slots), ("spec", self.spec))
+                 ("slots", self.slots), ("pool", self.pool), ("spec", self.spec))
         put = self.sampler._put
         self._cache, self._state, first = self.sampler._run(
             ("admit", shape),
@@ -481,7 +575,7 @@ class ContinuousEngine:
             self.sampler.serving_params, self._cache, self._state,
             put(tokens, ()), put(mask, ()), put(slots, ()),
             jax.device_put(keys, NamedSharding(self.sampler.mesh, P())),
-            put(limit, ()), self.knobs,
+            put(limit, ()), self.knobs, put(entries, ()),
         )
         for i, r in enumerate(rids):
             for j in range(k):
@@ -516,6 +610,8 @@ class ContinuousEngine:
         if len(req.done) < self.config.num_samples:
             return []
         del self._requests[rec.request]
+        if req.entry is not None:
+            self._free_entries.append(req.entry)
         ks = range(self.config.num_samples)
         return [Completed(
             tag=req.tag, prompt=req.prompt,
@@ -530,8 +626,9 @@ def _constrain_state(state: SlotState) -> SlotState:
 
 
 def _jit_admit(cfg: ModelConfig, spec: core.DecodeSpec, num_samples: int) -> Any:
-    def fn(params, cache, state, tokens, mask, slots, keys, limit, knobs):  # type: ignore[no-untyped-def]
-        return admit(cfg, params, cache, state, tokens, mask, slots, keys, limit, knobs, spec,
+    def fn(params, cache, state, tokens, mask, slots, keys, limit, knobs,  # type: ignore[no-untyped-def]
+           entries):
+        return admit(cfg, params, cache, state, tokens, mask, slots, keys, limit, knobs, spec, entries,
                      num_samples=num_samples)
 
     return jax.jit(fn, donate_argnums=(1, 2))

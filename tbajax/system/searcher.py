@@ -130,8 +130,10 @@ class Rollouts:
         evaluation-only Rollouts allocates no decode slots), else None."""
         r = self.config.rollout
         if r.engine == "continuous" and self._engine is None:
-            self._engine = ContinuousEngine(self.sampler, r.sampling, slots=r.decode_slots, chunk=r.decode_chunk,
-                                            max_prompt_tokens=r.max_prompt_tokens)
+            self._engine = ContinuousEngine(
+                self.sampler, r.sampling, slots=r.decode_slots, chunk=r.decode_chunk,
+                max_prompt_tokens=r.max_prompt_tokens, share_prompt_cache=r.share_prompt_cache,
+                prompt_pool=r.prompt_pool if r.share_prompt_cache else None)
         return self._engine
 
     def encode(self, problem: Problem, split: str = "train") -> np.ndarray:
