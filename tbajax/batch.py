@@ -46,6 +46,10 @@ class PackedGroups:
     #   token (its predecessor in its own response, or the prompt's last slot)
     source: Array  # [B, T] int32: for each response token of the row layout, its index in the
     #   flattened [G_m · S] scored slots of its micro-batch slice (0 off the response)
+    # the strided layout only (`collate(..., pack_strided=True)`; `layers.StridedGroups`): the
+    # prompt in the first P slots, response j from slot P + j R
+    prompt_real: Array | None = None  # [G, P] bool: real prompt slots
+    response_real: Array | None = None  # [G, K, R] bool: real slots of each response's stride
 
 
 @jax.tree_util.register_dataclass

@@ -37,15 +37,24 @@ def pack_prompt_groups(
     responses: Sequence[Sequence[np.ndarray]],
     width: int,
     rows: int | None = None,
+    stride: tuple[int, int] | None = None,
 ) -> PromptGroupRows:
     """Group g (prompts[g] with its responses[g]) in row g of `rows` (default: one per group;
-    further rows are all padding), each row `width` slots long."""
+    further rows are all padding), each row `width` slots long. Responses follow each other
+    (packed), or with stride = (P, R) response j starts at slot P + j R (the prompt in the first
+    P slots; `layers.StridedGroups`)."""
     if len(prompts) != len(responses):
         raise ValueError(f"{len(prompts)} prompts but {len(responses)} lists of responses")
     rows = len(prompts) if rows is None else rows
     if rows < len(prompts):
         raise ValueError(f"{len(prompts)} groups do not fit in {rows} rows")
-    need = packed_width(prompts, responses)
+    if stride is not None:
+        slots, span = stride
+        if any(len(p) > slots for p in prompts) or any(len(a) > span for rs in responses for a in rs):
+            raise ValueError(f"a prompt or response is longer than its stride {stride}")
+        need = slots + span * max((len(rs) for rs in responses), default=0)
+    else:
+        need = packed_width(prompts, responses)
     if need > width:
         raise ValueError(f"a group needs {need} slots (its prompt and all its responses), more than "
                          f"width={width}")
@@ -60,14 +69,14 @@ def pack_prompt_groups(
         tokens[g, :p] = prompt
         positions[g, :p] = np.arange(p)
         segments[g, :p] = 0
-        at, firsts = p, []
+        at, firsts = p if stride is None else stride[0], []
         for j, answer in enumerate(answers):
             r = len(answer)
             tokens[g, at : at + r] = answer
             positions[g, at : at + r] = p + np.arange(r)
             segments[g, at : at + r] = j + 1
             firsts.append(at)
-            at += r
+            at = at + r if stride is None else stride[0] + (j + 1) * stride[1]
         starts.append(tuple(firsts))
     return PromptGroupRows(tokens=tokens, positions=positions, segments=segments, starts=tuple(starts))
 

@@ -86,6 +86,28 @@ def test_continuous_matches_static(llama, pool):
     assert engine.stats.chunks > 5 and 0 < engine.stats.occupancy(4) <= 1
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_prompt_pool_on_random_schedules_matches_static(llama, seed):
+    """Random K, prompts, stops, per-sample caps, slots, chunk and pool sizes: whatever order
+    the samples are admitted, end and free their rows and pool entries in, each equals the static
+    sampler's row for its key."""
+    r = np.random.default_rng(seed)
+    k = int(r.integers(2, 4))
+    prompts = [[1, *r.integers(3, 60, r.integers(1, 20)).tolist()] for _ in range(int(r.integers(4, 8)))]
+    cfg = SamplingConfig(max_new_tokens=9, num_samples=k, temperature=1.0, top_k=40,
+                         stop_token_ids=(3, 4, 5, 6), pad_token_id=0)
+    caps = r.integers(1, 10, len(prompts) * k)
+    slots = k * int(r.integers(1, 4))
+    pool = int(r.integers(1, 2 * slots // k + 1))
+    sampler = Sampler(llama, max_cache_length=32)
+    key = jax.random.key(seed)
+    static = sampler.sample(prompts, cfg, key, max_new_per_row=caps)
+    engine, groups = _run_engine(sampler, cfg, key, prompts, slots=slots, chunk=int(r.integers(1, 5)),
+                                 caps=caps, prompt_pool=pool)
+    _assert_same(static, groups, k)
+    assert engine.pool == pool and sorted(engine._free_entries) == list(range(pool))
+
+
 def test_bad_engine_inputs(llama):
     sampler = Sampler(llama, max_cache_length=64)
     with pytest.raises(ValueError, match="decode_slots"):

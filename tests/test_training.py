@@ -726,9 +726,9 @@ def grouped_trajectories(seed: int) -> list[list[Trajectory]]:
     return groups
 
 
-def grouped_batch(seed: int, pack_microbatches: int | None) -> Batch:
+def grouped_batch(seed: int, pack_microbatches: int | None, strided: bool = False) -> Batch:
     return collate(grouped_trajectories(seed), beta=0.5, num_rows=8, length_bucket=8,
-                   pack_microbatches=pack_microbatches)
+                   pack_microbatches=pack_microbatches, pack_strided=strided)
 
 
 def test_packed_attention_mask_hand_values():
@@ -759,6 +759,26 @@ def test_pack_groups_layout_hand_values():
     np.testing.assert_array_equal(pk.source[1, 2:3], [2])
 
 
+def test_strided_pack_layout_hand_values():
+    """Prompt in the first P slots, response j from slot P + j R (P = 2 and R = 2 here, the
+    longest of each with length buckets of 1); the masks of real slots; the same scored slots,
+    predecessors and sources as the packed layout's, at the strided slots."""
+    prompt, a, b = np.array([7, 8], np.int32), np.array([9, 10], np.int32), np.array([11], np.int32)
+    rows = [Trajectory(0, 0, prompt, x, np.zeros(len(x), np.float32), 0.0) for x in (a, b)]
+    pk = collate([rows], beta=1.0, num_rows=2, length_bucket=1, pack_microbatches=1, pack_strided=True).packed
+    np.testing.assert_array_equal(pk.tokens, [[7, 8, 9, 10, 11, 0]])
+    np.testing.assert_array_equal(pk.positions, [[0, 1, 2, 3, 2, 0]])
+    np.testing.assert_array_equal(pk.segments, [[0, 0, 1, 1, 2, -1]])
+    np.testing.assert_array_equal(pk.prompt_real, [[True, True]])
+    np.testing.assert_array_equal(pk.response_real, [[[True, True], [True, False]]])
+    np.testing.assert_array_equal(pk.scored, [[2, 3, 4, 0]])
+    np.testing.assert_array_equal(pk.previous, [[1, 2, 1, 0]])
+    np.testing.assert_array_equal(pk.source[0, 2:4], [0, 1])
+    np.testing.assert_array_equal(pk.source[1, 2:3], [2])
+    with pytest.raises(ValueError, match="pack_groups=True"):
+        dataclasses.replace(ACCUM_CONFIG, pack_strided=True)
+
+
 def test_packed_scored_widths_add_few_compiled_shapes():
     """TL;DR-shaped packed batches (8 groups of K = 20, posts of 200-512 tokens, summaries of
     16-128, length buckets of 64): about half as many (width, scored width) pairs to compile as
@@ -782,12 +802,14 @@ def test_packed_scored_widths_add_few_compiled_shapes():
     assert len(pairs) <= 0.6 * len(by_bucket), (len(widths), len(pairs), len(by_bucket))
 
 
-def test_packed_logprobs_equal_the_row_layout():
+@pytest.mark.parametrize("strided", [False, True], ids=["packed", "strided"])
+def test_packed_logprobs_equal_the_row_layout(strided):
     graphdef, params = _model_parts()
     # jitted: eager dispatch of the model's ops (compiled per new shape) took 5x longer
     score = jax.jit(sequence_logprobs, static_argnums=(0, 3), compiler_options=FAST_COMPILE)
     for seed in range(3):
-        rows, packed = grouped_batch(seed, None), grouped_batch(seed, 1)
+        rows, packed = grouped_batch(seed, None), grouped_batch(seed, 1, strided)
+        assert (packed.packed.prompt_real is not None) == strided
         want = np.asarray(score(graphdef, params, rows, 0.7))
         got = np.asarray(score(graphdef, params, packed, 0.7))
         assert packed.packed.tokens.size < rows.tokens.size  # really fewer tokens scored
@@ -827,23 +849,26 @@ def test_packed_logprobs_equal_the_row_layout_over_causal_blocks(blocks_from, mo
                           (2, MeshConfig(data=2, fsdp=2, tensor=2))],
                          ids=["one", "two-microbatches", "data-parallel"])
 def test_packed_step_equals_row_layout_step(num_microbatches, mesh_config):
+    """The row layout, packed groups and strided groups: the same metrics and params after two
+    steps (one step program per layout)."""
     base = dataclasses.replace(ACCUM_CONFIG, num_microbatches=num_microbatches)
     results = []
-    for pack in (False, True):
-        config = dataclasses.replace(base, pack_groups=pack)
+    for pack, strided in ((False, False), (True, False), (True, True)):
+        config = dataclasses.replace(base, pack_groups=pack, pack_strided=strided)
         mesh, step = compiled_step(config, mesh_config)
         _, state = init_train_state(fresh_model(), config, mesh)
         metrics = []
         for u, seed in enumerate([0, 1], 1):
-            state, out = step(state, grouped_batch(seed, num_microbatches if pack else None))
+            state, out = step(state, grouped_batch(seed, num_microbatches if pack else None, strided))
             metrics.append(raise_on_bad_step(out, u))
         results.append((state, metrics))
-    (want_state, want), (got_state, got) = results
-    for g, w in zip(got, want):
-        assert g == pytest.approx(w, rel=1e-5, abs=1e-6)
-    # two Adam steps: Adam's normalisation turns fp32 reduction-order noise in near-zero gradients
-    # (packed and row attention sum in different orders) into ~1e-5 parameter differences
-    assert_trees_close(got_state.params, want_state.params, atol=3e-5)
+    (want_state, want), *others = results
+    for got_state, got in others:
+        for g, w in zip(got, want):
+            assert g == pytest.approx(w, rel=1e-5, abs=1e-6)
+        # two Adam steps: Adam's normalisation turns fp32 reduction-order noise in near-zero
+        # gradients (packed and row attention sum in different orders) into ~1e-5 parameter differences
+        assert_trees_close(got_state.params, want_state.params, atol=3e-5)
 
 
 def test_packing_refuses_mixed_prompts_and_mismatched_config():
@@ -854,6 +879,8 @@ def test_packing_refuses_mixed_prompts_and_mismatched_config():
     trainer = PolicyUpdater(fresh_model(), dataclasses.replace(ACCUM_CONFIG, pack_groups=True), vargrad_tb)
     with pytest.raises(ValueError, match="pack_microbatches=1"):
         trainer.step(grouped_batch(0, None))
+    with pytest.raises(ValueError, match="pack_strided=False"):
+        trainer.step(grouped_batch(0, 1, strided=True))
 
 
 # ----------------------------------------------------------------------------- scored windows

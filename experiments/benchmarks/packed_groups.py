@@ -1,4 +1,4 @@
-"""Trainer step with groups packed (`TrainerConfig.pack_groups`) vs the plain row layout.
+"""Trainer step with groups packed (`TrainerConfig.pack_groups`, back to back or strided) vs the row layout.
 
     python experiments/benchmarks/packed_groups.py [--checkpoint DIR] [--quick] [--json PATH]
 
@@ -9,6 +9,12 @@ backward + AdamW) on the same groups: the loss must agree, and the reference for
 the row-layout step measured in this run. "token ratio" is the speed-up if time were proportional
 to tokens scored; attention over the longer packed rows and the unchanged per-step overheads are
 what keep the measured figure below it.
+
+The strided layout (`TrainerConfig.pack_strided`) also runs the prompt once per group, but puts
+each response at a fixed stride (the longest response, bucketed) and runs attention per response
+over the prompt and itself: more (padding) tokens than packing where responses vary in length,
+but no attention across the whole packed row, which grows as (P + K·R)^2. The three layouts'
+steps are compiled first and then timed in alternating rounds.
 
 A second table times the packed step with its attention in causal blocks (the packed mask as a
 `CausalMask`: the blocks above the diagonal skipped) and over whole rows, in alternating rounds in
@@ -54,7 +60,12 @@ def make_groups(groups: int, k: int, prompt: int, response: int, vocab: int, see
     return out
 
 
+LAYOUTS = {"rows": (False, False), "packed": (True, False), "strided": (True, True)}
+
+
 def run(checkpoint: str, groups: int, k: int, prompt: int, response: int, repeats: int) -> list[dict[str, Any]]:
+    """The TB step in each layout (`LAYOUTS`: pack_groups, pack_strided), compiled first, then
+    timed in alternating rounds (median of `repeats`), each from its own copy of the state."""
     import jax
 
     from tbajax.batch import collate
@@ -65,40 +76,43 @@ def run(checkpoint: str, groups: int, k: int, prompt: int, response: int, repeat
     vocab = model.config.vocab_size
     data = make_groups(groups, k, prompt, response, vocab)
     base = TrainerConfig(optimizer=OptimizerConfig(lr=LRSchedule(peak=1e-6)), temperature=0.7, compute_dtype="float32")
-    results = []
-    for pack in (False, True):
-        config = dataclasses.replace(base, pack_groups=pack)
-        batch = jax.device_put(collate(data, beta=0.05, pack_microbatches=1 if pack else None))
+    arms: dict[str, dict[str, Any]] = {}
+    for layout, (pack, strided) in LAYOUTS.items():
+        config = dataclasses.replace(base, pack_groups=pack, pack_strided=strided)
+        batch = jax.device_put(collate(data, beta=0.05, pack_microbatches=1 if pack else None,
+                                       pack_strided=strided))
         graphdef, state = init_train_state(model, config)
         step = make_train_step(graphdef, config, "tb")
         t0 = time.perf_counter()
         state, out = step(state, batch)
-        first_loss = float(out.metrics["loss"])
-        compile_s = time.perf_counter() - t0
-        times = []
-        for _ in range(repeats):
+        arms[layout] = {"step": step, "state": state, "batch": batch, "times": [],
+                        "first_loss": float(out.metrics["loss"]), "first_step_s": time.perf_counter() - t0}
+    for _ in range(repeats):
+        for arm in arms.values():
             t0 = time.perf_counter()
-            state, out = step(state, batch)
+            arm["state"], out = arm["step"](arm["state"], arm["batch"])
             out.metrics["loss"].block_until_ready()
-            times.append(time.perf_counter() - t0)
-        scored = int(batch.packed.tokens.size) if pack else int(batch.tokens.size)
-        real = int((batch.packed.segments >= 0).sum()) if pack else int(batch.attention_mask.sum())
+            arm["times"].append(time.perf_counter() - t0)
+    results = []
+    for layout, arm in arms.items():
+        batch = arm["batch"]
+        pk = batch.packed
         results.append({
-            "layout": "packed" if pack else "rows",
-            "tokens_in_step": scored,
-            "real_tokens": real,
-            "step_s": float(np.median(times)),
-            "step_times": times,
-            "first_step_s": compile_s,
-            "first_loss": first_loss,
+            "layout": layout,
+            "tokens_in_step": int(batch.tokens.size if pk is None else pk.tokens.size),
+            "real_tokens": int(batch.attention_mask.sum() if pk is None else (pk.segments >= 0).sum()),
+            "step_s": float(np.median(arm["times"])),
+            "step_times": arm["times"],
+            "first_step_s": arm["first_step_s"],
+            "first_loss": arm["first_loss"],
         })
-    rows, packed = results
-    packed["block_arms"] = _causal_block_arms(model, data, base, repeats)
-    packed["speedup"] = rows["step_s"] / packed["step_s"]
-    packed["token_ratio"] = rows["tokens_in_step"] / packed["tokens_in_step"]
-    packed["share_of_token_ratio"] = packed["speedup"] / packed["token_ratio"]
-    packed["loss_rel_diff"] = abs(packed["first_loss"] - rows["first_loss"]) / max(abs(rows["first_loss"]), 1e-12)
-    rows["speedup"] = 1.0
+    rows = results[0]
+    for r in results:
+        r["speedup"] = rows["step_s"] / r["step_s"]
+        r["token_ratio"] = rows["tokens_in_step"] / r["tokens_in_step"]
+        r["share_of_token_ratio"] = r["speedup"] / r["token_ratio"]
+        r["loss_rel_diff"] = abs(r["first_loss"] - rows["first_loss"]) / max(abs(rows["first_loss"]), 1e-12)
+    results[1]["block_arms"] = _causal_block_arms(model, data, base, repeats)
     return results
 
 

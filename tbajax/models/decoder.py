@@ -20,7 +20,7 @@ from flax import nnx
 from tbajax import op_scopes as S
 from tbajax.models.config import ModelConfig, rope_inv_freq
 from tbajax.models.families import Family, ParamSpec, family_for
-from tbajax.models.layers import CausalMask, apply_rope, attention, rms_norm  # noqa: F401  (re-exported)
+from tbajax.models.layers import CausalMask, StridedGroups, apply_rope, attention, rms_norm  # noqa: F401
 from tbajax.models.layers import rope_tables as _rope_tables
 from tbajax.models.layers import scan_layers
 from tbajax.models.serving import KVCache, ServingParams, cached_pass, unstack
@@ -92,7 +92,7 @@ class CausalLM(nnx.Module):
         self,
         tokens: Array,
         positions: Array | None = None,
-        attention_mask: Array | CausalMask | None = None,
+        attention_mask: Array | CausalMask | StridedGroups | None = None,
         cache: KVCache | None = None,
     ) -> tuple[Array, KVCache | None]:
         hidden, cache = self.hidden_states(tokens, positions, attention_mask, cache)
@@ -112,13 +112,18 @@ class CausalLM(nnx.Module):
         Or [batch, seq, seq]: which key each query may attend to, used as given (no cache; pass
         positions), e.g. `packed_attention_mask` for several sequences sharing one row; wrapped
         in a `CausalMask` it promises that no query sees a later slot, and attention skips the
-        blocks above the diagonal.
+        blocks above the diagonal. Or `StridedGroups`: rows of one prompt and its K responses at
+        fixed strides, each response attending to the prompt and itself (pass positions).
         With `cache`, the tokens are written at slots cache.index ... index + seq
         (`serving.cached_pass` over this model's serving layout, built on every call: a sampler
         builds that layout once per params version and calls the pass itself).
         """
         cfg = self.config
         b, t = tokens.shape
+        if isinstance(attention_mask, StridedGroups):
+            if cache is not None or positions is None:
+                raise ValueError("strided prompt groups need explicit positions and no cache")
+            return self._layers_over(tokens, positions, attention_mask), None
         promised_causal = isinstance(attention_mask, CausalMask)
         if promised_causal:
             attention_mask = attention_mask.mask
@@ -137,6 +142,17 @@ class CausalLM(nnx.Module):
             positions = positions_from_mask(attention_mask)
         if cache is not None:
             return cached_pass(cfg, ServingParams.of(self), tokens, positions, attention_mask, cache)
+        if full_mask:
+            mask = CausalMask(attention_mask) if promised_causal else attention_mask
+        else:
+            slots = jnp.arange(t)
+            mask = CausalMask((slots[None, :] <= slots[:, None])[None] & attention_mask[:, None, :])
+        return self._layers_over(tokens, positions, mask), None
+
+    def _layers_over(self, tokens: Array, positions: Array,
+                     mask: Array | CausalMask | StridedGroups) -> Array:
+        """Embed, every layer with `mask` as `layers.self_attention` takes it, final norm."""
+        cfg = self.config
         family = self.family
         top = {name: getattr(self, name)[...] for name in family.top_params(cfg)}
         with jax.named_scope(S.EMBED):
@@ -153,12 +169,6 @@ class CausalLM(nnx.Module):
             )
             layer = jax.checkpoint(layer, policy=policy)
 
-        if full_mask:
-            mask = CausalMask(attention_mask) if promised_causal else attention_mask
-        else:
-            slots = jnp.arange(t)
-            mask = CausalMask((slots[None, :] <= slots[:, None])[None] & attention_mask[:, None, :])
-
         def body(h: Array, p: dict[str, Array]) -> tuple[Array, None]:
             h, _ = layer(p, h, tables, mask, None)
             return h, None
@@ -168,7 +178,7 @@ class CausalLM(nnx.Module):
         else:
             for p in unstack(params, cfg.num_layers):
                 x, _ = body(x, p)
-        return family.final_norm(cfg, top, x), None
+        return family.final_norm(cfg, top, x)
 
     @scoped(S.LM_HEAD)
     def logits(self, hidden: Array) -> Array:

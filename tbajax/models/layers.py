@@ -369,6 +369,21 @@ class CausalMask:
     mask: Array
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StridedGroups:
+    """The attention mask of rows that each hold one prompt group at fixed strides: the prompt in
+    the first P slots, then K responses of R slots each (`training.collate.pack_groups(...,
+    strided=True)`). The prompt attends causally to itself; each response to the prompt and
+    causally to itself. Attention then runs per part: the prompt's P x P, and each response's
+    R x (P + R) (`strided_group_attention`), never the row's whole (P + K R)^2 that a packed
+    row's mask spans, so long responses cost what their own rows would, less the prompt's
+    repeats. The shapes say P, K and R."""
+
+    prompt: Array  # [b, P] bool: real prompt slots
+    responses: Array  # [b, K, R] bool: real slots of each response's stride
+
+
 class EmitKV:
     """The `cache` argument of a prompt pass (`serving.prompt_pass`): no cache to read, attend over
     this step's own keys like a training forward, and hand them back in the cache's layout."""
@@ -385,6 +400,10 @@ def self_attention(
     layer cache, over the whole cache after writing this step's keys/values into it at the write
     slot. Returns ([b,t,h,d], the updated (keys, values) buffers, or with EMIT_KV this step's own
     keys d-major [b,kv,d,t] and values [b,kv,t,d], or None)."""
+    if isinstance(mask, StridedGroups):
+        if cache is not None:
+            raise TypeError("strided prompt groups are scored without a KV cache")
+        return strided_group_attention(q, k, v, mask), None
     if cache is None or isinstance(cache, EmitKV):
         causal = isinstance(mask, CausalMask)
         keys, values = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
@@ -411,6 +430,40 @@ def attention(q: Array, k: Array, v: Array, mask: Array, causal: bool = False) -
     """
     blocks = causal_blocks(q.shape[1]) if causal else 1
     return _attend_rows(_group_queries(q, k.shape[1]), k, v, mask, keys_d_major=False, blocks=blocks)
+
+
+def strided_group_attention(q: Array, k: Array, v: Array, mask: StridedGroups) -> Array:
+    """Attention of rows laid out as `StridedGroups`: q [b, P + K R, h, d], k and v
+    [b, P + K R, kv, d] -> [b, P + K R, h, d]. The prompt part is causal attention over its own
+    keys; the K responses become K rows of R queries over the prompt's keys (repeated per
+    response for the product; their gradients sum back) followed by their own, causally."""
+    b, t, h, d = q.shape
+    p = mask.prompt.shape[1]
+    n, r = mask.responses.shape[1:]
+    if t != p + n * r:
+        raise ValueError(f"a strided group row of {t} slots is not a prompt of {p} + {n} x {r}")
+
+    def heads_major(x: Array) -> Array:  # [rows, s, kv, d] -> [rows, kv, s, d]
+        return x.transpose(0, 2, 1, 3)
+
+    def responses(x: Array) -> Array:  # [b, P + K R, ...] -> [b K, R, ...]
+        return x[:, p:].reshape(b * n, r, *x.shape[2:])
+
+    def per_response(x: Array) -> Array:  # [b, ...] -> [b K, ...]
+        return jnp.repeat(x, n, axis=0)
+
+    slots = jnp.arange(p)
+    causal = CausalMask((slots[None, :] <= slots[:, None])[None] & mask.prompt[:, None, :])
+    out_p = attention(q[:, :p], heads_major(k[:, :p]), heads_major(v[:, :p]), causal.mask, causal=True)
+    own = jnp.arange(r)
+    seen = jnp.concatenate([
+        jnp.broadcast_to(per_response(mask.prompt)[:, None, :], (b * n, r, p)),
+        (own[None, :] <= own[:, None])[None] & mask.responses.reshape(b * n, 1, r),
+    ], axis=-1)  # [b K, R, P + R]
+    keys = jnp.concatenate([per_response(k[:, :p]), responses(k)], axis=1)
+    values = jnp.concatenate([per_response(v[:, :p]), responses(v)], axis=1)
+    out_r = attention(responses(q), heads_major(keys), heads_major(values), seen)
+    return jnp.concatenate([out_p, out_r.reshape(b, n * r, h, d)], axis=1)
 
 
 def cached_attention(q: Array, kt: Array, v: Array, mask: Array) -> Array:

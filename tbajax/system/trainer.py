@@ -91,6 +91,7 @@ class Learner:
             length_bucket=self.config.train.length_bucket,
             pack_microbatches=trainer.num_microbatches if trainer.pack_groups else None,
             pack_row_multiple=self.trainer.batch_shards,
+            pack_strided=trainer.pack_strided,
             current_version=current_version,
         )
         validate_batch(batch, self.objective, objective_config=self.objective_config,

@@ -24,6 +24,7 @@ def collate(
     length_bucket: int = 32,
     pack_microbatches: int | None = None,
     pack_row_multiple: int = 1,
+    pack_strided: bool = False,
     current_version: int = 0,
 ) -> Batch:
     """Pad groups of trajectories into one host-side (numpy) Batch.
@@ -34,6 +35,7 @@ def collate(
     score_stop_token: whether a finished response's final stop token is in the loss.
     pack_microbatches: also build `Batch.packed` for a step cut into this many micro-batches.
     pack_row_multiple: make the number of packed rows a multiple of this (the data-parallel shards).
+    pack_strided: pack each group at fixed strides (`pack_groups(..., strided=True)`).
     current_version: the trainer's param version, written into `Batch.current_version` (token lags
     and the objectives' stale-token options are measured against it).
     """
@@ -88,7 +90,8 @@ def collate(
         prompt_len = np.zeros((n,), np.int64)
         prompt_len[: len(rows)] = [len(t.prompt_tokens) for t in rows]
         packed = pack_groups(
-            tokens, prompt_len, attn, gid, sample_mask, pack_microbatches, length_bucket, pack_row_multiple
+            tokens, prompt_len, attn, gid, sample_mask, pack_microbatches, length_bucket, pack_row_multiple,
+            strided=pack_strided,
         )
     return Batch(
         tokens=tokens,
@@ -139,10 +142,17 @@ def pack_groups(
     num_microbatches: int,
     length_bucket: int = 32,
     row_multiple: int = 1,
+    strided: bool = False,
 ) -> PackedGroups:
     """PackedGroups of row-layout arrays (host side). Every micro-batch slice gets the same number
     of packed rows (the most groups any slice holds, rounded up so that the total is a multiple of
-    `row_multiple`) so the slices stack; padding rows are left out."""
+    `row_multiple`) so the slices stack; padding rows are left out.
+
+    strided: each group's prompt in the first P slots and response j from slot P + j R (P, R: the
+    batch's longest prompt and response, rounded up to `length_bucket`; K the largest group), so
+    that attention runs per response over the prompt and itself (`layers.StridedGroups`), not
+    over the whole row: for long responses, where a packed row's (P + sum R)^2 attention costs
+    more than the prompt work it saves. Responses shorter than R leave padding slots."""
     n, seq = tokens.shape
     if n % num_microbatches:
         raise ValueError(f"batch of {n} rows cannot be cut into {num_microbatches} equal micro-batches")
@@ -170,8 +180,16 @@ def pack_groups(
     prompts = [[tokens[rows[0], : int(prompt_len[rows[0]])] for rows in groups] for groups in slices]
     answers = [[[tokens[i, int(prompt_len[i]) : int(prompt_len[i] + response_len[i])] for i in rows]
                 for rows in groups] for groups in slices]
-    need = max((packed_width(p, a) for p, a in zip(prompts, answers) if p), default=1)
-    width = -(-need // length_bucket) * length_bucket
+    stride = None
+    if strided:
+        bucket = lambda x: -(-max(x, 1) // length_bucket) * length_bucket  # noqa: E731
+        stride = (bucket(max(len(p) for ps in prompts for p in ps)),
+                  bucket(max(len(r) for groups in answers for a in groups for r in a)))
+        most = max(len(rows) for groups in slices for rows in groups)
+        width = stride[0] + most * stride[1]
+    else:
+        need = max((packed_width(p, a) for p, a in zip(prompts, answers) if p), default=1)
+        width = -(-need // length_bucket) * length_bucket
     most_answers = max([int(response_len[rows].sum()) for groups in slices for rows in groups] + [1])
     # rounded as the row layout's windows are (`scored_windows`), not to the width's length
     # buckets: fewer (width, scored width) pairs to compile
@@ -180,7 +198,7 @@ def pack_groups(
     g_m = max(1, max(len(groups) for groups in slices))
     while (num_microbatches * g_m) % row_multiple:
         g_m += 1
-    parts = [pack_prompt_groups(p, a, width, rows=g_m) for p, a in zip(prompts, answers)]
+    parts = [pack_prompt_groups(p, a, width, rows=g_m, stride=stride) for p, a in zip(prompts, answers)]
     scored = np.zeros((num_microbatches * g_m, scored_width), np.int32)
     previous = np.zeros_like(scored)
     source = np.zeros((n, seq), np.int32)
@@ -188,17 +206,26 @@ def pack_groups(
         for local, rows in enumerate(groups):
             g = m * g_m + local
             p = int(prompt_len[rows[0]])
+            k = 0  # the next response's first index among the group's scored slots
             for i, at in zip(rows, parts[m].starts[local]):
                 r = int(response_len[i])
-                k = at - p  # this response's first index among the group's scored slots
                 scored[g, k : k + r] = np.arange(at, at + r)
                 previous[g, k : k + r] = predicting_slots(p, at, r)
                 source[i, p : p + r] = local * scored_width + k + np.arange(r)
+                k += r
+    segments = np.concatenate([x.segments for x in parts])
+    strided_masks = {}
+    if stride is not None:
+        rows_total, (slots, span) = segments.shape[0], stride
+        strided_masks = {
+            "prompt_real": segments[:, :slots] == 0,
+            "response_real": (segments[:, slots:] > 0).reshape(rows_total, (width - slots) // span, span),
+        }
     return PackedGroups(
         tokens=np.concatenate([x.tokens for x in parts]),
         positions=np.concatenate([x.positions for x in parts]),
-        segments=np.concatenate([x.segments for x in parts]),
-        scored=scored, previous=previous, source=source,
+        segments=segments,
+        scored=scored, previous=previous, source=source, **strided_masks,
     )
 
 

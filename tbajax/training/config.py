@@ -142,6 +142,11 @@ class TrainerConfig:
       less prompt work; worth it when prompts are long next to the responses (a packed row is
       P + K·R tokens long, and attention is quadratic in that). Batches need `collate(...,
       pack_microbatches=num_microbatches)`.
+    pack_strided: with pack_groups, lay each group out at fixed strides (the prompt in P slots,
+      each response in R: the batch's longest, bucketed) and run attention per response over the
+      prompt and itself (`layers.StridedGroups`): the prompt still runs once per group, and
+      attention costs what the row layout's does, for long responses too. Responses shorter
+      than R leave padding slots. Batches need `collate(..., pack_strided=True)`.
     """
 
     optimizer: OptimizerConfig = OptimizerConfig()
@@ -156,8 +161,11 @@ class TrainerConfig:
     seed: int = 0
     aux_table_size: int = 0
     pack_groups: bool = False
+    pack_strided: bool = False
 
     def __post_init__(self) -> None:
+        if self.pack_strided and not self.pack_groups:
+            raise ValueError("pack_strided lays out packed groups: set pack_groups=True too")
         if self.temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
         if self.num_microbatches < 1:

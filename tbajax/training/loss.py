@@ -18,6 +18,7 @@ from flax import nnx
 from tbajax import op_scopes as S
 from tbajax.batch import Batch, hidden_token_logprobs, packed_hidden_logprobs, windowed_hidden_logprobs
 from tbajax.models.decoder import packed_mask
+from tbajax.models.layers import StridedGroups
 from tbajax.objectives.base import Metrics
 from tbajax.objectives.registry import EVERYTHING, ObjectiveInputs, ObjectiveSpec, aux_for_loss
 from tbajax.training.config import TrainerConfig
@@ -34,7 +35,9 @@ def sequence_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, t
     model = nnx.merge(graphdef, params)
     if batch.packed is not None:
         pk = batch.packed
-        hidden, _ = model.hidden_states(pk.tokens, pk.positions, packed_mask(pk.segments))
+        mask = (packed_mask(pk.segments) if pk.prompt_real is None
+                else StridedGroups(pk.prompt_real, pk.response_real))
+        hidden, _ = model.hidden_states(pk.tokens, pk.positions, mask)
         return packed_hidden_logprobs(hidden, model.head_weight(), batch, temperature)
     hidden, _ = model.hidden_states(batch.tokens, attention_mask=batch.attention_mask)
     return _row_logprobs(hidden, model.head_weight(), batch, temperature)

@@ -195,14 +195,18 @@ def train_step(
     return new, StepOutput(metrics, applied, finite, layout_ok, row_ok, batch.group_id)
 
 
-def batch_shardings(mesh: Mesh, packed: bool = False) -> Batch:
+def batch_shardings(mesh: Mesh, packed: bool = False, strided: bool = False) -> Batch:
     """Every [B, ...] field split on its batch dim over the "batch" mesh axes; the scalars (β, the
-    current version) replicated; packed rows (if `packed`) split on their leading dim too, else
-    the scored windows (`Batch.scored`; `make_train_step` fills them in for a batch without)."""
+    current version) replicated; packed rows (if `packed`; with the strided layout's masks if
+    `strided`) split on their leading dim too, else the scored windows (`Batch.scored`;
+    `make_train_step` fills them in for a batch without)."""
     rows = NamedSharding(mesh, P(LOGICAL_RULES["batch"]))
     fields = {f.name: rows for f in dataclasses.fields(Batch)}
     fields["beta"] = fields["current_version"] = NamedSharding(mesh, P())
-    fields["packed"] = PackedGroups(**{f.name: rows for f in dataclasses.fields(PackedGroups)}) if packed else None
+    layout = {f.name: rows for f in dataclasses.fields(PackedGroups)}
+    if not strided:
+        layout["prompt_real"] = layout["response_real"] = None
+    fields["packed"] = PackedGroups(**layout) if packed else None
     fields["scored"] = None if packed else rows
     fields["prompt_features"] = None  # computed inside the step, never an input
     return Batch(**fields)
@@ -256,7 +260,7 @@ def make_train_step(
         return lambda state, batch: jitted(state, batch, lora)
     if state_sharding is None:
         raise ValueError("make_train_step(mesh=...) needs state_sharding=state_shardings(state, mesh)")
-    in_shardings = (state_sharding, batch_shardings(mesh, packed=config.pack_groups))
+    in_shardings = (state_sharding, batch_shardings(mesh, packed=config.pack_groups, strided=config.pack_strided))
     if lora is not None:
         in_shardings += (state_shardings(lora, mesh),)
     jitted = jax.jit(
@@ -269,7 +273,7 @@ def make_train_step(
     frozen = () if lora is None else (lora,)
 
     global_batch = spans_processes(mesh)  # jit takes no host arrays for shardings across processes
-    in_batch = batch_shardings(mesh, packed=config.pack_groups)
+    in_batch = batch_shardings(mesh, packed=config.pack_groups, strided=config.pack_strided)
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, StepOutput]:
         if batch.packed is None and batch.scored is None:  # the same log-probs, and the batch

@@ -198,6 +198,13 @@ class PolicyUpdater:
                 f"{'has' if batch.packed is not None else 'has no'} packed rows; build it with "
                 f"collate(pack_microbatches={m if self.config.pack_groups else None})"
             )
+        strided = batch.packed is not None and batch.packed.prompt_real is not None
+        if batch.packed is not None and strided != self.config.pack_strided:
+            raise ValueError(
+                f"TrainerConfig.pack_strided={self.config.pack_strided} but the batch's groups are "
+                f"{'strided' if strided else 'packed back to back'}; build it with "
+                f"collate(..., pack_strided={self.config.pack_strided})"
+            )
         shards = self.batch_shards
         if batch.packed is not None and batch.packed.tokens.shape[0] % int(np.lcm(m, shards)):
             raise ValueError(
