@@ -654,6 +654,42 @@ def test_attention_after_a_pooled_prompt_equals_attention_over_copied_prompts(h,
     np.testing.assert_allclose(np.asarray(got)[live], np.asarray(want)[live], atol=1e-5)
 
 
+def test_causal_blocks_after_shared_keys_match_a_plain_softmax():
+    """Causal query blocks with more keys than queries (a response after its prompt, as
+    `strided_group_attention` runs it): query j may see the first 40 keys (some padding) and its
+    own span's keys up to j; forward and VJP against a plain softmax over the whole mask."""
+    from tbajax.models.layers import _MASK_VALUE, attention, causal_blocks
+
+    r = np.random.default_rng(3)
+    b, h, kv, d, t, o = 3, 4, 2, 8, 128, 40
+    assert causal_blocks(t) == 4
+    q = jnp.asarray(r.normal(size=(b, t, h, d)), jnp.float32)
+    k, v = (jnp.asarray(r.normal(size=(b, kv, o + t, d)), jnp.float32) for _ in range(2))
+    shared = np.arange(o)[None, :] >= np.array([0, 7, 13])[:, None]  # left-padded prompts
+    own = np.arange(t)[None, :] < np.array([t, 100, 64])[:, None]  # right-padded responses
+    mask = jnp.asarray(np.concatenate([
+        np.broadcast_to(shared[:, None, :], (b, t, o)),
+        np.tril(np.ones((t, t), bool))[None] & own[:, None, :],
+    ], axis=-1))
+    weights = jnp.asarray(r.normal(size=(b, t, h, d)), jnp.float32)
+
+    def plain(q, k, v):
+        kh, vh = (jnp.repeat(x, h // kv, axis=1) for x in (k, v))
+        scores = jnp.einsum("bthd,bhsd->bhts", q, kh) * d**-0.5
+        probs = jax.nn.softmax(jnp.where(mask[:, None], scores, _MASK_VALUE), axis=-1)
+        return jnp.einsum("bhts,bhsd->bthd", probs, vh)
+
+    def loss(f):
+        return lambda q, k, v: (f(q, k, v) * weights).sum()
+
+    blocked = lambda q, k, v: attention(q, k, v, mask, causal=True)  # noqa: E731
+    np.testing.assert_allclose(np.asarray(jax.jit(blocked)(q, k, v)), np.asarray(plain(q, k, v)), atol=1e-5)
+    got = jax.jit(jax.grad(loss(blocked), argnums=(0, 1, 2)))(q, k, v)
+    want = jax.grad(loss(plain), argnums=(0, 1, 2))(q, k, v)
+    for a, w, what in zip(got, want, "qkv"):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(w), atol=1e-4, rtol=1e-5, err_msg=f"d{what}")
+
+
 @pytest.mark.parametrize("dtype,t,budget", [
     (jnp.float32, 6, None), (jnp.bfloat16, 6, None), (jnp.float32, 128, None),
     (jnp.float32, 6, 0), (jnp.float32, 6, 3000), (jnp.float32, 128, 0),

@@ -818,6 +818,28 @@ def test_packed_logprobs_equal_the_row_layout(strided):
         assert (got[~rows.loss_mask] == 0).all()
 
 
+def test_strided_logprobs_equal_the_row_layout_over_causal_blocks():
+    """Strided groups whose responses take 64 slots: each response's attention runs in 2 causal
+    query blocks over the prompt's keys and its own (`layers.causal_blocks(64)`)."""
+    from tbajax.models.layers import causal_blocks
+
+    graphdef, params = _model_parts()
+    r = np.random.default_rng(6)
+    groups = []
+    for g in range(2):
+        prompt = r.integers(3, MODEL.vocab_size - 1, 20 + 5 * g).astype(np.int32)
+        groups.append([Trajectory(g, g, prompt, r.integers(3, MODEL.vocab_size - 1, n).astype(np.int32),
+                                  np.zeros(n, np.float32), 0.0) for n in (64, 40, 57)])
+    rows, strided = (collate(groups, beta=0.5, pack_microbatches=m, pack_strided=m is not None)
+                     for m in (None, 1))
+    assert strided.packed.response_real.shape == (2, 3, 64) and causal_blocks(64) == 2
+    score = jax.jit(sequence_logprobs, static_argnums=(0, 3), compiler_options=FAST_COMPILE)
+    want = np.asarray(score(graphdef, params, rows, 0.7))
+    got = np.asarray(score(graphdef, params, strided, 0.7))
+    np.testing.assert_allclose(np.where(rows.loss_mask, got, 0), np.where(rows.loss_mask, want, 0),
+                               atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("blocks_from", [0, 10**6], ids=["causal-blocks", "whole-rows"])
 def test_packed_logprobs_equal_the_row_layout_over_causal_blocks(blocks_from, monkeypatch):
     """Packed rows of 128 slots, their attention in `layers.causal_blocks` (4) query blocks that

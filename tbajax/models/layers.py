@@ -426,7 +426,8 @@ def attention(q: Array, k: Array, v: Array, mask: Array, causal: bool = False) -
 
     Both matmuls are batched over kv heads with the query group folded into the rows, a few
     batch rows at a time (`_attend_rows`). causal=True promises that no query sees a later position
-    (s = t, mask within the lower triangle), so the blocks above the diagonal are skipped.
+    (mask within the lower triangle; with s > t keys, query j sees none past key s - t + j), so
+    the blocks above the diagonal are skipped.
     """
     blocks = causal_blocks(q.shape[1]) if causal else 1
     return _attend_rows(_group_queries(q, k.shape[1]), k, v, mask, keys_d_major=False, blocks=blocks)
@@ -462,7 +463,7 @@ def strided_group_attention(q: Array, k: Array, v: Array, mask: StridedGroups) -
     ], axis=-1)  # [b K, R, P + R]
     keys = jnp.concatenate([per_response(k[:, :p]), responses(k)], axis=1)
     values = jnp.concatenate([per_response(v[:, :p]), responses(v)], axis=1)
-    out_r = attention(responses(q), heads_major(keys), heads_major(values), seen)
+    out_r = attention(responses(q), heads_major(keys), heads_major(values), seen, causal=True)
     return jnp.concatenate([out_p, out_r.reshape(b, n * r, h, d)], axis=1)
 
 
@@ -704,15 +705,19 @@ def _query_blocks(q: Array, t: int, blocks: int) -> list[Array]:
 def _causal_row_attention(keys_d_major: bool, blocks: int, xs: tuple[Array, ...]
                           ) -> tuple[Array, Array, Array]:
     """`_row_attention` for a mask that sees no later position, in `blocks` query blocks: block i
-    attends to the first (i + 1) / blocks of the keys only (the rest are masked anyway)."""
+    attends to the first (i + 1) / blocks of the keys only (the rest are masked anyway). With
+    more keys than queries (s = o + t), query j may see keys up to o + j: o keys before its own
+    span, as a response after a shared prompt (`strided_group_attention`); block i then attends
+    to the first o + (i + 1) t / blocks keys."""
     if blocks == 1:
         return _row_attention(keys_d_major, xs)
     qi, ki, vi, mi = xs
-    t = mi.shape[1]
+    t, s = mi.shape[1], mi.shape[2]
     tb = t // blocks
     parts = [
-        _row_attention(keys_d_major, (qb, _first_keys(ki, (i + 1) * tb, keys_d_major),
-                                      vi[:, :, :(i + 1) * tb], mi[:, i * tb:(i + 1) * tb, :(i + 1) * tb]))
+        _row_attention(keys_d_major, (qb, _first_keys(ki, s - t + (i + 1) * tb, keys_d_major),
+                                      vi[:, :, :s - t + (i + 1) * tb],
+                                      mi[:, i * tb:(i + 1) * tb, :s - t + (i + 1) * tb]))
         for i, qb in enumerate(_query_blocks(qi, t, blocks))
     ]
     return tuple(jnp.concatenate(x, axis=3) for x in zip(*parts))  # type: ignore[return-value]
@@ -729,7 +734,7 @@ def _causal_row_grads(keys_d_major: bool, blocks: int, xs: tuple[Array, ...]) ->
     tb = t // blocks
     dqs, dk, dv = [], jnp.zeros(ki.shape, jnp.float32), jnp.zeros(vi.shape, jnp.float32)
     for i, qb in enumerate(_query_blocks(qi, t, blocks)):
-        n, rows_t = (i + 1) * tb, slice(i * tb, (i + 1) * tb)
+        n, rows_t = s - t + (i + 1) * tb, slice(i * tb, (i + 1) * tb)
         dq_b, dk_b, dv_b = _row_grads(keys_d_major, (
             qb, _first_keys(ki, n, keys_d_major), vi[:, :, :n], mi[:, rows_t, :n],
             oi[:, :, :, rows_t], top[:, :, :, rows_t], total[:, :, :, rows_t], gi[:, :, :, rows_t]))
