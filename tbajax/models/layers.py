@@ -437,7 +437,9 @@ def strided_group_attention(q: Array, k: Array, v: Array, mask: StridedGroups) -
     """Attention of rows laid out as `StridedGroups`: q [b, P + K R, h, d], k and v
     [b, P + K R, kv, d] -> [b, P + K R, h, d]. The prompt part is causal attention over its own
     keys; the K responses become K rows of R queries over the prompt's keys (repeated per
-    response for the product; their gradients sum back) followed by their own, causally."""
+    response for the product; their gradients sum back) followed by their own, causally. Both
+    take causal query blocks (`_causal_row_attention`; the responses' with the prompt's keys in
+    front)."""
     b, t, h, d = q.shape
     p = mask.prompt.shape[1]
     n, r = mask.responses.shape[1:]
@@ -454,8 +456,8 @@ def strided_group_attention(q: Array, k: Array, v: Array, mask: StridedGroups) -
         return jnp.repeat(x, n, axis=0)
 
     slots = jnp.arange(p)
-    causal = CausalMask((slots[None, :] <= slots[:, None])[None] & mask.prompt[:, None, :])
-    out_p = attention(q[:, :p], heads_major(k[:, :p]), heads_major(v[:, :p]), causal.mask, causal=True)
+    prompt_sees = (slots[None, :] <= slots[:, None])[None] & mask.prompt[:, None, :]  # [b, P, P]
+    out_p = attention(q[:, :p], heads_major(k[:, :p]), heads_major(v[:, :p]), prompt_sees, causal=True)
     own = jnp.arange(r)
     seen = jnp.concatenate([
         jnp.broadcast_to(per_response(mask.prompt)[:, None, :], (b * n, r, p)),
