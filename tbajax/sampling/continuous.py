@@ -408,21 +408,11 @@ class ContinuousEngine:
         self._next_id = 0
         self._slot: list[_Live | None] = [None] * slots
         pool, ring = self.pool, self.ring
-
-        def empty_cache() -> KVCache:
-            cache = core.init_cache(cfg, slots, ring)
-            if not pool:
-                return cache
-            part = serving.PromptCache.pool(cfg, pool, p_max, k, slots)
-            return dataclasses.replace(cache, prompt=dataclasses.replace(
-                part, k=tuple(constrain(x, KVCache.K_AXES) for x in part.k),
-                v=tuple(constrain(x, KVCache.V_AXES) for x in part.v),
-                valid=constrain(part.valid, ("batch", "length"))))
-
         self._cache = sampler._run(
             ("cache", (("rows", slots), ("slots", ring), ("pool", pool), ("pool_slots", p_max),
                        ("num_samples", k))),
-            lambda: jax.jit(empty_cache),
+            lambda: jax.jit(lambda: core.init_cache(cfg, slots, ring, pool, p_max if pool else 0,
+                                                    pool_samples=k if pool else 0)),
         )
         proto = request_keys(jax.random.PRNGKey(0), 0, 1)[0]
         self._state = sampler._run(
