@@ -872,16 +872,20 @@ def test_packed_logprobs_equal_the_row_layout_over_causal_blocks(blocks_from, mo
                          ids=["one", "two-microbatches", "data-parallel"])
 def test_packed_step_equals_row_layout_step(num_microbatches, mesh_config):
     """The row layout, packed groups and strided groups: the same metrics and params after two
-    steps (one step program per layout)."""
+    steps (one step program per layout). pack_groups="auto": one step function that takes a
+    strided batch, then a packed one (a program per layout, under the mesh each with its own
+    batch shardings)."""
     base = dataclasses.replace(ACCUM_CONFIG, num_microbatches=num_microbatches)
     results = []
-    for pack, strided in ((False, False), (True, False), (True, True)):
-        config = dataclasses.replace(base, pack_groups=pack, pack_strided=strided)
+    m = num_microbatches
+    for pack, layouts in ((False, [(None, False)] * 2), (True, [(m, False)] * 2), (True, [(m, True)] * 2),
+                          ("auto", [(m, True), (m, False)])):
+        config = dataclasses.replace(base, pack_groups=pack, pack_strided=pack is True and layouts[0][1])
         mesh, step = compiled_step(config, mesh_config)
         _, state = init_train_state(fresh_model(), config, mesh)
         metrics = []
-        for u, seed in enumerate([0, 1], 1):
-            state, out = step(state, grouped_batch(seed, num_microbatches if pack else None, strided))
+        for u, (seed, (pack_microbatches, strided)) in enumerate(zip([0, 1], layouts), 1):
+            state, out = step(state, grouped_batch(seed, pack_microbatches, strided))
             metrics.append(raise_on_bad_step(out, u))
         results.append((state, metrics))
     (want_state, want), *others = results

@@ -16,6 +16,10 @@ over the prompt and itself: more (padding) tokens than packing where responses v
 but no attention across the whole packed row, which grows as (P + K·R)^2. The three layouts'
 steps are compiled first and then timed in alternating rounds.
 
+`pack_groups="auto"` (`tbajax.training.layout`) would pick the layout of least estimated cost:
+the table gives each layout's estimated speed-up (rows' estimated cost / its own) beside the
+measured one, and the script says whether the pick is the layout that ran fastest.
+
 A second table times the packed step with its attention in causal blocks (the packed mask as a
 `CausalMask`: the blocks above the diagonal skipped) and over whole rows, in alternating rounds in
 this process; `models.decoder.PACKED_CAUSAL_BLOCKS_MIN` picks between them by row width.
@@ -93,12 +97,18 @@ def run(checkpoint: str, groups: int, k: int, prompt: int, response: int, repeat
             arm["state"], out = arm["step"](arm["state"], arm["batch"])
             out.metrics["loss"].block_until_ready()
             arm["times"].append(time.perf_counter() - t0)
+    from tbajax.training.layout import layout_work, step_cost
+
+    weight = base.layout_attention_weight  # pack_groups="auto"'s default
+    costs = {layout: step_cost(layout_work(arm["batch"]), model.config, weight) for layout, arm in arms.items()}
     results = []
     for layout, arm in arms.items():
         batch = arm["batch"]
         pk = batch.packed
         results.append({
             "layout": layout,
+            "estimated_cost": costs[layout],
+            "auto_picks": layout == min(costs, key=costs.get),
             "tokens_in_step": int(batch.tokens.size if pk is None else pk.tokens.size),
             "real_tokens": int(batch.attention_mask.sum() if pk is None else (pk.segments >= 0).sum()),
             "step_s": float(np.median(arm["times"])),
@@ -109,6 +119,8 @@ def run(checkpoint: str, groups: int, k: int, prompt: int, response: int, repeat
     rows = results[0]
     for r in results:
         r["speedup"] = rows["step_s"] / r["step_s"]
+        r["estimated_speedup"] = rows["estimated_cost"] / r["estimated_cost"]
+        r["attention_weight"] = weight
         r["token_ratio"] = rows["tokens_in_step"] / r["tokens_in_step"]
         r["share_of_token_ratio"] = r["speedup"] / r["token_ratio"]
         r["loss_rel_diff"] = abs(r["first_loss"] - rows["first_loss"]) / max(abs(rows["first_loss"]), 1e-12)
@@ -175,7 +187,12 @@ def main() -> None:
     print(f"\n{args.groups} groups x K={args.k}, prompt {args.prompt}, responses <= {args.response} tokens; "
           f"checkpoint {checkpoint}")
     print_table(results, ["layout", "tokens_in_step", "real_tokens", "step_s", "speedup", "token_ratio",
-                          "share_of_token_ratio", "first_loss", "loss_rel_diff"])
+                          "share_of_token_ratio", "estimated_speedup", "auto_picks", "first_loss",
+                          "loss_rel_diff"])
+    fastest = max(results, key=lambda r: r["speedup"])["layout"]
+    picked = next(r["layout"] for r in results if r["auto_picks"])
+    print(f"pack_groups='auto' picks {picked} (estimated cost, attention weight "
+          f"{results[0]['attention_weight']}); measured fastest: {fastest}")
     arms = results[1]["block_arms"]
     block_rows = [{k: v for k, v in arms.items() if k != "times"}]
     print("\npacked step, attention in causal blocks vs over whole rows (median s over alternating rounds; "

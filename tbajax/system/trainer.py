@@ -55,6 +55,7 @@ from tbajax.system.publishing import params_to_publish
 from tbajax.system.searcher import Rollouts, build_rollouts, make_reward_pool
 from tbajax.training import Checkpointer, PolicyUpdater
 from tbajax.training.collate import collate
+from tbajax.training.layout import LAYOUTS, batch_layout, cheapest
 from tbajax.training.state import policy_params
 from tbajax.trajectory import Trajectory
 
@@ -72,6 +73,7 @@ class Learner:
         )
         self.trainer = PolicyUpdater(model, config.train.trainer, self.objective, self.objective_config, mesh=mesh,
                                      lora=config.model.lora, compiler_options=compiler_options)
+        self.model_config = model.config
         self.rows = config.train.groups_per_step * config.buffer.samples_per_group
         self.tokens_trained = 0
 
@@ -83,17 +85,19 @@ class Learner:
         """Collate and validate one step's groups (host side; safe in a background thread);
         `current_version` goes into the batch (objectives measure token staleness against it)."""
         trainer = self.config.train.trainer
-        batch = collate(
+        batches = [collate(
             groups,
             beta=_beta_placeholder(self.config),
             num_rows=self.rows,
             score_stop_token=self.config.train.score_stop_token,
             length_bucket=self.config.train.length_bucket,
-            pack_microbatches=trainer.num_microbatches if trainer.pack_groups else None,
+            pack_microbatches=None if layout == "rows" else trainer.num_microbatches,
             pack_row_multiple=self.trainer.batch_shards,
-            pack_strided=trainer.pack_strided,
+            pack_strided=layout == "strided",
             current_version=current_version,
-        )
+        ) for layout in self.trainer.layouts]
+        # pack_groups="auto": every layout the trainer takes, and the cheapest kept
+        batch = cheapest(batches, self.model_config, trainer.layout_attention_weight)
         validate_batch(batch, self.objective, objective_config=self.objective_config,
                        reference_from_trainer=trainer.compute_reference_logprobs)
         return batch
@@ -116,6 +120,8 @@ class Learner:
             policy_lag_mean=float(lags.mean()),
             policy_lag_max=float(lags.max()),
             train_tokens=int(np.asarray(batch.loss_mask).sum()),
+            # the step's layout (`training.layout`): 0 rows, 1 packed, 2 strided groups
+            batch_layout=LAYOUTS.index(batch_layout(batch)),
             **{f"rows_from_searcher_{i}": int(n) for i, n in enumerate(per_searcher)},
         )
 

@@ -147,6 +147,15 @@ class TrainerConfig:
       prompt and itself (`layers.StridedGroups`): the prompt still runs once per group, and
       attention costs what the row layout's does, for long responses too. Responses shorter
       than R leave padding slots. Batches need `collate(..., pack_strided=True)`.
+      pack_groups="auto" instead picks one of the three layouts (rows, packed, strided) per batch:
+      the one of least estimated cost (`training.layout`), among those the objective can take (an
+      objective that reads prompt features takes rows only); the step compiles one program per
+      layout it meets. pack_strided must then be False.
+    layout_attention_weight: with pack_groups="auto", how much an attention FLOP costs next to a
+      weight-product FLOP (`layout.step_cost`). With 2.0 the estimate picks the layout that ran
+      fastest at each of the three shapes `experiments/benchmarks/packed_groups.py` timed on 2 CPU
+      cores (`packed_groups_*_shape.json`); so does any weight from 1 to 6 (`tests/test_layout.py`).
+      Not measured on a GPU.
     """
 
     optimizer: OptimizerConfig = OptimizerConfig()
@@ -160,12 +169,20 @@ class TrainerConfig:
     compute_dtype: str = "bfloat16"
     seed: int = 0
     aux_table_size: int = 0
-    pack_groups: bool = False
+    pack_groups: bool | Literal["auto"] = False
     pack_strided: bool = False
+    layout_attention_weight: float = 2.0
 
     def __post_init__(self) -> None:
+        if self.pack_groups not in (True, False, "auto"):
+            raise ValueError(f"pack_groups={self.pack_groups!r}; choose true, false or 'auto'")
+        if self.pack_strided and self.pack_groups == "auto":
+            raise ValueError("pack_groups='auto' chooses the strided layout itself per batch: "
+                             "leave pack_strided=false")
         if self.pack_strided and not self.pack_groups:
             raise ValueError("pack_strided lays out packed groups: set pack_groups=True too")
+        if self.layout_attention_weight <= 0:
+            raise ValueError(f"layout_attention_weight must be > 0, got {self.layout_attention_weight}")
         if self.temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
         if self.num_microbatches < 1:

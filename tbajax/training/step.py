@@ -38,6 +38,7 @@ from tbajax.objectives.base import Metrics, Ratio
 from tbajax.objectives.registry import resolve_objective
 from tbajax.sharding import LOGICAL_RULES, host_to_global, spans_processes
 from tbajax.training.collate import scored_windows
+from tbajax.training.layout import batch_layout
 from tbajax.training.config import TrainerConfig
 from tbajax.training.loss import sequence_logprobs  # noqa: F401  (re-exported: the old import path)
 from tbajax.training.microbatch import (  # noqa: F401  (local_group_ids, split_microbatches: re-exported)
@@ -244,7 +245,9 @@ def make_train_step(
     built with `init_train_state(..., aux=initial_aux(...))`. With `mesh`, the
     state is pinned to `state_sharding` (see `state_shardings`) in and out, the batch is split
     over the batch axes (its size must divide by data × fsdp), and outputs are replicated; the
-    mesh is put in context while tracing so the model's activation constraints apply.
+    mesh is put in context while tracing so the model's activation constraints apply. The step
+    takes a batch in any layout (rows, packed or strided groups: `training.layout`) and compiles
+    one program per layout and shape it meets.
 
     lora: the frozen base of a LoRA state (`init_lora_train_state`); it is passed to every call
     as an argument (never donated, never a compile-time constant).
@@ -260,26 +263,29 @@ def make_train_step(
         return lambda state, batch: jitted(state, batch, lora)
     if state_sharding is None:
         raise ValueError("make_train_step(mesh=...) needs state_sharding=state_shardings(state, mesh)")
-    in_shardings = (state_sharding, batch_shardings(mesh, packed=config.pack_groups, strided=config.pack_strided))
-    if lora is not None:
-        in_shardings += (state_shardings(lora, mesh),)
-    jitted = jax.jit(
-        fn,
-        in_shardings=in_shardings,
-        out_shardings=(state_sharding, NamedSharding(mesh, P())),
-        donate_argnums=0,
-        compiler_options=compiler_options,
-    )
     frozen = () if lora is None else (lora,)
-
+    frozen_shardings = () if lora is None else (state_shardings(lora, mesh),)
     global_batch = spans_processes(mesh)  # jit takes no host arrays for shardings across processes
-    in_batch = batch_shardings(mesh, packed=config.pack_groups, strided=config.pack_strided)
+    per_layout: dict[str, tuple[Callable[..., Any], Batch]] = {}  # jitted once per batch layout
+
+    def jitted_for(layout: str) -> tuple[Callable[..., Any], Batch]:
+        if layout not in per_layout:
+            in_batch = batch_shardings(mesh, packed=layout != "rows", strided=layout == "strided")
+            per_layout[layout] = (jax.jit(
+                fn,
+                in_shardings=(state_sharding, in_batch, *frozen_shardings),
+                out_shardings=(state_sharding, NamedSharding(mesh, P())),
+                donate_argnums=0,
+                compiler_options=compiler_options,
+            ), in_batch)
+        return per_layout[layout]
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, StepOutput]:
         if batch.packed is None and batch.scored is None:  # the same log-probs, and the batch
             # then has the structure that the shardings were declared for; widths rounded as
             # `collate`'s, so that varied batches compile a few programs
             batch = dataclasses.replace(batch, scored=scored_windows(np.asarray(batch.loss_mask)))
+        jitted, in_batch = jitted_for(batch_layout(batch))
         if global_batch:
             batch = host_to_global(batch, in_batch)
         with jax.set_mesh(mesh):

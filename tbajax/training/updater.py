@@ -24,7 +24,8 @@ from tbajax.models.lora import LoraConfig
 from tbajax.objectives.registry import resolve_objective
 from tbajax.sharding import LOGICAL_RULES
 from tbajax.training.config import TrainerConfig
-from tbajax.training.loss import scores_reference
+from tbajax.training.layout import batch_layout, configured_layouts
+from tbajax.training.loss import objective_inputs, scores_reference
 from tbajax.training.state import (
     LoraBase,
     TrainState,
@@ -99,6 +100,9 @@ class PolicyUpdater:
         self._pending: collections.deque[tuple[Any, int]] = collections.deque()
         self._next_update = int(jax.device_get(self.state.step)) + 1
         self.last_dispatch: tuple[float, Any] | None = None
+        # the batch layouts this trainer takes (`pack_groups`; "auto": any of them, chosen per batch)
+        self.layouts = configured_layouts(
+            config, prompt_features=objective_inputs(spec, objective_config).prompt_features)
         self._step = make_train_step(
             self.graphdef,
             config,
@@ -192,18 +196,13 @@ class PolicyUpdater:
         m = self.config.num_microbatches
         if n % m:
             raise ValueError(f"batch of {n} rows does not split into num_microbatches={m}")
-        if (batch.packed is not None) != self.config.pack_groups:
+        layout = batch_layout(batch)
+        if layout not in self.layouts:
             raise ValueError(
-                f"TrainerConfig.pack_groups={self.config.pack_groups} but the batch "
-                f"{'has' if batch.packed is not None else 'has no'} packed rows; build it with "
-                f"collate(pack_microbatches={m if self.config.pack_groups else None})"
-            )
-        strided = batch.packed is not None and batch.packed.prompt_real is not None
-        if batch.packed is not None and strided != self.config.pack_strided:
-            raise ValueError(
-                f"TrainerConfig.pack_strided={self.config.pack_strided} but the batch's groups are "
-                f"{'strided' if strided else 'packed back to back'}; build it with "
-                f"collate(..., pack_strided={self.config.pack_strided})"
+                f"the batch is in the {layout!r} layout but this trainer takes {' or '.join(self.layouts)} "
+                f"(TrainerConfig.pack_groups={self.config.pack_groups!r}, "
+                f"pack_strided={self.config.pack_strided}); build it with "
+                + " or ".join(f"collate({_COLLATE_ARGS[lay].format(m=m)})" for lay in self.layouts)
             )
         shards = self.batch_shards
         if batch.packed is not None and batch.packed.tokens.shape[0] % int(np.lcm(m, shards)):
@@ -225,6 +224,10 @@ class PolicyUpdater:
                     f"{rows[:10].tolist()}) are outside the aux table [0, {self._aux_size}); "
                     "set TrainerConfig.aux_table_size to the largest prompt id + 1"
                 )
+
+
+_COLLATE_ARGS = {"rows": "pack_microbatches=None", "packed": "pack_microbatches={m}",
+                 "strided": "pack_microbatches={m}, pack_strided=True"}
 
 
 def _hidden_size(model: nnx.Module) -> int | None:
