@@ -872,14 +872,17 @@ def test_packed_logprobs_equal_the_row_layout_over_causal_blocks(blocks_from, mo
                          ids=["one", "two-microbatches", "data-parallel"])
 def test_packed_step_equals_row_layout_step(num_microbatches, mesh_config):
     """The row layout, packed groups and strided groups: the same metrics and params after two
-    steps (one step program per layout). pack_groups="auto": one step function that takes a
-    strided batch, then a packed one (a program per layout, under the mesh each with its own
-    batch shardings)."""
+    steps (one step program per layout). Under the mesh also pack_groups="auto": one step function
+    that takes a strided batch, then a packed one (a program per layout, each with its own batch
+    shardings; without a mesh it is a plain jit, which the sync CLI run of `test_system.py`
+    takes with pack_groups=auto)."""
     base = dataclasses.replace(ACCUM_CONFIG, num_microbatches=num_microbatches)
     results = []
     m = num_microbatches
-    for pack, layouts in ((False, [(None, False)] * 2), (True, [(m, False)] * 2), (True, [(m, True)] * 2),
-                          ("auto", [(m, True), (m, False)])):
+    arms = [(False, [(None, False)] * 2), (True, [(m, False)] * 2), (True, [(m, True)] * 2)]
+    if mesh_config is not None:
+        arms.append(("auto", [(m, True), (m, False)]))
+    for pack, layouts in arms:
         config = dataclasses.replace(base, pack_groups=pack, pack_strided=pack is True and layouts[0][1])
         mesh, step = compiled_step(config, mesh_config)
         _, state = init_train_state(fresh_model(), config, mesh)

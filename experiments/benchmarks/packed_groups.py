@@ -100,7 +100,8 @@ def run(checkpoint: str, groups: int, k: int, prompt: int, response: int, repeat
     from tbajax.training.layout import layout_work, step_cost
 
     weight = base.layout_attention_weight  # pack_groups="auto"'s default
-    costs = {layout: step_cost(layout_work(arm["batch"]), model.config, weight) for layout, arm in arms.items()}
+    costs = {layout: step_cost(layout_work(arm["batch"]), model.config, weight)
+             for layout, arm in arms.items()}
     results = []
     for layout, arm in arms.items():
         batch = arm["batch"]
