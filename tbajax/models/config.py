@@ -144,12 +144,17 @@ class ModelConfig:
         """Dims of each head that RoPE rotates (all of them except for partial-rotary GPT-NeoX)."""
         return int(self.head_dim * self.rotary_pct)
 
+    def params_per_layer(self) -> int:
+        """Parameters of one decoder layer (2x this: its weight FLOPs per token)."""
+        from tbajax.models.families import family_for
+
+        return sum(math.prod(s.shape) for s in family_for(self.model_type).layer_params(self).values())
+
     def num_params(self) -> int:
         from tbajax.models.families import family_for
 
-        family = family_for(self.model_type)
-        top = sum(math.prod(s.shape) for s in family.top_params(self).values())
-        layer = sum(math.prod(s.shape) for s in family.layer_params(self).values())
+        top = sum(math.prod(s.shape) for s in family_for(self.model_type).top_params(self).values())
+        layer = self.params_per_layer()
         if self.num_labels is not None:
             head = self.hidden_size * self.num_labels
         else:

@@ -30,7 +30,6 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tbajax.models import CausalLM, ModelConfig
-from tbajax.models.families import family_for
 from tbajax.models.serving import ServingParams, stacked_params
 from tbajax.packing import PromptGroupRows, group_by_prompt, pack_prompt_groups, predicting_slots
 from tbajax.sampling import core
@@ -100,7 +99,7 @@ def packing_is_cheaper(cfg: ModelConfig, prompt: int, response: int, k: int) -> 
     the layer's weights twice; per (query, key) pair: 4 x heads x head_dim, where rows skip the
     half above the diagonal and a packed row computes it masked. A packed row is P + K*R tokens
     long, so it wins for short responses (the prompt is the bulk) and loses for long ones."""
-    weights = 2 * sum(math.prod(s.shape) for s in family_for(cfg.model_type).layer_params(cfg).values())
+    weights = 2 * cfg.params_per_layer()
     pair = 4 * cfg.num_heads * cfg.head_dim
     row, packed = prompt + response, prompt + k * response
     return packed * weights + pair * packed**2 < k * (row * weights + pair * row**2 / 2)

@@ -23,7 +23,6 @@ from typing import Literal
 from tbajax.batch import Batch
 from tbajax.models import decoder
 from tbajax.models.config import ModelConfig
-from tbajax.models.families import family_for
 from tbajax.models.layers import causal_blocks
 from tbajax.training.config import TrainerConfig
 
@@ -101,7 +100,7 @@ def step_cost(work: LayoutWork, cfg: ModelConfig, attention_weight: float) -> fl
     the vocabulary projection per scored slot. The weight stands for attention's lower rate: its
     many small products run far below the weight products' (`TrainerConfig.layout_attention_weight`).
     The backward and the reference forward scale every term about alike, so the forward decides."""
-    layer = 2 * sum(_numel(s.shape) for s in family_for(cfg.model_type).layer_params(cfg).values())
+    layer = 2 * cfg.params_per_layer()
     pair = 4 * cfg.num_heads * cfg.head_dim
     head = 2 * cfg.hidden_size * cfg.vocab_size
     return (cfg.num_layers * (work.slots * layer + attention_weight * work.pairs * pair)
@@ -115,9 +114,3 @@ def cheapest(batches: Sequence[Batch], cfg: ModelConfig, attention_weight: float
     costs = [step_cost(layout_work(b), cfg, attention_weight) for b in batches]
     return batches[costs.index(min(costs))]
 
-
-def _numel(shape: tuple[int, ...]) -> int:
-    out = 1
-    for s in shape:
-        out *= int(s)
-    return out
