@@ -36,6 +36,9 @@ class ModelSpec:
     scan_layers: the trainer's forward and backward apply the layers as one scan (`true`: compile
       time flat in depth) or unrolled (`false`: faster for a few layers, much longer to compile
       for deep models); "auto" unrolls up to `models.config.UNROLLED_MAX_LAYERS` (8) layers.
+    attention: the attention of training, scoring and prompt passes: "xla" (tbajax's own, every
+      platform and dtype) or "cudnn" (cuDNN's fused flash attention: NVIDIA GPUs, dtype bfloat16 or
+      float16; not yet run on a GPU by these sessions, see the README's status).
     """
 
     checkpoint: str = ""
@@ -44,6 +47,7 @@ class ModelSpec:
     dtype: str = "float32"
     remat: Literal["none", "full", "dots"] = "none"
     scan_layers: bool | Literal["auto"] = "auto"
+    attention: Literal["xla", "cudnn"] = "xla"
     lora: LoraConfig | None = None
 
 
@@ -339,6 +343,13 @@ class ExperimentConfig:
                 "system.publish='adapters' publishes LoRA adapters, but model.lora is null (full "
                 "fine-tuning): set model.lora (e.g. model.lora.rank=8) or system.publish=auto"
             )
+        if self.model.attention == "cudnn":
+            for key, dtype in (("model.dtype", self.model.dtype),
+                               ("train.trainer.compute_dtype", self.train.trainer.compute_dtype)):
+                if dtype not in ("bfloat16", "float16"):
+                    raise ConfigError(
+                        f"model.attention=cudnn computes in bfloat16 or float16, and {key}={dtype}: set "
+                        f"{key}=bfloat16 (on an NVIDIA GPU) or keep model.attention=xla")
         self._check_ranges()
         r = self.rollout
         if r.engine == "continuous" and r.decode_slots < r.sampling.num_samples:

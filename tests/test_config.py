@@ -45,6 +45,11 @@ def test_overrides_are_typed():
     assert out.task.options == {"digits": 2}
     assert out.train.trainer.optimizer.max_grad_norm is None
     assert out.model.remat == "none"
+    bf16 = ["model.dtype=bfloat16", "train.trainer.compute_dtype=bfloat16"]
+    cudnn = apply_overrides(cfg, [*bf16, "model.attention=cudnn"]).model
+    assert (cudnn.attention, cfg.model.attention) == ("cudnn", "xla")
+    with pytest.raises(ConfigError, match="train.trainer.compute_dtype=float32"):
+        apply_overrides(cfg, ["model.dtype=bfloat16", "model.attention=cudnn"])
 
 
 @pytest.mark.parametrize(
@@ -60,6 +65,8 @@ def test_overrides_are_typed():
         ("rollout.first_decode_phase=-1", r"first_decode_phase=-1 must be >= 0"),
         # trainer waits for unused recent groups, searchers wait for params: refused up front
         ("system.sync_every=32", r"wants ~486 recent groups.*searchers make at most 32"),
+        ("model.attention=flash", r"choose one of \['xla', 'cudnn'\]"),
+        ("model.attention=cudnn", r"attention=cudnn computes in bfloat16 or float16, and model.dtype=float32"),
     ],
 )
 def test_bad_overrides_are_clear_errors(override, message):

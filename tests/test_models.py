@@ -5,6 +5,7 @@ import functools
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -747,3 +748,55 @@ def test_attention_and_its_vjp_match_a_plain_softmax(dtype, t, budget, monkeypat
             np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(w_, np.float32), atol=tol * 10,
                                        rtol=tol, err_msg=f"{name}: d{what}")
         assert not np.asarray(got[0][2, 1]).any(), name  # the blind query gets no gradient
+
+
+def test_attention_loops_over_rows_on_cpu_only(monkeypatch):
+    """The attention loop takes a CPU's cache-sized steps on CPU and, where the budgets differ, the
+    accelerator's larger steps elsewhere (`platform_dependent`, resolved while compiling). Here one
+    row a step on CPU against all rows in one step: the CPU program keeps its loop, and the forward
+    and VJP of the platform-dependent attention equal the one-step attention, run on CPU (the steps
+    a GPU takes)."""
+    from tbajax.models import layers
+    from tbajax.models.layers import attention
+
+    r = np.random.default_rng(4)
+    b, h, kv, d, t = 4, 4, 2, 8, 64
+    q = jnp.asarray(r.normal(size=(b, t, h, d)), jnp.float32)
+    k, v = (jnp.asarray(r.normal(size=(b, kv, t, d)), jnp.float32) for _ in range(2))
+    real = np.arange(t)[None, :] < np.array([t, 50, 33, 1])[:, None]
+    mask = jnp.asarray(np.tril(np.ones((t, t), bool))[None] & real[:, None, :])
+    weights = jnp.asarray(r.normal(size=(b, t, h, d)), jnp.float32) * real[:, :, None, None]
+
+    def run(budget: int) -> tuple[Any, ...]:
+        monkeypatch.setattr(layers, "ROW_SCORES_BUDGET", budget)
+        f = lambda q, k, v: attention(q, k, v, mask, causal=True)  # noqa: E731
+        grads = jax.jit(jax.grad(lambda q, k, v: (f(q, k, v) * weights).sum(), argnums=(0, 1, 2)))
+        loops = grads.lower(q, k, v).compile().as_text().count(" while(")
+        return jax.jit(f)(q, k, v), grads(q, k, v), loops
+
+    row_bytes = kv * (h // kv) * t * t * 4
+    assert layers.rows_per_step(b, row_bytes, 0) == 1
+    assert layers.rows_per_step(b, row_bytes, layers.ACCELERATOR_ROW_SCORES_BUDGET) == b
+    out_cpu, grads_cpu, loops_cpu = run(0)
+    out_one, grads_one, loops_one = run(layers.ACCELERATOR_ROW_SCORES_BUDGET)
+    assert loops_cpu == 2 and loops_one == 0, (loops_cpu, loops_one)  # forward and VJP loops; none
+    np.testing.assert_allclose(np.asarray(out_cpu), np.asarray(out_one), atol=1e-5)
+    for a, w, what in zip(grads_cpu, grads_one, "qkv"):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(w), atol=1e-4, err_msg=f"d{what}")
+
+
+def test_cudnn_attention_asks_for_a_gpu_and_bf16(tiny_checkpoint):
+    """model.attention=cudnn: refused with fp32 compute (config time), and where cuDNN cannot run
+    (this CPU) the forward fails while tracing with what to set instead. Its values against
+    tbajax's own attention are checked on a GPU (`tests/test_gpu_attention.py`)."""
+    from tbajax.models import load_model
+
+    tiny_llama_dir = tiny_checkpoint("llama")
+    with pytest.raises(ValueError, match="attention='cudnn' computes in bfloat16"):
+        load_model(tiny_llama_dir, attention="cudnn")
+    with pytest.raises(ValueError, match="choose one of"):
+        load_model(tiny_llama_dir, attention="flash")
+    model = load_model(tiny_llama_dir, dtype="bfloat16", attention="cudnn")
+    tokens = jnp.ones((2, 8), jnp.int32)
+    with pytest.raises(RuntimeError, match="model.attention=xla"):
+        jax.jit(lambda t: model(t)[0])(tokens)

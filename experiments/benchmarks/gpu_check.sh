@@ -4,18 +4,22 @@
 #
 #     bash experiments/benchmarks/gpu_check.sh [OUT_DIR]     # default: $OUT, else /tmp/gpu_check
 #
-# Under ~9 minutes in all (each step has its own time limit and the script goes on when one fails):
+# Under ~9.5 minutes in all (each step has its own time limit and the script goes on when one fails):
 #   1. versions and devices (jax, flax, the GPU);
 #   2. the model and sampler tests that need no 8-device mesh, on the GPU (JAX_PLATFORMS=cuda):
-#      the families against torch transformers, the sampler against the training forward. Their
-#      tolerances were set on CPU; fp32 matmuls on a GPU may run in TF32, so a failure here says
-#      where the GPU differs, not necessarily a bug;
-#   3. `sampler.py` in bf16 for SmolLM2-135M and a 0.5B Qwen2.5-shaped model (random weights, no
+#      the families against torch transformers, the sampler against the training forward, and
+#      `model.attention=cudnn` against tbajax's own attention (tests/test_gpu_attention.py, the
+#      only place that path runs). Their tolerances were set on CPU; fp32 matmuls on a GPU may
+#      run in TF32, so a failure here says where the GPU differs, not necessarily a bug;
+#   3. `attention_implementations.py`: the trainer's attention in bf16 with the CPU's loop steps,
+#      the accelerator's, jax.nn's materialised XLA attention and cuDNN's;
+#   4. `sampler.py` in bf16 for SmolLM2-135M and a 0.5B Qwen2.5-shaped model (random weights, no
 #      torch side) at batch 64 and 256: decode tok/s and the share of the memory bandwidth
 #      measured in the same run;
-#   4. `continuous_shared_prompt.py --quick`: the prompt pool against copied prompts.
-# Figures land in OUT_DIR as JSON (sampler_gpu_bf16.json, continuous_shared_prompt_gpu.json) with
-# the logs; copy them to experiments/results/benchmarks/ and cite them to use them.
+#   5. `continuous_shared_prompt.py --quick`: the prompt pool against copied prompts.
+# Figures land in OUT_DIR as JSON (attention_implementations_gpu.json, sampler_gpu_bf16.json,
+# continuous_shared_prompt_gpu.json) with the logs; copy them to experiments/results/benchmarks/
+# and cite them to use them.
 set -uo pipefail
 out=${1:-${OUT:-/tmp/gpu_check}}
 mkdir -p "$out"
@@ -33,10 +37,13 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to OUT_DIR/
 }
 step versions 60 "$py" -c "import sys, jax, flax; print(sys.version); print('jax', jax.__version__, 'flax', \
 flax.__version__); print(jax.devices()); import jax.numpy as jnp; print(float(jnp.ones(4).sum()))"
-step gpu_tests 200 env JAX_PLATFORMS=cuda XLA_FLAGS= "$py" -m pytest -q --maxfail=5 -p no:cacheprovider \
-  tests/test_model_families.py tests/test_sampler.py -k "not sharded and not mesh and not devices"
-step sampler_gpu 240 "$py" experiments/benchmarks/sampler.py --models smollm2-135M 0.5B --batch 64 256 \
+step gpu_tests 170 env JAX_PLATFORMS=cuda XLA_FLAGS= "$py" -m pytest -q --maxfail=5 -p no:cacheprovider \
+  tests/test_gpu_attention.py tests/test_model_families.py tests/test_sampler.py \
+  -k "not sharded and not mesh and not devices"
+step attention_gpu 80 "$py" experiments/benchmarks/attention_implementations.py \
+  --json "$out/attention_implementations_gpu.json"
+step sampler_gpu 200 "$py" experiments/benchmarks/sampler.py --models smollm2-135M 0.5B --batch 64 256 \
   --dtype bfloat16 --no-torch --json "$out/sampler_gpu_bf16.json"
-step continuous_shared_prompt_gpu 90 "$py" experiments/benchmarks/continuous_shared_prompt.py --quick \
+step continuous_shared_prompt_gpu 60 "$py" experiments/benchmarks/continuous_shared_prompt.py --quick \
   --json "$out/continuous_shared_prompt_gpu.json"
 ls -la "$out"

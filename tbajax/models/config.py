@@ -18,6 +18,7 @@ import numpy as np
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gpt_neox", "gpt2")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn")
 
 
 class UnsupportedModelError(ValueError):
@@ -52,7 +53,7 @@ def scan_layers_for(choice: bool | str, num_layers: int) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Architecture (from the checkpoint) plus runtime choices (dtypes, remat, scan_layers)."""
+    """Architecture (from the checkpoint) plus runtime choices (dtypes, remat, scan_layers, attention)."""
 
     model_type: Literal["llama", "qwen2", "qwen3", "gpt_neox", "gpt2"]
     vocab_size: int
@@ -90,6 +91,11 @@ class ModelConfig:
     # in the backward, which XLA CPU pays for; compile time grows with depth). `from_hf` (and so
     # `load_model`) also takes "auto": `scan_layers_for`.
     scan_layers: bool = True
+    # Attention of the passes without a cache to read (training, scoring, prompt passes): "xla",
+    # tbajax's own (`layers.attention`, any platform and dtype), or "cudnn", cuDNN's fused flash
+    # attention (`layers.cudnn_attention`: NVIDIA GPUs, bf16/fp16 compute). Decode steps always
+    # take tbajax's own attention over the cache.
+    attention: Literal["xla", "cudnn"] = "xla"
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -106,6 +112,11 @@ class ModelConfig:
         if not isinstance(self.scan_layers, bool):
             raise ValueError(f"scan_layers={self.scan_layers!r}; a ModelConfig takes True or False "
                              "('auto' is resolved by ModelConfig.from_hf / load_model)")
+        if self.attention not in ATTENTION_IMPLEMENTATIONS:
+            raise ValueError(f"attention={self.attention!r}; choose one of {ATTENTION_IMPLEMENTATIONS}")
+        if self.attention == "cudnn" and self.dtype not in ("bfloat16", "float16"):
+            raise ValueError(f"attention='cudnn' computes in bfloat16 or float16, and dtype={self.dtype!r}: "
+                             "set dtype=bfloat16 (model.dtype) or keep attention='xla'")
         if self.remat not in ("none", "full", "dots"):
             raise ValueError(f"remat={self.remat!r}; choose 'none', 'full' or 'dots'")
         if self.hidden_act not in ("silu", "gelu", "gelu_new"):
@@ -165,7 +176,8 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], **runtime: Any) -> "ModelConfig":
-        """Build from a `config.json` dict; `runtime` sets param_dtype / dtype / remat / scan_layers.
+        """Build from a `config.json` dict; `runtime` sets param_dtype / dtype / remat / scan_layers /
+        attention.
 
         The family of `model_type` parses (and validates) the architecture; a
         `*ForSequenceClassification` checkpoint also sets `num_labels` (a score head, no LM head).

@@ -91,7 +91,7 @@ def load_model(
 ) -> CausalLM:
     """Load an HF causal-LM checkpoint (dir or hub id) straight into its sharding on `mesh`.
 
-    runtime: param_dtype / dtype / remat, passed to `ModelConfig.from_hf`.
+    runtime: param_dtype / dtype / remat / scan_layers / attention, passed to `ModelConfig.from_hf`.
     """
     directory = resolve_checkpoint(source)
     cfg = config or ModelConfig.from_hf(json.loads((directory / "config.json").read_text()), **runtime)

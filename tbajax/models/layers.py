@@ -394,20 +394,29 @@ EMIT_KV = EmitKV()
 
 @scoped(S.ATTENTION)
 def self_attention(
-    q: Array, k: Array, v: Array, mask: Array | CausalMask, cache: LayerCache | EmitKV | None, dtype: Any
+    q: Array, k: Array, v: Array, mask: Array | CausalMask, cache: LayerCache | EmitKV | None, dtype: Any,
+    implementation: str = "xla",
 ) -> tuple[Array, tuple[Array, Array] | None]:
     """Attention of this step's queries q [b,t,h,d] over its keys/values [b,t,kv,d], or, with a
     layer cache, over the whole cache after writing this step's keys/values into it at the write
     slot. Returns ([b,t,h,d], the updated (keys, values) buffers, or with EMIT_KV this step's own
-    keys d-major [b,kv,d,t] and values [b,kv,t,d], or None)."""
+    keys d-major [b,kv,d,t] and values [b,kv,t,d], or None).
+
+    implementation (`ModelConfig.attention`): "xla", our own attention; "cudnn", cuDNN's fused
+    attention (`cudnn_attention`) for the passes without a cache to read (training, scoring,
+    prompt passes). Decode steps over a cache always take ours."""
     if isinstance(mask, StridedGroups):
         if cache is not None:
             raise TypeError("strided prompt groups are scored without a KV cache")
-        return strided_group_attention(q, k, v, mask), None
+        return strided_group_attention(q, k, v, mask, implementation), None
     if cache is None or isinstance(cache, EmitKV):
         causal = isinstance(mask, CausalMask)
+        dense = mask.mask if causal else mask
+        if implementation == "cudnn":
+            out = cudnn_attention(q, k, v, dense, causal)
+            return out, None if cache is None else (k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3))
         keys, values = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-        out = attention(q, keys, values, mask.mask if causal else mask, causal=causal)
+        out = attention(q, keys, values, dense, causal=causal)
         return out, None if cache is None else (k.transpose(0, 2, 3, 1), values)
     if isinstance(mask, CausalMask):
         raise TypeError("a KV-cache step takes its mask over cache slots, not a CausalMask")
@@ -433,7 +442,25 @@ def attention(q: Array, k: Array, v: Array, mask: Array, causal: bool = False) -
     return _attend_rows(_group_queries(q, k.shape[1]), k, v, mask, keys_d_major=False, blocks=blocks)
 
 
-def strided_group_attention(q: Array, k: Array, v: Array, mask: StridedGroups) -> Array:
+def cudnn_attention(q: Array, k: Array, v: Array, mask: Array, causal: bool) -> Array:
+    """cuDNN's fused (flash) attention, `ModelConfig.attention="cudnn"`: q [b,t,h,d], keys and
+    values [b,s,kv,d], mask [b,t,s] -> [b,t,h,d]. The mask goes in as an additive bias, so every
+    layout (rows, packed or strided groups) keeps its exact mask; `causal` (which the mask already
+    holds) also lets cuDNN skip the blocks above the diagonal where t == s (its causal mask is
+    aligned top-left). cuDNN needs an NVIDIA GPU and bf16/fp16 inputs; where it cannot run, this
+    fails while tracing, with cuDNN's reason and what to set instead."""
+    try:
+        return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None],
+                                            is_causal=causal and q.shape[1] == k.shape[1], implementation="cudnn")
+    except (RuntimeError, ValueError, NotImplementedError) as e:
+        raise RuntimeError(
+            f"model.attention=cudnn cannot run here ({type(e).__name__}: {e}). cuDNN's fused attention "
+            "needs an NVIDIA GPU with cuDNN and model.dtype bfloat16 or float16; set model.attention=xla "
+            "to use tbajax's own attention") from e
+
+
+def strided_group_attention(q: Array, k: Array, v: Array, mask: StridedGroups, implementation: str = "xla"
+                            ) -> Array:
     """Attention of rows laid out as `StridedGroups`: q [b, P + K R, h, d], k and v
     [b, P + K R, kv, d] -> [b, P + K R, h, d]. The prompt part is causal attention over its own
     keys; the K responses become K rows of R queries over the prompt's keys (repeated per
@@ -446,8 +473,10 @@ def strided_group_attention(q: Array, k: Array, v: Array, mask: StridedGroups) -
     if t != p + n * r:
         raise ValueError(f"a strided group row of {t} slots is not a prompt of {p} + {n} x {r}")
 
-    def heads_major(x: Array) -> Array:  # [rows, s, kv, d] -> [rows, kv, s, d]
-        return x.transpose(0, 2, 1, 3)
+    def attend(q: Array, k: Array, v: Array, sees: Array) -> Array:  # k, v [rows, s, kv, d]
+        if implementation == "cudnn":
+            return cudnn_attention(q, k, v, sees, causal=True)
+        return attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), sees, causal=True)
 
     def responses(x: Array) -> Array:  # [b, P + K R, ...] -> [b K, R, ...]
         return x[:, p:].reshape(b * n, r, *x.shape[2:])
@@ -457,7 +486,7 @@ def strided_group_attention(q: Array, k: Array, v: Array, mask: StridedGroups) -
 
     slots = jnp.arange(p)
     prompt_sees = (slots[None, :] <= slots[:, None])[None] & mask.prompt[:, None, :]  # [b, P, P]
-    out_p = attention(q[:, :p], heads_major(k[:, :p]), heads_major(v[:, :p]), prompt_sees, causal=True)
+    out_p = attend(q[:, :p], k[:, :p], v[:, :p], prompt_sees)
     own = jnp.arange(r)
     seen = jnp.concatenate([
         jnp.broadcast_to(per_response(mask.prompt)[:, None, :], (b * n, r, p)),
@@ -465,7 +494,7 @@ def strided_group_attention(q: Array, k: Array, v: Array, mask: StridedGroups) -
     ], axis=-1)  # [b K, R, P + R]
     keys = jnp.concatenate([per_response(k[:, :p]), responses(k)], axis=1)
     values = jnp.concatenate([per_response(v[:, :p]), responses(v)], axis=1)
-    out_r = attention(responses(q), heads_major(keys), heads_major(values), seen, causal=True)
+    out_r = attend(responses(q), keys, values, seen)
     return jnp.concatenate([out_p, out_r.reshape(b, n * r, h, d)], axis=1)
 
 
@@ -612,26 +641,40 @@ def _attend_rows(q: Array, k: Array, v: Array, mask: Array, keys_d_major: bool, 
     """Scaled, masked softmax attention of grouped queries q [b,kv,g*t,d] over k ([b,kv,s,d], or
     d-major [b,kv,d,s]) and v [b,kv,s,d], mask [b,t,s] -> [b,t,g*kv,d].
 
-    A loop over batch rows (`_looped_attention`), `rows_per_step` of them a step. Under a mesh
+    A loop over batch rows (`_looped_attention`), `rows_per_step` of them a step (a step's scores
+    within ROW_SCORES_BUDGET on CPU, ACCELERATOR_ROW_SCORES_BUDGET elsewhere). Under a mesh
     the loop runs over rows *within* a batch shard, so every device keeps its own rows (a loop
     over a sharded axis would gather the batch onto every device).
     """
     b, kv, gt, d = q.shape
     t, s = mask.shape[1], mask.shape[2]
     shards = batch_shards(b)
-    rows = rows_per_step(b // shards, kv * gt * s * 4)
-    steps = b // (shards * rows)
+    on_cpu = rows_per_step(b // shards, kv * gt * s * 4)
+    on_accelerator = rows_per_step(b // shards, kv * gt * s * 4, ACCELERATOR_ROW_SCORES_BUDGET)
 
-    def loop_major(x: Array) -> Array:  # [b, ...] -> [steps, shards * rows, ...], shard-major rows
-        x = x.reshape(shards, steps, rows, *x.shape[1:]).swapaxes(0, 1)
-        return x.reshape(steps, shards * rows, *x.shape[3:])
+    def looped(rows: int, q: Array, k: Array, v: Array, mask: Array) -> Array:
+        steps = b // (shards * rows)
 
-    out = _looped_attention(keys_d_major, blocks, *(loop_major(x) for x in (q, k, v, mask)))
-    out = out.reshape(steps, shards, rows, *out.shape[2:]).swapaxes(0, 1).reshape(b, kv, gt // t, t, d)
-    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, gt * kv // t, d)
+        def loop_major(x: Array) -> Array:  # [b, ...] -> [steps, shards * rows, ...], shard-major rows
+            x = x.reshape(shards, steps, rows, *x.shape[1:]).swapaxes(0, 1)
+            return x.reshape(steps, shards * rows, *x.shape[3:])
+
+        out = _looped_attention(keys_d_major, blocks, *(loop_major(x) for x in (q, k, v, mask)))
+        out = out.reshape(steps, shards, rows, *out.shape[2:]).swapaxes(0, 1).reshape(b, kv, gt // t, t, d)
+        return out.transpose(0, 3, 1, 2, 4).reshape(b, t, gt * kv // t, d)
+
+    if on_cpu == on_accelerator:
+        return looped(on_cpu, q, k, v, mask)
+    return jax.lax.platform_dependent(q, k, v, mask, cpu=functools.partial(looped, on_cpu),
+                                      default=functools.partial(looped, on_accelerator))
 
 
+# A loop step's scores: within the caches of a CPU core, and on an accelerator (GPU, TPU) within a
+# share of its memory: there every loop step is a sequence of kernel launches and a loop test, so
+# the fewer steps the better (the whole batch in one where it fits). The accelerator's figure was
+# chosen, not measured (no GPU was lent to these sessions).
 ROW_SCORES_BUDGET = 8 << 20
+ACCELERATOR_ROW_SCORES_BUDGET = 1 << 30
 
 
 def rows_per_step(rows: int, row_score_bytes: int, budget: int | None = None) -> int:
@@ -639,7 +682,8 @@ def rows_per_step(rows: int, row_score_bytes: int, budget: int | None = None) ->
     fp32 scores fit in `budget` (no loop is left: the small ops of a one-row step leave the
     second CPU core mostly idle), else the largest divisor of `rows` within half the budget (a
     step's scores still stay in cache), at least 1. `experiments/benchmarks/attention.py`
-    compares it with one row a step. budget None: ROW_SCORES_BUDGET, read at trace time.
+    compares it with one row a step. budget None: ROW_SCORES_BUDGET, read at trace time (the
+    CPU's; `_attend_rows` takes ACCELERATOR_ROW_SCORES_BUDGET on other platforms).
     """
     budget = ROW_SCORES_BUDGET if budget is None else budget
     if rows * row_score_bytes <= budget:

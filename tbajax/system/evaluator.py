@@ -133,7 +133,7 @@ def run_evaluator(run_dir: Path, store_url: str | None = None) -> None:
     stop = rundir.StopFlag(run_dir)
     mesh = make_mesh(config.system.searcher_mesh)
     model = load_model(config.model.checkpoint, mesh=mesh, param_dtype=config.model.param_dtype,
-                       dtype=config.model.dtype)
+                       dtype=config.model.dtype, attention=config.model.attention)
     initial = nnx.state(model, nnx.Param)
     reward_pool = make_reward_pool(config)
     evaluator = Evaluator(config, model, mesh, reward_pool)

@@ -373,7 +373,8 @@ def build_rollouts(
 
     if model is None:
         model = load_model(
-            config.model.checkpoint, mesh=mesh, param_dtype=config.model.param_dtype, dtype=config.model.dtype
+            config.model.checkpoint, mesh=mesh, param_dtype=config.model.param_dtype,
+            dtype=config.model.dtype, attention=config.model.attention,
         )
     return Rollouts(
         config, model, load_tokenizer_for(config), load_task(config),

@@ -186,7 +186,7 @@ def block(
     qkv = qkv + (L.own_kernel(w["qkv_bias"]) if cache is None else w["qkv_bias"])  # see gpt_neox
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     q = constrain(q, ("batch", "length", "act_heads", None))
-    o, new_cache = L.self_attention(q, k, v, mask, cache, dt)
+    o, new_cache = L.self_attention(q, k, v, mask, cache, dt, cfg.attention)
     o = L.decode_matrix_product(o, w, "o_proj", in_axes=2) + w["o_bias"]
     x = x + o
     h = L.layer_norm(x, w["post_attention_norm"], w["post_attention_norm_bias"], cfg.layer_norm_eps)

@@ -188,7 +188,7 @@ def block(
     q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
     q, k = L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin)
     q = constrain(q, ("batch", "length", "act_heads", None))
-    o, new_cache = L.self_attention(q, k, v, mask, cache, dt)
+    o, new_cache = L.self_attention(q, k, v, mask, cache, dt, cfg.attention)
     o = L.decode_matrix_product(o, w, "o_proj", in_axes=2)
     if cfg.qkv_bias:
         o = o + w["o_bias"]

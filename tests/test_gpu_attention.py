@@ -1,0 +1,86 @@
+"""cuDNN's fused attention (`model.attention=cudnn`) against tbajax's own, on an NVIDIA GPU: the
+log-probs and gradients of the trainer's three batch layouts, and a left-padded forward (the
+searchers' prompt pass). Skipped elsewhere; `experiments/benchmarks/gpu_check.sh` runs it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from tbajax.models import CausalLM, ModelConfig
+from tbajax.training.collate import collate
+from tbajax.training.loss import sequence_logprobs
+from tbajax.trajectory import Trajectory
+
+pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN attention needs an NVIDIA GPU")
+
+# head_dim 64 and bf16 compute: a shape and dtype cuDNN's fused attention takes
+CONFIG = ModelConfig(model_type="llama", vocab_size=128, hidden_size=256, intermediate_size=512, num_layers=2,
+                     num_heads=4, num_kv_heads=2, head_dim=64, dtype="bfloat16")
+
+
+def _parts(attention: str) -> tuple[nnx.GraphDef, nnx.State]:
+    cfg = dataclasses.replace(CONFIG, attention=attention)
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0))))
+    rng = np.random.default_rng(0)
+
+    def init(path, x):
+        w = (rng.standard_normal(x.shape) * 0.05).astype(np.float32)
+        return 1.0 + w if "norm" in jax.tree_util.keystr(path) else w
+
+    return graphdef, jax.tree_util.tree_map_with_path(init, abstract)
+
+
+def _groups() -> list[list[Trajectory]]:
+    r = np.random.default_rng(1)
+    groups = []
+    for g, (prompt_len, lengths) in enumerate([(24, (70, 12, 40)), (37, (5, 64, 33))]):
+        prompt = r.integers(3, CONFIG.vocab_size, prompt_len).astype(np.int32)
+        groups.append([Trajectory(g, g, prompt, r.integers(3, CONFIG.vocab_size, n).astype(np.int32),
+                                  np.zeros(n, np.float32), float(r.random())) for n in lengths])
+    return groups
+
+
+@pytest.mark.parametrize("layout", ["rows", "packed", "strided"])
+def test_cudnn_attention_scores_like_ours(layout):
+    batch = collate(_groups(), beta=0.5, pack_microbatches=None if layout == "rows" else 1,
+                    pack_strided=layout == "strided")
+    ours, params = _parts("xla")
+    cudnn, _ = _parts("cudnn")
+    weights = jnp.asarray(np.random.default_rng(2).normal(size=batch.loss_mask.shape), jnp.float32)
+
+    def run(graphdef):
+        def loss(p, b):  # the batch as an argument: device arrays, as the trainer passes it
+            lp = sequence_logprobs(graphdef, p, b, 1.0)
+            return (jnp.where(b.loss_mask, lp, 0.0) * weights).sum(), lp
+        return jax.jit(jax.value_and_grad(loss, has_aux=True))(params, batch)
+
+    (_, want), want_grads = run(ours)
+    (_, got), got_grads = run(cudnn)
+    mask = np.asarray(batch.loss_mask)
+    np.testing.assert_allclose(np.where(mask, np.asarray(got), 0), np.where(mask, np.asarray(want), 0),
+                               atol=0.1, rtol=0.02)
+    for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got_grads), jax.tree.leaves(want_grads)):
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        err = np.linalg.norm(g - w) / max(np.linalg.norm(w), 1e-6)
+        assert err < 0.05, (jax.tree_util.keystr(path), err)
+
+
+def test_cudnn_attention_forward_over_left_padding():
+    ours, params = _parts("xla")
+    cudnn, _ = _parts("cudnn")
+    r = np.random.default_rng(3)
+    tokens = jnp.asarray(r.integers(3, CONFIG.vocab_size, (4, 96)), jnp.int32)
+    real = jnp.asarray(np.arange(96)[None, :] >= np.array([0, 5, 31, 64])[:, None])
+
+    def logits(graphdef):
+        return jax.jit(lambda p: nnx.merge(graphdef, p)(tokens, attention_mask=real)[0])(params)
+
+    want, got = np.asarray(logits(ours)), np.asarray(logits(cudnn))
+    keep = np.asarray(real)[..., None]
+    np.testing.assert_allclose(np.where(keep, got, 0), np.where(keep, want, 0), atol=0.1, rtol=0.02)
