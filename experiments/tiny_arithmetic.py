@@ -52,6 +52,11 @@ def config() -> ExperimentConfig:
                 param_dtype="float32",
                 compute_dtype="float32",
                 compute_reference_logprobs=False,
+                # each group's K rows share a 9-token prompt and answer in <= 6 tokens: packed
+                # (prompt once per group) is the cheapest layout, and auto keeps choosing per batch
+                # if the task's lengths change (`packed_groups_tiny_arithmetic.json`: the TB step
+                # 1.70x faster packed than in rows at this shape)
+                pack_groups="auto",
             ),
             checkpoint_every=100,
             length_bucket=16,

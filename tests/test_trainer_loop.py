@@ -113,11 +113,13 @@ def test_pipeline_switch_is_a_checked_bool():
 
 
 def _rows(first_group: int, groups: int, *, seed: int, version: int, huge_reward_group: int | None = None) -> list[Trajectory]:
-    """K rows per group, prompts 0..5 repeating, versions as given (finite, valid rows)."""
+    """K rows per group, prompts 0..5 repeating (a prompt id's tokens the same wherever it comes:
+    the buffer may draw a group's K rows from several generation groups, and the experiment packs
+    each group's prompt once), versions as given (finite, valid rows)."""
     r = np.random.default_rng(seed)
     out = []
     for g in range(first_group, first_group + groups):
-        prompt = r.integers(3, VOCAB, 3).astype(np.int32)
+        prompt = np.random.default_rng(1000 + g % 6).integers(3, VOCAB, 3).astype(np.int32)
         for _ in range(K):
             n = int(r.integers(2, 6))
             reward = 1e38 if g == huge_reward_group else float(r.integers(0, 2))
@@ -272,3 +274,21 @@ def test_a_refused_update_is_reported_one_update_late_under_its_own_number(learn
 def test_sync_mode_stays_serial(learner):
     assert not StepLoop(_config(True, mode="sync"), learner[0], None, None, RunCounters(0.0), version=0,
                         publish=lambda s: 0, on_step=lambda s, r: None).pipelined
+
+
+def test_auto_layout_scores_groups_that_do_not_share_a_prompt_in_rows(learner, caplog):
+    """pack_groups="auto" (the default experiment's): groups whose rows share their prompt are
+    packed; a batch with a group whose rows do not (a task whose prompt for one id varies between
+    calls, drawn together by the buffer) is scored in rows, with one warning, not refused."""
+    from tbajax.training.layout import batch_layout
+
+    lrn, _ = learner
+    assert lrn.config.train.trainer.pack_groups == "auto" and lrn.trainer.layouts == ("rows", "packed", "strided")
+    same = _rows(0, 2, seed=5, version=0)
+    assert batch_layout(lrn.prepare([same[:K], same[K:]])) == "packed"
+    mixed = [dataclasses.replace(t, prompt_tokens=t.prompt_tokens + i) for i, t in enumerate(same[:K])]
+    with caplog.at_level("WARNING", logger="tbajax.system.trainer"):
+        assert batch_layout(lrn.prepare([mixed, same[K:]])) == "rows"
+        assert batch_layout(lrn.prepare([mixed, same[K:]])) == "rows"
+    warnings = [r.getMessage() for r in caplog.records if "pack_groups=auto" in r.getMessage()]
+    assert len(warnings) == 1 and "share group 0 but not their prompt" in warnings[0], warnings

@@ -67,9 +67,11 @@ def make_groups(groups: int, k: int, prompt: int, response: int, vocab: int, see
 LAYOUTS = {"rows": (False, False), "packed": (True, False), "strided": (True, True)}
 
 
-def run(checkpoint: str, groups: int, k: int, prompt: int, response: int, repeats: int) -> list[dict[str, Any]]:
+def run(checkpoint: str, groups: int, k: int, prompt: int, response: int, repeats: int,
+        length_bucket: int = 32) -> list[dict[str, Any]]:
     """The TB step in each layout (`LAYOUTS`: pack_groups, pack_strided), compiled first, then
-    timed in alternating rounds (median of `repeats`), each from its own copy of the state."""
+    timed in alternating rounds (median of `repeats`), each from its own copy of the state;
+    `length_bucket` rounds row lengths as `train.length_bucket` does."""
     import jax
 
     from tbajax.batch import collate
@@ -84,7 +86,7 @@ def run(checkpoint: str, groups: int, k: int, prompt: int, response: int, repeat
     for layout, (pack, strided) in LAYOUTS.items():
         config = dataclasses.replace(base, pack_groups=pack, pack_strided=strided)
         batch = jax.device_put(collate(data, beta=0.05, pack_microbatches=1 if pack else None,
-                                       pack_strided=strided))
+                                       pack_strided=strided, length_bucket=length_bucket))
         graphdef, state = init_train_state(model, config)
         step = make_train_step(graphdef, config, "tb")
         t0 = time.perf_counter()
@@ -125,11 +127,11 @@ def run(checkpoint: str, groups: int, k: int, prompt: int, response: int, repeat
         r["token_ratio"] = rows["tokens_in_step"] / r["tokens_in_step"]
         r["share_of_token_ratio"] = r["speedup"] / r["token_ratio"]
         r["loss_rel_diff"] = abs(r["first_loss"] - rows["first_loss"]) / max(abs(rows["first_loss"]), 1e-12)
-    results[1]["block_arms"] = _causal_block_arms(model, data, base, repeats)
+    results[1]["block_arms"] = _causal_block_arms(model, data, base, repeats, length_bucket)
     return results
 
 
-def _causal_block_arms(model: Any, data: list, base: Any, repeats: int) -> dict[str, Any]:
+def _causal_block_arms(model: Any, data: list, base: Any, repeats: int, length_bucket: int) -> dict[str, Any]:
     """The packed step compiled with the causal blocks at any width and at none (the threshold is
     read at trace time), each from its own copy of the state, timed in alternating rounds."""
     import jax
@@ -139,7 +141,7 @@ def _causal_block_arms(model: Any, data: list, base: Any, repeats: int) -> dict[
     from tbajax.training import init_train_state, make_train_step
 
     config = dataclasses.replace(base, pack_groups=True)
-    batch = jax.device_put(collate(data, beta=0.05, pack_microbatches=1))
+    batch = jax.device_put(collate(data, beta=0.05, pack_microbatches=1, length_bucket=length_bucket))
     default = decoder.PACKED_CAUSAL_BLOCKS_MIN
     steps, states = {}, {}
     try:
@@ -178,15 +180,16 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=160)
     ap.add_argument("--response", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--length-bucket", type=int, default=32, help="row lengths' rounding (train.length_bucket)")
     ap.add_argument("--quick", action="store_true", help="10M model, 2 groups of 4, 1 repeat")
     ap.add_argument("--json", help="write the figures to this path")
     args = ap.parse_args()
     if args.quick:
         args.groups, args.k, args.repeats = 2, 4, 1
     checkpoint = args.checkpoint or str(make_llama_checkpoint("10M" if args.quick else "50M"))
-    results = run(checkpoint, args.groups, args.k, args.prompt, args.response, args.repeats)
-    print(f"\n{args.groups} groups x K={args.k}, prompt {args.prompt}, responses <= {args.response} tokens; "
-          f"checkpoint {checkpoint}")
+    results = run(checkpoint, args.groups, args.k, args.prompt, args.response, args.repeats, args.length_bucket)
+    print(f"\n{args.groups} groups x K={args.k}, prompt {args.prompt}, responses <= {args.response} tokens, "
+          f"length bucket {args.length_bucket}; checkpoint {checkpoint}")
     print_table(results, ["layout", "tokens_in_step", "real_tokens", "step_s", "speedup", "token_ratio",
                           "share_of_token_ratio", "estimated_speedup", "auto_picks", "first_loss",
                           "loss_rel_diff"])

@@ -54,7 +54,7 @@ from tbajax.system.pipeline import BackgroundPublish, Prefetcher, UpdateClock
 from tbajax.system.publishing import params_to_publish
 from tbajax.system.searcher import Rollouts, build_rollouts, make_reward_pool
 from tbajax.training import Checkpointer, PolicyUpdater
-from tbajax.training.collate import collate
+from tbajax.training.collate import UnpackableGroups, collate
 from tbajax.training.layout import LAYOUTS, batch_layout, cheapest
 from tbajax.training.state import policy_params
 from tbajax.trajectory import Trajectory
@@ -76,6 +76,7 @@ class Learner:
         self.model_config = model.config
         self.rows = config.train.groups_per_step * config.buffer.samples_per_group
         self.tokens_trained = 0
+        self._warned_unpackable = False  # pack_groups="auto" met groups that do not share a prompt
 
     @property
     def step(self) -> int:
@@ -85,19 +86,33 @@ class Learner:
         """Collate and validate one step's groups (host side; safe in a background thread);
         `current_version` goes into the batch (objectives measure token staleness against it)."""
         trainer = self.config.train.trainer
-        batches = [collate(
-            groups,
-            beta=_beta_placeholder(self.config),
-            num_rows=self.rows,
-            score_stop_token=self.config.train.score_stop_token,
-            length_bucket=self.config.train.length_bucket,
-            pack_microbatches=None if layout == "rows" else trainer.num_microbatches,
-            pack_row_multiple=self.trainer.batch_shards,
-            pack_strided=layout == "strided",
-            current_version=current_version,
-        ) for layout in self.trainer.layouts]
-        # pack_groups="auto": every layout the trainer takes, and the cheapest kept
-        batch = cheapest(batches, self.model_config, trainer.layout_attention_weight)
+
+        def in_layout(layout: str) -> Batch:
+            return collate(
+                groups,
+                beta=_beta_placeholder(self.config),
+                num_rows=self.rows,
+                score_stop_token=self.config.train.score_stop_token,
+                length_bucket=self.config.train.length_bucket,
+                pack_microbatches=None if layout == "rows" else trainer.num_microbatches,
+                pack_row_multiple=self.trainer.batch_shards,
+                pack_strided=layout == "strided",
+                current_version=current_version,
+            )
+
+        layouts = self.trainer.layouts
+        if len(layouts) == 1:
+            batch = in_layout(layouts[0])
+        else:  # pack_groups="auto": every layout the trainer takes that can hold the groups, the cheapest kept
+            batches = []
+            for layout in layouts:
+                try:
+                    batches.append(in_layout(layout))
+                except UnpackableGroups as e:
+                    if not self._warned_unpackable:
+                        log.warning("pack_groups=auto scores a batch in rows: %s", e)
+                        self._warned_unpackable = True
+            batch = cheapest(batches, self.model_config, trainer.layout_attention_weight)
         validate_batch(batch, self.objective, objective_config=self.objective_config,
                        reference_from_trainer=trainer.compute_reference_logprobs)
         return batch

@@ -14,6 +14,12 @@ from tbajax.shapes import pow2_steps_bucket
 from tbajax.trajectory import Trajectory
 
 
+class UnpackableGroups(ValueError):
+    """Groups that one packed row per group cannot hold: a group whose rows do not share one
+    prompt (the buffer draws a group's K rows by prompt id, from any generation), or an empty
+    prompt."""
+
+
 def collate(
     groups: Sequence[Sequence[Trajectory]],
     beta: float,
@@ -169,12 +175,14 @@ def pack_groups(
             first = rows[0]
             p = int(prompt_len[first])
             if p < 1:
-                raise ValueError(f"row {first} has an empty prompt; packing needs at least one prompt token")
+                raise UnpackableGroups(f"row {first} has an empty prompt; packing needs at least one prompt token")
             for i in rows[1:]:
                 if prompt_len[i] != p or not np.array_equal(tokens[i, :p], tokens[first, :p]):
-                    raise ValueError(
+                    raise UnpackableGroups(
                         f"rows {first} and {i} share group {int(group_id[i])} but not their prompt; "
-                        "packing needs every row of a group to have the same prompt"
+                        "packing needs every row of a group to have the same prompt (a task whose prompt "
+                        "for one prompt id varies between calls: train.trainer.pack_groups=auto scores "
+                        "such batches in rows, false always does)"
                     )
     response_len = attention_mask.sum(-1) - prompt_len
     prompts = [[tokens[rows[0], : int(prompt_len[rows[0]])] for rows in groups] for groups in slices]
