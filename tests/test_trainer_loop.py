@@ -283,7 +283,8 @@ def test_auto_layout_scores_groups_that_do_not_share_a_prompt_in_rows(learner, c
     from tbajax.training.layout import batch_layout
 
     lrn, _ = learner
-    assert lrn.config.train.trainer.pack_groups == "auto" and lrn.trainer.layouts == ("rows", "packed", "strided")
+    assert lrn.config.train.trainer.pack_groups == "auto"
+    assert lrn.trainer.layouts == ("rows", "packed", "strided")
     same = _rows(0, 2, seed=5, version=0)
     assert batch_layout(lrn.prepare([same[:K], same[K:]])) == "packed"
     mixed = [dataclasses.replace(t, prompt_tokens=t.prompt_tokens + i) for i, t in enumerate(same[:K])]

@@ -180,14 +180,16 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=160)
     ap.add_argument("--response", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--length-bucket", type=int, default=32, help="row lengths' rounding (train.length_bucket)")
+    ap.add_argument("--length-bucket", type=int, default=32,
+                    help="row lengths' rounding (train.length_bucket)")
     ap.add_argument("--quick", action="store_true", help="10M model, 2 groups of 4, 1 repeat")
     ap.add_argument("--json", help="write the figures to this path")
     args = ap.parse_args()
     if args.quick:
         args.groups, args.k, args.repeats = 2, 4, 1
     checkpoint = args.checkpoint or str(make_llama_checkpoint("10M" if args.quick else "50M"))
-    results = run(checkpoint, args.groups, args.k, args.prompt, args.response, args.repeats, args.length_bucket)
+    results = run(checkpoint, args.groups, args.k, args.prompt, args.response, args.repeats,
+                  args.length_bucket)
     print(f"\n{args.groups} groups x K={args.k}, prompt {args.prompt}, responses <= {args.response} tokens, "
           f"length bucket {args.length_bucket}; checkpoint {checkpoint}")
     print_table(results, ["layout", "tokens_in_step", "real_tokens", "step_s", "speedup", "token_ratio",

@@ -450,8 +450,8 @@ def cudnn_attention(q: Array, k: Array, v: Array, mask: Array, causal: bool) -> 
     aligned top-left). cuDNN needs an NVIDIA GPU and bf16/fp16 inputs; where it cannot run, this
     fails while tracing, with cuDNN's reason and what to set instead."""
     try:
-        return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None],
-                                            is_causal=causal and q.shape[1] == k.shape[1], implementation="cudnn")
+        return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], implementation="cudnn",
+                                            is_causal=causal and q.shape[1] == k.shape[1])
     except (RuntimeError, ValueError, NotImplementedError) as e:
         raise RuntimeError(
             f"model.attention=cudnn cannot run here ({type(e).__name__}: {e}). cuDNN's fused attention "

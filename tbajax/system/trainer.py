@@ -103,7 +103,7 @@ class Learner:
         layouts = self.trainer.layouts
         if len(layouts) == 1:
             batch = in_layout(layouts[0])
-        else:  # pack_groups="auto": every layout the trainer takes that can hold the groups, the cheapest kept
+        else:  # pack_groups="auto": each layout that can hold the groups, the cheapest kept
             batches = []
             for layout in layouts:
                 try:

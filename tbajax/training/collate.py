@@ -175,7 +175,8 @@ def pack_groups(
             first = rows[0]
             p = int(prompt_len[first])
             if p < 1:
-                raise UnpackableGroups(f"row {first} has an empty prompt; packing needs at least one prompt token")
+                raise UnpackableGroups(
+                    f"row {first} has an empty prompt; packing needs at least one prompt token")
             for i in rows[1:]:
                 if prompt_len[i] != p or not np.array_equal(tokens[i, :p], tokens[first, :p]):
                     raise UnpackableGroups(
