@@ -85,11 +85,16 @@ _SEARCHER_DIR = re.compile(r"^searcher-(\d+)/" + re.escape(COMMIT_KEY) + "$")
 TrajectoryStoreError = StoreError  # the store on disk is not what this reader/writer expects
 
 
+_INT32 = np.iinfo(np.int32)
+
+
 def _as_int32(x: Any, what: str, index: int) -> np.ndarray:
     a = np.asarray(x)
     if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
         raise ValueError(f"trajectory {index}: {what} must be a 1-D integer array, got {a.dtype}{list(a.shape)}")
-    if a.size and (a.min() < np.iinfo(np.int32).min or a.max() > np.iinfo(np.int32).max):
+    if a.dtype == np.int32:  # what the sampler gives: nothing to range-check
+        return a
+    if a.size and (a.min() < _INT32.min or a.max() > _INT32.max):
         raise ValueError(f"trajectory {index}: {what} has values outside int32")
     return a.astype(np.int32, copy=False)
 
