@@ -17,7 +17,7 @@ from flax import nnx
 from tbajax.buffer import BufferConfig
 from tbajax.config import ConfigError, ExperimentConfig, SystemSpec, apply_overrides
 from tbajax.models import load_model
-from tbajax.system.pipeline import BackgroundPublish, Prefetcher, UpdateClock
+from tbajax.system.pipeline import BackgroundPublish, PollBackoff, Prefetcher, UpdateClock
 from tbajax.system.trainer import Learner, RunCounters, StepLoop, make_buffer
 from tbajax.training import NonFiniteLossError
 from tbajax.trajectory import Trajectory
@@ -98,6 +98,15 @@ def test_update_clock_idle_is_the_gap_between_one_update_finishing_and_the_next_
     assert 0.1 < idle < 5.0  # ~0.2 s slept minus 0.05 s paused
     assert clock.idle_s == idle and clock.wall_s >= idle and 0 < clock.idle_share <= 1
     clock.close()
+
+
+def test_poll_backoff_doubles_to_its_cap_and_resets():
+    poll = PollBackoff(first_s=0.001, max_s=0.005)
+    assert [poll.sleep() for _ in range(5)] == [0.001, 0.002, 0.004, 0.005, 0.005]
+    poll.reset()
+    assert poll.sleep() == 0.001
+    with pytest.raises(ValueError, match="0 < first_s <= max_s"):
+        PollBackoff(first_s=0.1, max_s=0.05)
 
 
 def test_pipeline_switch_is_a_checked_bool():

@@ -28,6 +28,7 @@ from tbajax.sharding import make_mesh
 from tbajax.stores import ParamReader, ParamVersionError, TrajectoryWriter, param_store_url, trajectory_store_url
 from tbajax.system import rundir
 from tbajax.system.metrics import MetricsWriter
+from tbajax.system.pipeline import PollBackoff
 from tbajax.system.publishing import SearcherParams
 from tbajax.tasks.base import Problem, Task
 from tbajax.tasks.reward_pool import RewardResult
@@ -417,6 +418,7 @@ def run_searcher(run_dir: Path, searcher_id: int, store_url: str | None = None) 
         return
     calls_this_version = 0
     lead_limit = config.rollout.max_calls_per_version
+    poll = PollBackoff(max_s=0.02)  # paused for a new version: noticed within milliseconds
     retry_s = 0.0  # backoff of ParamVersionError retries
     while not stop():
         latest = params_reader.latest_version()
@@ -434,8 +436,9 @@ def run_searcher(run_dir: Path, searcher_id: int, store_url: str | None = None) 
             log.info("searcher %d: loaded params version %d in %.2fs", searcher_id, latest, time.time() - t0)
             version, calls_this_version = latest, 0
         if lead_limit is not None and calls_this_version >= lead_limit:
-            time.sleep(0.02)  # far enough ahead of the trainer: leave the devices to it
+            poll.sleep()  # far enough ahead of the trainer: leave the devices to it
             continue
+        poll.reset()
         calls_this_version += 1
         t0 = time.time()
         batch = rollouts.take_fitting(stream, config.rollout.prompts_per_call)
@@ -515,6 +518,7 @@ def _continuous_loop(
     groups_done = samples = 0
     t_start = time.time()
     t_flush = time.time()
+    poll = PollBackoff(max_s=0.02)  # paused for a new version: noticed within milliseconds
     try:
         while not stop():
             now = time.time()
@@ -550,8 +554,9 @@ def _continuous_loop(
                     submitted_this_version += 1
                 paused = lead_limit is not None and submitted_this_version >= lead_limit * ppc
             if engine.idle:
-                time.sleep(0.02)  # paused (far enough ahead of the trainer) and nothing in flight
+                poll.sleep()  # paused (far enough ahead of the trainer) and nothing in flight
                 continue
+            poll.reset()
             finished = engine.step()
             if finished:
                 rows = rollouts.trajectories(finished, [problems_of[g.tag] for g in finished],

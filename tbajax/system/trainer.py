@@ -50,7 +50,7 @@ from tbajax.system.evaluation import Evaluator
 from tbajax.system.evaluator import PIN_PURPOSE, eval_only, eval_pin, eval_requests, eval_steps, final_eval, \
     missing_eval_steps
 from tbajax.system.metrics import MetricsWriter, eval_records, machine_info, plot_learning_curve, read_metrics
-from tbajax.system.pipeline import BackgroundPublish, Prefetcher, UpdateClock
+from tbajax.system.pipeline import BackgroundPublish, PollBackoff, Prefetcher, UpdateClock
 from tbajax.system.publishing import params_to_publish
 from tbajax.system.searcher import Rollouts, build_rollouts, make_reward_pool
 from tbajax.training import Checkpointer, PolicyUpdater
@@ -613,6 +613,8 @@ class StepLoop:
         self._excluded = 0.0  # evaluation/checkpoint/data-wait seconds since the last record
         self._last_record = 0.0
         self._stalled_since, self._next_stall_warning = 0.0, 60.0
+        self._poll = PollBackoff()  # waiting for data: retry within milliseconds, then less often
+        self._stall_reported = 0.0  # when on_stall last ran (it writes the status file)
 
     def run(self) -> None:
         """Train until `train.steps` or a stop request; every dispatched update is checked and
@@ -639,6 +641,7 @@ class StepLoop:
                     self._request(prefetch)
                     continue
                 self._stalled_since, self._next_stall_warning = 0.0, 60.0
+                self._poll.reset()
                 n = self.step = drawn.step
                 if not self.pipelined:
                     updater.submit(drawn.batch)  # nothing else in flight: returns None
@@ -724,19 +727,22 @@ class StepLoop:
 
     def _stalled(self, error: BufferEmptyError) -> None:
         t0 = time.time()
-        time.sleep(0.05)
+        self._poll.sleep()
         waited = time.time() - t0
         self.counters.wait_s += waited
         self._excluded += waited
+        first = not self._stalled_since
         self._stalled_since = self._stalled_since or t0
         if t0 - self._stalled_since > self._next_stall_warning:
             log.warning("no trainable batch for %.0f s (%s); are the searchers running? see logs/searcher-*.log",
                         t0 - self._stalled_since, error)
             self._next_stall_warning *= 2
-        with self.lock:
-            self.invalid_status = self.source.invalid_status()
-        if self.on_stall is not None:
-            self.on_stall(error)
+        if first or t0 - self._stall_reported >= 1.0:  # the status file: once a wait, then each second
+            self._stall_reported = t0
+            with self.lock:
+                self.invalid_status = self.source.invalid_status()
+            if self.on_stall is not None:
+                self.on_stall(error)
 
 
 def _restore(run_dir: Path, store: str, checkpoints: Checkpointer, learner: Learner, buffer: TrajectoryBuffer,
