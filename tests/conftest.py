@@ -108,6 +108,25 @@ def logits_of(model: Any, ids: Any, attention_mask: Any = None, positions: Any =
     return np.asarray(_jitted_forward()(model, arr(ids), arr(positions), arr(attention_mask)))
 
 
+def numpy_model_parts(config: Any, scale: float = 0.1, seed: int = 0) -> tuple[Any, Any]:
+    """(graphdef, params) of a `CausalLM` of `config` with numpy weights ~N(0, scale) (norms ~1):
+    no PRNG kernels to compile."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from tbajax.models import CausalLM
+
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(0))))
+    rng = np.random.default_rng(seed)
+
+    def init(path: Any, x: Any) -> Any:
+        w = (rng.standard_normal(x.shape) * scale).astype(np.float32)
+        return 1.0 + w if "norm" in jax.tree_util.keystr(path) else w
+
+    return graphdef, jax.tree_util.tree_map_with_path(init, abstract)
+
+
 def assert_serving_layout_converts_back(model: Any, params: Any) -> None:
     """The sampler's layout of `model`'s weights (`serving.ServingParams`) converts back to the
     model's params exactly (same names, same values)."""

@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tbajax.models import CausalLM, ModelConfig
+from tbajax.models import ModelConfig
 from tbajax.training.collate import collate
 from tbajax.training.loss import sequence_logprobs
 from tbajax.trajectory import Trajectory
+from tests.conftest import numpy_model_parts
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN attention needs an NVIDIA GPU")
 
@@ -25,15 +26,7 @@ CONFIG = ModelConfig(model_type="llama", vocab_size=128, hidden_size=256, interm
 
 
 def _parts(attention: str) -> tuple[nnx.GraphDef, nnx.State]:
-    cfg = dataclasses.replace(CONFIG, attention=attention)
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0))))
-    rng = np.random.default_rng(0)
-
-    def init(path, x):
-        w = (rng.standard_normal(x.shape) * 0.05).astype(np.float32)
-        return 1.0 + w if "norm" in jax.tree_util.keystr(path) else w
-
-    return graphdef, jax.tree_util.tree_map_with_path(init, abstract)
+    return numpy_model_parts(dataclasses.replace(CONFIG, attention=attention), scale=0.05)
 
 
 def _groups() -> list[list[Trajectory]]:

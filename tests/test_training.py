@@ -27,6 +27,7 @@ from tbajax.models import CausalLM, ModelConfig, packed_attention_mask
 from tbajax.objectives.base import Max, Min, Ratio
 from tbajax.sharding import MeshConfig, make_mesh
 from tbajax.trajectory import Trajectory
+from tests.conftest import numpy_model_parts
 from tbajax.training import (
     BetaSchedule,
     Checkpointer,
@@ -111,14 +112,7 @@ def make_batch(seed: int, rows: int = 8, seq: int = 16) -> Batch:
 @functools.lru_cache(maxsize=None)
 def _model_parts():
     """Graphdef + numpy weights (~N(0, 0.1), norms ~1): no PRNG kernels to compile."""
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: CausalLM(MODEL, rngs=nnx.Rngs(0))))
-    rng = np.random.default_rng(0)
-
-    def init(path, x):
-        w = (rng.standard_normal(x.shape) * 0.1).astype(np.float32)
-        return 1.0 + w if "norm" in jax.tree_util.keystr(path) else w
-
-    return graphdef, jax.tree_util.tree_map_with_path(init, abstract)
+    return numpy_model_parts(MODEL)
 
 
 def fresh_model(dtype=jnp.float32) -> CausalLM:
