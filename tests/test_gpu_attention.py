@@ -1,6 +1,6 @@
 """cuDNN's fused attention (`model.attention=cudnn`) against tbajax's own, on an NVIDIA GPU: the
-log-probs and gradients of the trainer's three batch layouts, and a left-padded forward (the
-searchers' prompt pass). Skipped elsewhere; `experiments/benchmarks/gpu_check.sh` runs it."""
+log-probs and gradients of the trainer's three batch layouts, a left-padded forward, and the
+searchers' prompt pass. Skipped elsewhere; `experiments/benchmarks/gpu_check.sh` runs it."""
 
 from __future__ import annotations
 
@@ -77,3 +77,35 @@ def test_cudnn_attention_forward_over_left_padding():
     want, got = np.asarray(logits(ours)), np.asarray(logits(cudnn))
     keep = np.asarray(real)[..., None]
     np.testing.assert_allclose(np.where(keep, got, 0), np.where(keep, want, 0), atol=0.1, rtol=0.02)
+
+
+def test_cudnn_prompt_pass_emits_the_same_cache():
+    """The searchers' prompt pass (`serving.prompt_pass`, left-padded prompts): the last hidden
+    state and every layer's emitted keys and values, cuDNN against ours."""
+    from tbajax.models.decoder import positions_from_mask
+    from tbajax.models.serving import ServingParams, prompt_pass
+
+    ours, params = _parts("xla")
+    cudnn, _ = _parts("cudnn")
+    r = np.random.default_rng(4)
+    tokens = jnp.asarray(r.integers(3, CONFIG.vocab_size, (4, 64)), jnp.int32)
+    real = jnp.asarray(np.arange(64)[None, :] >= np.array([0, 9, 30, 63])[:, None])
+
+    def run(graphdef):
+        def f(p):
+            model = nnx.merge(graphdef, p)
+            positions = positions_from_mask(real)
+            return prompt_pass(model.config, ServingParams.of(model), tokens, real, positions)
+        return jax.jit(f)(params)
+
+    (want_h, want_k, want_v), (got_h, got_k, got_v) = run(ours), run(cudnn)
+    np.testing.assert_allclose(np.asarray(got_h, np.float32), np.asarray(want_h, np.float32),
+                               atol=0.1, rtol=0.02)
+    keep_k, keep_v = np.asarray(real)[:, None, None, :], np.asarray(real)[:, None, :, None]
+    for layer, (gk, wk, gv, wv) in enumerate(zip(got_k, want_k, got_v, want_v)):
+        np.testing.assert_allclose(np.where(keep_k, np.asarray(gk, np.float32), 0),
+                                   np.where(keep_k, np.asarray(wk, np.float32), 0), atol=0.1, rtol=0.02,
+                                   err_msg=f"keys of layer {layer}")
+        np.testing.assert_allclose(np.where(keep_v, np.asarray(gv, np.float32), 0),
+                                   np.where(keep_v, np.asarray(wv, np.float32), 0), atol=0.1, rtol=0.02,
+                                   err_msg=f"values of layer {layer}")
