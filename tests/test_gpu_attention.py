@@ -29,6 +29,12 @@ def _parts(attention: str) -> tuple[nnx.GraphDef, nnx.State]:
     return numpy_model_parts(dataclasses.replace(CONFIG, attention=attention), scale=0.05)
 
 
+def _left_padded(seed: int, length: int, starts: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+    """Random tokens [len(starts), length] and their mask, row i real from slot starts[i] on."""
+    tokens = np.random.default_rng(seed).integers(3, CONFIG.vocab_size, (len(starts), length))
+    return jnp.asarray(tokens, jnp.int32), jnp.asarray(np.arange(length)[None, :] >= np.array(starts)[:, None])
+
+
 def _groups() -> list[list[Trajectory]]:
     r = np.random.default_rng(1)
     groups = []
@@ -67,9 +73,7 @@ def test_cudnn_attention_scores_like_ours(layout):
 def test_cudnn_attention_forward_over_left_padding():
     ours, params = _parts("xla")
     cudnn, _ = _parts("cudnn")
-    r = np.random.default_rng(3)
-    tokens = jnp.asarray(r.integers(3, CONFIG.vocab_size, (4, 96)), jnp.int32)
-    real = jnp.asarray(np.arange(96)[None, :] >= np.array([0, 5, 31, 64])[:, None])
+    tokens, real = _left_padded(3, 96, (0, 5, 31, 64))
 
     def logits(graphdef):
         return jax.jit(lambda p: nnx.merge(graphdef, p)(tokens, attention_mask=real)[0])(params)
@@ -87,9 +91,7 @@ def test_cudnn_prompt_pass_emits_the_same_cache():
 
     ours, params = _parts("xla")
     cudnn, _ = _parts("cudnn")
-    r = np.random.default_rng(4)
-    tokens = jnp.asarray(r.integers(3, CONFIG.vocab_size, (4, 64)), jnp.int32)
-    real = jnp.asarray(np.arange(64)[None, :] >= np.array([0, 9, 30, 63])[:, None])
+    tokens, real = _left_padded(4, 64, (0, 9, 30, 63))
 
     def run(graphdef):
         def f(p):
