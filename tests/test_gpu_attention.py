@@ -32,7 +32,8 @@ def _parts(attention: str) -> tuple[nnx.GraphDef, nnx.State]:
 def _left_padded(seed: int, length: int, starts: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
     """Random tokens [len(starts), length] and their mask, row i real from slot starts[i] on."""
     tokens = np.random.default_rng(seed).integers(3, CONFIG.vocab_size, (len(starts), length))
-    return jnp.asarray(tokens, jnp.int32), jnp.asarray(np.arange(length)[None, :] >= np.array(starts)[:, None])
+    real = np.arange(length)[None, :] >= np.array(starts)[:, None]
+    return jnp.asarray(tokens, jnp.int32), jnp.asarray(real)
 
 
 def _groups() -> list[list[Trajectory]]:

@@ -414,10 +414,9 @@ def self_attention(
         dense = mask.mask if causal else mask
         if implementation == "cudnn":
             out = cudnn_attention(q, k, v, dense, causal)
-            return out, None if cache is None else (k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3))
-        keys, values = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-        out = attention(q, keys, values, dense, causal=causal)
-        return out, None if cache is None else (k.transpose(0, 2, 3, 1), values)
+        else:
+            out = attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), dense, causal=causal)
+        return out, None if cache is None else (k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3))
     if isinstance(mask, CausalMask):
         raise TypeError("a KV-cache step takes its mask over cache slots, not a CausalMask")
     kt, cv, index, *prompt = cache

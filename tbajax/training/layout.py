@@ -113,4 +113,3 @@ def cheapest(batches: Sequence[Batch], cfg: ModelConfig, attention_weight: float
         raise ValueError("cheapest needs at least one batch")
     costs = [step_cost(layout_work(b), cfg, attention_weight) for b in batches]
     return batches[costs.index(min(costs))]
-
