@@ -1,20 +1,22 @@
-"""Write the README's measured-figure tables from the committed result files, so every number the
-README states traces to a file a script in this repo produced.
+"""Write the measured-figure tables of the README and of the benchmarks' record from the committed
+result files, so every number they state traces to a file a script in this repo produced.
 
     python experiments/readme_tables.py            # print the tables
-    python experiments/readme_tables.py --write    # replace the generated blocks in README.md
-    python experiments/readme_tables.py --check    # exit 1 if README.md is out of date
+    python experiments/readme_tables.py --write    # replace the generated blocks in both documents
+    python experiments/readme_tables.py --check    # exit 1 if either is out of date
 
 Sources: `experiments/results/<run>/summary.json` (+ `config.json` beside it) for the experiment
-runs, and `experiments/results/benchmarks/*.json` / `experiments/results/chaos/*.json` (each
-written by a script's `--json PATH`). A README block is the text between
-`<!-- generated:NAME -->` and `<!-- /generated:NAME -->`.
+runs (README.md's `runs` block), and `experiments/results/benchmarks/*.json` /
+`experiments/results/chaos/*.json`, each written by a script's `--json PATH`
+(`experiments/results/benchmarks/README.md`'s `benchmarks` block). A block is the text between
+`<!-- generated:NAME -->` and `<!-- /generated:NAME -->`; its links are relative to its document.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from collections.abc import Callable
@@ -24,6 +26,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "experiments" / "results"
 README = REPO / "README.md"
+BENCHMARKS_RECORD = RESULTS / "benchmarks" / "README.md"
 
 # Tables shown per result file: {list key in the JSON: columns}; a file not listed here shows its
 # "rows" (or "results") with the first scalar columns. "total" is a single summary line.
@@ -189,7 +192,12 @@ def _tables(name: str, payload: dict[str, Any]) -> list[tuple[list[dict[str, Any
     return out
 
 
-def benchmarks_block() -> str:
+def _link(path: Path, doc: Path) -> str:
+    """`path` as a link target from `doc` (relative, as a markdown renderer resolves it)."""
+    return Path(os.path.relpath(path, doc.parent)).as_posix()
+
+
+def benchmarks_block(doc: Path) -> str:
     out = []
     files = sorted((RESULTS / "benchmarks").glob("*.json")) + sorted((RESULTS / "chaos").glob("*.json"))
     for path in files:
@@ -198,7 +206,7 @@ def benchmarks_block() -> str:
         tables = _tables(name, payload)
         if not tables:
             continue
-        rel = path.relative_to(REPO)
+        rel = _link(path, doc)
         info = payload.get("machine")
         if info is None and "matmul_flops" in payload:  # the sampler benchmark's own layout
             info = {"cpu_count": payload.get("cpus"), "jax": payload.get("jax"),
@@ -230,11 +238,11 @@ def _eval_change(s: dict[str, Any]) -> str:
     return f"{metric} {start:.3g} → {end:.3g}"
 
 
-def _run_row(path: Path) -> dict[str, Any]:
+def _run_row(path: Path, doc: Path) -> dict[str, Any]:
     s = json.loads(path.read_text())
     timed = "wall_time_s" in s and bool((s.get("machine") or {}).get("matmul_gflops"))
     row: dict[str, Any] = {
-        "run": f"[{path.parent.relative_to(RESULTS)}]({path.relative_to(REPO)})",
+        "run": f"[{path.parent.relative_to(RESULTS)}]({_link(path, doc)})",
         "objective": s.get("objective", ""),
         "eval: start → end": _eval_change(s),
         "steps": s.get("trainer_steps", ""),
@@ -248,44 +256,55 @@ def _run_row(path: Path) -> dict[str, Any]:
     return row
 
 
-def runs_block() -> str:
-    rows = [_run_row(p) for p in sorted(RESULTS.glob("**/summary.json"))]
+def runs_block(doc: Path) -> str:
+    rows = [_run_row(p, doc) for p in sorted(RESULTS.glob("**/summary.json"))]
     if not rows:
         return "(no committed runs)"
     return _table(rows, list(rows[0]))
 
 
-BLOCKS: dict[str, Callable[[], str]] = {"runs": runs_block, "benchmarks": benchmarks_block}
+# document -> the blocks it holds
+DOCUMENTS: dict[Path, dict[str, Callable[[Path], str]]] = {
+    README: {"runs": runs_block},
+    BENCHMARKS_RECORD: {"benchmarks": benchmarks_block},
+}
 
 
-def render(readme: str) -> str:
-    for name, make in BLOCKS.items():
+def render(text: str, doc: Path) -> str:
+    """`text` (the content of `doc`) with its generated blocks made from the result files."""
+    for name, make in DOCUMENTS[doc].items():
         pattern = re.compile(rf"(<!-- generated:{name} -->\n)(?:.*?\n)?(<!-- /generated:{name} -->)", re.DOTALL)
-        if not pattern.search(readme):
-            raise SystemExit(f"README.md has no <!-- generated:{name} --> block")
-        readme = pattern.sub(lambda m: m.group(1) + make() + "\n" + m.group(2), readme)
-    return readme
+        if not pattern.search(text):
+            raise SystemExit(f"{doc.relative_to(REPO)} has no <!-- generated:{name} --> block")
+        text = pattern.sub(lambda m: m.group(1) + make(doc) + "\n" + m.group(2), text)
+    return text
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = ap.add_mutually_exclusive_group()
-    mode.add_argument("--write", action="store_true", help="rewrite the generated blocks of README.md")
-    mode.add_argument("--check", action="store_true", help="exit 1 when README.md differs from the files")
+    mode.add_argument("--write", action="store_true", help="rewrite the generated blocks of both documents")
+    mode.add_argument("--check", action="store_true", help="exit 1 when a document differs from the files")
     args = ap.parse_args()
-    current = README.read_text()
-    fresh = render(current)
-    if args.write:
-        README.write_text(fresh)
-        print(f"updated {README}")
-    elif args.check:
-        if fresh != current:
-            print("README.md's generated tables are out of date: run python experiments/readme_tables.py --write")
-            return 1
-        print("README.md's generated tables match the result files")
-    else:
-        for name, make in BLOCKS.items():
-            print(f"## {name}\n{make()}\n")
+    stale = []
+    for doc, blocks in DOCUMENTS.items():
+        current = doc.read_text()
+        fresh = render(current, doc)
+        if args.write:
+            if fresh != current:
+                doc.write_text(fresh)
+                print(f"updated {doc.relative_to(REPO)}")
+        elif args.check:
+            if fresh != current:
+                stale.append(str(doc.relative_to(REPO)))
+        else:
+            for name, make in blocks.items():
+                print(f"## {doc.relative_to(REPO)}: {name}\n{make(doc)}\n")
+    if stale:
+        print(f"generated tables out of date in {', '.join(stale)}: run python experiments/readme_tables.py --write")
+        return 1
+    if args.check:
+        print("the generated tables match the result files")
     return 0
 
 

@@ -296,7 +296,7 @@ def with_group_shares(row: dict) -> dict:
 
 def part_rows(rows: list[dict], min_share: float = 0.05) -> list[dict]:
     """One flat row per (program row, part) with at least `min_share` of its op time, prefill rows
-    left out: the README's table (`experiments/readme_tables.py`)."""
+    left out: the benchmarks' record's table (`experiments/readme_tables.py`)."""
     return [{"program": r["program"], "model": r["model"], "size": r["size"], "batch": r["batch"],
              "part": p["part"], "direction": p["direction"], "ms": p["ms"], "share": p["share"]}
             for r in rows if r["program"] != "prefill" for p in r["parts"] if p["share"] >= min_share]
