@@ -19,6 +19,7 @@ Reported: publish -> swapped in, publish -> end of the first chunk with new-vers
 decode step, one param load, one load + serving layout, the swap itself.
 
     python experiments/benchmarks/continuous_batching.py --quick
+    python experiments/benchmarks/continuous_batching.py --math-like --json experiments/results/benchmarks/continuous_batching_math_like.json
     python experiments/benchmarks/continuous_batching.py \
         --json experiments/results/benchmarks/continuous_batching.json
 """
@@ -176,9 +177,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help="a smaller workload (about a minute)")
     ap.add_argument("--json", default=None, help="write the figures here")
     ap.add_argument("--repeats", type=int, default=1, help="timed runs per engine after the warm-up")
+    ap.add_argument("--math-like", action="store_true",
+                    help="a math run's shape, scaled down: 32 prompts x K=16, lengths median 128 capped at "
+                         "1024 (long-tailed chains of thought), static calls of 8 prompts = 128 slots")
     args = ap.parse_args(argv)
+    if args.quick and args.math_like:
+        ap.error("--quick and --math-like are two different workloads: pick one")
     if args.quick:
         n_prompts, k, median, cap, per_call, chunk = 32, 4, 8, 128, 8, 16
+    elif args.math_like:
+        n_prompts, k, median, cap, per_call, chunk = 32, 16, 128, 1024, 8, 16
     else:
         n_prompts, k, median, cap, per_call, chunk = 128, 4, 16, 256, 16, 16
     info = machine()
@@ -229,7 +237,7 @@ def main(argv: list[str] | None = None) -> None:
     print("\nin-flight swap (ms):")
     print_table([{k2: 1e3 * v for k2, v in swap.items()}], list(swap))
     write_json(args.json, {
-        "benchmark": "continuous_batching", "quick": args.quick, "machine": info,
+        "benchmark": "continuous_batching", "quick": args.quick, "math_like": args.math_like, "machine": info,
         "load_average_1m_after": os.getloadavg()[0],
         "workload": {"model": "10M", "prompts": n_prompts, "num_samples": k,
                      "median_len": float(np.median(lengths)),
