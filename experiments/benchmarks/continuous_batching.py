@@ -178,15 +178,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json", default=None, help="write the figures here")
     ap.add_argument("--repeats", type=int, default=1, help="timed runs per engine after the warm-up")
     ap.add_argument("--math-like", action="store_true",
-                    help="a math run's shape, scaled down: 32 prompts x K=16, lengths median 128 capped at "
-                         "1024 (long-tailed chains of thought), static calls of 8 prompts = 128 slots")
+                    help="a math run's shape, scaled down: 96 prompts x K=16, lengths median 64 capped at "
+                         "512 (long-tailed chains of thought), static calls of 8 prompts = 128 slots")
     args = ap.parse_args(argv)
     if args.quick and args.math_like:
         ap.error("--quick and --math-like are two different workloads: pick one")
     if args.quick:
         n_prompts, k, median, cap, per_call, chunk = 32, 4, 8, 128, 8, 16
     elif args.math_like:
-        n_prompts, k, median, cap, per_call, chunk = 32, 16, 128, 1024, 8, 16
+        n_prompts, k, median, cap, per_call, chunk = 96, 16, 64, 512, 8, 16
     else:
         n_prompts, k, median, cap, per_call, chunk = 128, 4, 16, 256, 16, 16
     info = machine()
