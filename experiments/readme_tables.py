@@ -286,20 +286,22 @@ def main() -> int:
     mode.add_argument("--write", action="store_true", help="rewrite the generated blocks of both documents")
     mode.add_argument("--check", action="store_true", help="exit 1 when a document differs from the files")
     args = ap.parse_args()
-    stale = []
-    for doc, blocks in DOCUMENTS.items():
-        current = doc.read_text()
-        fresh = render(current, doc)
-        if args.write:
-            if fresh != current:
-                doc.write_text(fresh)
-                print(f"updated {doc.relative_to(REPO)}")
-        elif args.check:
-            if fresh != current:
-                stale.append(str(doc.relative_to(REPO)))
-        else:
+    if not (args.write or args.check):
+        for doc, blocks in DOCUMENTS.items():
             for name, make in blocks.items():
                 print(f"## {doc.relative_to(REPO)}: {name}\n{make(doc)}\n")
+        return 0
+    stale = []
+    for doc in DOCUMENTS:
+        current = doc.read_text()
+        fresh = render(current, doc)
+        if fresh == current:
+            continue
+        if args.write:
+            doc.write_text(fresh)
+            print(f"updated {doc.relative_to(REPO)}")
+        else:
+            stale.append(str(doc.relative_to(REPO)))
     if stale:
         print(f"generated tables out of date in {', '.join(stale)}: run python experiments/readme_tables.py --write")
         return 1
