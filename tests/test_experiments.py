@@ -345,6 +345,7 @@ def test_math_qwen_runs_end_to_end_on_stand_ins(tmp_path: Path, qwen_tokenizer_d
     assert summary["trainer_steps"] == 3 and summary["objective"] == "tba_prime"
     assert "eval_accuracy_start" in summary and "eval_accuracy_end" in summary
     config = load_experiment("math_qwen")
+    assert summary["policy_lag_max"] <= config.buffer.async_level  # TBA′ trains on nothing staler
     reader = TrajectoryReader(trajectory_store_url(str(run), 0))
     rows = reader.read(0, reader.committed_rows())
     assert len(rows) >= 3 * 2 * k

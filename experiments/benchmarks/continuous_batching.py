@@ -2,7 +2,7 @@
 
 Workload: a random-init Llama (the sampler benchmark's 10M architecture), prompts of random
 lengths, K samples each, and response lengths drawn log-normal (median `median`, the longest
-~cap/median = 16 times the median, capped at `cap`). Both engines generate exactly those lengths:
+~cap/median times the median: 16 by default, 8 with `--math-like`; capped at `cap`). Both engines generate exactly those lengths:
 sampling runs with no stop ids and each sample's new-token cap is its drawn length
 (`Sampler.sample(max_new_per_row=...)` / `ContinuousEngine.submit(max_new_per_sample=...)`), and
 with the same per-sample keys both produce the same tokens (checked: `agreement` in the JSON).
