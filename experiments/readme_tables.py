@@ -60,7 +60,7 @@ TABLES: dict[str, dict[str, list[str]]] = {
     "continuous_batching": {
         "rows": ["engine", "samples", "tokens", "seconds", "samples_per_s", "tokens_per_s", "slot_occupancy",
                  "vs_static"],
-        "workload": ["prompts", "num_samples", "median_len", "max_len", "decode_slots", "decode_chunk"],
+        "workload": ["prompts", "num_samples", "median_len", "max_len", "cap", "decode_slots", "decode_chunk"],
         "swap": ["load_s", "load_and_prepare_s", "swap_s", "decode_step_s", "publish_to_swapped_s",
                  "publish_to_first_token_est_s", "publish_to_first_chunk_done_s"],
     },
