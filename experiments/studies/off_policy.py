@@ -1,6 +1,6 @@
 """Study 2: robustness to off-policy data, TB against Dr. GRPO.
 
-    python experiments/studies/off_policy.py [--steps 150] [--seeds 1] [--quick] [--out DIR]
+    python experiments/studies/off_policy.py [--steps 150] [--seeds 3] [--quick] [--out DIR]
 
 Two knobs make the trained data more off-policy in TBA: the sync period k (searchers sample with
 params up to k trainer steps old and the trainer replays their data until the next sync) and the
@@ -64,8 +64,11 @@ def plot_sweep(path: Path, results, knob: str, fixed: tuple[str, float], title: 
         pts = by_group([r for r in results if r.arm.param("objective") == o and r.arm.param(fixed[0]) == fixed[1]],
                        key=lambda r: r.arm.param(knob))
         xs = sorted(pts)
+        for x in xs:  # each seed's run, faint, beside the mean
+            ax.scatter([x] * len(pts[x]), [r.final_accuracy for r in pts[x]], color=f"C{i}", alpha=0.3, s=12)
         means = [np.mean([r.final_accuracy for r in pts[x]]) for x in xs]
-        ax.plot(xs, means, "o-", color=f"C{i}", label=o)
+        seeds = max(len(pts[x]) for x in xs) if xs else 1
+        ax.plot(xs, means, "o-", color=f"C{i}", label=o + (f" (mean of {seeds} seeds)" if seeds > 1 else ""))
     if results:
         ax.axhline(results[0].start_accuracy, color="gray", ls="--", lw=1, label="start")
     if knob == "k":
@@ -102,7 +105,7 @@ def main(argv: list[str] | None = None) -> Path:
     args = study_parser(__doc__, default_steps=150).parse_args(argv)
     if args.quick:
         args.steps = min(args.steps, 6)
-    seeds = args.seeds or 1
+    seeds = args.seeds or (1 if args.quick else 3)
     ks, ms = ((4,), ()) if args.quick else (SYNC_PERIODS, RECENCY)
     eval_every, eval_problems = (3, 16) if args.quick else (max(1, args.steps // 6), 300)
     common = base_overrides(args, eval_every, eval_problems)
