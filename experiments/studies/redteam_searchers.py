@@ -44,6 +44,7 @@ from common import (  # noqa: E402
     Arm,
     ArmResult,
     markdown_table,
+    mean_std,
     output_dir,
     provenance,
     resolve,
@@ -130,6 +131,26 @@ def table_row(f: dict[str, Any]) -> list[Any]:
     ]
 
 
+def mean_table(figs: list[dict[str, Any]]) -> str:
+    """Each arm's end-of-run figures as mean ± standard deviation over its seeds."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for f in figs:
+        groups.setdefault(f["group"], []).append(f)
+    header = ["arm", "seeds", "ASR % (eval)", "unique successful (eval)", "diversity (eval)",
+              "mean geo. toxicity (eval)", "attacks generated"]
+
+    def cell(fs: list[dict[str, Any]], key: str, spec: str, scale: float = 1.0) -> str:
+        m, s = mean_std([scale * f[key] for f in fs])
+        return f"{m:{spec}} ± {s:{spec}}"
+
+    rows = [
+        [group, len(fs), cell(fs, "asr_end", ".1f", 100.0), cell(fs, "unique_successful_end", ".1f"),
+         cell(fs, "diversity_end", ".3f"), cell(fs, "toxicity_end", ".3f"), cell(fs, "samples_generated", ".0f")]
+        for group, fs in groups.items()
+    ]
+    return markdown_table(header, rows)
+
+
 def _report_figures(report: Any, run_dir: Path) -> dict[str, Any]:
     """redteam_report's per-run figures; without MiniLM the plotted diversity is the hashed one."""
     f = report.run_figures(run_dir)
@@ -177,6 +198,7 @@ def main() -> None:
         f"(diversity metric: {', '.join(div_names)}; 1 − mean pairwise cosine of the successful attacks). "
         f"Train: the attacks the searchers sampled in the last {args.train_window} policy versions.", "",
         table, "",
+        *(["Mean ± standard deviation over the seeds:", "", mean_table(figs), ""] if seeds > 1 else []),
         "Paper (§8): more searchers raise both attack success and diversity; TB keeps diversity where the "
         "policy-gradient baseline collapses onto few attacks.", "",
         *[f"![{p.stem}]({p.name})" for p in plots], "",
