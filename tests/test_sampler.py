@@ -424,6 +424,45 @@ def test_decode_phases_match_one_cache(tiny_checkpoint, llama):
     np.testing.assert_allclose(got.logprobs, out.logprobs, atol=1e-5)
 
 
+def test_bf16_model_samples_the_same_with_its_fp32_cache_on_cpu(tiny_checkpoint):
+    """A bf16 model's KV cache is fp32 on CPU (`serving.kv_cache_dtype`: XLA:CPU copies a whole
+    16-bit cache at every write) and 16-bit elsewhere. It holds the bf16 values exactly
+    (`layers.cache_values` rounds them), so samples equal those of a bf16 cache: the static
+    sampler's, and the continuous engine's ring and prompt pool."""
+    from tbajax.models import serving
+    from tbajax.sampling.continuous import ContinuousEngine, request_keys
+
+    bf16 = load_model(tiny_checkpoint("llama"), param_dtype="bfloat16", dtype="bfloat16")
+    cfg = bf16.config
+    assert serving.kv_cache_dtype(cfg) == jnp.float32  # the tests run on CPU
+    assert serving.kv_cache_dtype(cfg, "gpu") == jnp.bfloat16
+    assert serving.kv_cache_dtype(dataclasses.replace(cfg, dtype="float32")) == jnp.float32
+    key = jax.random.key(5)
+    sampling = SamplingConfig(max_new_tokens=10, num_samples=2, temperature=1.0, stop_token_ids=(2,))
+
+    def runs() -> tuple:
+        static = Sampler(bf16, first_decode_phase=4)
+        one = static.sample(PROMPTS, dataclasses.replace(sampling, num_samples=1), key)
+        engine = ContinuousEngine(static, sampling, slots=4, chunk=3)
+        for i, p in enumerate(PROMPTS):
+            engine.submit(p, request_keys(key, 2 * i, 2), tag=i)
+        done = sorted(engine.run(), key=lambda c: c.tag)
+        return static._cache, one, [(np.concatenate(c.tokens), np.concatenate(c.logprobs)) for c in done]
+
+    cache, ours, ours_cont = runs()
+    assert cache.k[0].dtype == jnp.float32
+    with mock.patch.object(serving, "kv_cache_dtype", lambda cfg, platform=None: jnp.bfloat16):
+        cache16, theirs, theirs_cont = runs()
+    assert cache16.k[0].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(ours.tokens, theirs.tokens)
+    np.testing.assert_array_equal(ours.length, theirs.length)
+    np.testing.assert_allclose(ours.logprobs, theirs.logprobs, atol=1e-6)
+    assert len(ours_cont) == len(PROMPTS)
+    for (tok_a, lp_a), (tok_b, lp_b) in zip(ours_cont, theirs_cont):
+        np.testing.assert_array_equal(tok_a, tok_b)
+        np.testing.assert_allclose(lp_a, lp_b, atol=1e-6)
+
+
 def test_update_params_keeps_programs(tiny_checkpoint, llama):
     sampler = Sampler(llama)
     cfg = SamplingConfig(max_new_tokens=4, greedy=True)

@@ -15,7 +15,7 @@ can add up to more than the wall time: shares are of op time, and the wall time 
 apart, without the profiler. Written for and run on XLA:CPU; not tried on a GPU.
 
 Rows: the sampler's decode step (Llama 10M / 50M of `sampler.py`, batch 32 and 128, 64 prompt +
-128 new tokens; per decode step, prefill apart), the forward pass (Llama and GPT-NeoX 50M,
+128 new tokens; per decode step, prefill apart; fp32, or bf16 with --decode-dtype), the forward pass (Llama and GPT-NeoX 50M,
 16 x 256) and the TB train step (10M and 50M, 16 x 128, as `train_step.py`).
 """
 
@@ -183,7 +183,7 @@ def summarise(name: str, setting: dict[str, Any], groups: list[dict[str, Any]], 
 
 
 def decode_rows(sizes: list[str], batches: list[int], prompt_len: int, new_tokens: int, calls: int,
-                capture: Capture) -> list[dict]:
+                capture: Capture, dtype: str = "float32") -> list[dict]:
     import sampler as bench_sampler
     from common import best_seconds
 
@@ -194,7 +194,7 @@ def decode_rows(sizes: list[str], batches: list[int], prompt_len: int, new_token
     for size in sizes:
         directory = Path(tempfile.mkdtemp(prefix=f"op-profile-{size}-"))
         bench_sampler.build_random_llama(directory, bench_sampler.SIZES[size])
-        model = load_model(directory)
+        model = load_model(directory, param_dtype=dtype, dtype=dtype)
         sampler = Sampler(model, max_cache_length=prompt_len + new_tokens, min_prompt_bucket=prompt_len)
         config = SamplingConfig(max_new_tokens=new_tokens, temperature=1.0, stop_token_ids=())
         for batch in batches:
@@ -205,7 +205,8 @@ def decode_rows(sizes: list[str], batches: list[int], prompt_len: int, new_token
 
             groups = profile(run, calls, capture)
             wall = best_seconds(run, calls)
-            setting = {"model": "llama", "size": size, "batch": batch, "tokens": f"{prompt_len}+{new_tokens}"}
+            setting = {"model": "llama", "size": size, "batch": batch, "tokens": f"{prompt_len}+{new_tokens}",
+                       "dtype": dtype}
             steps = new_tokens - 1
             rows.append(summarise("decode step", setting, groups, wall, steps, phase="decode"))
             rows[-1]["wall_ms_note"] = "a whole generate call / decode steps (prefill included)"
@@ -320,6 +321,8 @@ def main() -> None:
     ap.add_argument("--programs", nargs="+", default=["decode", "forward", "train_step"],
                     choices=["decode", "forward", "train_step"])
     ap.add_argument("--top", type=int, default=12, help="parts printed per row")
+    ap.add_argument("--decode-dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="weights, compute and KV-cache dtype of the decode rows (default float32)")
     ap.add_argument("--keep-trace", metavar="DIR",
                     help="keep each program's trace under DIR (for TensorBoard's profile plugin or Perfetto)")
     args = ap.parse_args()
@@ -333,7 +336,8 @@ def main() -> None:
     rows: list[dict] = []
     if "decode" in args.programs:
         rows += decode_rows(["10M"] if args.quick else ["10M", "50M"], [8] if args.quick else [32, 128],
-                            16 if args.quick else 64, 32 if args.quick else 128, calls, capture)
+                            16 if args.quick else 64, 32 if args.quick else 128, calls, capture,
+                            args.decode_dtype)
     if "forward" in args.programs:
         rows += forward_rows(["llama", "neox"], "10M" if args.quick else "50M", 4 if args.quick else 16,
                              64 if args.quick else 256, calls, capture)

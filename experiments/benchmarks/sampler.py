@@ -201,21 +201,23 @@ def decode_matmul_chain(model: Any, batch: int) -> Callable[[], None]:
 def decode_attention_chain(model: Any, batch: int, slots: int) -> Callable[[], None]:
     """A blocking call running one decode step's attention over the KV cache alone:
     `layers.cached_attention` (what a single-token step runs) over every layer's own
-    [batch, kv, d, slots] keys and values, chained through the layers; cache writes left out."""
+    [batch, kv, d, slots] keys and values in the sampler's cache dtype (`serving.kv_cache_dtype`),
+    chained through the layers; cache writes left out."""
     from tbajax.models.layers import cached_attention
+    from tbajax.models.serving import kv_cache_dtype
 
     cfg = model.config
     rng = np.random.default_rng(0)
-    kv, hd, dt = cfg.num_kv_heads, cfg.head_dim, cfg.jnp_dtype
-    keys = [jnp.asarray(rng.standard_normal((batch, kv, hd, slots)), dt) for _ in range(cfg.num_layers)]
-    values = [jnp.asarray(rng.standard_normal((batch, kv, slots, hd)), dt) for _ in range(cfg.num_layers)]
+    kv, hd, dt, cache_dt = cfg.num_kv_heads, cfg.head_dim, cfg.jnp_dtype, kv_cache_dtype(cfg)
+    keys = [jnp.asarray(rng.standard_normal((batch, kv, hd, slots)), cache_dt) for _ in range(cfg.num_layers)]
+    values = [jnp.asarray(rng.standard_normal((batch, kv, slots, hd)), cache_dt) for _ in range(cfg.num_layers)]
     q = jnp.asarray(rng.standard_normal((batch, 1, cfg.num_heads, hd)), dt)
     mask = jnp.ones((batch, 1, slots), bool)
 
     @jax.jit
     def chain(x: jax.Array, keys: Any, values: Any) -> jax.Array:
         for k, v in zip(keys, values):
-            x = x + cached_attention(x, k, v, mask)
+            x = x + cached_attention(x, k, v, mask).astype(x.dtype)
         return x
 
     return lambda: chain(q, keys, values).block_until_ready()

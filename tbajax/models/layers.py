@@ -143,8 +143,9 @@ linear.defvjp(_linear_fwd, _linear_bwd)
 # nn.Linear holds it). At a few rows a step, XLA:CPU's product against a large [in, out] matrix
 # runs well below the same product against its transpose: with a 0.5B model's layer weights
 # (3-33 MB) output-major, the decode step's weight products took 218 instead of 319 ms at batch 32
-# (`sampler_0.5B.json` vs `sampler_0.5B_before_out_major.json`). Smaller weights keep the
-# training layout: the 2 MiB line comes from local per-product runs, not a committed figure.
+# (`sampler_0.5B.json` vs `sampler_0.5B_before_out_major.json`); per product, in fp32 and bf16
+# alike, for the largest weights (8-33 MB) in 11 of 12 rows of `decode_orientation.json`. Smaller
+# weights keep the training layout: from 1 to 6 MB the two layouts trade places between runs.
 OUT_MAJOR_MIN_BYTES = 2 * 2**20
 OUT_MAJOR = "_out_major"  # key suffix of a weight stored [out, in]
 
@@ -421,11 +422,25 @@ def self_attention(
         raise TypeError("a KV-cache step takes its mask over cache slots, not a CausalMask")
     kt, cv, index, *prompt = cache
     with jax.named_scope(S.KV_WRITE):
-        kt = jax.lax.dynamic_update_slice(kt, k.transpose(0, 2, 3, 1).astype(kt.dtype), (0, 0, 0, index))
-        cv = jax.lax.dynamic_update_slice(cv, v.transpose(0, 2, 1, 3).astype(cv.dtype), (0, 0, index, 0))
+        kt = jax.lax.dynamic_update_slice(kt, cache_values(k.transpose(0, 2, 3, 1), kt.dtype), (0, 0, 0, index))
+        cv = jax.lax.dynamic_update_slice(cv, cache_values(v.transpose(0, 2, 1, 3), cv.dtype), (0, 0, index, 0))
+    # the attention reads the cache in its own dtype (it computes in fp32 either way): an fp32
+    # cache of a bf16 model is not rounded through bf16 and back at every read
     if prompt:
-        return attention_after_prompt(q, kt.astype(dtype), cv.astype(dtype), mask, prompt[0]), (kt, cv)
-    return cached_attention(q, kt.astype(dtype), cv.astype(dtype), mask), (kt, cv)
+        return attention_after_prompt(q, kt, cv, mask, prompt[0]).astype(dtype), (kt, cv)
+    return cached_attention(q, kt, cv, mask).astype(dtype), (kt, cv)
+
+
+def cache_values(x: Array, dtype: Any) -> Array:
+    """x as a KV cache of `dtype` holds it. A 16-bit x going into a wider cache (a bf16 model's
+    fp32 cache on CPU, `serving.kv_cache_dtype`) is rounded to its own precision explicitly:
+    XLA may drop a round trip through bf16 (excess precision), and the cache would then hold
+    values that the bf16 cache of another backend does not."""
+    x_dtype, dtype = jnp.dtype(x.dtype), jnp.dtype(dtype)
+    if x_dtype.itemsize == 2 and jnp.issubdtype(x_dtype, jnp.floating) and dtype.itemsize > 2:
+        info = jnp.finfo(x_dtype)
+        return jax.lax.reduce_precision(x.astype(dtype), exponent_bits=info.nexp, mantissa_bits=info.nmant)
+    return x.astype(dtype)
 
 
 def attention(q: Array, k: Array, v: Array, mask: Array, causal: bool = False) -> Array:
@@ -512,8 +527,8 @@ def cached_attention(q: Array, kt: Array, v: Array, mask: Array) -> Array:
     b, t, h, d = q.shape
     kv = kt.shape[1]
     g = h // kv
-    if t > 1:
-        return _attend_rows(_group_queries(q, kv), kt, v, mask, keys_d_major=True)
+    if t > 1:  # batched products of one dtype (a wider cache holds q's dtype's values exactly)
+        return _attend_rows(_group_queries(q, kv), kt.astype(q.dtype), v.astype(q.dtype), mask, keys_d_major=True)
     if g == 1:  # one query per kv head (MHA): without a size-1 group axis, with which XLA:CPU
         # ran Pythia-410M's decode attention 20x slower (`sampler_pythia410M*.json`)
         qh = q.reshape(b, kv, d, 1).astype(jnp.float32)

@@ -104,7 +104,8 @@ class KVCache(_Slots):
     (`tbajax.sampling.continuous`) uses it as a ring: index advances mod `slots` and each row's
     history is wherever it was written (single-token steps attend by `valid` alone).
     With a `prompt` part (the static sampler's K > 1 samples per prompt), the prompt's tokens
-    live there once per prompt and these buffers hold the generated tokens only.
+    live there once per prompt and these buffers hold the generated tokens only. Buffers are
+    `kv_cache_dtype(cfg)` unless `init` is given a dtype: fp32 for a bf16 model on CPU.
     """
 
     index: Array  # int32 scalar: next slot to write
@@ -112,7 +113,7 @@ class KVCache(_Slots):
 
     @classmethod
     def init(cls, cfg: ModelConfig, batch: int, slots: int, dtype: Any = None) -> "KVCache":
-        dtype = dtype or cfg.jnp_dtype
+        dtype = dtype or kv_cache_dtype(cfg)
         kv, hd = cfg.num_kv_heads, cfg.head_dim
         return cls(
             k=tuple(jnp.zeros((batch, kv, hd, slots), dtype) for _ in range(cfg.num_layers)),
@@ -135,6 +136,19 @@ class KVCache(_Slots):
         p = self.prompt
         prompt = L.PromptKV(p.k[i], p.v[i], p.valid, p.samples, p.entry)
         return self.k[i], self.v[i], self.index, prompt
+
+
+def kv_cache_dtype(cfg: ModelConfig, platform: str | None = None) -> Any:
+    """The dtype a sampler's KV cache holds: the compute dtype, except fp32 for a bf16 / fp16
+    model on CPU (`platform`, default JAX's default backend). XLA:CPU rewrites every 16-bit
+    update of a cache as fp32 (convert the whole buffer, update, convert back: a copy of the
+    layer's cache at every decode step) and reads 16-bit caches slower than fp32 ones; the fp32
+    cache holds the same values (`layers.cache_values`), so tokens and log-probs do not change,
+    for twice the cache's memory (`experiments/benchmarks/sampler.py --dtype bfloat16`)."""
+    dtype = jnp.dtype(cfg.jnp_dtype)
+    if dtype.itemsize == 2 and (platform or jax.default_backend()) == "cpu":
+        return jnp.float32
+    return dtype
 
 
 @jax.tree_util.register_dataclass

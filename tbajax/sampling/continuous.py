@@ -59,6 +59,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tbajax.models import ModelConfig, positions_from_mask, serving
+from tbajax.models.layers import cache_values
 from tbajax.models.serving import KVCache, ServingParams
 from tbajax.sampling import core
 from tbajax.sampling.config import SamplingConfig
@@ -172,7 +173,7 @@ def _place_in_rows(cache: KVCache, keys_p: tuple[Array, ...], values_p: tuple[Ar
     def place(buf: Array, x: Array, slot_axis: int, axes: tuple[str, ...]) -> Array:
         # a layer's [B, ...P...] prompt buffer -> its B*K cache rows, the P columns in ring order
         rows = jnp.repeat(jnp.take(x, take, axis=slot_axis), num_samples, axis=0)
-        return constrain(buf.at[slots].set(rows.astype(buf.dtype), mode="drop"), axes)
+        return constrain(buf.at[slots].set(cache_values(rows, buf.dtype), mode="drop"), axes)
 
     valid = jnp.repeat(jnp.take(mask, take, axis=1) & placed[None, :], num_samples, axis=0)
     return KVCache(
@@ -195,7 +196,7 @@ def _place_in_pool(cache: KVCache, keys_p: tuple[Array, ...], values_p: tuple[Ar
     def place(buf: Array, x: Array, slot_axis: int, axes: tuple[str, ...]) -> Array:
         widths = [(0, 0)] * x.ndim
         widths[slot_axis] = (0, pad)
-        return constrain(buf.at[entries].set(jnp.pad(x, widths).astype(buf.dtype), mode="drop"), axes)
+        return constrain(buf.at[entries].set(cache_values(jnp.pad(x, widths), buf.dtype), mode="drop"), axes)
 
     samples = jnp.where(jnp.isin(pool.samples, slots), cache.rows, pool.samples)
     samples = samples.at[entries].set(slots.reshape(b, num_samples), mode="drop")

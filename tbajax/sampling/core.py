@@ -23,6 +23,7 @@ from tbajax import op_scopes as S
 from tbajax.batch import tempered_logprobs
 from tbajax.models import CausalLM, ModelConfig, positions_from_mask, serving
 from tbajax.models.decoder import packed_mask
+from tbajax.models.layers import cache_values
 from tbajax.models.serving import KVCache, ServingParams
 from tbajax.op_scopes import scoped
 from tbajax.sampling.step import sample_keys, sample_logits, step_keys
@@ -88,7 +89,7 @@ def prefill(
         return jnp.repeat(x, num_samples, axis=0) if num_samples > 1 else x
 
     def put(buf: Array, x: Array, axes: tuple[str, ...]) -> Array:
-        return constrain(jax.lax.dynamic_update_slice(buf, x.astype(buf.dtype), (0,) * x.ndim), axes)
+        return constrain(jax.lax.dynamic_update_slice(buf, cache_values(x, buf.dtype), (0,) * x.ndim), axes)
 
     if shared is not None:
         prompt = serving.PromptCache(
