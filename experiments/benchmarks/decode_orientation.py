@@ -65,7 +65,8 @@ def one_row(dtype: str, label: str, rows: int, d: int, f: int, rounds: int) -> d
         "torch_ms": seconds["torch"] * 1e3,
         "out_major_speedup": seconds["in_major"] / seconds["out_major"],
         "best_vs_torch": seconds["torch"] / min(seconds["in_major"], seconds["out_major"]),
-        "in_major_gflops": flops / seconds["in_major"] / 1e9, "out_major_gflops": flops / seconds["out_major"] / 1e9,
+        "in_major_gflops": flops / seconds["in_major"] / 1e9,
+        "out_major_gflops": flops / seconds["out_major"] / 1e9,
     }
 
 

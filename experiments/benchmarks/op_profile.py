@@ -15,8 +15,8 @@ can add up to more than the wall time: shares are of op time, and the wall time 
 apart, without the profiler. Written for and run on XLA:CPU; not tried on a GPU.
 
 Rows: the sampler's decode step (Llama 10M / 50M of `sampler.py`, batch 32 and 128, 64 prompt +
-128 new tokens; per decode step, prefill apart; fp32, or bf16 with --decode-dtype), the forward pass (Llama and GPT-NeoX 50M,
-16 x 256) and the TB train step (10M and 50M, 16 x 128, as `train_step.py`).
+128 new tokens; per decode step, prefill apart; fp32, or bf16 with --decode-dtype), the forward
+pass (Llama and GPT-NeoX 50M, 16 x 256) and the TB train step (10M and 50M, 16 x 128, as `train_step.py`).
 """
 
 from __future__ import annotations

@@ -209,8 +209,9 @@ def decode_attention_chain(model: Any, batch: int, slots: int) -> Callable[[], N
     cfg = model.config
     rng = np.random.default_rng(0)
     kv, hd, dt, cache_dt = cfg.num_kv_heads, cfg.head_dim, cfg.jnp_dtype, kv_cache_dtype(cfg)
-    keys = [jnp.asarray(rng.standard_normal((batch, kv, hd, slots)), cache_dt) for _ in range(cfg.num_layers)]
-    values = [jnp.asarray(rng.standard_normal((batch, kv, slots, hd)), cache_dt) for _ in range(cfg.num_layers)]
+    layers = range(cfg.num_layers)
+    keys = [jnp.asarray(rng.standard_normal((batch, kv, hd, slots)), cache_dt) for _ in layers]
+    values = [jnp.asarray(rng.standard_normal((batch, kv, slots, hd)), cache_dt) for _ in layers]
     q = jnp.asarray(rng.standard_normal((batch, 1, cfg.num_heads, hd)), dt)
     mask = jnp.ones((batch, 1, slots), bool)
 

@@ -145,7 +145,8 @@ def mean_table(figs: list[dict[str, Any]]) -> str:
 
     rows = [
         [group, len(fs), cell(fs, "asr_end", ".1f", 100.0), cell(fs, "unique_successful_end", ".1f"),
-         cell(fs, "diversity_end", ".3f"), cell(fs, "toxicity_end", ".3f"), cell(fs, "samples_generated", ".0f")]
+         cell(fs, "diversity_end", ".3f"), cell(fs, "toxicity_end", ".3f"),
+         cell(fs, "samples_generated", ".0f")]
         for group, fs in groups.items()
     ]
     return markdown_table(header, rows)

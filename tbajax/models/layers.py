@@ -422,8 +422,10 @@ def self_attention(
         raise TypeError("a KV-cache step takes its mask over cache slots, not a CausalMask")
     kt, cv, index, *prompt = cache
     with jax.named_scope(S.KV_WRITE):
-        kt = jax.lax.dynamic_update_slice(kt, cache_values(k.transpose(0, 2, 3, 1), kt.dtype), (0, 0, 0, index))
-        cv = jax.lax.dynamic_update_slice(cv, cache_values(v.transpose(0, 2, 1, 3), cv.dtype), (0, 0, index, 0))
+        kt = jax.lax.dynamic_update_slice(kt, cache_values(k.transpose(0, 2, 3, 1), kt.dtype),
+                                          (0, 0, 0, index))
+        cv = jax.lax.dynamic_update_slice(cv, cache_values(v.transpose(0, 2, 1, 3), cv.dtype),
+                                          (0, 0, index, 0))
     # the attention reads the cache in its own dtype (it computes in fp32 either way): an fp32
     # cache of a bf16 model is not rounded through bf16 and back at every read
     if prompt:
@@ -528,7 +530,8 @@ def cached_attention(q: Array, kt: Array, v: Array, mask: Array) -> Array:
     kv = kt.shape[1]
     g = h // kv
     if t > 1:  # batched products of one dtype (a wider cache holds q's dtype's values exactly)
-        return _attend_rows(_group_queries(q, kv), kt.astype(q.dtype), v.astype(q.dtype), mask, keys_d_major=True)
+        return _attend_rows(_group_queries(q, kv), kt.astype(q.dtype), v.astype(q.dtype), mask,
+                            keys_d_major=True)
     if g == 1:  # one query per kv head (MHA): without a size-1 group axis, with which XLA:CPU
         # ran Pythia-410M's decode attention 20x slower (`sampler_pythia410M*.json`)
         qh = q.reshape(b, kv, d, 1).astype(jnp.float32)
