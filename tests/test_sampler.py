@@ -450,8 +450,8 @@ def test_bf16_model_samples_the_same_with_its_fp32_cache_on_cpu(tiny_checkpoint)
         return static._cache, one, [(np.concatenate(c.tokens), np.concatenate(c.logprobs)) for c in done]
 
     cache, ours, ours_cont = runs()
-    assert cache.k[0].dtype == jnp.float32
-    with mock.patch.object(serving, "kv_cache_dtype", lambda cfg, platform=None: jnp.bfloat16):
+    assert cache.k[0].dtype == jnp.float32 == Sampler(bf16).cache_dtype  # the sampler's CPU mesh
+    with mock.patch.object(sampler_module, "kv_cache_dtype", lambda cfg, platform=None: jnp.bfloat16):
         cache16, theirs, theirs_cont = runs()
     assert cache16.k[0].dtype == jnp.bfloat16
     np.testing.assert_array_equal(ours.tokens, theirs.tokens)

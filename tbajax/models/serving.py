@@ -140,11 +140,12 @@ class KVCache(_Slots):
 
 def kv_cache_dtype(cfg: ModelConfig, platform: str | None = None) -> Any:
     """The dtype a sampler's KV cache holds: the compute dtype, except fp32 for a bf16 / fp16
-    model on CPU (`platform`, default JAX's default backend). XLA:CPU rewrites every 16-bit
-    update of a cache as fp32 (convert the whole buffer, update, convert back: a copy of the
-    layer's cache at every decode step) and reads 16-bit caches slower than fp32 ones; the fp32
-    cache holds the same values (`layers.cache_values`), so tokens and log-probs do not change,
-    for twice the cache's memory (`experiments/benchmarks/sampler.py --dtype bfloat16`)."""
+    model on CPU (`platform`: a `Sampler` passes its mesh's; default JAX's default backend).
+    XLA:CPU rewrites every 16-bit update of a cache as fp32 (convert the whole buffer, update,
+    convert back: a copy of the layer's cache at every decode step) and reads 16-bit caches
+    slower than fp32 ones; the fp32 cache holds the same values (`layers.cache_values`), so
+    tokens and log-probs do not change, for twice the cache's memory
+    (`experiments/benchmarks/sampler.py --dtype bfloat16`)."""
     dtype = jnp.dtype(cfg.jnp_dtype)
     if dtype.itemsize == 2 and (platform or jax.default_backend()) == "cpu":
         return jnp.float32

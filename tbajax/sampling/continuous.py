@@ -413,7 +413,8 @@ class ContinuousEngine:
             ("cache", (("rows", slots), ("slots", ring), ("pool", pool), ("pool_slots", p_max),
                        ("num_samples", k))),
             lambda: jax.jit(lambda: core.init_cache(cfg, slots, ring, pool, p_max if pool else 0,
-                                                    pool_samples=k if pool else 0)),
+                                                    pool_samples=k if pool else 0,
+                                                    dtype=sampler.cache_dtype)),
         )
         proto = request_keys(jax.random.PRNGKey(0), 0, 1)[0]
         self._state = sampler._run(

@@ -165,20 +165,21 @@ def grow_cache(small: KVCache, big: KVCache) -> KVCache:
 
 
 def init_cache(cfg: ModelConfig, rows: int, slots: int, prompts: int = 0, prompt_slots: int = 0,
-               pool_samples: int = 0) -> KVCache:
+               pool_samples: int = 0, dtype: Any = None) -> KVCache:
     """An empty cache laid out over the mesh like the one `prefill` returns; with prompts > 0, a
     prompt part of `prompts` x `prompt_slots` for rows that are K = rows / prompts samples each,
     or with pool_samples = K > 0 a pool of that many prompts that any row may continue
-    (`serving.PromptCache.pool`, continuous batching)."""
-    cache = KVCache.init(cfg, rows, slots)
+    (`serving.PromptCache.pool`, continuous batching). dtype: the buffers' (None:
+    `serving.kv_cache_dtype` on JAX's default backend)."""
+    cache = KVCache.init(cfg, rows, slots, dtype)
     prompt = None
     if prompts:
         if pool_samples:
-            part = serving.PromptCache.pool(cfg, prompts, prompt_slots, pool_samples, rows)
+            part = serving.PromptCache.pool(cfg, prompts, prompt_slots, pool_samples, rows, dtype)
         elif rows % prompts:
             raise ValueError(f"{rows} rows are not K samples of each of {prompts} prompts")
         else:
-            part = serving.PromptCache.init(cfg, prompts, prompt_slots)
+            part = serving.PromptCache.init(cfg, prompts, prompt_slots, dtype)
         prompt = dataclasses.replace(
             part,
             k=tuple(constrain(x, KVCache.K_AXES) for x in part.k),

@@ -30,7 +30,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tbajax.models import CausalLM, ModelConfig
-from tbajax.models.serving import ServingParams, stacked_params
+from tbajax.models.serving import ServingParams, kv_cache_dtype, stacked_params
 from tbajax.packing import PromptGroupRows, group_by_prompt, pack_prompt_groups, predicting_slots
 from tbajax.sampling import core
 from tbajax.sampling.config import SamplingConfig
@@ -150,6 +150,8 @@ class Sampler:
         self.first_decode_phase = first_decode_phase
         self.share_prompt_cache = share_prompt_cache
         self.batch_shards = self.mesh.shape.get("data", 1) * self.mesh.shape.get("fsdp", 1)
+        # fp32 for a bf16 model on CPU devices, whatever JAX's default backend is
+        self.cache_dtype = kv_cache_dtype(self.config, self.mesh.devices.flat[0].platform)
         self._policy = PreparedParams.from_model(model, self.mesh)
         self._reference = _Params.from_model(reference, self.mesh) if reference is not None else None
         self._compiled: dict[tuple[Any, ...], Any] = {}
@@ -456,7 +458,7 @@ class Sampler:
             cache = self._run(
                 ("cache", (("rows", rows), ("slots", slots), ("prompt", prompt))),
                 lambda: jax.jit(functools.partial(core.init_cache, self.config, rows, slots, prompts,
-                                                  prompt_slots)),
+                                                  prompt_slots, dtype=self.cache_dtype)),
             )
         return cache
 
@@ -661,7 +663,7 @@ def _jit_generate(cfg: ModelConfig, num_samples: int, spec: core.DecodeSpec, pha
     def fn(params, cache, tokens, mask, active, key, knobs, limit):  # type: ignore[no-untyped-def]
         if phases[-1] != cache.slots:
             raise ValueError(f"cache has {cache.slots} slots, the phases end at {phases[-1]}")
-        caches = (*(core.init_cache(cfg, cache.rows, s) for s in phases[:-1]), cache)
+        caches = (*(core.init_cache(cfg, cache.rows, s, dtype=cache.dtype) for s in phases[:-1]), cache)
         start = dataclasses.replace(caches[0], prompt=cache.prompt)  # one prompt part for every phase
         first, first_logits, prompt_len = core.prefill(cfg, params, start, tokens, mask,
                                                        num_samples=num_samples)
