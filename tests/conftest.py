@@ -16,12 +16,35 @@ import re
 # defaults: at level 2 the older emitters ran every program 0-6% longer, and compiled the sampler's
 # generate slower too (`dot_backend_emitters.json`).
 FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+
+
+def _xla_knows(flags: str) -> bool:
+    """Whether this jaxlib's XLA accepts `flags`: it aborts the whole process at backend start on
+    one it does not know (jax 0.11 dropped `xla_cpu_use_fusion_emitters`), so a child asks."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
+    probe = [sys.executable, "-c", "import jax; jax.devices()"]
+    return subprocess.run(probe, env=env, capture_output=True, timeout=300).returncode == 0
+
+
+def _fast_compile_flags(flags: str) -> str:
+    """`flags` plus the FAST_COMPILE_FLAGS this XLA knows. xdist's workers inherit the result (and
+    the note of what was left out) from the controller, so only the controller asks XLA."""
+    missing = [f for f in FAST_COMPILE_FLAGS if f.split("=")[0] not in flags
+               and f not in os.environ.get("TBAJAX_TEST_UNKNOWN_XLA_FLAGS", "").split()]
+    if missing and not _xla_knows(" ".join(missing)):
+        unknown = [f for f in missing if not _xla_knows(f)]
+        os.environ["TBAJAX_TEST_UNKNOWN_XLA_FLAGS"] = " ".join(unknown)
+        missing = [f for f in missing if f not in unknown]
+    return " ".join([flags, *missing]).strip()
+
+
 _flags = os.environ.get("XLA_FLAGS")
 if _flags is None:
     _flags = "--xla_force_host_platform_device_count=8"
-for _flag in FAST_COMPILE_FLAGS:
-    if _flag.split("=")[0] not in _flags:
-        _flags = f"{_flags} {_flag}".strip()
+_flags = _fast_compile_flags(_flags)
 os.environ["XLA_FLAGS"] = _flags
 # what the role processes that tests start get: one CPU device each (as a user's run), same compile flags
 ROLE_XLA_FLAGS = re.sub(r"--xla_force_host_platform_device_count=\S+", "", _flags).strip()
