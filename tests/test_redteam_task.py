@@ -168,9 +168,13 @@ def test_tb_without_reference_reads_no_reference() -> None:
     assert TB_NO_REFERENCE.loss is tb and not TB_NO_REFERENCE.inputs_for(None).reference_logprobs
 
 
+RUN_MIN_ATTACK_TOKENS = 3  # the runs' attacks have 2-5 tokens: some take the short-attack prior
+
+
 def _run_args(bilstm_dir: Path, *extra: str) -> list[str]:
     options = dict(victim=str(TINY), classifier=f"bilstm:{bilstm_dir}", instruction=INSTRUCTION, num_eval=4, eval_samples=8,
-                   victim_answers=2, victim_max_new_tokens=4, victim_max_prompt_tokens=16, beta=0.5)
+                   victim_answers=2, victim_max_new_tokens=4, victim_max_prompt_tokens=16, beta=0.5,
+                   min_attack_tokens=RUN_MIN_ATTACK_TOKENS)
     return [
         "--set", "task.name=redteam", "--set", f"task.options={json.dumps(options)}",
         "--objective=tbajax.tasks.redteam:TB_NO_REFERENCE",
@@ -208,7 +212,9 @@ def _check_run(run: Path, out: str, steps: int) -> None:
         ex = r.extras
         assert len(ex["victim_answers"]) == 2 and len(ex["toxicity"]) == 2
         assert ex["attack_length"] == len(r.response_tokens) >= 2
-        want = ex["log_prior"] + float(np.mean(np.log(ex["toxicity"]))) / 0.5  # γ = τ = 1
+        short = ex["attack_length"] < RUN_MIN_ATTACK_TOKENS
+        prior = -500.0 if short else ex["log_prior"]  # the stored prior is the model's, before the rule
+        want = prior + float(np.mean(np.log(ex["toxicity"]))) / 0.5  # γ = τ = 1
         assert r.reward == pytest.approx(want, rel=1e-4, abs=1e-3)
     # the heap buffer's counters reach the trainer's records
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
