@@ -62,6 +62,15 @@ def exits_process(completion, answer):
     return exact_match(completion, answer)
 
 
+def crashes_on_first_try(completion, answer):
+    """Kills its worker unless the file `answer` exists, which it makes first: a one-off death."""
+    marker = Path(answer)
+    if not marker.exists():
+        marker.write_text("died once")
+        os._exit(3)
+    return exact_match(completion, completion)
+
+
 def mixed_behaviour(completion, answer):
     if completion == "hang":
         sleeps_forever(completion, answer)
@@ -520,6 +529,19 @@ def test_reward_pool_timeout_error_crash_and_recovery():
         assert pool.restarts >= 3
     with pytest.raises(RuntimeError, match="closed"):
         pool.run(exact_match, [("a", "a")])
+
+
+def test_reward_pool_scores_again_a_sample_whose_worker_died_once(tmp_path):
+    """A worker that dies while scoring (a crash, or CPython's forkserver losing its status: exit
+    code 255 under load) costs its sample a second try on a fresh worker, not an ERROR; a sample
+    that kills that one too gets ERROR, with the exit code."""
+    with RewardPool(num_workers=1, timeout_s=5.0) as pool:
+        marker = tmp_path / "marker"
+        assert pool.score(_task(crashes_on_first_try), [("a", str(marker)), ("b", str(marker))]) == [(1.0, OK)] * 2
+        assert marker.exists() and pool.restarts == 1
+        (r,) = pool.score_detailed(_task(exits_process), [("crash", "y")])
+        assert r[:2] == (0.0, ERROR) and "exit code 7" in r.error and "2 times" in r.error
+        assert pool.restarts == 3
 
 
 USER_TASK_FILE = """

@@ -4,7 +4,10 @@ Each worker is a process with its own pipe and serves one sample at a time; the 
 sample a deadline and multiplexes over all pipes and process sentinels with
 `multiprocessing.connection.wait`. A sample past its deadline gets TIMEOUT (its worker is killed
 and replaced), a raising grader gets ERROR (exception text logged), a worker that dies (os._exit,
-segfault) gets ERROR for its sample and is replaced. Workers start with `spawn` or `forkserver`,
+segfault) is replaced and its sample scored again on the fresh one: ERROR only if that one dies too.
+A death need not be the grader's: 255 is the exit code CPython's forkserver reports when it could
+not deliver a worker's status (python/cpython#140867 shows such failures under load), and one test
+run on a loaded 2-core machine lost a math-verify sample that way. Workers start with `spawn` or `forkserver`,
 never `fork`: the caller is a multi-threaded JAX process. Workers say "ready" after start-up, and
 the clock of a sample only starts when a ready worker receives it, so slow imports in a fresh
 worker never count as a grader timeout.
@@ -35,6 +38,7 @@ from tbajax.trajectory import RewardStatus
 log = logging.getLogger(__name__)
 
 _READY = "ready"
+WORKER_DEATHS_PER_SAMPLE = 2  # a sample whose workers die this many times gets ERROR
 
 
 class RewardResult(NamedTuple):
@@ -247,6 +251,7 @@ class RewardPool:
     def _run(self, fn: Callable[[str, Any], Any], jobs: Sequence[tuple[str, Any]]) -> list[RewardResult]:
         results: list[RewardResult | None] = [None] * len(jobs)
         pending = deque(range(len(jobs)))
+        deaths = [0] * len(jobs)  # workers lost while scoring each sample
         self._ensure_workers()
         start_failures = 0
         last_progress = time.monotonic()
@@ -301,9 +306,18 @@ class RewardPool:
                 w.process.join(timeout=1.0)  # its pipe closed: it is exiting, collect the exit code
                 code = w.process.exitcode
                 if w.job is not None:
-                    results[w.job] = RewardResult(
-                        0.0, RewardStatus.ERROR, f"reward worker died (exit code {code}) while scoring this sample"
-                    )
+                    i = w.job
+                    deaths[i] += 1
+                    if deaths[i] < WORKER_DEATHS_PER_SAMPLE:
+                        log.warning("reward worker died (exit code %s) while scoring a sample; scoring it again "
+                                    "on a fresh worker", code)
+                        pending.appendleft(i)
+                    else:
+                        results[i] = RewardResult(
+                            0.0, RewardStatus.ERROR,
+                            f"reward worker died (exit code {code}) while scoring this sample, "
+                            f"{deaths[i]} times on fresh workers",
+                        )
                 elif not w.ready:
                     start_failures += 1
                     log.error("reward worker failed to start (exit code %s)", code)
