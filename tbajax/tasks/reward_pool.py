@@ -7,8 +7,8 @@ and replaced), a raising grader gets ERROR (exception text logged), a worker tha
 segfault) is replaced and its sample scored again on the fresh one: ERROR only if that one dies too.
 A death need not be the grader's: 255 is the exit code CPython's forkserver reports when it could
 not deliver a worker's status (python/cpython#140867 shows such failures under load), and one test
-run on a loaded 2-core machine lost a math-verify sample that way. Workers start with `spawn` or `forkserver`,
-never `fork`: the caller is a multi-threaded JAX process. Workers say "ready" after start-up, and
+run on a loaded 2-core machine lost a math-verify sample that way. Workers start with `spawn` or
+`forkserver`, never `fork`: the caller is a multi-threaded JAX process. Workers say "ready" after start-up, and
 the clock of a sample only starts when a ready worker receives it, so slow imports in a fresh
 worker never count as a grader timeout.
 """
