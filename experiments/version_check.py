@@ -55,7 +55,7 @@ def test_results(junit: Path, output: str) -> dict[str, Any]:
     counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
     not_passed = []
     for case in ET.parse(junit).getroot().iter("testcase"):
-        name = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
+        name = f"{case.get('classname')}::{case.get('name')}"  # JUnit's dotted module (and class) path
         kinds = {child.tag for child in case}
         if "failure" in kinds:
             counts["failed"] += 1
@@ -81,8 +81,9 @@ def main() -> None:
 
     venv = Path(args.venv or tempfile.mkdtemp(prefix="tbajax-venv-"))
     py = str(venv / "bin" / "python")
+    reused = Path(py).exists()  # then install_s is pip's check of an installed venv, not an install
     try:
-        if not Path(py).exists():
+        if not reused:
             run([args.python, "-m", "venv", str(venv)], check=True)
         t0 = time.perf_counter()
         run([py, "-m", "pip", "install", "-q", "-e", ".[dev]"], check=True)
@@ -98,7 +99,7 @@ def main() -> None:
         if not junit.exists():
             sys.exit(f"pytest wrote no report (exit {tests.returncode}); its output is above")
         result: dict[str, Any] = {
-            "versions": versions, "install_s": install_s,
+            "versions": versions, "install_s": install_s, "venv_reused": reused,
             "tests": {**test_results(junit, tests.stdout), "exit_code": tests.returncode, "seconds": tests_s},
         }
         if not args.skip_default_run:
