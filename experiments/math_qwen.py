@@ -15,9 +15,10 @@ answer or solution). Checkpoint: the hub id below, or `--set model.checkpoint=/p
 
 On 8 GPUs (80 GB each): trainer on GPUs 0-3 with an FSDP mesh (fp32 master weights, Adam moments
 and the fp32 reference ≈ 140 GB, 35 GB per GPU), bf16 compute, full remat, 32 micro-batches of
-one group each; one bf16 searcher per GPU 4-7. Not measured yet: the largest activation is the
-trainer's fp32 logits, rows × T × 152k vocab × 4 bytes (4 rows × 4096 tokens ≈ 10 GB per GPU,
-about as much again for their gradient).
+one group each; one bf16 searcher per GPU 4-7. The trainer's fp32 logits (0.6 MB per token of
+the 152k vocabulary) are computed a chunk of 1 GiB at a time (`model.head_chunk_tokens=auto`):
+XLA's CPU buffer assignment for one 16 × 4096 group of the 7B takes 53 GB of scratch against 87 GB
+with all logits at once (`experiments/benchmarks/head_chunks.py`); not measured on a GPU.
 
 Scaling down to ONE GPU. The 7B fp32 master weights + Adam alone need ~120 GB, so use a smaller
 Qwen2.5 (same family, same code path), a shorter context and fewer groups, and let both roles
@@ -33,8 +34,8 @@ Qwen2.5-0.5B):
         --set rollout.max_prompt_tokens=512 --set rollout.sampling.max_new_tokens=1024
 
 `system.memory_fraction` is each process's share of the GPU (trainer + 1 searcher = 2 × 0.45).
-A micro-batch holds one whole group (16 rows), whose fp32 logits take ~10 GB per 1,000 tokens
-of context: shorten the context first when memory runs out.
+A micro-batch holds one whole group (16 rows); its activations grow with the context: shorten the
+context first when memory runs out.
 """
 
 from tbajax.buffer import BufferConfig

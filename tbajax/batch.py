@@ -13,12 +13,16 @@ lives next to the trainer, in `tbajax.training.collate`.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from tbajax import op_scopes as S
+from tbajax.models.config import check_head_chunk
 from tbajax.models.layers import unfused_transpose
 from tbajax.op_scopes import scoped
 from tbajax.sharding import constrain
@@ -160,17 +164,58 @@ def _tempered_bwd(residuals, g: Array):
 tempered_logprobs.defvjp(_tempered_fwd, _tempered_bwd)
 
 
-def hidden_token_logprobs(hidden: Array, head: Array, tokens: Array, temperature: float = 1.0) -> Array:
+def hidden_token_logprobs(hidden: Array, head: Array, tokens: Array, temperature: float = 1.0,
+                          chunk: HeadChunk = "auto") -> Array:
     """`token_logprobs` of `hidden @ head` ([B, T, D] hidden, [D, V] head) without going through
     autodiff of the vocabulary projection: `head_logprobs` computes the [B, T, V] logit gradient
     once and feeds both weight-gradient matmuls from it."""
-    return _aligned(head_logprobs(hidden, head, _next_tokens(tokens), jnp.float32(temperature)))
+    return _aligned(head_logprobs(hidden, head, _next_tokens(tokens), jnp.float32(temperature), chunk))
+
+
+# `head_logprobs(chunk=...)`: tokens per chunk of the vocabulary projection, "auto" (as many as
+# HEAD_CHUNK_BYTES of fp32 logits hold; all at once when the whole fits) or None (all at once)
+HeadChunk = int | Literal["auto"] | None
+# 1 GiB of fp32 logits: 1,766 tokens of Qwen2.5's 151,936-word vocabulary, 8,192 of a 32,768 one
+HEAD_CHUNK_BYTES = 1 << 30
+
+
+def head_chunk_steps(chunk: HeadChunk, hidden_shape: tuple[int, ...], vocab: int) -> int:
+    """How many steps `head_logprobs` takes over the length axis (axis -2) of `hidden_shape`
+    [..., L, D]: 1 (all at once) when `chunk` is None or the tokens fit in one chunk."""
+    if chunk is None:
+        return 1
+    if chunk == "auto":
+        chunk = max(1, HEAD_CHUNK_BYTES // (4 * vocab))
+    check_head_chunk(chunk)
+    rows, length = math.prod(hidden_shape[:-2]), hidden_shape[-2]
+    per_step = max(1, chunk // max(rows, 1))  # positions of the length axis per step, every row
+    return -(-length // per_step) if rows * length > chunk else 1
+
+
+def head_logprobs(hidden: Array, head: Array, targets: Array, temperature: Array,
+                  chunk: HeadChunk = "auto") -> Array:
+    """tempered_logprobs(hidden @ head): [..., L, D] hidden, [D, V] head (the compute dtype; logits
+    in f32), [..., L] targets -> [..., L] f32.
+
+    With more tokens than `chunk`, the projection runs a chunk of the length axis at a time (every
+    row in each chunk, so a batch-sharded mesh keeps its sharding) and its backward computes each
+    chunk's logits again: memory for [chunk, V] logits instead of all [tokens, V] of them and
+    their gradient, for one more vocabulary matmul in the backward. A long-context step with a
+    150k-word vocabulary otherwise holds ~0.6 MB of logits per token, plus their gradient.
+    """
+    steps = head_chunk_steps(chunk, hidden.shape, head.shape[-1])
+    if steps == 1:
+        return _whole_head_logprobs(hidden, head, targets, temperature)
+    lead, (length, width) = hidden.shape[:-2], hidden.shape[-2:]
+    rows = math.prod(lead)
+    out = _chunked_head_logprobs(steps, hidden.reshape(rows, length, width), head,
+                                 targets.reshape(rows, length), temperature)
+    return out.reshape(*lead, length)
 
 
 @jax.custom_vjp
-def head_logprobs(hidden: Array, head: Array, targets: Array, temperature: Array) -> Array:
-    """tempered_logprobs(hidden @ head): [..., D] hidden, [D, V] head (the compute dtype; logits in
-    f32), [...] targets -> [...] f32.
+def _whole_head_logprobs(hidden: Array, head: Array, targets: Array, temperature: Array) -> Array:
+    """`head_logprobs` all at once.
 
     XLA CPU differentiates the projection by computing the [rows, V] logit gradient twice, once
     row-major for d hidden and once transposed for d head (each as slow as the matmul it feeds);
@@ -215,7 +260,80 @@ def _head_bwd(residuals, g: Array):
     return dhidden.astype(scaled.dtype), dhead.astype(head.dtype), _int_zeros(targets), dtemp
 
 
-head_logprobs.defvjp(_head_fwd, _head_bwd)
+_whole_head_logprobs.defvjp(_head_fwd, _head_bwd)
+
+
+def _in_steps(x: Array, steps: int) -> tuple[Array, int]:
+    """`x` [rows, L, ...] padded along L to `steps` equal chunks, and the chunk length."""
+    per_step = -(-x.shape[1] // steps)
+    pad = steps * per_step - x.shape[1]
+    return jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)), per_step
+
+
+def _chunk(x: Array, j: Array, per_step: int) -> Array:
+    return jax.lax.dynamic_slice_in_dim(x, j * per_step, per_step, axis=1)
+
+
+def _chunk_logits(scaled: Array, head: Array) -> Array:
+    with jax.named_scope(S.LM_HEAD):
+        return _vocab_sharded(jnp.einsum("...d,dv->...v", scaled, head, preferred_element_type=jnp.float32))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _chunked_head_logprobs(steps: int, hidden: Array, head: Array, targets: Array,
+                           temperature: Array) -> Array:
+    """`head_logprobs` over [rows, L, D] hidden states in `steps` chunks of the length axis."""
+    return _chunked_forward(steps, hidden, head, targets, temperature)[0]
+
+
+def _chunked_forward(steps: int, hidden: Array, head: Array, targets: Array, temperature: Array):
+    """(log-probs [rows, L], (hidden / T padded to the chunks, the log-normalisers [rows, L']))."""
+    length = hidden.shape[1]
+    scaled, per_step = _in_steps((hidden.astype(jnp.float32) / temperature).astype(hidden.dtype), steps)
+    padded_targets = _in_steps(targets, steps)[0]
+
+    def one(j: Array) -> tuple[Array, Array]:
+        z = _chunk_logits(_chunk(scaled, j, per_step), head)
+        return _tempered_forward(z, _chunk(padded_targets, j, per_step), _UNIT_TEMPERATURE)
+
+    out, logz = jax.lax.map(one, jnp.arange(steps))  # [steps, rows, per_step]
+    joined = lambda x: jnp.moveaxis(x, 0, 1).reshape(x.shape[1], -1)  # noqa: E731
+    return joined(out)[:, :length], (scaled, joined(logz))
+
+
+def _chunked_fwd(steps: int, hidden: Array, head: Array, targets: Array, temperature: Array):
+    out, (scaled, logz) = _chunked_forward(steps, hidden, head, targets, temperature)
+    return out, (scaled, head, targets, temperature, logz)
+
+
+def _chunked_bwd(steps: int, residuals, g: Array):
+    """`_head_bwd` a chunk at a time, each chunk's logits computed again from the saved h / T."""
+    scaled, head, targets, temperature, logz = residuals
+    length, per_step = targets.shape[1], scaled.shape[1] // steps
+    padded_targets, padded_g = _in_steps(targets, steps)[0], _in_steps(g, steps)[0]  # g = 0 on the pad
+
+    def one(j: Array, carry: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
+        dhidden, dhead, dtemp = carry
+        h = _chunk(scaled, j, per_step)
+        z = _chunk_logits(h, head)
+        dz, dtemp_unit = _cotangents(z, _chunk(padded_targets, j, per_step), _UNIT_TEMPERATURE,
+                                     _chunk(logz, j, per_step), _chunk(padded_g, j, per_step))
+        dz = _vocab_sharded(dz.astype(h.dtype))
+        with jax.named_scope(S.LM_HEAD):
+            dh = jnp.einsum("...v,dv->...d", dz, head, preferred_element_type=jnp.float32) / temperature
+            dhead = dhead + jnp.einsum("dn,nv->dv", unfused_transpose(h.reshape(-1, h.shape[-1])),
+                                       dz.reshape(-1, dz.shape[-1]), preferred_element_type=jnp.float32)
+        dhidden = jax.lax.dynamic_update_slice_in_dim(dhidden, dh.astype(dhidden.dtype), j * per_step, axis=1)
+        return dhidden, dhead, dtemp + dtemp_unit
+
+    init = (jnp.zeros(scaled.shape, scaled.dtype), jnp.zeros(head.shape, jnp.float32),
+            jnp.zeros((), jnp.float32))
+    dhidden, dhead, dtemp_unit = jax.lax.fori_loop(0, steps, one, init)
+    dtemp = (dtemp_unit / temperature).astype(temperature.dtype)
+    return dhidden[:, :length], dhead.astype(head.dtype), _int_zeros(targets), dtemp
+
+
+_chunked_head_logprobs.defvjp(_chunked_fwd, _chunked_bwd)
 
 
 def _vocab_sharded(x: Array) -> Array:
@@ -227,30 +345,33 @@ def _int_zeros(x: Array) -> Array:
     return np.zeros(x.shape, dtype=jax.dtypes.float0)
 
 
-def window_logprobs(hidden: Array, head: Array, tokens: Array, slots: Array, temperature: Array) -> Array:
+def window_logprobs(hidden: Array, head: Array, tokens: Array, slots: Array, temperature: Array,
+                    chunk: HeadChunk = "auto") -> Array:
     """[B, S] log-probs of tokens[b, slots[b, j]] from hidden states [B, T, D] of `tokens`
     (slots >= 1): the states that predict them (slots - 1) are gathered first, so the vocabulary
     projection, its [B, S, V] logits and their gradient (`head_logprobs`) cover the window only."""
     rows = jnp.arange(hidden.shape[0])[:, None]
     temperature = jnp.asarray(temperature, jnp.float32)
-    return head_logprobs(hidden[rows, slots - 1], head, tokens[rows, slots], temperature)
+    return head_logprobs(hidden[rows, slots - 1], head, tokens[rows, slots], temperature, chunk)
 
 
-def windowed_hidden_logprobs(hidden: Array, head: Array, batch: Batch, temperature: float = 1.0) -> Array:
+def windowed_hidden_logprobs(hidden: Array, head: Array, batch: Batch, temperature: float = 1.0,
+                             chunk: HeadChunk = "auto") -> Array:
     """`hidden_token_logprobs` over each row's scored window only (`batch.scored`): hidden states
     [B, T, D] of `batch.tokens`, result [B, T], filled on `loss_mask` only (0 elsewhere).
 
     The states that predict the window's tokens (slots - 1) are gathered first, so the vocabulary
     projection, its [B, S, V] logits and their gradient cover the window, not the prompt."""
     slots, tokens = jnp.asarray(batch.scored), jnp.asarray(batch.tokens)
-    picked = window_logprobs(hidden, head, tokens, slots, temperature)
+    picked = window_logprobs(hidden, head, tokens, slots, temperature, chunk)
     offset = jnp.arange(tokens.shape[1])[None, :] - slots[:, :1]  # slot t -> window entry t - first
     inside = (offset >= 0) & (offset < slots.shape[1])
     aligned = jnp.take_along_axis(picked, jnp.clip(offset, 0, slots.shape[1] - 1), axis=1)
     return jnp.where(batch.loss_mask & inside, aligned, 0.0)
 
 
-def packed_hidden_logprobs(hidden: Array, head: Array, batch: Batch, temperature: float = 1.0) -> Array:
+def packed_hidden_logprobs(hidden: Array, head: Array, batch: Batch, temperature: float = 1.0,
+                           chunk: HeadChunk = "auto") -> Array:
     """`hidden_token_logprobs` for a batch scored through its packed rows: hidden states [G, L, D]
     of `batch.packed.tokens`, result [B, T] in the row layout, filled on `loss_mask` only (0
     elsewhere: prompt tokens are not scored in a packed row).
@@ -263,7 +384,7 @@ def packed_hidden_logprobs(hidden: Array, head: Array, batch: Batch, temperature
     rows = jnp.arange(hidden.shape[0])[:, None]
     predicting = hidden[rows, pk.previous]  # [G, S, D]
     targets = pk.tokens[rows, pk.scored]
-    flat = head_logprobs(predicting, head, targets, jnp.float32(temperature)).reshape(-1)
+    flat = head_logprobs(predicting, head, targets, jnp.float32(temperature), chunk).reshape(-1)
     return jnp.where(batch.loss_mask, flat[pk.source], 0.0)
 
 

@@ -39,6 +39,9 @@ class ModelSpec:
     attention: the attention of training, scoring and prompt passes: "xla" (tbajax's own, every
       platform and dtype) or "cudnn" (cuDNN's fused flash attention: NVIDIA GPUs, dtype bfloat16 or
       float16; not yet run on a GPU by these sessions, see the README's status).
+    head_chunk_tokens: the trainer's vocabulary projection + log-softmax runs this many tokens at a
+      time, its backward computing each chunk's logits again: "auto" chunks when a micro-batch's
+      fp32 logits exceed 1 GiB (a long context with a 150k-word vocabulary), null never chunks.
     """
 
     checkpoint: str = ""
@@ -48,6 +51,7 @@ class ModelSpec:
     remat: Literal["none", "full", "dots"] = "none"
     scan_layers: bool | Literal["auto"] = "auto"
     attention: Literal["xla", "cudnn"] = "xla"
+    head_chunk_tokens: int | Literal["auto"] | None = "auto"
     lora: LoraConfig | None = None
 
 
@@ -392,6 +396,10 @@ class ExperimentConfig:
                 raise ConfigError(f"{key}={value!r} must be {bound}{' (or null)' if optional else ''}")
         if self.system.memory_fraction is not None and self.system.memory_fraction > 1:
             raise ConfigError(f"system.memory_fraction={self.system.memory_fraction} must be in (0, 1]")
+        chunk = self.model.head_chunk_tokens
+        if isinstance(chunk, int) and chunk < 1:
+            raise ConfigError(f"model.head_chunk_tokens={chunk} must be >= 1 tokens "
+                              "(or 'auto', or null: never chunk)")
 
     def _check_trainer_processes(self) -> None:
         s = self.system
@@ -492,6 +500,7 @@ RESUME_SAFE_KEYS: tuple[str, ...] = (
     "train.keep_checkpoints",
     "train.log_every",
     "train.pipeline",  # the same updates either way: only whether host and device overlap
+    "model.head_chunk_tokens",  # the same log-probs and gradients, fewer logits at once (after an OOM)
     "train.trainer.optimizer.lr.warmup_steps",
     "train.trainer.optimizer.lr.stable_steps",
     "train.trainer.optimizer.lr.decay_steps",

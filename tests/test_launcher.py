@@ -133,6 +133,7 @@ def test_last_error_is_the_main_threads_exception_of_the_last_session():
     ("system.memory_fraction=1.5", "system.memory_fraction"),
     ("eval.num_problems=0", "eval.num_problems"),
     ("train.keep_checkpoints=0", "train.keep_checkpoints"),
+    ("model.head_chunk_tokens=0", "model.head_chunk_tokens"),
 ])
 def test_numeric_config_fields_are_range_checked_by_key(override, key):
     with pytest.raises(ConfigError, match=rf"^{key.replace('.', r'[.]')}="):
@@ -141,8 +142,10 @@ def test_numeric_config_fields_are_range_checked_by_key(override, key):
 
 def test_resume_accepts_safe_changes_and_lists_the_unsafe_ones():
     base = _config().to_dict()
-    longer = _config("train.steps=900", "eval.every=50", "system.stall_timeout_s=null").to_dict()
-    assert check_resume_changes(base, longer) == ["eval.every", "system.stall_timeout_s", "train.steps"]
+    longer = _config("train.steps=900", "eval.every=50", "system.stall_timeout_s=null",
+                     "model.head_chunk_tokens=512").to_dict()
+    assert check_resume_changes(base, longer) == ["eval.every", "model.head_chunk_tokens", "system.stall_timeout_s",
+                                                  "train.steps"]
     assert check_resume_changes(base, base) == []
     other = _config("train.steps=900", "train.groups_per_step=4", "seed=3").to_dict()
     assert config_differences(base, other) == ["seed", "train.groups_per_step", "train.steps"]

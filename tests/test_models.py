@@ -367,6 +367,95 @@ def test_head_logprobs_divide_the_hidden_states_by_the_temperature_not_the_logit
     np.testing.assert_allclose(jax.jit(jax.grad(loss, argnums=2))(h, w, t), want_dt, rtol=1e-4)
 
 
+def _head_inputs(rows: int, length: int, width: int, vocab: int, dtype=jnp.float32, seed: int = 3):
+    r = np.random.default_rng(seed)
+    return (jnp.asarray(r.normal(size=(rows, length, width)), dtype),
+            jnp.asarray(r.normal(size=(width, vocab)) * width**-0.5, dtype),
+            jnp.asarray(r.integers(0, vocab, (rows, length)), jnp.int32),
+            jnp.asarray(r.normal(size=(rows, length)), jnp.float32))
+
+
+def _head_value_and_grads(chunk, h, w, targets, g):
+    from tbajax.batch import head_logprobs
+
+    def loss(h, w, t):
+        out = head_logprobs(h, w, targets, t, chunk)
+        return (out * g).sum(), out
+    grad_fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+    (_, out), grads = grad_fn(h, w, jnp.float32(0.7))
+    return out, grads
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("chunk", [1, 6, 7, 40, 90])
+def test_chunked_head_logprobs_equal_the_whole_projection(chunk, dtype):
+    """A chunk at a time along the length axis (3 rows x 13 positions: chunks of 1 position, 2 (6
+    and 7 tokens: padded to 14 positions), 13 (40) and the whole (90 > 39 tokens)): the same
+    log-probs and gradients (hidden, head, temperature) as all at once."""
+    h, w, targets, g = _head_inputs(3, 13, 8, 37, dtype)
+    want_out, want_grads = _head_value_and_grads(None, h, w, targets, g)
+    out, grads = _head_value_and_grads(chunk, h, w, targets, g)
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(out, want_out, rtol=tol, atol=tol)
+    for got, want in zip(grads, want_grads):
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                                   rtol=tol, atol=tol)
+
+
+def test_head_chunk_steps_by_hand():
+    from tbajax.batch import HEAD_CHUNK_BYTES, head_chunk_steps
+
+    assert HEAD_CHUNK_BYTES // (4 * 151936) == 1766  # "auto" at Qwen2.5's vocabulary
+    # 16 rows: 1766 // 16 = 110 positions a step, 1024 / 110 -> 10 steps
+    assert head_chunk_steps("auto", (16, 1024, 896), 151936) == 10
+    assert head_chunk_steps("auto", (2, 800, 896), 151936) == 1  # 1,600 tokens fit one chunk
+    assert head_chunk_steps(None, (16, 4096, 896), 151936) == 1
+    assert head_chunk_steps(100, (4, 100, 8), 50) == 4  # 25 positions a step
+    assert head_chunk_steps(3, (4, 10, 8), 50) == 10  # more rows than the chunk: a position a step
+    assert head_chunk_steps(100, (2, 3, 10, 8), 50) == 1  # leading axes count as rows: 60 tokens
+    for bad in (0, -5, 2.5, True, "all"):
+        with pytest.raises(ValueError, match="head_chunk_tokens"):
+            head_chunk_steps(bad, (4, 10, 8), 50)
+
+
+def test_chunked_head_holds_a_chunk_of_logits_not_all_of_them():
+    """XLA's buffer assignment for the value and gradient: 4 x 512 tokens of an 8,192-word vocabulary
+    hold 64 MiB of fp32 logits at once; in chunks of 256 tokens (4 rows x 64 positions) the
+    program's scratch memory is a few chunks' logits (8 MiB each)."""
+    from tbajax.batch import head_logprobs
+
+    h, w, targets, g = _head_inputs(4, 512, 16, 8192)
+
+    def temp_bytes(chunk) -> int:
+        loss = lambda h, w: (head_logprobs(h, w, targets, jnp.float32(1.0), chunk) * g).sum()  # noqa: E731
+        program = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(h, w).compile()
+        return program.memory_analysis().temp_size_in_bytes
+
+    whole, chunked = temp_bytes(None), temp_bytes(256)
+    logits, chunk_logits = 4 * 512 * 8192 * 4, 256 * 8192 * 4
+    assert whole >= logits, (whole, logits)
+    assert chunked <= 3 * chunk_logits, (chunked, chunk_logits)  # a chunk's logits, their gradient, scratch
+
+
+def test_chunked_head_on_a_mesh_matches_one_device():
+    """Rows sharded over the data axis, the vocabulary over the tensor axis: each chunk takes every
+    row, so the sharded program gives the one-device log-probs and gradients."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from tbajax.sharding import MeshConfig, make_mesh
+
+    h, w, targets, g = _head_inputs(4, 9, 8, 64)
+    want_out, want_grads = _head_value_and_grads(None, h, w, targets, g)
+    mesh = make_mesh(MeshConfig(data=4, fsdp=1, tensor=2))
+    rows, vocab = NamedSharding(mesh, P("data")), NamedSharding(mesh, P(None, "tensor"))
+    with jax.set_mesh(mesh):
+        out, grads = _head_value_and_grads(8, jax.device_put(h, rows), jax.device_put(w, vocab),
+                                           jax.device_put(targets, rows), jax.device_put(g, rows))
+    np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-5)
+    for got, want in zip(grads, want_grads):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_project_matches_the_einsum_of_a_multi_axis_weight_and_its_gradients():
     """`project` (q_proj-like [d, heads, head_dim] and o_proj-like [heads, head_dim, d] weights)
     equals the einsum it replaces in the family blocks, value and gradients."""

@@ -106,12 +106,12 @@ def earlier(attention: bool = False, linear: bool = False, head: bool = False) -
         if linear:
             L.linear.defvjp(L._linear_fwd, earlier_linear_bwd)
         if head:
-            batch_module.head_logprobs.defvjp(batch_module._head_fwd, earlier_head_bwd)
+            batch_module._whole_head_logprobs.defvjp(batch_module._head_fwd, earlier_head_bwd)
         yield
     finally:
         L._row_grads = row_grads
         L.linear.defvjp(L._linear_fwd, L._linear_bwd)
-        batch_module.head_logprobs.defvjp(batch_module._head_fwd, batch_module._head_bwd)
+        batch_module._whole_head_logprobs.defvjp(batch_module._head_fwd, batch_module._head_bwd)
 
 
 ARMS: dict[str, dict[str, bool]] = {

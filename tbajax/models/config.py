@@ -42,6 +42,12 @@ class RopeScaling:
 UNROLLED_MAX_LAYERS = 8
 
 
+def check_head_chunk(chunk: Any) -> None:
+    """`head_chunk_tokens` is a number of tokens >= 1, "auto" or None (`batch.head_logprobs`)."""
+    if chunk not in ("auto", None) and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(f"head_chunk_tokens={chunk!r}; give a number of tokens >= 1, 'auto' or null")
+
+
 def scan_layers_for(choice: bool | str, num_layers: int) -> bool:
     """The `scan_layers` a model with `num_layers` gets for True, False or "auto"."""
     if choice == "auto":
@@ -53,7 +59,8 @@ def scan_layers_for(choice: bool | str, num_layers: int) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Architecture (from the checkpoint) plus runtime choices (dtypes, remat, scan_layers, attention)."""
+    """Architecture (from the checkpoint) plus runtime choices (dtypes, remat, scan_layers, attention,
+    head_chunk_tokens)."""
 
     model_type: Literal["llama", "qwen2", "qwen3", "gpt_neox", "gpt2"]
     vocab_size: int
@@ -96,6 +103,11 @@ class ModelConfig:
     # attention (`layers.cudnn_attention`: NVIDIA GPUs, bf16/fp16 compute). Decode steps always
     # take tbajax's own attention over the cache.
     attention: Literal["xla", "cudnn"] = "xla"
+    # Training's and scoring's vocabulary projection + log-softmax (`batch.head_logprobs`): tokens
+    # per chunk, "auto" (chunks of 1 GiB of fp32 logits, and none when the whole fits in one) or
+    # None (all at once). Chunked, no step holds every token's logits and their gradient, for one
+    # more vocabulary matmul in the backward.
+    head_chunk_tokens: int | Literal["auto"] | None = "auto"
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -117,6 +129,7 @@ class ModelConfig:
         if self.attention == "cudnn" and self.dtype not in ("bfloat16", "float16"):
             raise ValueError(f"attention='cudnn' computes in bfloat16 or float16, and dtype={self.dtype!r}: "
                              "set dtype=bfloat16 (model.dtype) or keep attention='xla'")
+        check_head_chunk(self.head_chunk_tokens)
         if self.remat not in ("none", "full", "dots"):
             raise ValueError(f"remat={self.remat!r}; choose 'none', 'full' or 'dots'")
         if self.hidden_act not in ("silu", "gelu", "gelu_new"):
@@ -177,7 +190,7 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf: dict[str, Any], **runtime: Any) -> "ModelConfig":
         """Build from a `config.json` dict; `runtime` sets param_dtype / dtype / remat / scan_layers /
-        attention.
+        attention / head_chunk_tokens.
 
         The family of `model_type` parses (and validates) the architecture; a
         `*ForSequenceClassification` checkpoint also sets `num_labels` (a score head, no LM head).

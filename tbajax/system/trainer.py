@@ -178,7 +178,8 @@ def run_trainer(run_dir: Path, *, resume: bool = False, store_url: str | None = 
     mesh = make_mesh(config.system.trainer_mesh)
     model = load_model(config.model.checkpoint, mesh=mesh, param_dtype=config.model.param_dtype,
                        dtype=config.model.dtype, remat=config.model.remat,
-                       scan_layers=config.model.scan_layers, attention=config.model.attention)
+                       scan_layers=config.model.scan_layers, attention=config.model.attention,
+                       head_chunk_tokens=config.model.head_chunk_tokens)
     learner = Learner(config, model, mesh)
     reward_pool = make_reward_pool(config)  # shared by evaluation and (sync mode) generation
     # sync mode: generation and evaluation share one Rollouts (one scorer: a victim LM loads once);
