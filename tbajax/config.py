@@ -500,7 +500,11 @@ RESUME_SAFE_KEYS: tuple[str, ...] = (
     "train.keep_checkpoints",
     "train.log_every",
     "train.pipeline",  # the same updates either way: only whether host and device overlap
-    "model.head_chunk_tokens",  # the same log-probs and gradients, fewer logits at once (after an OOM)
+    # the same updates with less device memory (after an out-of-memory error): exact gradient
+    # accumulation, recomputed activations, the vocabulary projection a chunk of tokens at a time
+    "train.trainer.num_microbatches",
+    "model.remat",
+    "model.head_chunk_tokens",
     "train.trainer.optimizer.lr.warmup_steps",
     "train.trainer.optimizer.lr.stable_steps",
     "train.trainer.optimizer.lr.decay_steps",

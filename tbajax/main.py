@@ -191,32 +191,39 @@ def _run(args: argparse.Namespace) -> int:
                               "the trainer generates its own batches, and generation runs in one process")
         if given_config:
             _write_or_check_config(run_dir, config)
+        from tbajax.system.out_of_memory import explain_out_of_memory
         from tbajax.system.trainer import run_trainer
 
         if args.coordinator_address:
             from tbajax.system.distributed import fail_fast
 
             try:
-                summary = run_trainer(run_dir, resume=args.resume, store_url=args.store)
+                with explain_out_of_memory(config, "trainer"):
+                    summary = run_trainer(run_dir, resume=args.resume, store_url=args.store)
             except BaseException as e:  # noqa: BLE001 - tell the peers, skip JAX's shutdown barrier
                 fail_fast(e)
         else:
-            summary = run_trainer(run_dir, resume=args.resume, store_url=args.store)
+            with explain_out_of_memory(config, "trainer"):
+                summary = run_trainer(run_dir, resume=args.resume, store_url=args.store)
         print(json.dumps(summary, indent=2))
         return 0
     if args.role == "searcher":
         if given_config:
             _write_or_check_config(run_dir, config)
+        from tbajax.system.out_of_memory import explain_out_of_memory
         from tbajax.system.searcher import run_searcher
 
-        run_searcher(run_dir, args.searcher_id, store_url=args.store)
+        with explain_out_of_memory(config, "searcher"):
+            run_searcher(run_dir, args.searcher_id, store_url=args.store)
         return 0
     if args.role == "evaluator":
         if given_config:
             _write_or_check_config(run_dir, config)
         from tbajax.system.evaluator import run_evaluator
+        from tbajax.system.out_of_memory import explain_out_of_memory
 
-        run_evaluator(run_dir, store_url=args.store)
+        with explain_out_of_memory(config, "evaluator"):
+            run_evaluator(run_dir, store_url=args.store)
         return 0
 
     from tbajax.config import ConfigError
