@@ -377,6 +377,12 @@ ROLE = textwrap.dedent("""\
         os._exit(1)
     if behaviour == "crash":
         sys.exit(1)
+    if behaviour == "out_of_memory":  # XLA's real error for an allocation no machine here can make
+        import jax, jax.numpy as jnp
+        from tbajax.main import load_experiment
+        from tbajax.system.out_of_memory import explain_out_of_memory
+        with explain_out_of_memory(load_experiment("tiny_arithmetic"), role.split("-")[0]):
+            jax.block_until_ready(jax.jit(lambda: jnp.zeros((2**38,), jnp.float32))())
     if behaviour == "sleep_then_die":  # killed from outside in the test
         time.sleep(600)
     if behaviour == "stubborn":  # ignores SIGTERM and the stop file
@@ -458,6 +464,22 @@ def test_trainer_is_restarted_with_resume_when_allowed(tmp_path, capsys):
     assert _starts(sup, "trainer") == ["--role=trainer", "--role=trainer --resume"]  # the restart resumes from the checkpoint
     assert "trainer failed (exited with code 1); restarting it from step 0" in out
     assert "after 1 automatic restarts" in err
+
+
+@pytest.mark.parametrize("role", ["trainer", "searcher-0"])
+def test_a_role_out_of_device_memory_is_not_restarted_and_its_advice_is_shown(tmp_path, capsys, role):
+    """The same program would run out again: the run ends at once (restarts were allowed), showing
+    the error's advice."""
+    trainer, searchers = ("out_of_memory", []) if role == "trainer" else ("wait", ["out_of_memory"])
+    sup = _supervisor(tmp_path, trainer, searchers, "system.max_trainer_restarts=2", "system.max_searcher_restarts=2")
+    assert sup.run() == 1
+    err = capsys.readouterr().err
+    assert len(_starts(sup, role)) == 1
+    assert f"{role} ran out of device memory; a restart would too" in err
+    assert (f"error: tbajax.system.out_of_memory.DeviceOutOfMemoryError: the {role.split('-')[0]} ran out of "
+            "device memory (RESOURCE_EXHAUSTED") in err
+    if role == "trainer":
+        assert "model.head_chunk_tokens=512" in err and f"--run-dir={sup.run_dir} --resume --set KEY=VALUE" in err
 
 
 def test_stall_ends_the_run_naming_the_stuck_role(tmp_path, capsys):

@@ -30,9 +30,12 @@ from typing import Any
 
 from tbajax.config import ExperimentConfig
 from tbajax.system import rundir
+from tbajax.system.out_of_memory import DeviceOutOfMemoryError
 
 MAX_BACKOFF_S = 60.0
 _START_MARK = "=== start "
+# how a role's traceback names the error `out_of_memory.explain_out_of_memory` raises
+OUT_OF_MEMORY_ERROR = f"{DeviceOutOfMemoryError.__module__}.{DeviceOutOfMemoryError.__qualname__}:"
 
 
 def describe_exit(code: int) -> str:
@@ -132,6 +135,15 @@ class _Child:
         self.signal(signal.SIGKILL)
         if self.proc is not None:
             self.proc.wait()
+
+    def ran_out_of_memory(self) -> bool:
+        """Whether this role's latest session ended out of device memory (`out_of_memory`): the
+        same program would again, so a restart waits for a change of settings."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return False
+        return (last_error(text) or "").startswith(OUT_OF_MEMORY_ERROR)
 
     def tail(self, lines: int = 15) -> str:
         """The last lines of this role's latest session in its log, led by the error line."""
@@ -388,6 +400,11 @@ class Supervisor:
         delay = restart_delay(s.restart_times, now, budget=sysc.max_searcher_restarts,
                               window_s=sysc.restart_window_s, backoff_s=sysc.restart_backoff_s)
         recent = len([x for x in s.restart_times if now - x < sysc.restart_window_s])
+        if s.ran_out_of_memory():
+            print(f"\n{s.role} ran out of device memory; a restart would too. Change the settings the error "
+                  f"names: `--resume` takes changes of the keys in tbajax.config.RESUME_SAFE_KEYS, others need a "
+                  f"new run directory.\n{s.tail()}", file=sys.stderr, flush=True)
+            return 1
         if delay is None:
             print(f"\n{s.role} {describe_exit(r)}; giving up after {recent} restarts within "
                   f"{sysc.restart_window_s:g} s (system.max_searcher_restarts="
@@ -407,6 +424,11 @@ class Supervisor:
         ckpt = f"its last checkpoint (step {steps[-1]})" if steps else "step 0 (there is no checkpoint yet)"
         delay = restart_delay(t.restart_times, now, budget=sysc.max_trainer_restarts,
                               window_s=sysc.restart_window_s, backoff_s=sysc.restart_backoff_s)
+        if self.failed_trainer.ran_out_of_memory():
+            print(f"\n{self._trainer_name()} ran out of device memory; a restart would too.\n"
+                  f"{self.failed_trainer.tail()}\nchange the settings the error names, then continue from {ckpt}: "
+                  f"{resume_command(self.run_dir)} --set KEY=VALUE", file=sys.stderr, flush=True)
+            return code if code > 0 else 1
         if delay is None:
             recent = len([x for x in t.restart_times if now - x < sysc.restart_window_s])
             budget = (f" after {recent} automatic restarts within {sysc.restart_window_s:g} s"
