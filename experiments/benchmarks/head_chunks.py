@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +29,14 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from common import keep_freed_memory, machine, machine_line, print_table, write_json  # noqa: E402
+from common import (  # noqa: E402
+    keep_freed_memory,
+    machine,
+    machine_line,
+    print_table,
+    timed_in_turns,
+    write_json,
+)
 from flax import nnx  # noqa: E402
 
 from tbajax.batch import HEAD_CHUNK_BYTES, head_chunk_steps, head_logprobs, hidden_token_logprobs  # noqa: E402
@@ -87,14 +93,10 @@ def time_heads(rounds: int, heads: list[tuple[str, int, int, int, int]]) -> list
     rows = []
     for label, b, t, d, v in heads:
         arms = {name: head_program(b, t, d, v, chunk) for name, chunk in (("whole", None), ("chunked", "auto"))}
-        for program, args, _ in arms.values():
-            jax.block_until_ready(program(*args))
-        times: dict[str, list[float]] = {k: [] for k in arms}
-        for _ in range(rounds):
-            for k, (program, args, _) in arms.items():
-                t0 = time.perf_counter()
-                jax.block_until_ready(program(*args))
-                times[k].append(time.perf_counter() - t0)
+        calls = {name: (lambda p=program, a=args: jax.block_until_ready(p(*a)))
+                 for name, (program, args, _) in arms.items()}
+        timed = timed_in_turns(calls["chunked"], calls["whole"], rounds)
+        times = {"whole": timed["times"]["theirs"], "chunked": timed["times"]["ours"]}
         whole, chunked = (statistics.median(times[k]) for k in ("whole", "chunked"))
         paired = [c / w for c, w in zip(times["chunked"], times["whole"])]
         rows.append({"head": label, "rows": b, "length": t, "hidden": d, "vocab": v,
