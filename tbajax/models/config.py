@@ -103,10 +103,11 @@ class ModelConfig:
     # attention (`layers.cudnn_attention`: NVIDIA GPUs, bf16/fp16 compute). Decode steps always
     # take tbajax's own attention over the cache.
     attention: Literal["xla", "cudnn"] = "xla"
-    # Training's and scoring's vocabulary projection + log-softmax (`batch.head_logprobs`): tokens
-    # per chunk, "auto" (chunks of 1 GiB of fp32 logits, and none when the whole fits in one) or
-    # None (all at once). Chunked, no step holds every token's logits and their gradient, for one
-    # more vocabulary matmul in the backward.
+    # The trainer's vocabulary projection + log-softmax (`batch.head_logprobs`; policy and reference
+    # log-probs): tokens per chunk, "auto" (chunks of 1 GiB of fp32 logits, and none when the whole
+    # fits in one) or None (all at once). Chunked, no step holds every token's logits and their
+    # gradient, for one more vocabulary matmul in the backward. (A searcher's scoring bounds its
+    # logits by chunks of rows: `sampling.sampler.score_chunk`.)
     head_chunk_tokens: int | Literal["auto"] | None = "auto"
 
     def __post_init__(self) -> None:
