@@ -25,7 +25,7 @@ from tbajax import op_scopes as S
 from tbajax.models.config import check_head_chunk
 from tbajax.models.layers import unfused_transpose
 from tbajax.op_scopes import scoped
-from tbajax.sharding import constrain
+from tbajax.sharding import batch_shards, constrain
 
 Array = jax.Array
 
@@ -179,16 +179,17 @@ HeadChunk = int | Literal["auto"] | None
 HEAD_CHUNK_BYTES = 1 << 30
 
 
-def head_chunk_steps(chunk: HeadChunk, hidden_shape: tuple[int, ...], vocab: int) -> int:
+def head_chunk_steps(chunk: HeadChunk, hidden_shape: tuple[int, ...], vocab: int, shards: int = 1) -> int:
     """How many steps `head_logprobs` takes over the length axis (axis -2) of `hidden_shape`
-    [..., L, D]: 1 (all at once) when `chunk` is None or the tokens fit in one chunk."""
+    [..., L, D] whose rows are split over `shards` devices: 1 (all at once) when `chunk` is None or
+    each device's tokens fit in one chunk (a chunk counts the tokens one device projects at once)."""
     if chunk is None:
         return 1
     if chunk == "auto":
         chunk = max(1, HEAD_CHUNK_BYTES // (4 * vocab))
     check_head_chunk(chunk)
-    rows, length = math.prod(hidden_shape[:-2]), hidden_shape[-2]
-    per_step = max(1, chunk // max(rows, 1))  # positions of the length axis per step, every row
+    rows, length = max(1, -(-math.prod(hidden_shape[:-2]) // shards)), hidden_shape[-2]
+    per_step = max(1, chunk // rows)  # positions of the length axis per step, every row
     return -(-length // per_step) if rows * length > chunk else 1
 
 
@@ -197,17 +198,18 @@ def head_logprobs(hidden: Array, head: Array, targets: Array, temperature: Array
     """tempered_logprobs(hidden @ head): [..., L, D] hidden, [D, V] head (the compute dtype; logits
     in f32), [..., L] targets -> [..., L] f32.
 
-    With more tokens than `chunk`, the projection runs a chunk of the length axis at a time (every
-    row in each chunk, so a batch-sharded mesh keeps its sharding) and its backward computes each
-    chunk's logits again: memory for [chunk, V] logits instead of all [tokens, V] of them and
-    their gradient, for one more vocabulary matmul in the backward. A long-context step with a
-    150k-word vocabulary otherwise holds ~0.6 MB of logits per token, plus their gradient.
+    With more tokens on a device than `chunk` (a batch-sharded mesh splits the rows over its
+    devices), the projection runs a chunk of the length axis at a time (every row in each chunk,
+    so the mesh keeps its sharding) and its backward computes each chunk's logits again: memory
+    for [chunk, V] logits instead of all [tokens, V] of them and their gradient, for one more
+    vocabulary matmul in the backward. A long-context step with a 150k-word vocabulary otherwise
+    holds ~0.6 MB of logits per token, plus their gradient.
     """
-    steps = head_chunk_steps(chunk, hidden.shape, head.shape[-1])
-    if steps == 1:
-        return _whole_head_logprobs(hidden, head, targets, temperature)
     lead, (length, width) = hidden.shape[:-2], hidden.shape[-2:]
     rows = math.prod(lead)
+    steps = head_chunk_steps(chunk, hidden.shape, head.shape[-1], batch_shards(rows))
+    if steps == 1:
+        return _whole_head_logprobs(hidden, head, targets, temperature)
     out = _chunked_head_logprobs(steps, hidden.reshape(rows, length, width), head,
                                  targets.reshape(rows, length), temperature)
     return out.reshape(*lead, length)

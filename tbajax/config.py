@@ -39,9 +39,10 @@ class ModelSpec:
     attention: the attention of training, scoring and prompt passes: "xla" (tbajax's own, every
       platform and dtype) or "cudnn" (cuDNN's fused flash attention: NVIDIA GPUs, dtype bfloat16 or
       float16; not yet run on a GPU by these sessions, see the README's status).
-    head_chunk_tokens: the trainer's vocabulary projection + log-softmax runs this many tokens at a
-      time, its backward computing each chunk's logits again: "auto" chunks when a micro-batch's
-      fp32 logits exceed 1 GiB (a long context with a 150k-word vocabulary), null never chunks.
+    head_chunk_tokens: the trainer's vocabulary projection + log-softmax runs this many tokens a
+      device at a time, its backward computing each chunk's logits again: "auto" chunks when a
+      device's share of a micro-batch's fp32 logits exceeds 1 GiB (a long context with a 150k-word
+      vocabulary), null never chunks.
     """
 
     checkpoint: str = ""

@@ -413,6 +413,10 @@ def test_head_chunk_steps_by_hand():
     assert head_chunk_steps(100, (4, 100, 8), 50) == 4  # 25 positions a step
     assert head_chunk_steps(3, (4, 10, 8), 50) == 10  # more rows than the chunk: a position a step
     assert head_chunk_steps(100, (2, 3, 10, 8), 50) == 1  # leading axes count as rows: 60 tokens
+    # rows split over devices: each device's tokens count (16 rows over 4 devices: 4 rows, 441 positions
+    # a step, 3 steps; over 16 devices 1,024 tokens a device fit one chunk)
+    assert head_chunk_steps("auto", (16, 1024, 896), 151936, shards=4) == 3
+    assert head_chunk_steps("auto", (16, 1024, 896), 151936, shards=16) == 1
     for bad in (0, -5, 2.5, True, "all"):
         with pytest.raises(ValueError, match="head_chunk_tokens"):
             head_chunk_steps(bad, (4, 10, 8), 50)

@@ -104,8 +104,8 @@ class ModelConfig:
     # take tbajax's own attention over the cache.
     attention: Literal["xla", "cudnn"] = "xla"
     # The trainer's vocabulary projection + log-softmax (`batch.head_logprobs`; policy and reference
-    # log-probs): tokens per chunk, "auto" (chunks of 1 GiB of fp32 logits, and none when the whole
-    # fits in one) or None (all at once). Chunked, no step holds every token's logits and their
+    # log-probs): tokens per chunk on each device, "auto" (chunks of 1 GiB of fp32 logits, and none
+    # when a device's whole share fits in one) or None (all at once). Chunked, no step holds every token's logits and their
     # gradient, for one more vocabulary matmul in the backward. (A searcher's scoring bounds its
     # logits by chunks of rows: `sampling.sampler.score_chunk`.)
     head_chunk_tokens: int | Literal["auto"] | None = "auto"
