@@ -17,7 +17,7 @@ On 8 GPUs (80 GB each): trainer on GPUs 0-3 with an FSDP mesh (fp32 master weigh
 and the fp32 reference ≈ 140 GB, 35 GB per GPU), bf16 compute, full remat, 32 micro-batches of
 one group each; one bf16 searcher per GPU 4-7. The trainer's fp32 logits (0.6 MB per token of
 the 152k vocabulary) are computed a chunk of 1 GiB at a time (`model.head_chunk_tokens=auto`):
-XLA's CPU buffer assignment for one 16 × 4096 group of the 7B takes 53 GB of scratch against 87 GB
+XLA's CPU buffer assignment for one 16 × 4096 group of the 7B takes 52 GiB of scratch against 85 GiB
 with all logits at once (`experiments/benchmarks/head_chunks.py`); not measured on a GPU.
 
 Scaling down to ONE GPU. The 7B fp32 master weights + Adam alone need ~120 GB, so use a smaller
