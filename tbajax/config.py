@@ -506,6 +506,13 @@ RESUME_SAFE_KEYS: tuple[str, ...] = (
     "train.trainer.num_microbatches",
     "model.remat",
     "model.head_chunk_tokens",
+    # how many sequences a searcher decodes at once and each process's share of a shared device:
+    # the same samples' distribution, the same stored rows (a resumed searcher continues its prompt
+    # stream where its committed rows end)
+    "rollout.prompts_per_call",
+    "rollout.decode_slots",
+    "rollout.prompt_pool",
+    "system.memory_fraction",
     "train.trainer.optimizer.lr.warmup_steps",
     "train.trainer.optimizer.lr.stable_steps",
     "train.trainer.optimizer.lr.decay_steps",

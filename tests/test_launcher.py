@@ -478,8 +478,8 @@ def test_a_role_out_of_device_memory_is_not_restarted_and_its_advice_is_shown(tm
     assert f"{role} ran out of device memory; a restart would too" in err
     assert (f"error: tbajax.system.out_of_memory.DeviceOutOfMemoryError: the {role.split('-')[0]} ran out of "
             "device memory (RESOURCE_EXHAUSTED") in err
-    if role == "trainer":
-        assert "model.head_chunk_tokens=512" in err and f"--run-dir={sup.run_dir} --resume --set KEY=VALUE" in err
+    assert f"--run-dir={sup.run_dir} --resume --set KEY=VALUE" in err
+    assert ("model.head_chunk_tokens=512" if role == "trainer" else "rollout.prompts_per_call=") in err
 
 
 def test_stall_ends_the_run_naming_the_stuck_role(tmp_path, capsys):

@@ -99,6 +99,9 @@ def test_a_role_process_that_runs_out_reports_the_advice_to_the_launcher():
 
 def test_the_settings_the_advice_names_may_change_on_resume():
     base = _config().to_dict()
-    leaner = _config("train.trainer.num_microbatches=2", "model.remat=full", "model.head_chunk_tokens=256").to_dict()
-    assert check_resume_changes(base, leaner) == ["model.head_chunk_tokens", "model.remat",
-                                                  "train.trainer.num_microbatches"]
+    leaner = _config("train.trainer.num_microbatches=2", "model.remat=full", "model.head_chunk_tokens=256",
+                     "rollout.prompts_per_call=8", "rollout.decode_slots=32", "rollout.prompt_pool=4",
+                     "system.memory_fraction=0.4").to_dict()
+    assert check_resume_changes(base, leaner) == [
+        "model.head_chunk_tokens", "model.remat", "rollout.decode_slots", "rollout.prompt_pool",
+        "rollout.prompts_per_call", "system.memory_fraction", "train.trainer.num_microbatches"]

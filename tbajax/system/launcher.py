@@ -401,9 +401,10 @@ class Supervisor:
                               window_s=sysc.restart_window_s, backoff_s=sysc.restart_backoff_s)
         recent = len([x for x in s.restart_times if now - x < sysc.restart_window_s])
         if s.ran_out_of_memory():
-            print(f"\n{s.role} ran out of device memory; a restart would too. Change the settings the error "
-                  f"names: `--resume` takes changes of the keys in tbajax.config.RESUME_SAFE_KEYS, others need a "
-                  f"new run directory.\n{s.tail()}", file=sys.stderr, flush=True)
+            print(f"\n{s.role} ran out of device memory; a restart would too.\n{s.tail()}\nchange the settings "
+                  f"the error names, then: {resume_command(self.run_dir)} --set KEY=VALUE (`--resume` takes "
+                  "the keys in tbajax.config.RESUME_SAFE_KEYS; others need a new run directory)",
+                  file=sys.stderr, flush=True)
             return 1
         if delay is None:
             print(f"\n{s.role} {describe_exit(r)}; giving up after {recent} restarts within "

@@ -67,7 +67,8 @@ def _advice(config: ExperimentConfig, role: str) -> str:
                      f"{rollout.sampling.num_samples} sequences")
         return (f"A generation call holds the KV cache of {batch} of up to "
                 f"{context(rollout.sampling.max_new_tokens)}. To need less: fewer sequences at once, shorter "
-                f"contexts, or more devices per searcher (system.devices_per_searcher){shared}.")
+                f"contexts, or more devices per searcher (system.devices_per_searcher){shared}. Then `--resume` "
+                "(the sequences at once and the memory fraction may change on resume).")
     if role == "evaluator":
         new_tokens = config.eval.max_new_tokens or rollout.sampling.max_new_tokens
         return (f"An evaluation call holds eval.batch_size={config.eval.batch_size} sequences of up to "
