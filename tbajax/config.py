@@ -210,7 +210,8 @@ class SystemSpec:
     sync_every: k, publish params (and start a new "recent" window) every k trainer steps.
     searcher_mesh / trainer_mesh: each process's own mesh over its own devices.
     devices: "shared" = every process sees all local devices (on one GPU each takes
-      `memory_fraction`); "split" = the launcher gives the trainer `trainer_devices` GPUs and each
+      `memory_fraction`, null: 0.9 over the processes the run starts, `launcher.memory_share`);
+      "split" = the launcher gives the trainer `trainer_devices` GPUs and each
       searcher `devices_per_searcher` GPUs (CUDA_VISIBLE_DEVICES).
 
     Supervision by the launcher (a budget per time window, so that a few transient crashes over

@@ -105,3 +105,24 @@ def test_the_settings_the_advice_names_may_change_on_resume():
     assert check_resume_changes(base, leaner) == [
         "model.head_chunk_tokens", "model.remat", "rollout.decode_slots", "rollout.prompt_pool",
         "rollout.prompts_per_call", "system.memory_fraction", "train.trainer.num_microbatches"]
+
+
+def test_the_launcher_recognises_the_error_by_its_name():
+    from tbajax.system.launcher import OUT_OF_MEMORY_ERROR
+
+    assert OUT_OF_MEMORY_ERROR == f"{DeviceOutOfMemoryError.__module__}.{DeviceOutOfMemoryError.__qualname__}:"
+
+
+def test_a_shared_gpu_is_split_over_the_processes_the_run_starts(monkeypatch):
+    """A sync run starts the trainer alone: it gets 0.9 of a shared GPU, not a share kept for
+    searchers that never start; the advice states the share in effect."""
+    from tbajax.system.launcher import child_env, memory_share
+
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    assert child_env(_config("system.mode=sync"), "trainer", 0)["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.900"
+    assert child_env(_config(), "trainer", 0)["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.450"  # + 1 searcher
+    assert memory_share(_config("system.memory_fraction=0.3")) == 0.3
+    assert memory_share(_config("system.devices=split", "system.trainer_devices=1")) is None
+    with pytest.raises(DeviceOutOfMemoryError, match=r"system.memory_fraction=null: 0.450 of it for each process"):
+        with explain_out_of_memory(_config(), "searcher"):
+            raise _xla_out_of_memory()

@@ -30,12 +30,11 @@ from typing import Any
 
 from tbajax.config import ExperimentConfig
 from tbajax.system import rundir
-from tbajax.system.out_of_memory import DeviceOutOfMemoryError
 
 MAX_BACKOFF_S = 60.0
 _START_MARK = "=== start "
 # how a role's traceback names the error `out_of_memory.explain_out_of_memory` raises
-OUT_OF_MEMORY_ERROR = f"{DeviceOutOfMemoryError.__module__}.{DeviceOutOfMemoryError.__qualname__}:"
+OUT_OF_MEMORY_ERROR = "tbajax.system.out_of_memory.DeviceOutOfMemoryError:"
 
 
 def describe_exit(code: int) -> str:
@@ -162,6 +161,19 @@ def has_evaluator(config: ExperimentConfig) -> bool:
     return config.eval.mode == "process" and config.system.mode == "async"
 
 
+def memory_share(config: ExperimentConfig) -> float | None:
+    """Each role process's share of a shared GPU's memory: `system.memory_fraction`, else 0.9 over
+    the JAX processes the run starts on it (a sync run starts the trainer alone; none may
+    preallocate 75% of the device); None with devices of their own (devices=split)."""
+    sysc = config.system
+    if sysc.memory_fraction is not None:
+        return sysc.memory_fraction
+    if sysc.devices != "shared":
+        return None
+    searchers = sysc.num_searchers if sysc.mode == "async" else 0
+    return 0.9 / (sysc.trainer_processes + searchers + int(has_evaluator(config)))
+
+
 def child_env(config: ExperimentConfig, role: str, index: int) -> dict[str, str]:
     """Environment of one role: its device set and its share of a shared GPU's memory (`index`:
     the searcher's id, or the trainer's process id when the trainer runs as several processes;
@@ -170,11 +182,10 @@ def child_env(config: ExperimentConfig, role: str, index: int) -> dict[str, str]
     env["PYTHONUNBUFFERED"] = "1"
     env[rundir.LAUNCHER_PID_ENV] = str(os.getpid())
     sysc = config.system
+    share = memory_share(config)
     if sysc.memory_fraction is not None:
         env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = str(sysc.memory_fraction)
-    elif sysc.devices == "shared":
-        # several JAX processes on one GPU: none may preallocate 75% of it
-        share = 0.9 / (sysc.trainer_processes + sysc.num_searchers + int(has_evaluator(config)))
+    elif share is not None:
         env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{share:.3f}")
     if sysc.compile_cache is None:  # off, also for a cache directory this process inherited
         env.pop("JAX_COMPILATION_CACHE_DIR", None)

@@ -14,6 +14,7 @@ import contextlib
 from collections.abc import Iterator
 
 from tbajax.config import ExperimentConfig
+from tbajax.system.launcher import memory_share
 
 OUT_OF_MEMORY_STATUS = "RESOURCE_EXHAUSTED"
 
@@ -43,9 +44,11 @@ def _advice(config: ExperimentConfig, role: str) -> str:
     def context(new_tokens: int) -> str:
         return f"rollout.max_prompt_tokens={rollout.max_prompt_tokens} + {new_tokens} new tokens"
 
-    fraction = config.system.memory_fraction
-    shared = (f"; on devices shared with other roles, system.memory_fraction={fraction or 'null'} (each "
-              "process's share)" if config.system.devices == "shared" else "")
+    share = memory_share(config)
+    shared = "" if share is None else (
+        f"; on a device shared with other roles, a larger share of its memory (system.memory_fraction="
+        f"{config.system.memory_fraction if config.system.memory_fraction is not None else 'null'}: "
+        f"{share:.3f} of it for each process)")
     if role == "trainer":
         m = train.trainer.num_microbatches
         rows = train.groups_per_step * k // m
