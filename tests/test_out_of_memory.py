@@ -1,5 +1,6 @@
 """A role that runs out of device memory names the settings that size it (XLA's real error)."""
 
+import re
 import subprocess
 import sys
 
@@ -51,6 +52,12 @@ def test_xla_out_of_memory_becomes_advice_for_the_trainer():
         with explain_out_of_memory(lean, "trainer"):
             raise error
     assert "more micro-batches" not in str(caught.value) and "model.remat" not in str(caught.value)
+    # a chunk size already set is halved; null (never chunk) is pointed at a chunk size
+    for setting, suggested in (("256", "model.head_chunk_tokens=128 (now 256"),
+                               ("null", "model.head_chunk_tokens=512 (now null")):
+        with pytest.raises(DeviceOutOfMemoryError, match=re.escape(suggested)):
+            with explain_out_of_memory(_config(f"model.head_chunk_tokens={setting}"), "trainer"):
+                raise error
 
 
 def test_each_role_gets_its_own_settings():

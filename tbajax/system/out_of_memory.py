@@ -56,8 +56,12 @@ def _advice(config: ExperimentConfig, role: str) -> str:
             "more micro-batches (train.trainer.num_microbatches, a divisor of train.groups_per_step)"]
         if model.remat != "full":
             lower.append(f"model.remat=full (now {model.remat})")
-        lower += [f"model.head_chunk_tokens=512 (now {model.head_chunk_tokens}: the vocabulary projection a "
-                  "chunk of tokens at a time)", "shorter contexts", "more trainer devices (system.trainer_mesh)"]
+        chunk = model.head_chunk_tokens
+        smaller = max(1, chunk // 2) if isinstance(chunk, int) else 512
+        if chunk != 1:
+            lower.append(f"model.head_chunk_tokens={smaller} (now {chunk if chunk is not None else 'null'}: "
+                         "the vocabulary projection a chunk of tokens at a time)")
+        lower += ["shorter contexts", "more trainer devices (system.trainer_mesh)"]
         return (f"A step holds one micro-batch of {rows} rows (train.groups_per_step={train.groups_per_step} x {k} "
                 f"samples / train.trainer.num_microbatches={m}) of up to "
                 f"{context(rollout.sampling.max_new_tokens)}. To need less: {', '.join(lower)}{shared}. Then "
