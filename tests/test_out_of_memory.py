@@ -80,7 +80,9 @@ def test_each_role_gets_its_own_settings():
 
 
 def test_other_errors_pass_unchanged():
-    for error in (ValueError("RESOURCE_EXHAUSTED but not XLA's"), RuntimeError("INTERNAL: something else")):
+    explained = DeviceOutOfMemoryError("the trainer ran out of device memory (RESOURCE_EXHAUSTED: ...)")
+    for error in (ValueError("RESOURCE_EXHAUSTED but not XLA's"), RuntimeError("INTERNAL: something else"),
+                  explained):  # an inner role's explanation is not explained again
         with pytest.raises(type(error)) as caught:
             with explain_out_of_memory(_config(), "trainer"):
                 raise error

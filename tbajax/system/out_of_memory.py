@@ -25,8 +25,9 @@ class DeviceOutOfMemoryError(RuntimeError):
 
 def is_out_of_memory(error: BaseException) -> bool:
     """XLA's out-of-memory error (a `jax.errors.JaxRuntimeError`, a RuntimeError, on every jax we
-    support), at compile or run time."""
-    return isinstance(error, RuntimeError) and OUT_OF_MEMORY_STATUS in str(error)
+    support), at compile or run time; not one already explained (it quotes XLA's status)."""
+    return (isinstance(error, RuntimeError) and not isinstance(error, DeviceOutOfMemoryError)
+            and OUT_OF_MEMORY_STATUS in str(error))
 
 
 def out_of_memory_advice(config: ExperimentConfig, role: str) -> str:
