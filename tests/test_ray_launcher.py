@@ -11,6 +11,7 @@ import json
 import os
 import re
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -307,3 +308,40 @@ def test_ray_second_ctrl_c_kills_every_role_at_once(ray_cluster, tmp_path, capsy
         time.sleep(0.2)
     assert ray.available_resources().get("CPU", 0) == 2
     assert not (run / "launcher.lock").exists()
+
+
+@pytest.mark.parametrize("role", ["trainer", "searcher-0"])
+def test_ray_role_out_of_device_memory_is_not_restarted(ray_cluster, tmp_path, capsys, role):
+    """Stand-in roles (tests/test_launcher.py's) under Ray actors with restart budgets: the role
+    that hits XLA's real allocation error returns from its actor instead of ending it, so Ray does
+    not start the same program again; the run ends with the error's advice and a Ray resume command."""
+    from tbajax.system.ray_launcher import RaySupervisor, _RayChild
+    from tests.test_launcher import ROLE
+
+    run = tmp_path / "run"
+    run.mkdir()
+    script = tmp_path / "role.py"
+    script.write_text(ROLE)
+    config = apply_overrides(load_experiment("tiny_arithmetic"), [
+        "system.restart_backoff_s=0", "system.max_trainer_restarts=2", "system.max_searcher_restarts=2"])
+
+    def child(name: str, behaviour: str) -> _RayChild:
+        return _RayChild(name, [], {}, run / "logs" / f"{name}.log",
+                         command=[sys.executable, str(script), str(run), name, behaviour], config=config,
+                         options=actor_options(config.system.ray, name.split("-")[0], max_restarts=2))
+
+    trainer, searcher = ("out_of_memory", "wait") if role == "trainer" else ("wait", "out_of_memory")
+    sup = RaySupervisor(config, run, child("trainer", trainer), [child("searcher-0", searcher)], quiet=True)
+    sup.tick_s = 0.1
+    assert sup.run() == 1
+    out, err = capsys.readouterr()
+    assert len((run / f"{role}.starts").read_text().splitlines()) == 1, out + err  # no restart by Ray
+    assert f"{role} ran out of device memory; a restart would too" in err, out + err
+    assert (f"error: tbajax.system.out_of_memory.DeviceOutOfMemoryError: the {role.split('-')[0]} ran out of "
+            "device memory (RESOURCE_EXHAUSTED") in err
+    assert f"--run-dir={run} --resume --launcher=ray --set KEY=VALUE" in err
+    assert f"[{role}] === {role} exited with code 1; out of device memory: its Ray actor stays up" in out, out
+    deadline = time.time() + 30
+    while ray.available_resources().get("CPU", 0) < 2 and time.time() < deadline:
+        time.sleep(0.2)
+    assert ray.available_resources().get("CPU", 0) == 2

@@ -308,6 +308,7 @@ class Supervisor:
     """Runs the roles until the trainer finishes, the user stops, or the run cannot go on."""
 
     tick_s = 0.5
+    launcher_flag = ""  # what the resume command adds to name this launcher
 
     def __init__(self, config: ExperimentConfig, run_dir: Path, trainer: _Child, searchers: Sequence[_Child],
                  *, quiet: bool = True, trainer_peers: Sequence[_Child] = ()):
@@ -412,11 +413,7 @@ class Supervisor:
                               window_s=sysc.restart_window_s, backoff_s=sysc.restart_backoff_s)
         recent = len([x for x in s.restart_times if now - x < sysc.restart_window_s])
         if s.ran_out_of_memory():
-            print(f"\n{s.role} ran out of device memory; a restart would too.\n{s.tail()}\nchange the settings "
-                  f"the error names, then: {resume_command(self.run_dir)} --set KEY=VALUE (`--resume` takes "
-                  "the keys in tbajax.config.RESUME_SAFE_KEYS; others need a new run directory)",
-                  file=sys.stderr, flush=True)
-            return 1
+            return self._searcher_out_of_memory(s)
         if delay is None:
             print(f"\n{s.role} {describe_exit(r)}; giving up after {recent} restarts within "
                   f"{sysc.restart_window_s:g} s (system.max_searcher_restarts="
@@ -432,21 +429,17 @@ class Supervisor:
     def _trainer_failed(self, code: int, now: float) -> int | None:
         sysc = self.config.system
         t = self.trainer
-        steps = rundir.checkpoint_steps(self.run_dir)
-        ckpt = f"its last checkpoint (step {steps[-1]})" if steps else "step 0 (there is no checkpoint yet)"
+        if self.failed_trainer.ran_out_of_memory():
+            return self._trainer_out_of_memory(code)
+        ckpt = self._resume_point()
         delay = restart_delay(t.restart_times, now, budget=sysc.max_trainer_restarts,
                               window_s=sysc.restart_window_s, backoff_s=sysc.restart_backoff_s)
-        if self.failed_trainer.ran_out_of_memory():
-            print(f"\n{self._trainer_name()} ran out of device memory; a restart would too.\n"
-                  f"{self.failed_trainer.tail()}\nchange the settings the error names, then continue from {ckpt}: "
-                  f"{resume_command(self.run_dir)} --set KEY=VALUE", file=sys.stderr, flush=True)
-            return code if code > 0 else 1
         if delay is None:
             recent = len([x for x in t.restart_times if now - x < sysc.restart_window_s])
             budget = (f" after {recent} automatic restarts within {sysc.restart_window_s:g} s"
                       if sysc.max_trainer_restarts else "")
             print(f"\n{self._trainer_name()} failed ({describe_exit(code)}){budget}.\n{self.failed_trainer.tail()}\n"
-                  f"to continue from {ckpt}: {resume_command(self.run_dir)}", file=sys.stderr, flush=True)
+                  f"to continue from {ckpt}: {self._resume_command()}", file=sys.stderr, flush=True)
             return code if code > 0 else 1
         t.restarts += 1
         t.restart_times.append(now)
@@ -461,6 +454,29 @@ class Supervisor:
         print(f"\n{self._trainer_name()} failed ({describe_exit(code)}); restarting it from {ckpt} in {delay:g} s "
               f"(restart {t.restarts}, system.max_trainer_restarts={sysc.max_trainer_restarts})", flush=True)
         return None
+
+    def _resume_point(self) -> str:
+        """Where a resumed trainer continues from, in words."""
+        steps = rundir.checkpoint_steps(self.run_dir)
+        return f"its last checkpoint (step {steps[-1]})" if steps else "step 0 (there is no checkpoint yet)"
+
+    def _resume_command(self) -> str:
+        return f"{resume_command(self.run_dir)}{self.launcher_flag}"
+
+    def _searcher_out_of_memory(self, s: _Child) -> int:
+        """End the run: a searcher ran out of device memory, and the same program would again."""
+        print(f"\n{s.role} ran out of device memory; a restart would too.\n{s.tail()}\nchange the settings "
+              f"the error names, then: {self._resume_command()} --set KEY=VALUE (`--resume` takes "
+              "the keys in tbajax.config.RESUME_SAFE_KEYS; others need a new run directory)",
+              file=sys.stderr, flush=True)
+        return 1
+
+    def _trainer_out_of_memory(self, code: int) -> int:
+        ckpt = self._resume_point()
+        print(f"\n{self._trainer_name()} ran out of device memory; a restart would too.\n"
+              f"{self.failed_trainer.tail()}\nchange the settings the error names, then continue from {ckpt}: "
+              f"{self._resume_command()} --set KEY=VALUE", file=sys.stderr, flush=True)
+        return code if code > 0 else 1
 
     def _trainer_name(self) -> str:
         if not self.trainer_peers:

@@ -11,7 +11,9 @@ Faults are Ray's: a role that fails takes its actor down (`os._exit`), and Ray r
 actor (`max_restarts`) and re-runs its `run` task on it (`max_task_retries`): a searcher up to
 `system.max_searcher_restarts` times, the trainer up to `system.max_trainer_restarts` times (with
 `--resume`). Ray's budgets count over the actor's lifetime, not per `system.restart_window_s`;
-each restart waits `system.restart_backoff_s`. Everything else is the process launcher's own
+each restart waits `system.restart_backoff_s`. A role that ran out of device memory is not
+restarted (the same program would run out again): its actor returns the exit code and the run
+ends with the error's advice, as under the process launcher. Everything else is the process launcher's own
 code: preflight, the run-directory lock, config writing, stall detection, the clean stop (stop
 file, grace period, then `ray.kill`), a second Ctrl-C, and the final summary.
 """
@@ -27,14 +29,12 @@ from pathlib import Path
 from typing import Any
 
 from tbajax.config import ConfigError, ExperimentConfig, RaySpec
-from tbajax.system import rundir
 from tbajax.system.launcher import (
     _START_MARK,
     Supervisor,
     _Child,
     child_env,
     describe_exit,
-    resume_command,
     role_commands,
     session,
 )
@@ -42,6 +42,7 @@ from tbajax.system.launcher import (
 _STOP_TIMEOUT_S = 10.0  # for an actor to kill its role's process group before `ray.kill`
 _PENDING_NOTICE_S = 120.0  # say so when Ray has not placed a role's actor after this long
 _EXIT_NOTE = "; ending its Ray actor so that Ray restarts it (if its budget allows)"
+_OUT_OF_MEMORY_NOTE = "; out of device memory: its Ray actor stays up, so Ray does not restart it"
 
 
 def import_ray():  # -> the ray module
@@ -97,7 +98,7 @@ class RoleActor:
     this module does not need Ray)."""
 
     def __init__(self, config: ExperimentConfig, role: str, index: int, args: Sequence[str], log_path: str,
-                 cwd: str, gpus: float):
+                 cwd: str, gpus: float, command: Sequence[str] | None = None):
         import ray
 
         restarted = ray.get_runtime_context().was_current_actor_reconstructed
@@ -109,13 +110,14 @@ class RoleActor:
             os.chdir(cwd)  # relative paths in the config (a user's task file) mean the driver's
         # this node's environment (the role's parent, for its orphan check, is this actor)
         env = gpu_env(child_env(config, kind, index), gpus, config.system.memory_fraction, os.environ)
-        self.child = _Child(role, args, env, Path(log_path))
+        self.child = _Child(role, args, env, Path(log_path), command=list(command) if command else None)
         self.backoff_s = config.system.restart_backoff_s if restarted else 0.0
         self.stopping = False
 
     def run(self) -> int:
         """Run the role to its end. A failure ends this actor's process, which is how Ray learns
-        of it: Ray then restarts the actor and calls `run` again, within the actor's budget."""
+        of it: Ray then restarts the actor and calls `run` again, within the actor's budget. A
+        role out of device memory returns its code instead: a restart would run out again."""
         time.sleep(self.backoff_s)  # a crash loop does not spin
         self.backoff_s = 0.0
         self.child.start()
@@ -123,9 +125,12 @@ class RoleActor:
         code = self.child.proc.wait()
         self.child.kill_group()  # its reward workers and a hung grader too
         if code != 0 and not self.stopping:
+            out_of_memory = self.child.ran_out_of_memory()
             with open(self.child.log_path, "a") as log:
-                log.write(f"=== {self.child.role} {describe_exit(code)}{_EXIT_NOTE} ===\n")
-            os._exit(1)
+                note = _OUT_OF_MEMORY_NOTE if out_of_memory else _EXIT_NOTE
+                log.write(f"=== {self.child.role} {describe_exit(code)}{note} ===\n")
+            if not out_of_memory:
+                os._exit(1)
         return code
 
     def signal(self, sig: int, final: bool = False) -> None:
@@ -159,7 +164,7 @@ class _RayChild(_Child):
         if self.actor is None:
             cls = ray.remote(RoleActor).options(**self.options)
             self.actor = cls.remote(self.config, self.role, self.index, self.args, str(self.log_path),
-                                    os.getcwd(), float(self.options.get("num_gpus") or 0.0))
+                                    os.getcwd(), float(self.options.get("num_gpus") or 0.0), self.command)
         self.ref = self.actor.run.remote()
         self.code = self.died = None
         self.restart_at = None
@@ -203,7 +208,10 @@ class _RayChild(_Child):
 
 class RaySupervisor(Supervisor):
     """The process launcher's Supervisor over Ray actors: restarts are Ray's, so a role that
-    reaches the Supervisor as exited has used its Ray restarts; role logs are streamed."""
+    reaches the Supervisor as exited has used its Ray restarts (or ran out of device memory,
+    which is not restarted); role logs are streamed."""
+
+    launcher_flag = " --launcher=ray"
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -261,6 +269,8 @@ class RaySupervisor(Supervisor):
                   file=sys.stderr, flush=True)
             s.start()
             return None
+        if s.ran_out_of_memory():
+            return self._searcher_out_of_memory(s)
         budget = self.config.system.max_searcher_restarts
         why = self._why(s, r)
         print(f"\n{s.role} failed ({why}); Ray restarted it {max(self.starts[s.role] - 1, 0)} times and has "
@@ -269,14 +279,15 @@ class RaySupervisor(Supervisor):
 
     def _trainer_failed(self, code: int, now: float) -> int | None:
         self._each_tick()
-        steps = rundir.checkpoint_steps(self.run_dir)
-        ckpt = f"its last checkpoint (step {steps[-1]})" if steps else "step 0 (there is no checkpoint yet)"
+        if self.failed_trainer.ran_out_of_memory():
+            return self._trainer_out_of_memory(code)
+        ckpt = self._resume_point()
         t = self.trainer
         why = self._why(t, code)
         restarts = max(self.starts["trainer"] - 1, 0)
         print(f"\ntrainer failed ({why}); Ray restarted it {restarts} times "
               f"(system.max_trainer_restarts={self.config.system.max_trainer_restarts}).\n{t.tail()}\n"
-              f"to continue from {ckpt}: {resume_command(self.run_dir)} --launcher=ray",
+              f"to continue from {ckpt}: {self._resume_command()}",
               file=sys.stderr, flush=True)
         return code if code > 0 else 1
 
