@@ -83,6 +83,9 @@ def test_step_cost_hand_value():
     work = LayoutWork(slots=10, pairs=100, scored=5)
     assert step_cost(work, TINY, attention_weight=2.0) == 2 * (10 * 1184 + 2.0 * 100 * 32) + 5 * 160
     assert step_cost(work, TINY, attention_weight=1.0) == 2 * (10 * 1184 + 100 * 32) + 5 * 160
+    # the layers' part is the rule the sampler's packed scoring uses too (`packing_is_cheaper`)
+    assert TINY.layers_forward_flops(10, 100) == 2 * (10 * 1184 + 100 * 32)
+    assert TINY.layers_forward_flops(10, 100, attention_weight=2.0) == 2 * (10 * 1184 + 2.0 * 100 * 32)
 
 
 @pytest.mark.parametrize("prompt,responses,want", [

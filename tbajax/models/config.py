@@ -175,6 +175,16 @@ class ModelConfig:
 
         return sum(math.prod(s.shape) for s in family_for(self.model_type).layer_params(self).values())
 
+    def layers_forward_flops(self, slots: float, pairs: float, attention_weight: float = 1.0) -> float:
+        """Estimated FLOPs of the decoder layers' forward over `slots` tokens whose attention
+        computes `pairs` (query, key) products: each layer's weights twice per token, and
+        4 x heads x head_dim per pair, weighted by `attention_weight` (attention's many small
+        products run below the weight products' rate). The one cost rule behind the choices
+        between row and packed layouts (`training.layout.step_cost`,
+        `sampling.sampler.packing_is_cheaper`)."""
+        pair = 4 * self.num_heads * self.head_dim
+        return self.num_layers * (slots * 2 * self.params_per_layer() + attention_weight * pairs * pair)
+
     def num_params(self) -> int:
         from tbajax.models.families import family_for
 

@@ -95,14 +95,12 @@ def length_bucket(longest: int, limit: int, minimum: int) -> int:
 
 def packing_is_cheaper(cfg: ModelConfig, prompt: int, response: int, k: int) -> bool:
     """Whether scoring a prompt's K responses in one packed row (prompt once, then each response:
-    `core.score_packed`) takes fewer FLOPs than K rows of prompt + response. Per layer and token:
-    the layer's weights twice; per (query, key) pair: 4 x heads x head_dim, where rows skip the
-    half above the diagonal and a packed row computes it masked. A packed row is P + K*R tokens
-    long, so it wins for short responses (the prompt is the bulk) and loses for long ones."""
-    weights = 2 * cfg.params_per_layer()
-    pair = 4 * cfg.num_heads * cfg.head_dim
+    `core.score_packed`) takes fewer FLOPs than K rows of prompt + response
+    (`ModelConfig.layers_forward_flops`): rows skip the (query, key) pairs above the diagonal, a
+    packed row computes them masked. A packed row is P + K*R tokens long, so it wins for short
+    responses (the prompt is the bulk) and loses for long ones."""
     row, packed = prompt + response, prompt + k * response
-    return packed * weights + pair * packed**2 < k * (row * weights + pair * row**2 / 2)
+    return cfg.layers_forward_flops(packed, packed**2) < k * cfg.layers_forward_flops(row, row**2 / 2)
 
 
 # ----------------------------------------------------------------------------- the edge

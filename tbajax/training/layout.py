@@ -100,11 +100,8 @@ def step_cost(work: LayoutWork, cfg: ModelConfig, attention_weight: float) -> fl
     the vocabulary projection per scored slot. The weight stands for attention's lower rate: its
     many small products run far below the weight products' (`TrainerConfig.layout_attention_weight`).
     The backward and the reference forward scale every term about alike, so the forward decides."""
-    layer = 2 * cfg.params_per_layer()
-    pair = 4 * cfg.num_heads * cfg.head_dim
     head = 2 * cfg.hidden_size * cfg.vocab_size
-    return (cfg.num_layers * (work.slots * layer + attention_weight * work.pairs * pair)
-            + work.scored * head)
+    return cfg.layers_forward_flops(work.slots, work.pairs, attention_weight) + work.scored * head
 
 
 def cheapest(batches: Sequence[Batch], cfg: ModelConfig, attention_weight: float) -> Batch:
