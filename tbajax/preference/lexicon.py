@@ -443,8 +443,19 @@ def _clamp(x: float) -> float:
 
 
 def _mean(values) -> float:
+    """pattern's `avg` (the lexicon's per-tag averages): `sum`, which Python 3.12 made compensated."""
     values = list(values)
     return sum(values) / float(len(values) or 1)
+
+
+def _running_mean(values) -> float:
+    """pattern's `Sentiment.__call__` average of the assessments: a plain running sum, as it adds
+    them (not `sum`, which rounds differently from Python 3.12 on)."""
+    total, n = 0.0, 0
+    for v in values:
+        total += v
+        n += 1
+    return total / float(n or 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -502,7 +513,7 @@ class TextBlobSentiment:
             raise TypeError(f"TextBlob sentiment scores text, got {type(text).__name__}")
         words = [w.lower() for w in " ".join(_tb_sentences(text)).split()]
         assessed = self._assess(words)
-        return _mean(p for p, _ in assessed), _mean(s for _, s in assessed)
+        return _running_mean(p for p, _ in assessed), _running_mean(s for _, s in assessed)
 
     def _assess(self, words: list[str]) -> list[tuple[float, float]]:
         """(polarity, subjectivity) per assessed chunk: a lexicon word with its modifier/negation."""
