@@ -100,16 +100,17 @@ TABLES.update({name: TABLES["sampler"] for name in (
     "sampler_smollm2_before_serving_layout", "sampler_before_out_major", "sampler_smollm2_before_out_major",
     "sampler_0.5B", "sampler_0.5B_before_out_major", "sampler_pythia410M", "sampler_pythia410M_before_out_major",
     "sampler_pythia410M_before_mha_attention", "sampler_before_decode_phases", "sampler_long",
-    "sampler_long_one_cache", "sampler_bf16", "sampler_bf16_before_fp32_accumulation")})
+    "sampler_long_one_cache", "sampler_bf16", "sampler_bf16_before_fp32_accumulation", "sampler_amd_epyc")})
 TABLES["sampler_cpu_devices"] = {"rows": ["model", "batch", "prompt_len", "new_tokens", "ours_tok_s", "ours_step_ms",
                                           "roofline_frac", "torch_tok_s", "torch_threads", "ratio", "mesh_devices",
                                           "mesh_s", "mesh_speedup", "mesh_ratio", "mesh_roofline_frac"]}
 TABLES["sampler_cpu_devices_with_torch"] = TABLES["sampler_cpu_devices"]
 TABLES["backward_layouts_bf16"] = TABLES["backward_layouts"]
-TABLES.update({name: TABLES["forward"] for name in ("forward_bf16", "forward_bf16_before_fp32_accumulation")})
+TABLES.update({name: TABLES["forward"] for name in ("forward_bf16", "forward_bf16_before_fp32_accumulation",
+                                                    "forward_amd_epyc")})
 TABLES.update({name: TABLES["train_step"] for name in (
     "train_step_bf16", "train_step_bf16_before_fp32_accumulation",
-    "train_step_bf16_before_row_major_transpose")})
+    "train_step_bf16_before_row_major_transpose", "train_step_amd_epyc")})
 TABLES["shared_prompt"] = {"rows": ["model", "shape", "prompts_x_k", "tokens", "shared_tok_s", "copied_tok_s",
                                      "speedup", "shared_kv_mb", "copied_kv_mb", "same_rows", "torch_tok_s",
                                      "shared_vs_torch", "copied_vs_torch"]}
