@@ -408,12 +408,12 @@ class Supervisor:
     def _searcher_exited(self, s: _Child, r: int, now: float) -> int | None:
         """Schedule the restart of a searcher that exited with `r`; the run's exit code when its
         restart budget is used up."""
+        if s.ran_out_of_memory():
+            return self._searcher_out_of_memory(s)
         sysc = self.config.system
         delay = restart_delay(s.restart_times, now, budget=sysc.max_searcher_restarts,
                               window_s=sysc.restart_window_s, backoff_s=sysc.restart_backoff_s)
         recent = len([x for x in s.restart_times if now - x < sysc.restart_window_s])
-        if s.ran_out_of_memory():
-            return self._searcher_out_of_memory(s)
         if delay is None:
             print(f"\n{s.role} {describe_exit(r)}; giving up after {recent} restarts within "
                   f"{sysc.restart_window_s:g} s (system.max_searcher_restarts="
