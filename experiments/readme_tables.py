@@ -59,7 +59,7 @@ TABLES: dict[str, dict[str, list[str]]] = {
                                "ratios_after_over_before": ["rss_after_updates_mb", "state_mb", "update_s"]},
     "continuous_batching": {
         "rows": ["engine", "samples", "tokens", "seconds", "samples_per_s", "tokens_per_s", "slot_occupancy",
-                 "vs_static"],
+                 "vs_static", "step_ms", "moves", "pauses"],
         "workload": ["prompts", "num_samples", "median_len", "max_len", "cap", "decode_slots", "decode_chunk"],
         "swap": ["load_s", "load_and_prepare_s", "swap_s", "decode_step_s", "publish_to_swapped_s",
                  "publish_to_first_token_est_s", "publish_to_first_chunk_done_s"],
@@ -131,7 +131,7 @@ TABLES["bf16_matmul"] = {"rows": ["product", "rows", "in", "out", "plain_gflops"
 ABSOLUTE = {"update_s", "tbajax_tok_s", "torch_tok_s", "step_s", "best_step_s", "ms", "MB_s", "ours_tok_s",
             "ours_decode_tok_s", "wall_time_s", "seconds", "samples_per_s", "tokens_per_s", "load_s", "swap_s",
             "decode_step_s", "load_and_prepare_s", "publish_to_swapped_s", "publish_to_first_token_est_s",
-            "publish_to_first_chunk_done_s",
+            "publish_to_first_chunk_done_s", "step_ms",
             "ynnpack_s", "eigen_s", "mlir_emitters_s", "legacy_emitters_s", "mlir_emitters_compile_s",
             "legacy_emitters_compile_s", "wall_s", "launcher_wall_s", "run_wall_s", "trainer_wait_s",
             "first_generate_s", "first_eval_s", "ours_step_ms", "ours_matmul_ms", "torch_matmul_ms",

@@ -106,6 +106,11 @@ class RolloutSpec:
       decode_slots / K). A prompt waits for a free entry and holds it until its last sample ends;
       every decode step reads the whole pool, so a larger pool costs time, a smaller one idles
       slots behind stragglers.
+    ring_tiers: the continuous engine's decode slots split into this many tiers of rings whose
+      lengths halve from the longest (`sampling.continuous.geometric_ring_tiers`): a decode step's
+      attention reads each sample's tier ring, and samples move to a longer tier as they grow.
+      1: one ring of the longest length for every slot. Worth it when responses are long and
+      their lengths spread (chains of thought); one batch shard per searcher only.
     """
 
     prompts_per_call: int = 8
@@ -123,8 +128,12 @@ class RolloutSpec:
     first_decode_phase: int = 64
     share_prompt_cache: bool = True
     prompt_pool: int | None = None
+    ring_tiers: int = 1
 
     def __post_init__(self) -> None:
+        if self.ring_tiers > 1 and self.engine != "continuous":
+            raise ConfigError(f"rollout.ring_tiers={self.ring_tiers} splits the continuous engine's decode "
+                              "slots; set rollout.engine=continuous, or ring_tiers=1")
         if self.prompt_pool is not None and self.prompt_pool < 1:
             raise ConfigError(f"rollout.prompt_pool={self.prompt_pool} must hold at least one prompt "
                               "(or null: 2 x decode_slots / K)")
@@ -460,6 +469,7 @@ _RANGES: tuple[tuple[str, tuple[float, bool], bool], ...] = (
     ("rollout.fail_fast_grades", (1, False), False),
     ("rollout.decode_slots", (1, False), False),
     ("rollout.decode_chunk", (1, False), False),
+    ("rollout.ring_tiers", (1, False), False),
     ("train.steps", (1, False), False),
     ("train.groups_per_step", (1, False), False),
     ("train.length_bucket", (1, False), False),
@@ -513,6 +523,7 @@ RESUME_SAFE_KEYS: tuple[str, ...] = (
     "rollout.prompts_per_call",
     "rollout.decode_slots",
     "rollout.prompt_pool",
+    "rollout.ring_tiers",
     "system.memory_fraction",
     "train.trainer.optimizer.lr.warmup_steps",
     "train.trainer.optimizer.lr.stable_steps",

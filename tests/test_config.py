@@ -38,6 +38,12 @@ def test_overrides_are_typed():
     assert apply_overrides(cfg, ["rollout.prompt_pool=6"]).rollout.prompt_pool == 6
     with pytest.raises(ConfigError, match="prompt_pool=0"):
         apply_overrides(cfg, ["rollout.prompt_pool=0"])
+    tiered = apply_overrides(cfg, ["rollout.engine=continuous", "rollout.ring_tiers=3"])
+    assert tiered.rollout.ring_tiers == 3
+    with pytest.raises(ConfigError, match="rollout.engine=continuous"):
+        apply_overrides(cfg, ["rollout.ring_tiers=3"])  # the static engine has no slots to split
+    with pytest.raises(ConfigError, match="ring_tiers"):
+        apply_overrides(cfg, ["rollout.engine=continuous", "rollout.ring_tiers=0"])
     assert out.train.steps == 7 and isinstance(out.train.steps, int)
     assert out.train.trainer.optimizer.lr.peak == 3e-4
     assert out.train.objective == "dr_grpo" and out.system.mode == "sync"

@@ -14,8 +14,9 @@ import pytest
 from flax import nnx
 
 from tbajax.models import KVCache, load_model, positions_from_mask
+from tbajax.models.serving import TieredKVCache
 from tbajax.sampling import Sampler, SamplingConfig
-from tbajax.sampling.continuous import ContinuousEngine, request_keys, ring_sources
+from tbajax.sampling.continuous import ContinuousEngine, geometric_ring_tiers, request_keys, ring_sources
 from tbajax.sampling.step import step_keys
 from tbajax.sampling import core
 from tbajax.sharding import MeshConfig, make_mesh
@@ -108,6 +109,48 @@ def test_prompt_pool_on_random_schedules_matches_static(llama, seed):
     assert engine.pool == pool and sorted(engine._free_entries) == list(range(pool))
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["copied_prompts", "prompt_pool"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_ring_tiers_match_static(llama, shared, seed):
+    """Ring tiers (rows split into rings of 4 / 8 / full slots, fewer long rows than long samples):
+    samples move to longer tiers as they grow, pause when none has a free row, and every sample
+    still equals the static sampler's row for its key."""
+    r = np.random.default_rng(seed)
+    k = 2
+    prompts = [[1, *r.integers(3, 60, r.integers(1, 12)).tolist()] for _ in range(8)]
+    prompts[0] = [1, *r.integers(3, 60, 15).tolist()]  # fills its bucket: no padding slot to spare
+    cfg = SamplingConfig(max_new_tokens=14, num_samples=k, temperature=1.0, top_k=40,
+                         stop_token_ids=(3, 4), pad_token_id=0)
+    caps = r.integers(1, 15, len(prompts) * k)
+    caps[::3] = 14
+    sampler = Sampler(llama, max_cache_length=32)
+    key = jax.random.key(seed)
+    static = sampler.sample(prompts, cfg, key, max_new_per_row=caps)
+    # the last ring holds the longest history: max_new_tokens, plus the prompt bucket (16 here, up
+    # to 18 admitted) where the prompts are copied into the rows
+    tiers = ((4, 4), (2, 8), (2, 14)) if shared else ((2, 20), (4, 24), (2, 32))
+    engine, groups = _run_engine(sampler, cfg, key, prompts, slots=8, chunk=3, caps=caps,
+                                 share_prompt_cache=shared, ring_tiers=tiers)
+    _assert_same(static, groups, k)
+    assert engine.stats.moves > 0 and engine.stats.pauses > 0 and not engine._paused
+    assert isinstance(engine._cache, TieredKVCache)
+    assert [t.slots for t in engine._cache.tiers] == [n for _, n in tiers]
+
+
+def test_geometric_ring_tiers():
+    assert geometric_ring_tiers(128, 512, 3) == ((64, 128), (32, 256), (32, 512))
+    assert geometric_ring_tiers(8, 14, 3) == ((4, 4), (2, 7), (2, 14))  # ceil(14 / 4) = 4
+    assert geometric_ring_tiers(3, 10, 3) == ((1, 3), (1, 5), (1, 10))  # a row each at least
+    assert geometric_ring_tiers(16, 100, 1) == ((16, 100),)
+
+
+def test_ring_tiers_need_one_batch_shard(tiny_checkpoint):
+    mesh = make_mesh(MeshConfig(data=2), devices=jax.devices()[:2])
+    sampler = Sampler(load_model(tiny_checkpoint("llama"), mesh=mesh), mesh=mesh, max_cache_length=64)
+    with pytest.raises(ValueError, match="one batch shard"):
+        ContinuousEngine(sampler, CFG, slots=4, chunk=4, ring_tiers=2)
+
+
 def test_bad_engine_inputs(llama):
     sampler = Sampler(llama, max_cache_length=64)
     with pytest.raises(ValueError, match="decode_slots"):
@@ -118,6 +161,11 @@ def test_bad_engine_inputs(llama):
         ContinuousEngine(sampler, CFG, slots=4, chunk=4, prompt_pool=0)
     with pytest.raises(ValueError, match="needs share_prompt_cache"):
         ContinuousEngine(sampler, CFG, slots=4, chunk=4, share_prompt_cache=False, prompt_pool=2)
+    for tiers, match in [(((2, 4), (1, 10)), "add up to the 4"), (((2, 10), (2, 4)), "must increase"),
+                         (((2, 4), (2, 9)), "must hold the longest history a sample can have, 10 slots"),
+                         (((2, 3), (2, 10)), "shorter than a decode chunk"), (5, "1 to 4 tiers")]:
+        with pytest.raises(ValueError, match=match):
+            ContinuousEngine(sampler, CFG, slots=4, chunk=4, ring_tiers=tiers)
     engine = ContinuousEngine(sampler, CFG, slots=4, chunk=4, max_prompt_tokens=8)
     with pytest.raises(ValueError, match="at most 8"):
         engine.submit(list(range(1, 12)), request_keys(jax.random.key(0), 0, 3))
@@ -206,8 +254,9 @@ def test_sharded_engine_matches_single_device(tiny_checkpoint, llama, shared):
 
 @pytest.mark.processes
 def test_async_run_with_the_continuous_engine(tmp_path):
-    """The tiny default experiment, async, its searcher on the continuous engine: the trainer
-    trains on its groups, every row's token versions are stored, the searcher reports occupancy."""
+    """The tiny default experiment, async, its searcher on the continuous engine (its slots in two
+    ring tiers): the trainer trains on its groups, every row's token versions are stored, the
+    searcher reports occupancy. (Rings of 3 and 6 slots: chunks of 2 steps.)"""
     from tbajax.stores import TrajectoryReader, trajectory_store_url
     from tbajax.system.metrics import read_metrics
     from tests.test_system import _finish, _main
@@ -215,11 +264,12 @@ def test_async_run_with_the_continuous_engine(tmp_path):
     run = tmp_path / "run"
     out = _finish(_main(run, "--set", "train.steps=4", "--set", "system.sync_every=2",
                         "--set", "rollout.engine=continuous", "--set", "rollout.decode_slots=16",
-                        "--set", "rollout.decode_chunk=4"), timeout=180)
+                        "--set", "rollout.decode_chunk=2", "--set", "rollout.ring_tiers=2"), timeout=180)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["trainer_steps"] == 4, out
     searcher = [r for r in read_metrics(run, "searcher-0") if "slot_occupancy" in r]
     assert searcher and all(0 < r["slot_occupancy"] <= 1 for r in searcher)
+    assert searcher[-1]["ring_moves"] > 0  # samples outgrew the 3-slot ring (running totals)
     reader = TrajectoryReader(trajectory_store_url(str(run), 0))
     rows = reader.read(0, reader.committed_rows())
     k = 8

@@ -8,7 +8,12 @@ sampling runs with no stop ids and each sample's new-token cap is its drawn leng
 with the same per-sample keys both produce the same tokens (checked: `agreement` in the JSON).
 Static = the searcher's static path: `Sampler.sample` on `prompts_per_call` prompts at a time,
 each call decoding until its longest sample ends. Continuous = `ContinuousEngine` with as many slots as a static call has rows.
-Both are warmed up on the same workload first (every program compiled), then timed alternately.
+Continuous, ring tiers = the same engine with its slots in `--ring-tiers` tiers of rings
+(`geometric_ring_tiers`: halving lengths, half of the slots in the shortest), so a decode step's
+attention reads each sample's tier ring instead of the longest one for every slot; `moves` and
+`pauses` count samples moved to a longer tier and samples that waited for a free row there.
+All are warmed up on the same workload first (every program compiled), then timed alternately;
+`step_ms` = a run's time over the decode steps it ran (admissions included).
 `agreement.max_logprob_diff_up_to_first_difference` includes the first differing token itself
 (two different tokens' log-probs), so it is large whenever any sample diverged.
 
@@ -16,7 +21,9 @@ Swap: a real param store in a temp dir; mid-run the benchmark publishes new para
 loop notices them, loads and lays them out for serving (`prepare_params`: what the searcher's
 loader thread does while decoding goes on; here in line), swaps between chunks and goes on.
 Reported: publish -> swapped in, publish -> end of the first chunk with new-version tokens, one
-decode step, one param load, one load + serving layout, the swap itself.
+decode step (the chunks' time over the steps they ran: a chunk ends early once K slots are free,
+so chunk time / chunk length undercounts it), one param load, one load + serving layout, the
+swap itself.
 
     python experiments/benchmarks/continuous_batching.py --quick
     python experiments/benchmarks/continuous_batching.py --math-like --json experiments/results/benchmarks/continuous_batching_math_like.json
@@ -88,7 +95,7 @@ def run_static(sampler: Sampler, cfg: SamplingConfig, prompts: list, lengths: np
 def run_continuous(engine: ContinuousEngine, prompts: list, lengths: np.ndarray, key: Any,
                    per_call: int) -> dict[str, Any]:
     k = engine.config.num_samples
-    before = engine.stats.slot_steps_live, engine.stats.decode_steps
+    before = engine.stats.slot_steps_live, engine.stats.decode_steps, engine.stats.moves, engine.stats.pauses
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):  # the static run's keys: call key fold_in(key, start), row in call
         start = i - i % per_call
@@ -100,7 +107,8 @@ def run_continuous(engine: ContinuousEngine, prompts: list, lengths: np.ndarray,
     steps = engine.stats.decode_steps - before[1]
     return {"seconds": seconds, "tokens": [t for g in groups for t in g.tokens],
             "logprobs": [lp for g in groups for lp in g.logprobs],
-            "occupancy": live / max(1, steps * engine.slots)}
+            "occupancy": live / max(1, steps * engine.slots), "decode_steps": steps,
+            "moves": engine.stats.moves - before[2], "pauses": engine.stats.pauses - before[3]}
 
 
 def compare(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
@@ -137,6 +145,7 @@ def measure_swap(engine: ContinuousEngine, model: Any, prompts: list, lengths: n
         engine.submit(p, request_keys(jax.random.fold_in(key, 10_000 + i), 0, k), tag=i,
                       max_new_per_sample=lengths[i * k:(i + 1) * k])
     chunk_s: list[float] = []
+    chunk_steps: list[int] = []
     published = swapped = first = None
     prepare_s = float("nan")
     new = jax.tree.map(lambda x: x * 1.01, nnx.to_pure_dict(state))
@@ -153,20 +162,23 @@ def measure_swap(engine: ContinuousEngine, model: Any, prompts: list, lengths: n
                 prepare_s = time.perf_counter() - loaded
                 engine.update_params(prepared, latest)
                 swapped = time.perf_counter()
-        t = time.perf_counter()
+        t, steps = time.perf_counter(), engine.stats.decode_steps
         done = engine.step()
         chunk_s.append(time.perf_counter() - t)
+        chunk_steps.append(engine.stats.decode_steps - steps)
         if swapped is not None and first is None:
             first = time.perf_counter()
         del done
     publisher.close()
-    step_s = float(np.median(chunk_s[1:])) / engine.chunk  # full chunks (the tail ones are shorter)
+    # a chunk ends early once K slots are free (or none is live), and its time includes admitting
+    # prompts: the step is the total time over the steps run, the first chunk (compiles) left out
+    step_s = sum(chunk_s[1:]) / max(1, sum(chunk_steps[1:]))
     if published is None or swapped is None or first is None:
         raise RuntimeError(f"the run ended before the swap was used ({len(chunk_s)} chunks): "
                            "give it more prompts")
     return {"load_s": load_s, "load_and_prepare_s": prepare_s, "swap_s": engine.stats.last_swap_s,
             "decode_step_s": step_s,
-            "chunk_s": float(np.median(chunk_s[1:])),
+            "chunk_s": float(np.median(chunk_s[1:])), "chunk_steps": float(np.median(chunk_steps[1:])),
             "publish_to_swapped_s": swapped - published,
             "publish_to_first_chunk_done_s": first - published,
             "publish_to_first_token_est_s": swapped - published + step_s}
@@ -180,6 +192,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--math-like", action="store_true",
                     help="a math run's shape, scaled down: 96 prompts x K=16, lengths median 64 capped at "
                          "512 (long-tailed chains of thought), static calls of 8 prompts = 128 slots")
+    ap.add_argument("--ring-tiers", type=int, default=3,
+                    help="adds the continuous engine with this many ring tiers "
+                         "(`geometric_ring_tiers`; 1: no such arm)")
     args = ap.parse_args(argv)
     if args.quick and args.math_like:
         ap.error("--quick and --math-like are two different workloads: pick one")
@@ -197,6 +212,10 @@ def main(argv: list[str] | None = None) -> None:
         cfg = SamplingConfig(max_new_tokens=cap, num_samples=k, temperature=1.0, stop_token_ids=())
         sampler = Sampler(model, max_cache_length=64 + cap)
         engine = ContinuousEngine(sampler, cfg, slots=per_call * k, chunk=chunk, max_prompt_tokens=64)
+        tiered = None
+        if args.ring_tiers > 1:
+            tiered = ContinuousEngine(sampler, cfg, slots=per_call * k, chunk=chunk, max_prompt_tokens=64,
+                                      ring_tiers=args.ring_tiers)
         key = jax.random.key(0)
         t0 = time.perf_counter()
         ref = run_static(sampler, cfg, prompts, lengths, key, per_call)  # warm-up: compiles
@@ -207,11 +226,21 @@ def main(argv: list[str] | None = None) -> None:
         agreement = compare(ref, got)
         same = agreement["identical_samples"] == len(lengths)
         assert [len(t) for t in got["tokens"]] == lengths.tolist() == [len(t) for t in ref["tokens"]]
-        print(f"warm-up (compiles): static {warm_static:.1f} s, continuous {warm_cont:.1f} s", flush=True)
+        arms = {"static": lambda: run_static(sampler, cfg, prompts, lengths, key, per_call),
+                "continuous": lambda: run_continuous(engine, prompts, lengths, key, per_call)}
+        warm_tiered = tiered_agreement = None
+        if tiered is not None:
+            t0 = time.perf_counter()
+            got_tiered = run_continuous(tiered, prompts, lengths, key, per_call)
+            warm_tiered = time.perf_counter() - t0
+            tiered_agreement = compare(got, got_tiered)  # the same engine's samples, other rings
+            assert [len(t) for t in got_tiered["tokens"]] == lengths.tolist()
+            arms["continuous, ring tiers"] = lambda: run_continuous(tiered, prompts, lengths, key, per_call)
+        print(f"warm-up (compiles): static {warm_static:.1f} s, continuous {warm_cont:.1f} s"
+              + (f", ring tiers {warm_tiered:.1f} s" if tiered is not None else ""), flush=True)
         best: dict[str, dict[str, Any]] = {}
         for _ in range(args.repeats):  # alternate, keep the best of each (a shared machine)
-            for name, fn in (("static", lambda: run_static(sampler, cfg, prompts, lengths, key, per_call)),
-                             ("continuous", lambda: run_continuous(engine, prompts, lengths, key, per_call))):
+            for name, fn in arms.items():
                 r = fn()
                 print(f"{name}: {r['seconds']:.1f} s", flush=True)
                 if name not in best or r["seconds"] < best[name]["seconds"]:
@@ -224,7 +253,9 @@ def main(argv: list[str] | None = None) -> None:
         rows.append({"engine": name, "samples": samples, "tokens": tokens, "seconds": r["seconds"],
                      "samples_per_s": samples / r["seconds"], "tokens_per_s": tokens / r["seconds"],
                      "slot_occupancy": r["occupancy"],
-                     "vs_static": best["static"]["seconds"] / r["seconds"]})
+                     "vs_static": best["static"]["seconds"] / r["seconds"],
+                     **({"decode_steps": r["decode_steps"], "step_ms": 1e3 * r["seconds"] / r["decode_steps"],
+                         "moves": r["moves"], "pauses": r["pauses"]} if "decode_steps" in r else {})})
     print(f"\n10M Llama, {n_prompts} prompts x K={k}, response lengths log-normal median "
           f"{int(np.median(lengths))} max {int(lengths.max())} (cap {cap}); static calls of {per_call} "
           f"prompts, continuous {per_call * k} slots x chunk {chunk}; identical samples in both: "
@@ -232,10 +263,15 @@ def main(argv: list[str] | None = None) -> None:
           f"{agreement['max_logprob_diff_up_to_first_difference']:.2g})")
     print(f"machine: {info['cpu_count']} CPUs, matmul {info['matmul_gflops']:.1f} GFLOP/s, "
           f"load average {info['load_average_1m']:.1f} (before) / {os.getloadavg()[0]:.1f} (after)")
+    if tiered is not None:
+        same_tiered = tiered_agreement["identical_samples"]
+        print(f"ring tiers (rows, ring slots): {tiered.ring_tiers} against one ring of {engine.ring} slots; "
+              f"samples identical to the one-ring engine's: {same_tiered}/{len(lengths)}")
     print_table(rows, ["engine", "samples", "tokens", "seconds", "samples_per_s", "tokens_per_s",
-                       "slot_occupancy", "vs_static"])
-    print("\nin-flight swap (ms):")
-    print_table([{k2: 1e3 * v for k2, v in swap.items()}], list(swap))
+                       "slot_occupancy", "vs_static", "step_ms", "moves", "pauses"])
+    print(f"\nin-flight swap (ms; a chunk ran {swap['chunk_steps']:.0f} decode steps, median):")
+    timed = [k2 for k2 in swap if k2.endswith("_s")]
+    print_table([{k2: 1e3 * swap[k2] for k2 in timed}], timed)
     write_json(args.json, {
         "benchmark": "continuous_batching", "quick": args.quick, "math_like": args.math_like, "machine": info,
         "load_average_1m_after": os.getloadavg()[0],
@@ -244,7 +280,9 @@ def main(argv: list[str] | None = None) -> None:
                      "max_len": int(lengths.max()), "cap": cap, "mean_len": float(lengths.mean()),
                      "prompts_per_call": per_call, "decode_slots": per_call * k, "decode_chunk": chunk},
         "same_tokens": same, "agreement": agreement,
-        "warmup_s": {"static": warm_static, "continuous": warm_cont},
+        "warmup_s": {"static": warm_static, "continuous": warm_cont, "ring_tiers": warm_tiered},
+        "ring_tiers": list(tiered.ring_tiers) if tiered is not None else None, "ring": engine.ring,
+        "ring_tiers_agreement": tiered_agreement,
         "rows": rows, "swap": swap,
     })
 

@@ -393,19 +393,37 @@ class EmitKV:
 EMIT_KV = EmitKV()
 
 
+class RingTiers(NamedTuple):
+    """One layer's cache for single-token steps whose rows are split into tiers, each tier a ring
+    of its own length (continuous batching's `ring_tiers`): rows [0, n_0) use tier 0, the next n_1
+    tier 1, and so on, so a row's attention reads its tier's s_b slots, not the longest ring's.
+    Per tier: keys d-major [n_b, kv, d, s_b], values [n_b, kv, s_b, d], the write slot; `write`
+    [rows] bool says which rows write this step: a row that does not (a paused sample waiting
+    for a longer tier) keeps its history intact. `prompt`: the pool the rows continue, if any."""
+
+    k: tuple[Array, ...]
+    v: tuple[Array, ...]
+    index: tuple[Array, ...]
+    write: Array
+    prompt: PromptKV | None = None
+
+
 @scoped(S.ATTENTION)
 def self_attention(
-    q: Array, k: Array, v: Array, mask: Array | CausalMask, cache: LayerCache | EmitKV | None, dtype: Any,
-    implementation: str = "xla",
-) -> tuple[Array, tuple[Array, Array] | None]:
+    q: Array, k: Array, v: Array, mask: Array | CausalMask | tuple[Array, ...],
+    cache: LayerCache | EmitKV | RingTiers | None, dtype: Any, implementation: str = "xla",
+) -> tuple[Array, Any]:
     """Attention of this step's queries q [b,t,h,d] over its keys/values [b,t,kv,d], or, with a
     layer cache, over the whole cache after writing this step's keys/values into it at the write
     slot. Returns ([b,t,h,d], the updated (keys, values) buffers, or with EMIT_KV this step's own
-    keys d-major [b,kv,d,t] and values [b,kv,t,d], or None).
+    keys d-major [b,kv,d,t] and values [b,kv,t,d], or None). With `RingTiers` (mask: one
+    [n_b, 1, s_b] per tier) the updated tiers' (keys, values) buffers.
 
     implementation (`ModelConfig.attention`): "xla", our own attention; "cudnn", cuDNN's fused
     attention (`cudnn_attention`) for the passes without a cache to read (training, scoring,
     prompt passes). Decode steps over a cache always take ours."""
+    if isinstance(cache, RingTiers):
+        return tiered_ring_attention(q, k, v, mask, cache, dtype)
     if isinstance(mask, StridedGroups):
         if cache is not None:
             raise TypeError("strided prompt groups are scored without a KV cache")
@@ -607,16 +625,26 @@ def _attention_after_pooled_prompt(q: Array, kt: Array, v: Array, mask: Array, p
     merge after (as flash attention merges blocks), so a row that holds no live sample, whose
     table entries may be stale, still gives finite numbers."""
     b, t, h, d = q.shape
-    kv = kt.shape[1]
-    n, k = prompt.samples.shape
-    g = h // kv
     if t != 1:
         raise ValueError(f"attention after a pooled prompt takes one token per row, got q {q.shape}")
-    scale = d**-0.5
-    qf = q.reshape(b, kv, g, d).astype(jnp.float32)
+    qf = q.reshape(b, kt.shape[1], h // kt.shape[1], d).astype(jnp.float32)
+    out = _merged(_pooled_prompt_part(qf, prompt), _ring_part(qf, kt, v, mask))
+    return out.reshape(b, 1, h, d).astype(v.dtype)
+
+
+# A part of one token's softmax attention, unnormalised: (row max [b, kv, g], sum of exp(score -
+# max) [b, kv, g], exp-weighted values [b, kv, g, d]); parts over disjoint keys merge exactly.
+Part = tuple[Array, Array, Array]
+
+
+def _pooled_prompt_part(qf: Array, prompt: PromptKV) -> Part:
+    """The pool's part for every row (qf [b, kv, g, d] fp32): each prompt's K queries gathered
+    from their rows, its keys and values read once, the results gathered back to the rows."""
+    b, kv, g, d = qf.shape
+    n, k = prompt.samples.shape
     qe = jnp.take(qf, prompt.samples.reshape(-1), axis=0, mode="fill", fill_value=0)  # [n*k, kv, g, d]
     qp = qe.reshape(n, k, kv, g, d).swapaxes(1, 2).reshape(n, kv, k * g, d)
-    sp = jnp.einsum("nhqd,nhds->nhqs", qp, prompt.k.astype(jnp.float32)) * scale
+    sp = jnp.einsum("nhqd,nhds->nhqs", qp, prompt.k.astype(jnp.float32)) * d**-0.5
     sp = jnp.where(prompt.valid[:, None, None], sp, _MASK_VALUE)
     top_p = sp.max(-1)
     ep = jnp.exp(sp - top_p[..., None])
@@ -627,25 +655,78 @@ def _attention_after_pooled_prompt(q: Array, kt: Array, v: Array, mask: Array, p
         x = x.reshape(n, kv, k, g, *rest).swapaxes(1, 2).reshape(n * k, kv, g, *rest)
         return jnp.take(x, prompt.entry, axis=0, mode="clip")
 
-    if g == 1:  # no size-1 group axis in the row part's products (see `cached_attention`)
-        sr = (qf.reshape(b, kv, d, 1) * kt.astype(jnp.float32)).sum(2) * scale  # [b, kv, s]
+    return to_rows(top_p), to_rows(ep.sum(-1)), to_rows(out_p)
+
+
+def _ring_part(qf: Array, kt: Array, v: Array, mask: Array) -> Part:
+    """Each row's part over its own cache (qf [b, kv, g, d] fp32; kt [b, kv, d, s], v [b, kv, s, d],
+    mask [b, 1, s]), as multiply-reduces (see `cached_attention`)."""
+    b, kv, g, d = qf.shape
+    if g == 1:  # no size-1 group axis in the products (see `cached_attention`)
+        sr = (qf.reshape(b, kv, d, 1) * kt.astype(jnp.float32)).sum(2) * d**-0.5  # [b, kv, s]
         sr = jnp.where(mask[:, :1], sr, _MASK_VALUE)
         top_r = sr.max(-1)
         er = jnp.exp(sr - top_r[..., None])
         out_r = (er[..., None] * v.astype(jnp.float32)).sum(2).reshape(b, kv, 1, d)
-        top_r, sum_r = top_r[..., None], er.sum(-1)[..., None]
-    else:
-        sr = (qf[..., None] * kt[:, :, None].astype(jnp.float32)).sum(3) * scale  # [b, kv, g, s]
-        sr = jnp.where(mask[:, :1, None], sr, _MASK_VALUE)
-        top_r = sr.max(-1)
-        er = jnp.exp(sr - top_r[..., None])
-        out_r = (er[..., None] * v[:, :, None].astype(jnp.float32)).sum(3)
-        sum_r = er.sum(-1)
-    top_p, sum_p, out_p = to_rows(top_p), to_rows(ep.sum(-1)), to_rows(out_p)
+        return top_r[..., None], er.sum(-1)[..., None], out_r
+    sr = (qf[..., None] * kt[:, :, None].astype(jnp.float32)).sum(3) * d**-0.5  # [b, kv, g, s]
+    sr = jnp.where(mask[:, :1, None], sr, _MASK_VALUE)
+    top_r = sr.max(-1)
+    er = jnp.exp(sr - top_r[..., None])
+    out_r = (er[..., None] * v[:, :, None].astype(jnp.float32)).sum(3)
+    return top_r, er.sum(-1), out_r
+
+
+def _merged(first: Part, second: Part) -> Array:
+    """The normalised attention [b, kv, g, d] over the keys of both parts."""
+    top_p, sum_p, out_p = first
+    top_r, sum_r, out_r = second
     top = jnp.maximum(top_p, top_r)
     a, c = jnp.exp(top_p - top), jnp.exp(top_r - top)  # one of them is 1: the sum is >= 1
-    out = (out_p * a[..., None] + out_r * c[..., None]) / (sum_p * a + sum_r * c)[..., None]
-    return out.reshape(b, 1, h, d).astype(v.dtype)
+    return (out_p * a[..., None] + out_r * c[..., None]) / (sum_p * a + sum_r * c)[..., None]
+
+
+def tiered_ring_attention(q: Array, k: Array, v: Array, masks: tuple[Array, ...], cache: RingTiers,
+                          dtype: Any) -> tuple[Array, tuple[tuple[Array, ...], tuple[Array, ...]]]:
+    """`self_attention` of one token per row (q [b,1,h,d], k/v [b,1,kv,d]) over a `RingTiers`
+    cache: each tier's rows write their keys/values at the tier's slot (rows that do not write
+    keep what was there) and attend over their own tier's ring, then over the pool's prompt if
+    there is one. Returns ([b,1,h,d], (the tiers' keys, the tiers' values))."""
+    b, t, h, d = q.shape
+    if t != 1:
+        raise ValueError(f"a tiered ring cache takes one token per row and step, got q {q.shape}")
+    kv = k.shape[2]
+    qf = q.reshape(b, kv, h // kv, d).astype(jnp.float32)
+    keys, values, parts, start = [], [], [], 0
+    with jax.named_scope(S.KV_WRITE):
+        for kt, cv, index in zip(cache.k, cache.v, cache.index):
+            n = kt.shape[0]
+            rows = slice(start, start + n)
+            write = cache.write[rows]
+            new_k = cache_values(k[rows].transpose(0, 2, 3, 1), kt.dtype)  # [n, kv, d, 1]
+            old_k = jax.lax.dynamic_slice(kt, (0, 0, 0, index), new_k.shape)
+            keys.append(jax.lax.dynamic_update_slice(
+                kt, jnp.where(write[:, None, None, None], new_k, old_k), (0, 0, 0, index)))
+            new_v = cache_values(v[rows].transpose(0, 2, 1, 3), cv.dtype)  # [n, kv, 1, d]
+            old_v = jax.lax.dynamic_slice(cv, (0, 0, index, 0), new_v.shape)
+            values.append(jax.lax.dynamic_update_slice(
+                cv, jnp.where(write[:, None, None, None], new_v, old_v), (0, 0, index, 0)))
+            start += n
+    if start != b:
+        raise ValueError(f"the ring tiers hold {start} rows, the step has {b}")
+    start = 0
+    for kt, cv, mask in zip(keys, values, masks):
+        n = kt.shape[0]
+        parts.append(_ring_part(qf[start:start + n], kt, cv, mask))
+        start += n
+    ring = tuple(jnp.concatenate(x, axis=0) for x in zip(*parts))
+    if cache.prompt is None:
+        out = ring[2] / ring[1][..., None]
+    else:
+        out = _merged(_pooled_prompt_part(qf, cache.prompt), ring)  # type: ignore[arg-type]
+    return out.reshape(b, 1, h, d).astype(dtype), (tuple(keys), tuple(values))
+
+
 
 
 def _group_queries(q: Array, kv: int) -> Array:

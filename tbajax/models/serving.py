@@ -138,6 +138,37 @@ class KVCache(_Slots):
         return self.k[i], self.v[i], self.index, prompt
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TieredKVCache:
+    """A continuous-batching cache whose rows are split into tiers of rings of different lengths
+    (`sampling.continuous`'s `ring_tiers`): tier b is a `KVCache` of its own rows, slots and write
+    index, rows [0, n_0) of a step are tier 0's, and so on. A single-token step's attention then
+    reads each row's tier ring, so rows with short histories do not read the longest ring. The
+    prompt pool, if any, is shared by all tiers (its tables hold global rows)."""
+
+    tiers: tuple[KVCache, ...]
+    prompt: PromptCache | None = None
+
+    @property
+    def rows(self) -> int:
+        return sum(t.rows for t in self.tiers)
+
+    @property
+    def dtype(self) -> Any:
+        return self.tiers[0].dtype
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes() for t in self.tiers) + (0 if self.prompt is None else self.prompt.nbytes())
+
+    def layer(self, i: int, write: Array) -> L.RingTiers:
+        """Layer i's tiers as `layers.self_attention` takes them; `write` [rows]: rows that write."""
+        p = self.prompt
+        prompt = None if p is None else L.PromptKV(p.k[i], p.v[i], p.valid, p.samples, p.entry)
+        return L.RingTiers(k=tuple(t.k[i] for t in self.tiers), v=tuple(t.v[i] for t in self.tiers),
+                           index=tuple(t.index for t in self.tiers), write=write, prompt=prompt)
+
+
 def kv_cache_dtype(cfg: ModelConfig, platform: str | None = None) -> Any:
     """The dtype a sampler's KV cache holds: the compute dtype, except fp32 for a bf16 / fp16
     model on CPU (`platform`: a `Sampler` passes its mesh's; default JAX's default backend).
@@ -235,17 +266,21 @@ def prompt_pass(
 
 
 def cached_pass(
-    cfg: ModelConfig, params: ServingParams, tokens: Array, positions: Array, mask: Array, cache: KVCache
-) -> tuple[Array, KVCache]:
+    cfg: ModelConfig, params: ServingParams, tokens: Array, positions: Array, mask: Array,
+    cache: KVCache | TieredKVCache,
+) -> tuple[Array, Any]:
     """Tokens [b, t] written at slots cache.index ... index + t, each attending to the valid slots
     of its row up to its own; returns the final hidden states [b, t, hidden] and the cache.
 
     One new token (t = 1) attends to every valid slot: the same as the causal mask for a linear
     cache (no later slot is valid yet), and right for a ring cache whose older history sits at
     higher slots (continuous batching). Layers are unrolled over their own cache buffers, so each
-    write and read happens in place."""
+    write and read happens in place. A `TieredKVCache` takes one token per row, and `mask` [b, 1]
+    says which rows write theirs (the others' histories stay as they are)."""
     family = family_for(cfg.model_type)
     t = tokens.shape[1]
+    if isinstance(cache, TieredKVCache):
+        return _tiered_pass(cfg, family, params, tokens, positions, mask, cache)
     if cache.prompt is not None and t != 1:
         raise ValueError(f"a cache with a shared prompt part takes one token per row and step, got {t}")
     valid = jax.lax.dynamic_update_slice(cache.valid, mask.astype(bool), (0, cache.index))
@@ -263,6 +298,37 @@ def cached_pass(
         vs.append(v)
     cache = KVCache(k=tuple(ks), v=tuple(vs), valid=valid, index=cache.index + t, prompt=cache.prompt)
     return family.final_norm(cfg, params.top, x), cache
+
+
+def _tiered_pass(
+    cfg: ModelConfig, family: Family, params: ServingParams, tokens: Array, positions: Array, mask: Array,
+    cache: TieredKVCache,
+) -> tuple[Array, TieredKVCache]:
+    """`cached_pass` of one token per row over a `TieredKVCache`."""
+    if tokens.shape[1] != 1:
+        raise ValueError(f"a tiered ring cache takes one token per row and step, got {tokens.shape[1]}")
+    write = mask[:, 0].astype(bool)
+    valid, start = [], 0
+    for tier in cache.tiers:
+        w = write[start:start + tier.rows, None]
+        old = jax.lax.dynamic_slice(tier.valid, (0, tier.index), (tier.rows, 1))
+        valid.append(jax.lax.dynamic_update_slice(tier.valid, w | old, (0, tier.index)))
+        start += tier.rows
+    attend = tuple(v[:, None, :] for v in valid)
+    x = _embed(cfg, family, params, tokens, positions)
+    tables = family.position_tables(cfg, positions)
+    ks: list[tuple[Array, ...]] = []
+    vs: list[tuple[Array, ...]] = []
+    for i, p in enumerate(params.layers):
+        x, (k, v) = family.block(cfg, p, x, tables, attend, cache.layer(i, write))
+        ks.append(k)
+        vs.append(v)
+    tiers = tuple(
+        KVCache(k=tuple(layer[b] for layer in ks), v=tuple(layer[b] for layer in vs), valid=valid[b],
+                index=tier.index + 1)
+        for b, tier in enumerate(cache.tiers)
+    )
+    return family.final_norm(cfg, params.top, x), TieredKVCache(tiers=tiers, prompt=cache.prompt)
 
 
 @scoped(S.EMBED)

@@ -26,6 +26,17 @@ prompt is admitted when K slots and an entry are free, and its entry is freed wi
 sample. For long prompts this halves the cache and reads fewer bytes per step
 (`experiments/benchmarks/continuous_shared_prompt.py`).
 
+Ring tiers (`ring_tiers`): a ring of S slots for every row makes every decode step read S slots
+per row, however short the row's history; with long, spread-out response lengths most rows are
+young and short. The rows can instead be split into tiers with rings of their own lengths
+(`serving.TieredKVCache`; each tier has its own write index): a row's attention reads its tier's
+ring. A sample is admitted into the shortest tier that holds it for a chunk; between chunks, one
+that its ring would not hold for the next chunk moves to a free row of a longer tier (its history
+is copied once, in order, ending at the new ring's index: `move_rows`), or, if none is free,
+pauses (keeps its row, writes and generates nothing) until one frees. The longest tier holds any
+history, so its samples always run to the end and free rows: nothing waits forever. Tokens and
+log-probs do not depend on the tiers (attention over a row's valid slots is order-invariant).
+
 Randomness: every sample has its own key and draws its step-s token from fold_in(key, s), exactly
 as the static sampler's row keys do, so for the same per-sample keys both engines give the same
 tokens and log-probs whatever slot or batch a sample lands in.
@@ -39,14 +50,16 @@ straddles a swap carries tokens of both versions, and its log-probs are those th
 sampled each token assigned (with the old version's cache for the earlier history).
 
 Programs: one prefill+admit program per (admitted prompts, prompt-length) bucket and ONE decode
-chunk program, whose shapes depend only on (slots, S, C): a new prompt-length bucket never
-recompiles the decode chunk, and how full the slots are is a mask, not a shape.
+chunk program, whose shapes depend only on (slots, S, C) (and the tiers): a new prompt-length
+bucket never recompiles the decode chunk, and how full the slots are is a mask, not a shape. With
+tiers, one small move program per (from, to, moved rows) bucket.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Hashable, Sequence
@@ -60,7 +73,7 @@ from jax.sharding import PartitionSpec as P
 
 from tbajax.models import ModelConfig, positions_from_mask, serving
 from tbajax.models.layers import cache_values
-from tbajax.models.serving import KVCache, ServingParams
+from tbajax.models.serving import KVCache, PromptCache, ServingParams, TieredKVCache
 from tbajax.sampling import core
 from tbajax.sampling.config import SamplingConfig
 from tbajax.sampling.sampler import PreparedParams, Sampler, left_pad, length_bucket
@@ -118,7 +131,7 @@ def ring_sources(index: Array, ring: int, prompt_slots: int) -> Array:
 def admit(
     cfg: ModelConfig,
     params: ServingParams,
-    cache: KVCache,
+    cache: KVCache | TieredKVCache,
     state: SlotState,
     tokens: Array,
     mask: Array,
@@ -130,7 +143,7 @@ def admit(
     entries: Array,
     *,
     num_samples: int,
-) -> tuple[KVCache, SlotState, AdmitOut]:
+) -> tuple[KVCache | TieredKVCache, SlotState, AdmitOut]:
     """Prefill B left-padded prompts [B, P] for the cache rows `slots` [B*K] (prompt-major; an
     index >= the slot count drops that row); sample each sample's first token from its key
     (step 0). A cache with a prompt pool takes each prompt's keys/values once, at its pool entry
@@ -139,7 +152,9 @@ def admit(
     mask = mask.astype(bool)
     last, keys_p, values_p = serving.prompt_pass(cfg, params, tokens, mask, positions_from_mask(mask))
     logits = jnp.repeat(serving.logits(cfg, params, last), num_samples, axis=0)
-    if cache.prompt is None:
+    if isinstance(cache, TieredKVCache):
+        cache = _place_in_tiers(cache, keys_p, values_p, mask, slots, entries, num_samples)
+    elif cache.prompt is None:
         cache = _place_in_rows(cache, keys_p, values_p, mask, slots, num_samples)
     else:
         cache = _place_in_pool(cache, keys_p, values_p, mask, slots, entries, num_samples)
@@ -188,8 +203,16 @@ def _place_in_pool(cache: KVCache, keys_p: tuple[Array, ...], values_p: tuple[Ar
                    slots: Array, entries: Array, num_samples: int) -> KVCache:
     """Each prompt's keys/values once, at its pool entry (columns past its bucket invalid); the
     tables point its K samples at their rows, and no other entry at those rows any more."""
-    pool = cache.prompt
-    assert pool is not None and pool.samples is not None and pool.entry is not None
+    assert cache.prompt is not None
+    pool = _pool_with(cache.prompt, keys_p, values_p, mask, slots, entries, num_samples, cache.rows)
+    return KVCache(k=cache.k, v=cache.v, index=cache.index, prompt=pool,
+                   valid=constrain(cache.valid.at[slots].set(False, mode="drop"), ("batch", "length")))
+
+
+def _pool_with(pool: PromptCache, keys_p: tuple[Array, ...], values_p: tuple[Array, ...], mask: Array,
+               slots: Array, entries: Array, num_samples: int, rows: int) -> PromptCache:
+    """The pool with B prompts placed at `entries` for the rows `slots` [B*K] (of `rows`)."""
+    assert pool.samples is not None and pool.entry is not None
     b, p = mask.shape
     pad = pool.slots - p
 
@@ -198,10 +221,10 @@ def _place_in_pool(cache: KVCache, keys_p: tuple[Array, ...], values_p: tuple[Ar
         widths[slot_axis] = (0, pad)
         return constrain(buf.at[entries].set(cache_values(jnp.pad(x, widths), buf.dtype), mode="drop"), axes)
 
-    samples = jnp.where(jnp.isin(pool.samples, slots), cache.rows, pool.samples)
+    samples = jnp.where(jnp.isin(pool.samples, slots), rows, pool.samples)
     samples = samples.at[entries].set(slots.reshape(b, num_samples), mode="drop")
     positions = (entries[:, None] * num_samples + jnp.arange(num_samples, dtype=jnp.int32)).reshape(-1)
-    pool = serving.PromptCache(
+    return PromptCache(
         k=tuple(place(buf, x, 3, KVCache.K_AXES) for buf, x in zip(pool.k, keys_p)),
         v=tuple(place(buf, x, 2, KVCache.V_AXES) for buf, x in zip(pool.v, values_p)),
         valid=constrain(pool.valid.at[entries].set(jnp.pad(mask, ((0, 0), (0, pad))), mode="drop"),
@@ -209,22 +232,95 @@ def _place_in_pool(cache: KVCache, keys_p: tuple[Array, ...], values_p: tuple[Ar
         samples=samples,
         entry=pool.entry.at[slots].set(positions, mode="drop"),
     )
-    return KVCache(k=cache.k, v=cache.v, index=cache.index, prompt=pool,
-                   valid=constrain(cache.valid.at[slots].set(False, mode="drop"), ("batch", "length")))
+
+
+def _local(slots: Array, start: int, rows: int) -> Array:
+    """Global row indices -> a tier's own (rows of other tiers -> `rows`: out of range, dropped)."""
+    inside = (slots >= start) & (slots < start + rows)
+    return jnp.where(inside, slots - start, rows)
+
+
+def _place_in_tiers(cache: TieredKVCache, keys_p: tuple[Array, ...], values_p: tuple[Array, ...],
+                    mask: Array, slots: Array, entries: Array, num_samples: int) -> TieredKVCache:
+    """`_place_in_rows` / `_place_in_pool` over a tiered cache: each tier takes its own rows."""
+    tiers, start = [], 0
+    for tier in cache.tiers:
+        local = _local(slots, start, tier.rows)
+        if cache.prompt is None:
+            tiers.append(_place_in_rows(tier, keys_p, values_p, mask, local, num_samples))
+        else:
+            tiers.append(dataclasses.replace(tier, valid=tier.valid.at[local].set(False, mode="drop")))
+        start += tier.rows
+    pool = cache.prompt
+    if pool is not None:
+        pool = _pool_with(pool, keys_p, values_p, mask, slots, entries, num_samples, cache.rows)
+    return TieredKVCache(tiers=tuple(tiers), prompt=pool)
+
+
+def move_rows(cache: TieredKVCache, state: SlotState, src: Array, dst: Array, lag: Array, span: Array,
+              *, src_tier: int, dst_tier: int) -> tuple[TieredKVCache, SlotState]:
+    """Move samples from rows of tier `src_tier` to free rows of the longer `dst_tier` (global row
+    indices src, dst [m]; padding: both >= the rows, dropped). A sample's history is the `span`
+    ring slots that end `lag` steps before its tier's write slot (0: it wrote at the last step; a
+    paused sample stopped writing `lag` steps ago); it lands in its new row in the same order,
+    ending just before the new tier's write slot, as if it had always been there. Its slot state
+    and its pool table entries follow it, and it goes on generating (live) from there."""
+    a, z = cache.tiers[src_tier], cache.tiers[dst_tier]
+    starts = np.cumsum([0, *(t.rows for t in cache.tiers)])
+    rows = cache.rows
+    ls = jnp.clip(src - starts[src_tier], 0, a.rows - 1)  # padding reads row 0: its result is dropped
+    ld = jnp.where(dst < rows, dst - starts[dst_tier], z.rows)
+    end = jnp.mod(a.index - lag, a.slots)  # [m]: one past each history's newest slot
+    age = jnp.mod(z.index - 1 - jnp.arange(z.slots), z.slots)  # [S_z]: 0 at the newest slot
+    src_pos = jnp.mod(end[:, None] - 1 - age[None, :], a.slots)  # [m, S_z]
+    keep = age[None, :] < span[:, None]
+
+    def moved(buf: Array, into: Array, slot_axis: int, axes: tuple[str, ...]) -> Array:
+        taken = jnp.take(buf, ls, axis=0)  # [m, ...S_a...]
+        other = tuple(i for i in range(1, buf.ndim) if i != slot_axis)
+        shape = list(taken.shape)
+        shape[slot_axis] = z.slots
+        index = jnp.broadcast_to(jnp.expand_dims(src_pos, other), shape)
+        x = jnp.take_along_axis(taken, index, axis=slot_axis)
+        x = jnp.where(jnp.expand_dims(keep, other), x, jnp.zeros((), x.dtype))
+        return constrain(into.at[ld].set(x, mode="drop"), axes)
+
+    valid = jnp.take_along_axis(jnp.take(a.valid, ls, axis=0), src_pos, axis=1) & keep
+    z = KVCache(
+        k=tuple(moved(x, y, 3, KVCache.K_AXES) for x, y in zip(a.k, z.k)),
+        v=tuple(moved(x, y, 2, KVCache.V_AXES) for x, y in zip(a.v, z.v)),
+        valid=constrain(z.valid.at[ld].set(valid, mode="drop"), ("batch", "length")),
+        index=z.index,
+    )
+    tiers = tuple(z if b == dst_tier else t for b, t in enumerate(cache.tiers))
+    pool = cache.prompt
+    if pool is not None:
+        assert pool.samples is not None and pool.entry is not None
+        remap = jnp.arange(rows + 1, dtype=jnp.int32).at[src].set(dst, mode="drop")
+        samples = jnp.where(jnp.isin(pool.samples, dst), rows, pool.samples)
+        pool = dataclasses.replace(pool, samples=jnp.take(remap, samples, mode="clip"),
+                                   entry=pool.entry.at[dst].set(jnp.take(pool.entry, src, mode="clip"),
+                                                                mode="drop"))
+
+    def follow(x: Array) -> Array:
+        return x.at[dst].set(jnp.take(x, src, axis=0, mode="clip"), mode="drop")
+
+    state = SlotState(*(follow(x) for x in state))
+    state = state._replace(live=state.live.at[src].set(False, mode="drop").at[dst].set(True, mode="drop"))
+    return TieredKVCache(tiers=tiers, prompt=pool), _constrain_state(state)
 
 
 def decode_chunk(
-    cfg: ModelConfig, params: ServingParams, cache: KVCache, state: SlotState, knobs: core.Knobs,
-    spec: core.DecodeSpec,
-    refill_at: Array, *, chunk: int
-) -> tuple[KVCache, SlotState, ChunkOut]:
+    cfg: ModelConfig, params: ServingParams, cache: KVCache | TieredKVCache, state: SlotState,
+    knobs: core.Knobs, spec: core.DecodeSpec, refill_at: Array, *, chunk: int
+) -> tuple[KVCache | TieredKVCache, SlotState, ChunkOut]:
     """Up to `chunk` decode steps over every slot; exits early once no slot is live, or after at
     least one step once `refill_at` (a traced int: K while prompts wait, else more than the
     slots) slots are not live, so the host can refill them without waiting out the chunk. Slots
     that are not live still run (their writes land in their own row, which the next admission
     resets) but emit nothing."""
     n = state.prev.shape[0]
-    ring = cache.slots
+    tiered = isinstance(cache, TieredKVCache)
     ones = jnp.ones((n, 1), bool)
     out = ChunkOut(
         tokens=constrain(jnp.full((n, chunk), spec.pad_token_id, jnp.int32), ("batch", "length")),
@@ -239,8 +335,10 @@ def decode_chunk(
 
     def body(carry: tuple[Array, KVCache, SlotState, ChunkOut]) -> tuple[Array, KVCache, SlotState, ChunkOut]:
         c, cache, st, out = carry
-        hidden, cache = serving.cached_pass(cfg, params, st.prev[:, None], st.position[:, None], ones, cache)
-        cache = dataclasses.replace(cache, index=jnp.mod(cache.index, ring))
+        # a tiered cache's rows write only while live: a paused sample's history must stay
+        write = st.live[:, None] if tiered else ones
+        hidden, cache = serving.cached_pass(cfg, params, st.prev[:, None], st.position[:, None], write, cache)
+        cache = _wrap_index(cache)
         logits = serving.logits(cfg, params, hidden[:, 0])
         tok, lp = core.pick_tokens(logits, step_keys(st.keys, st.count), st.count, knobs=knobs, spec=spec)
         live = st.live
@@ -264,6 +362,13 @@ def decode_chunk(
 
     _, cache, state, out = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), cache, state, out))
     return cache, state, out
+
+
+def _wrap_index(cache: KVCache | TieredKVCache) -> KVCache | TieredKVCache:
+    """Each ring's write index taken mod its length."""
+    if isinstance(cache, TieredKVCache):
+        return dataclasses.replace(cache, tiers=tuple(_wrap_index(t) for t in cache.tiers))
+    return dataclasses.replace(cache, index=jnp.mod(cache.index, cache.slots))
 
 
 # ----------------------------------------------------------------------------- the host edge
@@ -311,10 +416,28 @@ class EngineStats:
     admitted: int = 0
     swaps: int = 0
     last_swap_s: float = 0.0
+    moves: int = 0  # samples moved to a longer ring tier (`ring_tiers`)
+    pauses: int = 0  # samples that waited for a free row of a longer tier (no token while paused)
 
     def occupancy(self, slots: int) -> float:
         """Share of decode slot-steps that generated a token."""
         return self.slot_steps_live / max(1, self.decode_steps * slots)
+
+
+def geometric_ring_tiers(slots: int, ring: int, tiers: int) -> tuple[tuple[int, int], ...]:
+    """A default `ring_tiers` layout for response lengths with a long tail (most samples in flight
+    are short, a few are long): ring lengths halving from `ring` down, the shortest ring with half
+    of the slots and each longer one with half of what is left (the longest: the rest). 3 tiers of
+    128 slots: 64 rows of ring / 4, 32 of ring / 2, 32 of ring. A chosen layout, not a measured
+    one: `experiments/benchmarks/continuous_batching.py` times it against one ring."""
+    if tiers < 1 or slots < tiers:
+        raise ValueError(f"ring_tiers={tiers}: give 1 to {slots} tiers (one row each at least)")
+    rows, left = [], slots
+    for _ in range(tiers - 1):
+        rows.append(max(1, min(left - (tiers - len(rows) - 1), left // 2)))
+        left -= rows[-1]
+    rows.append(left)
+    return tuple((n, max(1, -(-ring // 2 ** (tiers - 1 - i)))) for i, n in enumerate(rows))
 
 
 def request_keys(call_key: jax.Array, first_row: int, num_samples: int) -> jax.Array:
@@ -340,6 +463,16 @@ class ContinuousEngine:
     generated tokens only. A prompt is admitted when K slots and a pool entry are free; its entry
     is freed when its last sample ends, so a pool too small for the stragglers in flight leaves
     slots idle (the occupancy shows it). Off: each prompt is copied into its K rows.
+
+    ring_tiers ((rows, ring length) per tier, shortest first; rows add up to `slots`; or a number of
+    tiers for `geometric_ring_tiers`' layout; None or 1: one ring for all rows): the rows are
+    split into tiers whose rings have their own lengths, and a decode step's attention reads each
+    row's tier ring, not the longest one (`serving.TieredKVCache`). A sample starts in the shortest
+    tier that holds its history for a chunk and moves, between chunks, to a longer one before it
+    outgrows its ring (`move_rows`: its history is copied once per move); if no longer tier has a
+    free row it pauses (keeps its row, generates nothing) until one frees. The last tier's ring must
+    hold the longest history (`ring`); its samples never move, so they always end and free rows.
+    With responses of mixed lengths most rows read a short ring. One batch shard only, for now.
     """
 
     def __init__(
@@ -353,6 +486,7 @@ class ContinuousEngine:
         version: int = 0,
         share_prompt_cache: bool | None = None,
         prompt_pool: int | None = None,
+        ring_tiers: int | Sequence[tuple[int, int]] | None = None,
     ):
         cfg = sampler.config
         k = config.num_samples
@@ -402,6 +536,16 @@ class ContinuousEngine:
         # a row writes at most max_new - 1 generated tokens (after its prompt, unless the pool holds it)
         self.ring = config.max_new_tokens if self.pool else p_max + config.max_new_tokens
         self._free_entries = list(range(self.pool))
+        if isinstance(ring_tiers, int):
+            ring_tiers = geometric_ring_tiers(slots, self.ring, ring_tiers) if ring_tiers != 1 else None
+        self.ring_tiers = self._check_tiers(ring_tiers) if ring_tiers is not None else None
+        tiers = self.ring_tiers
+        self._tier_of = np.zeros(slots, np.int32)
+        if tiers:
+            self._tier_of = np.repeat(np.arange(len(tiers), dtype=np.int32), [n for n, _ in tiers])
+        self._span_base = [0] * slots  # ring slots a sample's prompt fills in its row (0 with a pool)
+        self._paused: dict[int, int] = {}  # paused sample's slot -> loop steps run when it paused
+        self._steps = 0  # decode loop steps run so far (every ring's index advanced by as many)
         self.version = version
         self.stats = EngineStats()
         self._queue: collections.deque[int] = collections.deque()
@@ -409,12 +553,19 @@ class ContinuousEngine:
         self._next_id = 0
         self._slot: list[_Live | None] = [None] * slots
         pool, ring = self.pool, self.ring
+
+        def init() -> KVCache | TieredKVCache:
+            full = core.init_cache(cfg, slots, 1 if tiers else ring, pool, p_max if pool else 0,
+                                   pool_samples=k if pool else 0, dtype=sampler.cache_dtype)
+            if not tiers:
+                return full
+            parts = tuple(core.init_cache(cfg, n, length, dtype=sampler.cache_dtype) for n, length in tiers)
+            return TieredKVCache(tiers=parts, prompt=full.prompt)
+
         self._cache = sampler._run(
             ("cache", (("rows", slots), ("slots", ring), ("pool", pool), ("pool_slots", p_max),
-                       ("num_samples", k))),
-            lambda: jax.jit(lambda: core.init_cache(cfg, slots, ring, pool, p_max if pool else 0,
-                                                    pool_samples=k if pool else 0,
-                                                    dtype=sampler.cache_dtype)),
+                       ("num_samples", k), ("tiers", tiers))),
+            lambda: jax.jit(init),
         )
         proto = request_keys(jax.random.PRNGKey(0), 0, 1)[0]
         self._state = sampler._run(
@@ -422,6 +573,30 @@ class ContinuousEngine:
             lambda: jax.jit(lambda key: _constrain_state(init_state(slots, key))),
             proto,
         )
+
+    def _check_tiers(self, ring_tiers: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+        tiers = tuple((int(n), int(length)) for n, length in ring_tiers)
+        if not tiers or any(n < 1 or length < 1 for n, length in tiers):
+            raise ValueError(f"ring_tiers={ring_tiers!r}: give (rows >= 1, ring length >= 1) per tier")
+        if sum(n for n, _ in tiers) != self.slots:
+            raise ValueError(f"ring_tiers={ring_tiers!r} hold {sum(n for n, _ in tiers)} rows; "
+                             f"they must add up to the {self.slots} decode slots")
+        lengths = [length for _, length in tiers]
+        if lengths != sorted(set(lengths)):
+            raise ValueError(f"ring_tiers={ring_tiers!r}: ring lengths must increase from tier to tier")
+        if lengths[-1] < self.ring:
+            what = "max_new_tokens" if self.pool else "the prompt bucket + max_new_tokens"
+            raise ValueError(f"ring_tiers={ring_tiers!r}: the last tier's ring must hold the longest "
+                             f"history a sample can have, {self.ring} slots ({what})")
+        shortest = min(self.chunk, self.config.max_new_tokens)
+        if lengths[0] < shortest:
+            raise ValueError(f"ring_tiers={ring_tiers!r}: a ring shorter than a decode chunk "
+                             f"({shortest} steps) can hold no sample for a chunk; use fewer tiers "
+                             "(rollout.ring_tiers) or a shorter chunk (rollout.decode_chunk)")
+        if self.sampler.batch_shards > 1:
+            raise ValueError(f"ring_tiers need a mesh with one batch shard (this one has "
+                             f"{self.sampler.batch_shards}); run without ring_tiers on a sharded mesh")
+        return tiers
 
     # -- inputs ------------------------------------------------------------------------------
 
@@ -493,22 +668,27 @@ class ContinuousEngine:
         """Admit queued prompts into free slots, run one decode chunk, harvest; return the groups
         whose K samples have all ended (in completion order)."""
         k = self.config.num_samples
+        self._move_or_pause()
         admitted = self._admit()
         if not self.in_flight:
             return self._harvest_admitted(admitted)
         version = self.version
+        # paused samples are not live on the device, and their rows are not free
+        refill_at = k + len(self._paused) if self._queue else self.slots + 1
         cache, state, out = self.sampler._run(
             ("decode_chunk", (("slots", self.slots), ("ring", self.ring), ("chunk", self.chunk),
-                              ("pool", self.pool), ("spec", self.spec))),
+                              ("pool", self.pool), ("spec", self.spec), ("tiers", self.ring_tiers))),
             lambda: _jit_chunk(self.sampler.config, self.spec, self.chunk),
             self.sampler.serving_params, self._cache, self._state, self.knobs,
-            self.sampler._put(np.int32(k if self._queue else self.slots + 1), ()),
+            self.sampler._put(np.int32(refill_at), ()),
         )
         self._cache, self._state = cache, state
         host_out, live, finished = jax.device_get((out, state.live, state.finished))
         done = self._harvest_admitted(admitted)
+        steps = int(host_out.emitted.any(0).sum())  # the loop runs while any is live
+        self._steps += steps
         self.stats.chunks += 1
-        self.stats.decode_steps += int(host_out.emitted.any(0).sum())  # the loop runs while any is live
+        self.stats.decode_steps += steps
         self.stats.slot_steps_live += int(host_out.emitted.sum())
         for s, rec in enumerate(self._slot):
             if rec is None:
@@ -518,7 +698,7 @@ class ContinuousEngine:
                 rec.tokens.extend(host_out.tokens[s][row].tolist())
                 rec.logprobs.extend(host_out.logprobs[s][row].tolist())
                 rec.versions.extend([version] * int(row.sum()))
-            if not live[s]:
+            if not live[s] and s not in self._paused:
                 done.extend(self._end(s, bool(finished[s])))
         return done
 
@@ -540,13 +720,21 @@ class ContinuousEngine:
             take = min(take, len(self._free_entries))
         if take == 0:
             return []
+        limit_len = self.sampler.max_cache_length - self.config.max_new_tokens
+
+        def bucket(n: int) -> int:
+            longest = max(len(self._requests[r].prompt) for r in list(self._queue)[:n])
+            return length_bucket(longest, limit_len, self.sampler.min_prompt_bucket)
+
+        p_len = bucket(take)
+        free = self._free_rows(0 if self.pool else p_len)
+        take = min(take, len(free) // k)
+        if take == 0:
+            return []
         rids = [self._queue.popleft() for _ in range(take)]
-        free = [s for s, rec in enumerate(self._slot) if rec is None]
         b = min(next_pow2(take), max(1, self.slots // k))
         b = max(b, take)
         prompts = [self._requests[r].prompt for r in rids]
-        limit_len = self.sampler.max_cache_length - self.config.max_new_tokens
-        p_len = length_bucket(max(len(p) for p in prompts), limit_len, self.sampler.min_prompt_bucket)
         tokens, mask = left_pad(prompts, b, p_len, self.pad)
         slots = np.full(b * k, self.slots, np.int32)  # out of range: dropped
         slots[: take * k] = free[: take * k]
@@ -559,7 +747,7 @@ class ContinuousEngine:
             for i, r in enumerate(rids):
                 entries[i] = self._requests[r].entry = self._free_entries.pop()
         shape = (("batch", b), ("prompt_len", p_len), ("num_samples", k), ("ring", self.ring),
-                 ("slots", self.slots), ("pool", self.pool), ("spec", self.spec))
+                 ("slots", self.slots), ("pool", self.pool), ("spec", self.spec), ("tiers", self.ring_tiers))
         put = self.sampler._put
         self._cache, self._state, first = self.sampler._run(
             ("admit", shape),
@@ -572,8 +760,77 @@ class ContinuousEngine:
         for i, r in enumerate(rids):
             for j in range(k):
                 self._slot[int(slots[i * k + j])] = _Live(r, j)
+                self._span_base[int(slots[i * k + j])] = 0 if self.pool else p_len
         self.stats.admitted += take
         return [(list(slots[: take * k]), first, self.version)]
+
+    def _free_rows(self, prompt_slots: int) -> list[int]:
+        """Free rows for new samples whose prompts fill `prompt_slots` of their row: all of them,
+        or with ring tiers those of tiers whose ring holds such a sample for a chunk, shortest
+        ring first (the longer tiers are left for samples that outgrow theirs)."""
+        free = [s for s, rec in enumerate(self._slot) if rec is None]
+        if not self.ring_tiers:
+            return free
+        need = prompt_slots + min(self.chunk, self.config.max_new_tokens)
+        rings = [length for _, length in self.ring_tiers]
+        fitting = (s for s in free if rings[self._tier_of[s]] >= need)
+        return sorted(fitting, key=lambda s: (self._tier_of[s], s))
+
+    def _move_or_pause(self) -> None:
+        """Ring tiers: every sample that its tier's ring cannot hold for one more chunk moves to a
+        free row of the shortest longer tier that can, or pauses there until one frees (samples
+        in the last tier always fit). Paused samples go first: they have waited longest."""
+        if not self.ring_tiers:
+            return
+        rings = [length for _, length in self.ring_tiers]
+        last = len(rings) - 1
+        free = {s for s, rec in enumerate(self._slot) if rec is None}
+        moves: dict[tuple[int, int], list[tuple[int, int, int, int]]] = collections.defaultdict(list)
+        pause: list[int] = []
+        for s in [*self._paused, *(s for s in range(self.slots) if s not in self._paused)]:
+            rec, tier = self._slot[s], int(self._tier_of[s])
+            if rec is None or tier == last:
+                continue
+            span = self._span_base[s] + len(rec.tokens) - 1  # ring slots written so far
+            remaining = int(self._requests[rec.request].limit[rec.k]) - len(rec.tokens)
+            need = span + min(self.chunk, remaining)
+            if need <= rings[tier]:
+                continue
+            dst = next((d for d in sorted(free, key=lambda d: (self._tier_of[d], d))
+                        if self._tier_of[d] > tier and rings[self._tier_of[d]] >= need), None)
+            if dst is None:
+                if s not in self._paused:
+                    pause.append(s)
+                    self._paused[s] = self._steps
+                continue
+            free.discard(dst)
+            lag = self._steps - self._paused.pop(s, self._steps)
+            moves[(tier, int(self._tier_of[dst]))].append((s, dst, lag, span))
+        put = self.sampler._put
+        for (src_tier, dst_tier), group in moves.items():
+            m = next_pow2(len(group))
+            src, dst, lag, span = (np.full(m, fill, np.int32) for fill in (self.slots, self.slots, 0, 0))
+            for i, row in enumerate(group):
+                src[i], dst[i], lag[i], span[i] = row
+            self._cache, self._state = self.sampler._run(
+                ("move_rows", (("from", src_tier), ("to", dst_tier), ("rows", m), ("slots", self.slots),
+                               ("pool", self.pool), ("tiers", self.ring_tiers))),
+                lambda: jax.jit(functools.partial(move_rows, src_tier=src_tier, dst_tier=dst_tier),
+                                donate_argnums=(0, 1)),
+                self._cache, self._state, put(src, ()), put(dst, ()), put(lag, ()), put(span, ()),
+            )
+            for s, d, _, _ in group:
+                self._slot[d], self._slot[s] = self._slot[s], None
+                self._span_base[d] = self._span_base[s]
+            self.stats.moves += len(group)
+        if pause:
+            rows = np.full(next_pow2(len(pause)), self.slots, np.int32)
+            rows[: len(pause)] = pause
+            self._state = self.sampler._run(
+                ("pause_rows", (("rows", len(rows)), ("slots", self.slots))),
+                lambda: jax.jit(_paused, donate_argnums=(0,)), self._state, put(rows, ()),
+            )
+            self.stats.pauses += len(pause)
 
     def _harvest_admitted(self, admitted: list[tuple[list[int], Any, int]]) -> list[Completed]:
         """Record each admitted sample's first token; samples that ended at it (a stop token or a
@@ -611,6 +868,11 @@ class ContinuousEngine:
             token_versions=[req.done[j][2] for j in ks],
             finished=np.array([req.done[j][3] for j in ks], bool),
         )]
+
+
+def _paused(state: SlotState, rows: Array) -> SlotState:
+    """The state with `rows` not live (padding rows >= the slots: dropped)."""
+    return _constrain_state(state._replace(live=state.live.at[rows].set(False, mode="drop")))
 
 
 def _constrain_state(state: SlotState) -> SlotState:

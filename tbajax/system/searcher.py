@@ -134,7 +134,7 @@ class Rollouts:
             self._engine = ContinuousEngine(
                 self.sampler, r.sampling, slots=r.decode_slots, chunk=r.decode_chunk,
                 max_prompt_tokens=r.max_prompt_tokens, share_prompt_cache=r.share_prompt_cache,
-                prompt_pool=r.prompt_pool if r.share_prompt_cache else None)
+                prompt_pool=r.prompt_pool if r.share_prompt_cache else None, ring_tiers=r.ring_tiers)
         return self._engine
 
     def encode(self, problem: Problem, split: str = "train") -> np.ndarray:
@@ -593,6 +593,8 @@ def _continuous_loop(
             metrics.write(writer.committed_rows(), {
                 **status, "generate_s": elapsed, "slot_occupancy": engine.stats.occupancy(engine.slots),
                 "swap_s": engine.stats.last_swap_s, "in_flight": engine.in_flight,
+                **({"ring_moves": engine.stats.moves, "ring_pauses": engine.stats.pauses}
+                   if engine.ring_tiers else {}),
                 "mixed_version_samples": sum(r.mixed_versions for r in out),
                 "failed_grades": sum(r.reward_status >= RewardStatus.TIMEOUT for r in out)})
     finally:
