@@ -312,11 +312,14 @@ def move_rows(cache: TieredKVCache, state: SlotState, src: Array, dst: Array, la
 
 def decode_chunk(
     cfg: ModelConfig, params: ServingParams, cache: KVCache | TieredKVCache, state: SlotState,
-    knobs: core.Knobs, spec: core.DecodeSpec, refill_at: Array, *, chunk: int
+    knobs: core.Knobs, spec: core.DecodeSpec, refill_at: Array, held: Array, busy: Array, *, chunk: int
 ) -> tuple[KVCache | TieredKVCache, SlotState, ChunkOut]:
     """Up to `chunk` decode steps over every slot; exits early once no slot is live, or after at
-    least one step once `refill_at` (a traced int: K while prompts wait, else more than the
-    slots) slots are not live, so the host can refill them without waiting out the chunk. Slots
+    least one step once a waiting prompt could enter: `refill_at` (a traced int: K while prompts
+    wait, else more than the slots) slots are not live, and with a prompt pool an entry is free
+    (`busy` [entries]: held at the chunk's start) or has just seen the last of its K samples end
+    (`held` [slots]: samples that are not live but have not ended, paused ones). Without that
+    second test every chunk would end after one step while stragglers hold every entry. Slots
     that are not live still run (their writes land in their own row, which the next admission
     resets) but emit nothing."""
     n = state.prev.shape[0]
@@ -328,10 +331,17 @@ def decode_chunk(
         emitted=constrain(jnp.zeros((n, chunk), bool), ("batch", "length")),
     )
 
+    pool = cache.prompt
+    pooled = pool is not None and pool.samples is not None
+
     def cond(carry: tuple[Array, KVCache, SlotState, ChunkOut]) -> Array:
         c, _, st, _ = carry
-        free = jnp.sum(~st.live, dtype=jnp.int32)
-        return (c < chunk) & jnp.any(st.live) & ((c == 0) | (free < refill_at))
+        ready = jnp.sum(~st.live, dtype=jnp.int32) >= refill_at
+        if pooled:
+            ended = ~(st.live | held)
+            done = jnp.take(ended, pool.samples, mode="fill", fill_value=True).all(-1)  # [entries]
+            ready = ready & (jnp.any(~busy) | jnp.any(busy & done))
+        return (c < chunk) & jnp.any(st.live) & ((c == 0) | ~ready)
 
     def body(carry: tuple[Array, KVCache, SlotState, ChunkOut]) -> tuple[Array, KVCache, SlotState, ChunkOut]:
         c, cache, st, out = carry
@@ -675,12 +685,17 @@ class ContinuousEngine:
         version = self.version
         # paused samples are not live on the device, and their rows are not free
         refill_at = k + len(self._paused) if self._queue else self.slots + 1
+        held = np.zeros(self.slots, bool)
+        held[list(self._paused)] = True
+        busy = np.ones(self.pool, bool)
+        busy[self._free_entries] = False
         cache, state, out = self.sampler._run(
             ("decode_chunk", (("slots", self.slots), ("ring", self.ring), ("chunk", self.chunk),
                               ("pool", self.pool), ("spec", self.spec), ("tiers", self.ring_tiers))),
             lambda: _jit_chunk(self.sampler.config, self.spec, self.chunk),
             self.sampler.serving_params, self._cache, self._state, self.knobs,
-            self.sampler._put(np.int32(refill_at), ()),
+            self.sampler._put(np.int32(refill_at), ()), self.sampler._put(held, ()),
+            self.sampler._put(busy, ()),
         )
         self._cache, self._state = cache, state
         host_out, live, finished = jax.device_get((out, state.live, state.finished))
@@ -889,7 +904,7 @@ def _jit_admit(cfg: ModelConfig, spec: core.DecodeSpec, num_samples: int) -> Any
 
 
 def _jit_chunk(cfg: ModelConfig, spec: core.DecodeSpec, chunk: int) -> Any:
-    def fn(params, cache, state, knobs, refill_at):  # type: ignore[no-untyped-def]
-        return decode_chunk(cfg, params, cache, state, knobs, spec, refill_at, chunk=chunk)
+    def fn(params, cache, state, knobs, refill_at, held, busy):  # type: ignore[no-untyped-def]
+        return decode_chunk(cfg, params, cache, state, knobs, spec, refill_at, held, busy, chunk=chunk)
 
     return jax.jit(fn, donate_argnums=(1, 2))
