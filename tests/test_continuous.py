@@ -151,6 +151,22 @@ def test_ring_tiers_need_one_batch_shard(tiny_checkpoint):
         ContinuousEngine(sampler, CFG, slots=4, chunk=4, ring_tiers=2)
 
 
+def test_chunk_runs_on_while_the_pool_is_held(llama):
+    """A waiting prompt ends a chunk early only if it could enter: with the one pool entry held by
+    a straggler, chunks run their full length (they used to end after one step each), and the
+    prompt enters once the straggler ends."""
+    sampler = Sampler(llama, max_cache_length=32)
+    cfg = SamplingConfig(max_new_tokens=13, num_samples=2, temperature=1.0, stop_token_ids=())
+    engine = ContinuousEngine(sampler, cfg, slots=4, chunk=4, max_prompt_tokens=8, prompt_pool=1)
+    key = jax.random.key(2)
+    engine.submit([1, 5, 6], request_keys(key, 0, 2), tag="a", max_new_per_sample=[2, 13])
+    engine.submit([1, 7], request_keys(key, 2, 2), tag="b", max_new_per_sample=[3, 3])
+    groups = {g.tag: g for g in engine.run()}
+    assert [len(t) for t in groups["a"].tokens] == [2, 13] and [len(t) for t in groups["b"].tokens] == [3, 3]
+    # a: 12 decode steps in chunks of 4 (not 12 chunks of 1); b: 2 more steps after it enters
+    assert engine.stats.decode_steps == 14 and engine.stats.chunks == 4
+
+
 def test_bad_engine_inputs(llama):
     sampler = Sampler(llama, max_cache_length=64)
     with pytest.raises(ValueError, match="decode_slots"):
