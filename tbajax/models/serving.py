@@ -19,6 +19,7 @@ The two passes:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -289,15 +290,25 @@ def cached_pass(
     else:
         q_slot = cache.index + jnp.arange(t)
         attend = (jnp.arange(cache.slots)[None, :] <= q_slot[:, None])[None] & valid[:, None, :]
+    x, ks, vs = _through_layers(cfg, family, params, tokens, positions, attend, cache.layer)
+    cache = KVCache(k=tuple(ks), v=tuple(vs), valid=valid, index=cache.index + t, prompt=cache.prompt)
+    return family.final_norm(cfg, params.top, x), cache
+
+
+def _through_layers(
+    cfg: ModelConfig, family: Family, params: ServingParams, tokens: Array, positions: Array, attend: Any,
+    layer_cache: Callable[[int], Any],
+) -> tuple[Array, list[Any], list[Any]]:
+    """Tokens through every layer, each attending over `layer_cache(i)`: (hidden states, each
+    layer's updated keys, its values)."""
     x = _embed(cfg, family, params, tokens, positions)
     tables = family.position_tables(cfg, positions)
     ks, vs = [], []
     for i, p in enumerate(params.layers):
-        x, (k, v) = family.block(cfg, p, x, tables, attend, cache.layer(i))
+        x, (k, v) = family.block(cfg, p, x, tables, attend, layer_cache(i))
         ks.append(k)
         vs.append(v)
-    cache = KVCache(k=tuple(ks), v=tuple(vs), valid=valid, index=cache.index + t, prompt=cache.prompt)
-    return family.final_norm(cfg, params.top, x), cache
+    return x, ks, vs
 
 
 def _tiered_pass(
@@ -315,14 +326,8 @@ def _tiered_pass(
         valid.append(jax.lax.dynamic_update_slice(tier.valid, w | old, (0, tier.index)))
         start += tier.rows
     attend = tuple(v[:, None, :] for v in valid)
-    x = _embed(cfg, family, params, tokens, positions)
-    tables = family.position_tables(cfg, positions)
-    ks: list[tuple[Array, ...]] = []
-    vs: list[tuple[Array, ...]] = []
-    for i, p in enumerate(params.layers):
-        x, (k, v) = family.block(cfg, p, x, tables, attend, cache.layer(i, write))
-        ks.append(k)
-        vs.append(v)
+    x, ks, vs = _through_layers(cfg, family, params, tokens, positions, attend,
+                                lambda i: cache.layer(i, write))
     tiers = tuple(
         KVCache(k=tuple(layer[b] for layer in ks), v=tuple(layer[b] for layer in vs), valid=valid[b],
                 index=tier.index + 1)

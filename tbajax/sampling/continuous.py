@@ -799,7 +799,8 @@ class ContinuousEngine:
             return
         rings = [length for _, length in self.ring_tiers]
         last = len(rings) - 1
-        free = {s for s, rec in enumerate(self._slot) if rec is None}
+        free = [s for s, rec in enumerate(self._slot) if rec is None]
+        free.sort(key=lambda d: (self._tier_of[d], d))  # shortest ring first
         moves: dict[tuple[int, int], list[tuple[int, int, int, int]]] = collections.defaultdict(list)
         pause: list[int] = []
         for s in [*self._paused, *(s for s in range(self.slots) if s not in self._paused)]:
@@ -811,14 +812,13 @@ class ContinuousEngine:
             need = span + min(self.chunk, remaining)
             if need <= rings[tier]:
                 continue
-            dst = next((d for d in sorted(free, key=lambda d: (self._tier_of[d], d))
-                        if self._tier_of[d] > tier and rings[self._tier_of[d]] >= need), None)
+            dst = next((d for d in free if self._tier_of[d] > tier and rings[self._tier_of[d]] >= need), None)
             if dst is None:
                 if s not in self._paused:
                     pause.append(s)
                     self._paused[s] = self._steps
                 continue
-            free.discard(dst)
+            free.remove(dst)
             lag = self._steps - self._paused.pop(s, self._steps)
             moves[(tier, int(self._tier_of[dst]))].append((s, dst, lag, span))
         put = self.sampler._put
