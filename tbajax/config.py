@@ -110,7 +110,8 @@ class RolloutSpec:
       lengths halve from the longest (`sampling.continuous.geometric_ring_tiers`): a decode step's
       attention reads each sample's tier ring, and samples move to a longer tier as they grow.
       1: one ring of the longest length for every slot. Worth it when responses are long and
-      their lengths spread (chains of thought); one batch shard per searcher only.
+      their lengths spread (chains of thought). On a mesh with several batch shards each shard
+      holds its share of every tier.
     """
 
     prompts_per_call: int = 8

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from typing import TYPE_CHECKING
@@ -145,6 +145,22 @@ def batch_shards(rows: int) -> int:
     if axes is None:
         return 1
     return math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
+
+
+def over_batch_shards(fn: Callable[..., Any], *xs: Any) -> Any:
+    """fn(*xs) for row-wise fn, each batch shard of the mesh in context running it on its own rows
+    (xs: arrays whose first axis is the batch, as fn's outputs). For ops whose partitioning XLA
+    does not split by rows: on CPU, `lax.top_k` of batch-sharded logits all-gathers the whole
+    batch onto every device and runs it there. Without a mesh or batch shards: fn(*xs)."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty:
+        return fn(*xs)
+    axes = logical_to_spec(("batch",), (xs[0].shape[0],), mesh)[0]
+    if axes is None:
+        return fn(*xs)
+    return jax.shard_map(fn, in_specs=P(axes), out_specs=P(axes))(*xs)
 
 
 def param_shardings(abstract_state: Any, mesh: Mesh) -> Any:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -142,13 +143,55 @@ def test_geometric_ring_tiers():
     assert geometric_ring_tiers(8, 14, 3) == ((4, 4), (2, 7), (2, 14))  # ceil(14 / 4) = 4
     assert geometric_ring_tiers(3, 10, 3) == ((1, 3), (1, 5), (1, 10))  # a row each at least
     assert geometric_ring_tiers(16, 100, 1) == ((16, 100),)
+    assert geometric_ring_tiers(16, 100, 3, shards=4) == ((8, 25), (4, 50), (4, 100))  # 4 rows a shard
+    with pytest.raises(ValueError, match="one row each at least on each of the 4 batch shards"):
+        geometric_ring_tiers(8, 100, 3, shards=4)
 
 
-def test_ring_tiers_need_one_batch_shard(tiny_checkpoint):
+@pytest.mark.parametrize("shared", [False, True], ids=["copied_prompts", "prompt_pool"])
+def test_sharded_ring_tiers_match_static(tiny_checkpoint, llama, shared):
+    """Ring tiers over 2 batch shards, each holding its share of every tier (`layers.tier_rows`):
+    samples move (across shards too) and pause, every sample equals the static sampler's row, and
+    without a prompt pool a decode chunk moves no rows between devices."""
+    r = np.random.default_rng(0)
+    k = 2
+    prompts = [[1, *r.integers(3, 60, r.integers(1, 12)).tolist()] for _ in range(8)]
+    cfg = SamplingConfig(max_new_tokens=14, num_samples=k, temperature=1.0, top_k=40,
+                         stop_token_ids=(3, 4), pad_token_id=0)
+    caps = r.integers(1, 15, len(prompts) * k)
+    caps[::3] = 14
+    key = jax.random.key(0)
+    static = Sampler(llama, max_cache_length=32).sample(prompts, cfg, key, max_new_per_row=caps)
+    mesh = make_mesh(MeshConfig(data=2), devices=jax.devices()[:2])
+    sampler = Sampler(load_model(tiny_checkpoint("llama"), mesh=mesh), mesh=mesh, max_cache_length=32)
+    tiers = ((4, 4), (2, 8), (2, 14)) if shared else ((2, 20), (4, 24), (2, 32))
+    engine, groups = _run_engine(sampler, cfg, key, prompts, slots=8, chunk=3, caps=caps,
+                                 share_prompt_cache=shared, ring_tiers=tiers)
+    _assert_same(static, groups, k)
+    assert engine.stats.moves > 0 and engine.stats.pauses > 0 and not engine._paused
+    # shard 0 holds rows 0-3: its share of tier 0, 1, 2, then shard 1 likewise
+    per_shard = [0, 0, 1, 2] if shared else [0, 1, 1, 2]
+    np.testing.assert_array_equal(engine._tier_of, per_shard * 2)
+    for tier in engine._cache.tiers:
+        for buf in (*tier.k, *tier.v):
+            assert buf.sharding.spec[0] == "data" and len(buf.sharding.device_set) == 2
+    if not shared:
+        chunk = next(c for (kind, _), c in sampler._compiled.items() if kind == "decode_chunk")
+        hlo = chunk.as_text()
+        assert not re.search(r"all-gather|all-to-all|collective-permute", hlo)
+        # the loop's exit test (is any slot live, how many are free) is all a chunk reduces
+        assert set(re.findall(r"= (\S+) all-reduce\(", hlo)) <= {"s32[]", "pred[]"}
+
+
+def test_ring_tiers_rows_split_over_batch_shards(tiny_checkpoint):
     mesh = make_mesh(MeshConfig(data=2), devices=jax.devices()[:2])
     sampler = Sampler(load_model(tiny_checkpoint("llama"), mesh=mesh), mesh=mesh, max_cache_length=64)
-    with pytest.raises(ValueError, match="one batch shard"):
-        ContinuousEngine(sampler, CFG, slots=4, chunk=4, ring_tiers=2)
+    with pytest.raises(ValueError, match="multiple of the mesh's 2 batch shards"):
+        ContinuousEngine(sampler, CFG, slots=6, chunk=2, ring_tiers=((3, 20), (3, 64)))
+    engine = ContinuousEngine(sampler, CFG, slots=8, chunk=4, ring_tiers=2)
+    # each shard: 2 rows of ring / 2, 2 of the ring (the pool holds prompts: ring = max_new_tokens)
+    assert engine.ring == 10 and engine.ring_tiers == ((4, 5), (4, 10))
+    np.testing.assert_array_equal(engine._tier_of, [0, 0, 1, 1, 0, 0, 1, 1])
 
 
 def test_chunk_runs_on_while_the_pool_is_held(llama):

@@ -84,3 +84,28 @@ def test_data_parallel_forward_keeps_rows_on_their_device(divisible_checkpoint):
     # layers.unfused_transpose keeps its cond off a mesh: its predicate would be a collective
     assert "conditional" not in hlo
     assert batch_shards(16) == 1  # no mesh in context
+
+
+def test_top_k_sampling_keeps_rows_on_their_device():
+    """XLA:CPU partitions `lax.top_k` of batch-sharded logits by gathering the whole batch onto
+    every device; `sample_logits` runs it per batch shard (`over_batch_shards`) and draws the
+    same tokens as without a mesh."""
+    from tbajax.sampling.step import sample_logits
+
+    mesh = make_mesh(MeshConfig(data=4, tensor=2))
+    rows = jax.NamedSharding(mesh, P(("data", "fsdp")))
+    plain_logits, plain_keys = jax.random.normal(jax.random.key(0), (8, 300)), jax.random.split(jax.random.key(1), 8)
+    logits, keys = jax.device_put((plain_logits, plain_keys), rows)
+
+    def draw(x, k, top_k, top_p):
+        return sample_logits(None, x, temperature=0.7, top_k=top_k, top_p=top_p, keys=k)
+
+    for top_k, top_p in ((20, None), (0, 0.9), (20, 0.9)):
+        fn = jax.jit(draw, static_argnums=(2, 3))
+        with jax.set_mesh(mesh):
+            hlo = fn.lower(logits, keys, top_k, top_p).compile().as_text()
+            tokens, logprobs = fn(logits, keys, top_k, top_p)
+        assert "all-gather" not in hlo
+        want_tokens, want_logprobs = fn(plain_logits, plain_keys, top_k, top_p)
+        np.testing.assert_array_equal(tokens, want_tokens)
+        np.testing.assert_allclose(logprobs, want_logprobs, rtol=1e-6)

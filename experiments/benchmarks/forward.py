@@ -78,10 +78,11 @@ COMPARISONS = {
 STUB_ORIGINAL = layers.self_attention
 
 
-def stub_self_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: Any, cache: Any, dtype: Any) -> Any:
+def stub_self_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: Any, cache: Any, dtype: Any,
+                        *rest: Any) -> Any:
     """`layers.self_attention` for `--attention-stub`: the cache path as before, else q + k + v."""
     if cache is not None:
-        return STUB_ORIGINAL(q, k, v, mask, cache, dtype)
+        return STUB_ORIGINAL(q, k, v, mask, cache, dtype, *rest)
     g = q.shape[2] // k.shape[2]
     return q + jnp.repeat(k, g, axis=2) + jnp.repeat(v, g, axis=2), None
 

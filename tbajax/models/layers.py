@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Sequence
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -396,7 +397,8 @@ EMIT_KV = EmitKV()
 class RingTiers(NamedTuple):
     """One layer's cache for single-token steps whose rows are split into tiers, each tier a ring
     of its own length (continuous batching's `ring_tiers`): rows [0, n_0) use tier 0, the next n_1
-    tier 1, and so on, so a row's attention reads its tier's s_b slots, not the longest ring's.
+    tier 1, and so on (on a mesh, within each batch shard: `tier_rows`), so a row's attention
+    reads its tier's s_b slots, not the longest ring's.
     Per tier: keys d-major [n_b, kv, d, s_b], values [n_b, kv, s_b, d], the write slot; `write`
     [rows] bool says which rows write this step: a row that does not (a paused sample waiting
     for a longer tier) keeps its history intact. `prompt`: the pool the rows continue, if any."""
@@ -406,6 +408,26 @@ class RingTiers(NamedTuple):
     index: tuple[Array, ...]
     write: Array
     prompt: PromptKV | None = None
+
+
+def tier_rows(x: Array, start: int, n: int, shards: int) -> Array:
+    """Tier rows [start, start + n) of a step's rows x [rows, ...]. With D batch shards every shard
+    holds its share of each tier: shard s's rows are n_0 / D of tier 0, then n_1 / D of tier 1, ...,
+    so a tier's rows are a slice of each shard's own (no rows cross devices), and a tier's cache,
+    sharded over its n rows, puts them on the same shard. D = 1: the plain slice."""
+    if shards == 1:
+        return x[start:start + n]
+    y = x.reshape(shards, x.shape[0] // shards, *x.shape[1:])
+    return y[:, start // shards:(start + n) // shards].reshape(n, *x.shape[1:])
+
+
+def join_tier_rows(parts: Sequence[Array], shards: int) -> Array:
+    """The inverse of `tier_rows`: the tiers' rows [n_b, ...], shortest ring first, back in step
+    order."""
+    if shards == 1:
+        return jnp.concatenate(parts, axis=0)
+    y = jnp.concatenate([p.reshape(shards, p.shape[0] // shards, *p.shape[1:]) for p in parts], axis=1)
+    return y.reshape(-1, *y.shape[2:])
 
 
 @scoped(S.ATTENTION)
@@ -696,18 +718,18 @@ def tiered_ring_attention(q: Array, k: Array, v: Array, masks: tuple[Array, ...]
     if t != 1:
         raise ValueError(f"a tiered ring cache takes one token per row and step, got q {q.shape}")
     kv = k.shape[2]
+    shards = batch_shards(b)
     qf = q.reshape(b, kv, h // kv, d).astype(jnp.float32)
     keys, values, parts, start = [], [], [], 0
     with jax.named_scope(S.KV_WRITE):
         for kt, cv, index in zip(cache.k, cache.v, cache.index):
             n = kt.shape[0]
-            rows = slice(start, start + n)
-            write = cache.write[rows]
-            new_k = cache_values(k[rows].transpose(0, 2, 3, 1), kt.dtype)  # [n, kv, d, 1]
+            write, kn, vn = (tier_rows(x, start, n, shards) for x in (cache.write, k, v))
+            new_k = cache_values(kn.transpose(0, 2, 3, 1), kt.dtype)  # [n, kv, d, 1]
             old_k = jax.lax.dynamic_slice(kt, (0, 0, 0, index), new_k.shape)
             keys.append(jax.lax.dynamic_update_slice(
                 kt, jnp.where(write[:, None, None, None], new_k, old_k), (0, 0, 0, index)))
-            new_v = cache_values(v[rows].transpose(0, 2, 1, 3), cv.dtype)  # [n, kv, 1, d]
+            new_v = cache_values(vn.transpose(0, 2, 1, 3), cv.dtype)  # [n, kv, 1, d]
             old_v = jax.lax.dynamic_slice(cv, (0, 0, index, 0), new_v.shape)
             values.append(jax.lax.dynamic_update_slice(
                 cv, jnp.where(write[:, None, None, None], new_v, old_v), (0, 0, index, 0)))
@@ -717,9 +739,9 @@ def tiered_ring_attention(q: Array, k: Array, v: Array, masks: tuple[Array, ...]
     start = 0
     for kt, cv, mask in zip(keys, values, masks):
         n = kt.shape[0]
-        parts.append(_ring_part(qf[start:start + n], kt, cv, mask))
+        parts.append(_ring_part(tier_rows(qf, start, n, shards), kt, cv, mask))
         start += n
-    ring = tuple(jnp.concatenate(x, axis=0) for x in zip(*parts))
+    ring = tuple(join_tier_rows(x, shards) for x in zip(*parts))
     if cache.prompt is None:
         out = ring[2] / ring[1][..., None]
     else:

@@ -31,7 +31,7 @@ from tbajax.models.config import ModelConfig
 from tbajax.models.families import Family, family_for
 from tbajax.models.layers import EMIT_KV, CausalMask
 from tbajax.op_scopes import scoped
-from tbajax.sharding import constrain
+from tbajax.sharding import batch_shards, constrain
 
 Array = jax.Array
 
@@ -144,7 +144,8 @@ class KVCache(_Slots):
 class TieredKVCache:
     """A continuous-batching cache whose rows are split into tiers of rings of different lengths
     (`sampling.continuous`'s `ring_tiers`): tier b is a `KVCache` of its own rows, slots and write
-    index, rows [0, n_0) of a step are tier 0's, and so on. A single-token step's attention then
+    index, rows [0, n_0) of a step are tier 0's, and so on (on a mesh, within each batch shard:
+    `layers.tier_rows`). A single-token step's attention then
     reads each row's tier ring, so rows with short histories do not read the longest ring. The
     prompt pool, if any, is shared by all tiers (its tables hold global rows)."""
 
@@ -319,9 +320,10 @@ def _tiered_pass(
     if tokens.shape[1] != 1:
         raise ValueError(f"a tiered ring cache takes one token per row and step, got {tokens.shape[1]}")
     write = mask[:, 0].astype(bool)
+    shards = batch_shards(write.shape[0])
     valid, start = [], 0
     for tier in cache.tiers:
-        w = write[start:start + tier.rows, None]
+        w = L.tier_rows(write, start, tier.rows, shards)[:, None]
         old = jax.lax.dynamic_slice(tier.valid, (0, tier.index), (tier.rows, 1))
         valid.append(jax.lax.dynamic_update_slice(tier.valid, w | old, (0, tier.index)))
         start += tier.rows

@@ -79,7 +79,7 @@ from tbajax.sampling.config import SamplingConfig
 from tbajax.sampling.sampler import PreparedParams, Sampler, left_pad, length_bucket
 from tbajax.sampling.step import step_keys
 from tbajax.shapes import next_pow2
-from tbajax.sharding import constrain
+from tbajax.sharding import batch_shards, constrain
 
 log = logging.getLogger(__name__)
 
@@ -234,18 +234,22 @@ def _pool_with(pool: PromptCache, keys_p: tuple[Array, ...], values_p: tuple[Arr
     )
 
 
-def _local(slots: Array, start: int, rows: int) -> Array:
-    """Global row indices -> a tier's own (rows of other tiers -> `rows`: out of range, dropped)."""
-    inside = (slots >= start) & (slots < start + rows)
-    return jnp.where(inside, slots - start, rows)
+def tier_local(slots: Array, start: int, rows: int, total: int, shards: int) -> Array:
+    """Global row indices (of `total` rows over `shards` batch shards) -> the own rows of the tier
+    whose rows start at `start` (`layers.tier_rows`' layout); rows of other tiers and padding
+    (>= total) -> `rows`: out of range, dropped."""
+    per, lo, n = total // shards, start // shards, rows // shards
+    j = jnp.mod(slots, per)
+    inside = (slots >= 0) & (slots < total) & (j >= lo) & (j < lo + n)
+    return jnp.where(inside, slots // per * n + j - lo, rows)
 
 
 def _place_in_tiers(cache: TieredKVCache, keys_p: tuple[Array, ...], values_p: tuple[Array, ...],
                     mask: Array, slots: Array, entries: Array, num_samples: int) -> TieredKVCache:
     """`_place_in_rows` / `_place_in_pool` over a tiered cache: each tier takes its own rows."""
-    tiers, start = [], 0
+    tiers, start, shards = [], 0, batch_shards(cache.rows)
     for tier in cache.tiers:
-        local = _local(slots, start, tier.rows)
+        local = tier_local(slots, start, tier.rows, cache.rows, shards)
         if cache.prompt is None:
             tiers.append(_place_in_rows(tier, keys_p, values_p, mask, local, num_samples))
         else:
@@ -267,9 +271,10 @@ def move_rows(cache: TieredKVCache, state: SlotState, src: Array, dst: Array, la
     and its pool table entries follow it, and it goes on generating (live) from there."""
     a, z = cache.tiers[src_tier], cache.tiers[dst_tier]
     starts = np.cumsum([0, *(t.rows for t in cache.tiers)])
-    rows = cache.rows
-    ls = jnp.clip(src - starts[src_tier], 0, a.rows - 1)  # padding reads row 0: its result is dropped
-    ld = jnp.where(dst < rows, dst - starts[dst_tier], z.rows)
+    rows, shards = cache.rows, batch_shards(cache.rows)
+    # padding reads row 0 of the source tier: its result is dropped
+    ls = jnp.minimum(tier_local(src, int(starts[src_tier]), a.rows, rows, shards), a.rows - 1)
+    ld = tier_local(dst, int(starts[dst_tier]), z.rows, rows, shards)
     end = jnp.mod(a.index - lag, a.slots)  # [m]: one past each history's newest slot
     age = jnp.mod(z.index - 1 - jnp.arange(z.slots), z.slots)  # [S_z]: 0 at the newest slot
     src_pos = jnp.mod(end[:, None] - 1 - age[None, :], a.slots)  # [m, S_z]
@@ -434,14 +439,18 @@ class EngineStats:
         return self.slot_steps_live / max(1, self.decode_steps * slots)
 
 
-def geometric_ring_tiers(slots: int, ring: int, tiers: int) -> tuple[tuple[int, int], ...]:
+def geometric_ring_tiers(slots: int, ring: int, tiers: int, shards: int = 1) -> tuple[tuple[int, int], ...]:
     """A default `ring_tiers` layout for response lengths with a long tail (most samples in flight
     are short, a few are long): ring lengths halving from `ring` down, the shortest ring with half
     of the slots and each longer one with half of what is left (the longest: the rest). 3 tiers of
-    128 slots: 64 rows of ring / 4, 32 of ring / 2, 32 of ring. A chosen layout, not a measured
+    128 slots: 64 rows of ring / 4, 32 of ring / 2, 32 of ring. With `shards` batch shards, the
+    layout of one shard's slots, each tier's rows times `shards`. A chosen layout, not a measured
     one: `experiments/benchmarks/continuous_batching.py` times it against one ring."""
-    if tiers < 1 or slots < tiers:
-        raise ValueError(f"ring_tiers={tiers}: give 1 to {slots} tiers (one row each at least)")
+    if tiers < 1 or slots < tiers * shards or slots % shards:
+        raise ValueError(f"ring_tiers={tiers}: give 1 to {slots // shards} tiers (one row each at least "
+                         f"on each of the {shards} batch shards)")
+    if shards > 1:
+        return tuple((n * shards, length) for n, length in geometric_ring_tiers(slots // shards, ring, tiers))
     rows, left = [], slots
     for _ in range(tiers - 1):
         rows.append(max(1, min(left - (tiers - len(rows) - 1), left // 2)))
@@ -482,7 +491,9 @@ class ContinuousEngine:
     outgrows its ring (`move_rows`: its history is copied once per move); if no longer tier has a
     free row it pauses (keeps its row, generates nothing) until one frees. The last tier's ring must
     hold the longest history (`ring`); its samples never move, so they always end and free rows.
-    With responses of mixed lengths most rows read a short ring. One batch shard only, for now.
+    With responses of mixed lengths most rows read a short ring. On a mesh with D batch shards
+    every tier's rows are a multiple of D, and each shard holds its share of every tier
+    (`layers.tier_rows`), so a step's tiers split its rows within each device.
     """
 
     def __init__(
@@ -547,12 +558,13 @@ class ContinuousEngine:
         self.ring = config.max_new_tokens if self.pool else p_max + config.max_new_tokens
         self._free_entries = list(range(self.pool))
         if isinstance(ring_tiers, int):
-            ring_tiers = geometric_ring_tiers(slots, self.ring, ring_tiers) if ring_tiers != 1 else None
+            ring_tiers = geometric_ring_tiers(slots, self.ring, ring_tiers, shards) if ring_tiers != 1 else None
         self.ring_tiers = self._check_tiers(ring_tiers) if ring_tiers is not None else None
         tiers = self.ring_tiers
         self._tier_of = np.zeros(slots, np.int32)
-        if tiers:
-            self._tier_of = np.repeat(np.arange(len(tiers), dtype=np.int32), [n for n, _ in tiers])
+        if tiers:  # each batch shard's rows hold its share of every tier, shortest ring first
+            per_shard = np.repeat(np.arange(len(tiers), dtype=np.int32), [n // shards for n, _ in tiers])
+            self._tier_of = np.tile(per_shard, shards)
         self._span_base = [0] * slots  # ring slots a sample's prompt fills in its row (0 with a pool)
         self._paused: dict[int, int] = {}  # paused sample's slot -> loop steps run when it paused
         self._steps = 0  # decode loop steps run so far (every ring's index advanced by as many)
@@ -603,9 +615,10 @@ class ContinuousEngine:
             raise ValueError(f"ring_tiers={ring_tiers!r}: a ring shorter than a decode chunk "
                              f"({shortest} steps) can hold no sample for a chunk; use fewer tiers "
                              "(rollout.ring_tiers) or a shorter chunk (rollout.decode_chunk)")
-        if self.sampler.batch_shards > 1:
-            raise ValueError(f"ring_tiers need a mesh with one batch shard (this one has "
-                             f"{self.sampler.batch_shards}); run without ring_tiers on a sharded mesh")
+        shards = self.sampler.batch_shards
+        if any(n % shards for n, _ in tiers):
+            raise ValueError(f"ring_tiers={ring_tiers!r}: every tier's rows must be a multiple of the "
+                             f"mesh's {shards} batch shards (each shard holds its share of every tier)")
         return tiers
 
     # -- inputs ------------------------------------------------------------------------------

@@ -13,6 +13,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from tbajax.sharding import over_batch_shards
+
 Array = jax.Array
 _NEG_INF = -jnp.inf
 
@@ -126,13 +128,13 @@ def sample_logits(
             keys = sample_keys(key, jnp.arange(b) if row_ids is None else row_ids)
         use_top_p = top_p is not None and not (isinstance(top_p, (int, float)) and top_p >= 1.0)
         if top_k and top_k < v:
-            vals, idx = jax.lax.top_k(scaled, top_k)
+            vals, idx = over_batch_shards(lambda x: jax.lax.top_k(x, top_k), scaled)
             if use_top_p:
                 vals = top_p_filter(vals, top_p)
             choice = _inverse_cdf_sample(keys, vals)
             tokens = jnp.take_along_axis(idx, choice[:, None], axis=-1)[:, 0]
         elif use_top_p:
-            vals, idx = jax.lax.top_k(scaled, v)  # a full descending sort
+            vals, idx = over_batch_shards(lambda x: jax.lax.top_k(x, v), scaled)  # a full descending sort
             choice = _inverse_cdf_sample(keys, top_p_filter(vals, top_p))
             tokens = jnp.take_along_axis(idx, choice[:, None], axis=-1)[:, 0]
         else:
