@@ -119,6 +119,8 @@ TABLES["continuous_shared_prompt"] = {"rows": ["workload", "arm", "prompts_x_k",
                                                 "seconds", "samples_per_s", "vs_copied", "vs_copied_min",
                                                 "vs_copied_max", "slot_occupancy", "kv_mb", "identical",
                                                 "samples"]}
+TABLES["continuous_schedule"] = {"rows": ["shape", "prompts", "pool_factor", "pool", "decode_steps",
+                                           "steps_vs_pool_2x", "occupancy", "chunks", "steps_over_ideal"]}
 TABLES["searcher_reference"] = {"rows": ["model", "shape", "prompts_x_k", "tokens", "packed_s", "rows_s",
                                           "sample_only_s", "speedup", "reference_saving", "max_abs_diff"]}
 TABLES["bf16_matmul"] = {"rows": ["product", "rows", "in", "out", "plain_gflops", "fp32_acc_gflops",

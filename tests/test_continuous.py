@@ -194,6 +194,26 @@ def test_ring_tiers_rows_split_over_batch_shards(tiny_checkpoint):
     np.testing.assert_array_equal(engine._tier_of, [0, 0, 1, 1, 0, 0, 1, 1])
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_schedule_model_matches_the_engine(llama, seed):
+    """`experiments/benchmarks/continuous_schedule.py`'s model of the engine's scheduling (which
+    sizes the default prompt pool) counts the engine's own decode steps and chunks."""
+    from experiments.benchmarks.continuous_schedule import schedule
+
+    r = np.random.default_rng(seed)
+    k = int(r.integers(2, 4))
+    slots, chunk = k * int(r.integers(2, 4)), int(r.integers(2, 5))
+    pool = int(r.integers(1, 3 * slots // k + 1))
+    lengths = r.integers(1, 13, 8 * k)
+    prompts = [[1, *r.integers(3, 60, r.integers(1, 9)).tolist()] for _ in range(8)]
+    cfg = SamplingConfig(max_new_tokens=12, num_samples=k, temperature=1.0, stop_token_ids=(), pad_token_id=0)
+    engine, _ = _run_engine(Sampler(llama, max_cache_length=32), cfg, jax.random.key(seed), prompts,
+                            slots=slots, chunk=chunk, caps=lengths, prompt_pool=pool)
+    want = schedule(lengths, k, slots, chunk, pool)
+    assert (engine.stats.decode_steps, engine.stats.chunks) == (want["decode_steps"], want["chunks"])
+    assert engine.stats.occupancy(slots) == pytest.approx(want["occupancy"])
+
+
 def test_chunk_runs_on_while_the_pool_is_held(llama):
     """A waiting prompt ends a chunk early only if it could enter: with the one pool entry held by
     a straggler, chunks run their full length (they used to end after one step each), and the

@@ -12,6 +12,8 @@ Continuous, ring tiers = the same engine with its slots in `--ring-tiers` tiers 
 (`geometric_ring_tiers`: halving lengths, half of the slots in the shortest), so a decode step's
 attention reads each sample's tier ring instead of the longest one for every slot; `moves` and
 `pauses` count samples moved to a longer tier and samples that waited for a free row there.
+`--compare-pool N` adds the ring-tier engine (the one-ring engine with `--ring-tiers 1`) with a
+prompt pool of N entries beside the default's (`pool` in the JSON), in the same run.
 All are warmed up on the same workload first (every program compiled), then timed alternately;
 `step_ms` = a run's time over the decode steps it ran (admissions included).
 `agreement.max_logprob_diff_up_to_first_difference` includes the first differing token itself
@@ -195,6 +197,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ring-tiers", type=int, default=3,
                     help="adds the continuous engine with this many ring tiers "
                          "(`geometric_ring_tiers`; 1: no such arm)")
+    ap.add_argument("--compare-pool", type=int, default=None, metavar="N",
+                    help="adds the last continuous engine again with a prompt pool of N entries")
     args = ap.parse_args(argv)
     if args.quick and args.math_like:
         ap.error("--quick and --math-like are two different workloads: pick one")
@@ -216,6 +220,10 @@ def main(argv: list[str] | None = None) -> None:
         if args.ring_tiers > 1:
             tiered = ContinuousEngine(sampler, cfg, slots=per_call * k, chunk=chunk, max_prompt_tokens=64,
                                       ring_tiers=args.ring_tiers)
+        pooled = None
+        if args.compare_pool is not None:
+            pooled = ContinuousEngine(sampler, cfg, slots=per_call * k, chunk=chunk, max_prompt_tokens=64,
+                                      ring_tiers=args.ring_tiers, prompt_pool=args.compare_pool)
         key = jax.random.key(0)
         t0 = time.perf_counter()
         ref = run_static(sampler, cfg, prompts, lengths, key, per_call)  # warm-up: compiles
@@ -236,8 +244,18 @@ def main(argv: list[str] | None = None) -> None:
             tiered_agreement = compare(got, got_tiered)  # the same engine's samples, other rings
             assert [len(t) for t in got_tiered["tokens"]] == lengths.tolist()
             arms["continuous, ring tiers"] = lambda: run_continuous(tiered, prompts, lengths, key, per_call)
+        warm_pooled = pooled_agreement = None
+        if pooled is not None:
+            t0 = time.perf_counter()
+            got_pooled = run_continuous(pooled, prompts, lengths, key, per_call)
+            warm_pooled = time.perf_counter() - t0
+            pooled_agreement = compare(got, got_pooled)
+            assert [len(t) for t in got_pooled["tokens"]] == lengths.tolist()
+            name = f"{'continuous, ring tiers' if tiered is not None else 'continuous'}, pool {pooled.pool}"
+            arms[name] = lambda: run_continuous(pooled, prompts, lengths, key, per_call)
         print(f"warm-up (compiles): static {warm_static:.1f} s, continuous {warm_cont:.1f} s"
-              + (f", ring tiers {warm_tiered:.1f} s" if tiered is not None else ""), flush=True)
+              + (f", ring tiers {warm_tiered:.1f} s" if tiered is not None else "")
+              + (f", pool {pooled.pool} {warm_pooled:.1f} s" if pooled is not None else ""), flush=True)
         best: dict[str, dict[str, Any]] = {}
         for _ in range(args.repeats):  # alternate, keep the best of each (a shared machine)
             for name, fn in arms.items():
@@ -278,11 +296,14 @@ def main(argv: list[str] | None = None) -> None:
         "workload": {"model": "10M", "prompts": n_prompts, "num_samples": k,
                      "median_len": float(np.median(lengths)),
                      "max_len": int(lengths.max()), "cap": cap, "mean_len": float(lengths.mean()),
-                     "prompts_per_call": per_call, "decode_slots": per_call * k, "decode_chunk": chunk},
+                     "prompts_per_call": per_call, "decode_slots": per_call * k, "decode_chunk": chunk,
+                     "pool": engine.pool},
         "same_tokens": same, "agreement": agreement,
-        "warmup_s": {"static": warm_static, "continuous": warm_cont, "ring_tiers": warm_tiered},
+        "warmup_s": {"static": warm_static, "continuous": warm_cont, "ring_tiers": warm_tiered,
+                     "compared_pool": warm_pooled},
         "ring_tiers": list(tiered.ring_tiers) if tiered is not None else None, "ring": engine.ring,
         "ring_tiers_agreement": tiered_agreement,
+        "compared_pool": pooled.pool if pooled is not None else None, "compared_pool_agreement": pooled_agreement,
         "rows": rows, "swap": swap,
     })
 

@@ -8,7 +8,8 @@ reads its keys/values once and gathers the results back to the rows; the rows' r
 generated tokens only. With False each prompt is copied into its K rows (as before). The pool is
 read whole at every step and a prompt holds its entry until its last sample ends, so its size
 trades bytes read against slots left idle behind stragglers: the arms are the copied layout and
-pools of 1x, 2x (the default) and 4x slots / K entries.
+pools of 1x, 2x, 3x and 4x slots / K entries (`continuous_schedule.py` models the occupancy
+side alone).
 
 Workloads (`continuous_batching.py`'s mixed lengths: log-normal response lengths whose longest is
 ~16x the median; each sample's cap is its drawn length, no stop ids, so every arm generates the
@@ -54,7 +55,7 @@ WORKLOADS = [
     ("long prompts", 64, 8, (128, 256), 16, 128, 8),
 ]
 QUICK = [("long prompts", 16, 8, (64, 128), 8, 64, 4)]
-POOLS = {"copied": None, "pool 1x": 1, "pool 2x (default)": 2, "pool 4x": 4}
+POOLS = {"copied": None, "pool 1x": 1, "pool 2x": 2, "pool 3x": 3, "pool 4x": 4}
 
 
 def prompts_of(n: int, low: int, high: int, vocab: int, seed: int = 1) -> list[list[int]]:
