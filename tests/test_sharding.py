@@ -94,7 +94,8 @@ def test_top_k_sampling_keeps_rows_on_their_device():
 
     mesh = make_mesh(MeshConfig(data=4, tensor=2))
     rows = jax.NamedSharding(mesh, P(("data", "fsdp")))
-    plain_logits, plain_keys = jax.random.normal(jax.random.key(0), (8, 300)), jax.random.split(jax.random.key(1), 8)
+    plain_logits = jax.random.normal(jax.random.key(0), (8, 300))
+    plain_keys = jax.random.split(jax.random.key(1), 8)
     logits, keys = jax.device_put((plain_logits, plain_keys), rows)
 
     def draw(x, k, top_k, top_p):

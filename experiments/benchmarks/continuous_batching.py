@@ -303,7 +303,8 @@ def main(argv: list[str] | None = None) -> None:
                      "compared_pool": warm_pooled},
         "ring_tiers": list(tiered.ring_tiers) if tiered is not None else None, "ring": engine.ring,
         "ring_tiers_agreement": tiered_agreement,
-        "compared_pool": pooled.pool if pooled is not None else None, "compared_pool_agreement": pooled_agreement,
+        "compared_pool": pooled.pool if pooled is not None else None,
+        "compared_pool_agreement": pooled_agreement,
         "rows": rows, "swap": swap,
     })
 

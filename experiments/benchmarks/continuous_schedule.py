@@ -18,7 +18,8 @@ whatever the pool) and ten times longer (closer to a searcher's endless stream).
 grows with the pool (every decode step reads it whole): `continuous_batching.py --compare-pool`
 and `continuous_shared_prompt.py` measure that side.
 
-    python experiments/benchmarks/continuous_schedule.py --json experiments/results/benchmarks/continuous_schedule.json
+    python experiments/benchmarks/continuous_schedule.py \
+        --json experiments/results/benchmarks/continuous_schedule.json
 """
 
 from __future__ import annotations
@@ -119,8 +120,8 @@ def main(argv: list[str] | None = None) -> None:
                 r = schedule(lengths, k, slots, chunk, pool)
                 if factor == 2.0:
                     base = r["decode_steps"]
-                rows.append({"shape": name, "prompts": n * scale, "k": k, "slots": slots, "median_len": median,
-                             "cap": cap, "pool_factor": factor, "pool": pool, **r,
+                rows.append({"shape": name, "prompts": n * scale, "k": k, "slots": slots,
+                             "median_len": median, "cap": cap, "pool_factor": factor, "pool": pool, **r,
                              "ideal_steps": ideal, "steps_over_ideal": r["decode_steps"] / ideal})
             for row in rows[-len(FACTORS):]:
                 row["steps_vs_pool_2x"] = row["decode_steps"] / base

@@ -558,7 +558,8 @@ class ContinuousEngine:
         self.ring = config.max_new_tokens if self.pool else p_max + config.max_new_tokens
         self._free_entries = list(range(self.pool))
         if isinstance(ring_tiers, int):
-            ring_tiers = geometric_ring_tiers(slots, self.ring, ring_tiers, shards) if ring_tiers != 1 else None
+            ring_tiers = (None if ring_tiers == 1
+                          else geometric_ring_tiers(slots, self.ring, ring_tiers, shards))
         self.ring_tiers = self._check_tiers(ring_tiers) if ring_tiers is not None else None
         tiers = self.ring_tiers
         self._tier_of = np.zeros(slots, np.int32)
