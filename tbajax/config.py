@@ -102,10 +102,11 @@ class RolloutSpec:
       decode attention reads them once (`Sampler(share_prompt_cache=...)`; the continuous engine
       holds them in a pool of `prompt_pool` prompts); false copies the prompt into each sample's
       row, as before.
-    prompt_pool: prompts whose keys/values the continuous engine holds at once (None: 2 x
-      decode_slots / K). A prompt waits for a free entry and holds it until its last sample ends;
-      every decode step reads the whole pool, so a larger pool costs time, a smaller one idles
-      slots behind stragglers.
+    prompt_pool: prompts whose keys/values the continuous engine holds at once (None: 3 x
+      decode_slots / K, or 2 x where the prompt bucket is longer than max_new_tokens:
+      `sampling.continuous.default_prompt_pool`). A prompt waits for a free entry and holds it until
+      its last sample ends; every decode step reads the whole pool, so a larger pool costs time, a
+      smaller one idles slots behind stragglers.
     ring_tiers: the continuous engine's decode slots split into this many tiers of rings whose
       lengths halve from the longest (`sampling.continuous.geometric_ring_tiers`): a decode step's
       attention reads each sample's tier ring, and samples move to a longer tier as they grow.
@@ -137,7 +138,7 @@ class RolloutSpec:
                               "slots; set rollout.engine=continuous, or ring_tiers=1")
         if self.prompt_pool is not None and self.prompt_pool < 1:
             raise ConfigError(f"rollout.prompt_pool={self.prompt_pool} must hold at least one prompt "
-                              "(or null: 2 x decode_slots / K)")
+                              "(or null for the engine's default)")
         if self.first_decode_phase < 0:
             raise ConfigError(f"rollout.first_decode_phase={self.first_decode_phase} must be >= 0 "
                               "(0: decode over one full-length cache)")

@@ -17,7 +17,9 @@ from flax import nnx
 from tbajax.models import KVCache, load_model, positions_from_mask
 from tbajax.models.serving import TieredKVCache
 from tbajax.sampling import Sampler, SamplingConfig
-from tbajax.sampling.continuous import ContinuousEngine, geometric_ring_tiers, request_keys, ring_sources
+from tbajax.sampling.continuous import (
+    ContinuousEngine, default_prompt_pool, geometric_ring_tiers, request_keys, ring_sources,
+)
 from tbajax.sampling.step import step_keys
 from tbajax.sampling import core
 from tbajax.sharding import MeshConfig, make_mesh
@@ -68,7 +70,8 @@ def test_continuous_matches_static(llama, pool):
     the static sampler's row for the same key. With a shared prompt pool too: of one entry (a
     prompt waits for the last one's stragglers), of three (rows of a finished sample go to
     another prompt while their old prompt is still in the pool), and the default (the sampler's
-    share_prompt_cache, 2 x slots / K entries)."""
+    share_prompt_cache, `default_prompt_pool`: 2 x slots / K entries here, the prompt bucket being
+    longer than the responses' cap)."""
     sampler = Sampler(llama, max_cache_length=64)
     key = jax.random.key(3)
     caps = np.random.default_rng(0).integers(1, 11, len(PROMPTS) * CFG.num_samples)
@@ -136,6 +139,17 @@ def test_ring_tiers_match_static(llama, shared, seed):
     assert engine.stats.moves > 0 and engine.stats.pauses > 0 and not engine._paused
     assert isinstance(engine._cache, TieredKVCache)
     assert [t.slots for t in engine._cache.tiers] == [n for _, n in tiers]
+
+
+def test_default_prompt_pool(llama):
+    # 3 x slots / K, or 2 x when the prompt bucket is longer than the responses' cap
+    assert default_prompt_pool(128, 16, 64, 512) == 24
+    assert default_prompt_pool(128, 16, 64, 64) == 24
+    assert default_prompt_pool(64, 8, 256, 128) == 16
+    assert default_prompt_pool(4, 3, 32, 10) == 2
+    cfg = SamplingConfig(max_new_tokens=40, num_samples=2)
+    engine = ContinuousEngine(Sampler(llama, max_cache_length=64), cfg, slots=4, chunk=4, max_prompt_tokens=16)
+    assert engine.pool == 6  # the 16-slot prompt bucket is shorter than the 40 new tokens
 
 
 def test_geometric_ring_tiers():
@@ -325,7 +339,8 @@ def test_sharded_engine_matches_single_device(tiny_checkpoint, llama, shared):
     sampler = Sampler(load_model(tiny_checkpoint("llama"), mesh=mesh), mesh=mesh, max_cache_length=64)
     engine, groups = _run_engine(sampler, CFG, key, PROMPTS[:4], slots=8, chunk=4, share_prompt_cache=shared)
     pool = engine._cache.prompt
-    assert (pool is not None) == shared and engine.pool == (4 if shared else 0)  # 2 x 8 // 3, 4 shards
+    # 2 x 8 // 3 (prompt bucket 32 > max_new_tokens 10), rounded up to the 4 shards
+    assert (pool is not None) == shared and engine.pool == (4 if shared else 0)
     for buf in (*engine._cache.k, *engine._cache.v, *(pool.k if shared else ())):  # per layer [batch, ...]
         assert buf.sharding.spec[0] == "data" and len(buf.sharding.device_set) == 8
     _assert_same(single, groups, CFG.num_samples)

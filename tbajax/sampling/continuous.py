@@ -21,7 +21,7 @@ generated tokens only (S = max_new_tokens). A sample's slot need not sit next to
 two small tables say who is where: the pool entry's K sample rows and each row's entry. A decode
 step gathers each entry's K queries (a few KB), reads the entry's keys/values once, and gathers
 the results back to the rows (`layers.attention_after_prompt`). The pool is read whole at every
-step, so it is sized to the prompts in flight (2 x slots / K by default), not to the slots: a
+step, so it is sized to the prompts in flight (`default_prompt_pool`), not to the slots: a
 prompt is admitted when K slots and an entry are free, and its entry is freed with its last
 sample. For long prompts this halves the cache and reads fewer bytes per step
 (`experiments/benchmarks/continuous_shared_prompt.py`).
@@ -459,6 +459,17 @@ def geometric_ring_tiers(slots: int, ring: int, tiers: int, shards: int = 1) -> 
     return tuple((n, max(1, -(-ring // 2 ** (tiers - 1 - i)))) for i, n in enumerate(rows))
 
 
+def default_prompt_pool(slots: int, num_samples: int, prompt_slots: int, max_new_tokens: int) -> int:
+    """The prompt pool's default size: 3 x slots / K entries, or 2 x where the prompt bucket is
+    longer than the responses' cap. A prompt holds its entry until its longest sample ends, so with
+    long-tailed response lengths a pool of 2 x fills with stragglers' prompts while slots idle
+    (`experiments/benchmarks/continuous_schedule.py`: 3 x takes 15-18% fewer decode steps at
+    K >= 8, 4 x none fewer than 3 x); but every decode step reads the whole pool, so where prompts are
+    longer than the responses the extra entries cost more than the slots they fill
+    (`continuous_shared_prompt.py`, `continuous_batching.py --compare-pool`)."""
+    return (3 if prompt_slots <= max_new_tokens else 2) * (slots // num_samples)
+
+
 def request_keys(call_key: jax.Array, first_row: int, num_samples: int) -> jax.Array:
     """The K per-sample keys the static sampler gives rows first_row .. first_row + K - 1 of a call
     with `call_key`: fold_in(call_key, row)."""
@@ -477,8 +488,8 @@ class ContinuousEngine:
     the next chunk.
 
     share_prompt_cache (None: the sampler's setting; applies with K > 1): each prompt's keys/values
-    are held once, in a pool of `prompt_pool` entries (default 2 * slots / K), and its K samples'
-    decode steps read them once (`layers.attention_after_prompt`); the rows' ring then holds
+    are held once, in a pool of `prompt_pool` entries (default: `default_prompt_pool`), and its K
+    samples' decode steps read them once (`layers.attention_after_prompt`); the rows' ring then holds
     generated tokens only. A prompt is admitted when K slots and a pool entry are free; its entry
     is freed when its last sample ends, so a pool too small for the stragglers in flight leaves
     slots idle (the occupancy shows it). Off: each prompt is copied into its K rows.
@@ -547,7 +558,9 @@ class ContinuousEngine:
         if share_prompt_cache is None:
             share_prompt_cache = sampler.share_prompt_cache
         if share_prompt_cache and k > 1:
-            wanted = prompt_pool if prompt_pool is not None else 2 * (slots // k)
+            wanted = prompt_pool
+            if wanted is None:
+                wanted = default_prompt_pool(slots, k, p_max, config.max_new_tokens)
             if wanted < 1:
                 raise ValueError(f"prompt_pool={prompt_pool} must hold at least one prompt")
             self.pool = -(-wanted // shards) * shards  # whole entries per batch shard
