@@ -8,11 +8,12 @@ frees with the last of its K samples. It counts decode steps, occupancy and chun
 the engine's `EngineStats` does: the test suite checks it against the engine on random
 workloads, and it reproduces `continuous_batching.py`'s measured decode steps (1,422 at the
 math-like shape, 294 at the default one). Ring tiers do not change these counts (a move happens
-between chunks; the one pause in the benchmark's run is the exception).
+between chunks) except where a sample pauses for a free row of a longer tier (1-2 pauses in the
+benchmark's runs).
 
 The question it answers: a prompt holds its pool entry until its *longest* sample ends, so with
-long-tailed response lengths the default pool (2 x slots / K entries) fills with stragglers'
-prompts and slots idle while prompts wait. Sweeps the pool size (times slots / K) over the
+long-tailed response lengths a pool of 2 x slots / K entries (the default before
+`default_prompt_pool`) fills with stragglers' prompts and slots idle while prompts wait. Sweeps the pool size (times slots / K) over the
 benchmark's workloads, as they are (a finite batch, whose tail of long samples idles slots
 whatever the pool) and ten times longer (closer to a searcher's endless stream). Time per step
 grows with the pool (every decode step reads it whole): `continuous_batching.py --compare-pool`
@@ -82,7 +83,7 @@ def schedule(lengths: np.ndarray, k: int, slots: int, chunk: int, pool: int) -> 
         if not left:
             continue
         chunks += 1
-        for c in range(chunk):  # decode steps; the exit test follows each step
+        for _ in range(chunk):  # decode steps; the exit test follows each step
             steps += 1
             live_steps += len(left)
             for sample in left:

@@ -749,8 +749,6 @@ def tiered_ring_attention(q: Array, k: Array, v: Array, masks: tuple[Array, ...]
     return out.reshape(b, 1, h, d).astype(dtype), (tuple(keys), tuple(values))
 
 
-
-
 def _group_queries(q: Array, kv: int) -> Array:
     """q [b,t,h,d] -> [b,kv,g*t,d]: each kv head's query group folded into its rows (g-major)."""
     b, t, h, d = q.shape
