@@ -88,7 +88,9 @@ class RolloutSpec:
       published params in between chunks (samples in flight carry tokens of both versions:
       `Trajectory.token_versions`). See tbajax/sampling/continuous.py.
     decode_slots: samples decoded at once (continuous; >= sampling.num_samples, a multiple of
-      the searcher mesh's batch shards). decode_chunk: decode steps between harvests / swaps.
+      the searcher mesh's batch shards; with a prompt pool, >= K x the batch shards: a prompt's
+      K samples decode on its pool entry's device). decode_chunk: decode steps between harvests /
+      swaps.
     random_temperature: (low, high, prob): each generation call samples at a temperature drawn
       uniform in [low, high] with probability prob, else at `sampling.temperature` (the
       red-teaming reference's exploration: [0.5, 2.0] half the time, else 1.0). Only to explore:

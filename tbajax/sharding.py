@@ -163,6 +163,35 @@ def over_batch_shards(fn: Callable[..., Any], *xs: Any) -> Any:
     return jax.shard_map(fn, in_specs=P(axes), out_specs=P(axes))(*xs)
 
 
+def within_batch_shards(fn: Callable[..., Any], args: Sequence[tuple[Any, Sequence[str | None]]],
+                        out_axes: Sequence[Sequence[str | None]]) -> Any:
+    """fn(shard, *xs), each device running it on its own shards of xs (given with their logical
+    axes; outputs named by `out_axes`, one per output of the tuple fn returns), `shard` being the
+    device's index along the batch axes (0 without a mesh). For row tables that hold global row
+    indices (a prompt pool's): fn maps them to the shard's own rows, where XLA would gather the
+    rows of every device onto every device to index them. Every "batch" dim must be split alike."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+    xs = [x for x, _ in args]
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty:
+        return fn(0, *xs)
+    in_specs = tuple(logical_to_spec(axes, x.shape, mesh) for x, axes in args)
+    shapes = jax.eval_shape(lambda *a: fn(0, *a), *xs)
+    out_specs = tuple(logical_to_spec(axes, s.shape, mesh) for s, axes in zip(shapes, out_axes))
+    split = {spec[i] for spec, axes in ((*zip(in_specs, (a for _, a in args)),
+                                        *zip(out_specs, out_axes)))
+             for i, name in enumerate(axes) if name == "batch"}
+    if len(split) != 1:
+        raise ValueError(f"the batch dims of within_batch_shards' arrays are split differently: {split}")
+    (batch,) = split
+
+    def local(*a: Any) -> Any:
+        return fn(0 if batch is None else jax.lax.axis_index(batch), *a)
+
+    return jax.shard_map(local, in_specs=in_specs, out_specs=out_specs)(*xs)
+
+
 def param_shardings(abstract_state: Any, mesh: Mesh) -> Any:
     """Map an nnx State of Params (abstract or concrete) to NamedShardings by their metadata."""
     import jax

@@ -179,8 +179,17 @@ def test_sharded_ring_tiers_match_static(tiny_checkpoint, llama, shared):
     mesh = make_mesh(MeshConfig(data=2), devices=jax.devices()[:2])
     sampler = Sampler(load_model(tiny_checkpoint("llama"), mesh=mesh), mesh=mesh, max_cache_length=32)
     tiers = ((4, 4), (2, 8), (2, 14)) if shared else ((2, 20), (4, 24), (2, 32))
-    engine, groups = _run_engine(sampler, cfg, key, prompts, slots=8, chunk=3, caps=caps,
-                                 share_prompt_cache=shared, ring_tiers=tiers)
+    engine = ContinuousEngine(sampler, cfg, slots=8, chunk=3, max_prompt_tokens=32, share_prompt_cache=shared,
+                              ring_tiers=tiers)
+    for i, p in enumerate(prompts):
+        engine.submit(p, request_keys(key, i * k, k), tag=i, max_new_per_sample=caps[i * k:(i + 1) * k])
+    groups = {}
+    while not engine.idle:
+        groups.update((g.tag, g) for g in engine.step())
+        if shared:  # every sample on its prompt's pool entry's shard (4 rows, 2 entries a shard)
+            for s, rec in enumerate(engine._slot):
+                if rec is not None:
+                    assert s // 4 == engine._requests[rec.request].entry // (engine.pool // 2)
     _assert_same(static, groups, k)
     assert engine.stats.moves > 0 and engine.stats.pauses > 0 and not engine._paused
     # shard 0 holds rows 0-3: its share of tier 0, 1, 2, then shard 1 likewise
@@ -189,12 +198,17 @@ def test_sharded_ring_tiers_match_static(tiny_checkpoint, llama, shared):
     for tier in engine._cache.tiers:
         for buf in (*tier.k, *tier.v):
             assert buf.sharding.spec[0] == "data" and len(buf.sharding.device_set) == 2
-    if not shared:
-        chunk = next(c for (kind, _), c in sampler._compiled.items() if kind == "decode_chunk")
-        hlo = chunk.as_text()
-        assert not re.search(r"all-gather|all-to-all|collective-permute", hlo)
-        # the loop's exit test (is any slot live, how many are free) is all a chunk reduces
-        assert set(re.findall(r"= (\S+) all-reduce\(", hlo)) <= {"s32[]", "pred[]"}
+    chunk = next(c for (kind, _), c in sampler._compiled.items() if kind == "decode_chunk")
+    ops = _collectives(chunk.as_text())
+    # the loop's exit test (is any slot live, could a prompt enter) is all a chunk reduces
+    scalars = r"\(?(s32|pred)\[\](, (s32|pred)\[\])*\)?"
+    assert ops and all(kind == "all-reduce" and re.fullmatch(scalars, shape) for shape, kind, _ in ops), ops
+
+
+def _collectives(hlo):
+    """(result shape, collective, op name) of each collective op in an HLO text."""
+    kinds = "all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter"
+    return re.findall(rf"= (\([^)]*\)|\S+) ({kinds})(?:-start)?\(.*?op_name=\"([^\"]*)", hlo)
 
 
 def test_ring_tiers_rows_split_over_batch_shards(tiny_checkpoint):
@@ -202,6 +216,8 @@ def test_ring_tiers_rows_split_over_batch_shards(tiny_checkpoint):
     sampler = Sampler(load_model(tiny_checkpoint("llama"), mesh=mesh), mesh=mesh, max_cache_length=64)
     with pytest.raises(ValueError, match="multiple of the mesh's 2 batch shards"):
         ContinuousEngine(sampler, CFG, slots=6, chunk=2, ring_tiers=((3, 20), (3, 64)))
+    with pytest.raises(ValueError, match="decode slots; raise rollout.decode_slots to at least 6"):
+        ContinuousEngine(sampler, CFG, slots=4, chunk=2, share_prompt_cache=True)
     engine = ContinuousEngine(sampler, CFG, slots=8, chunk=4, ring_tiers=2)
     # each shard: 2 rows of ring / 2, 2 of the ring (the pool holds prompts: ring = max_new_tokens)
     assert engine.ring == 10 and engine.ring_tiers == ((4, 5), (4, 10))
@@ -337,13 +353,19 @@ def test_sharded_engine_matches_single_device(tiny_checkpoint, llama, shared):
     single = Sampler(llama, max_cache_length=64).sample(PROMPTS[:4], CFG, key)
     mesh = make_mesh(MeshConfig(data=4, tensor=2))
     sampler = Sampler(load_model(tiny_checkpoint("llama"), mesh=mesh), mesh=mesh, max_cache_length=64)
-    engine, groups = _run_engine(sampler, CFG, key, PROMPTS[:4], slots=8, chunk=4, share_prompt_cache=shared)
+    # a pool's prompt decodes its K = 3 samples on its entry's shard: at least 3 slots a shard
+    slots = 12 if shared else 8
+    engine, groups = _run_engine(sampler, CFG, key, PROMPTS[:4], slots=slots, chunk=4,
+                                 share_prompt_cache=shared)
     pool = engine._cache.prompt
-    # 2 x 8 // 3 (prompt bucket 32 > max_new_tokens 10), rounded up to the 4 shards
-    assert (pool is not None) == shared and engine.pool == (4 if shared else 0)
+    # 2 x 12 // 3 (prompt bucket 32 > max_new_tokens 10), a multiple of the 4 shards
+    assert (pool is not None) == shared and engine.pool == (8 if shared else 0)
     for buf in (*engine._cache.k, *engine._cache.v, *(pool.k if shared else ())):  # per layer [batch, ...]
         assert buf.sharding.spec[0] == "data" and len(buf.sharding.device_set) == 8
     _assert_same(single, groups, CFG.num_samples)
+    chunk = next(c for (kind, _), c in sampler._compiled.items() if kind == "decode_chunk").as_text()
+    # the tensor axis moves activations between head shards; nothing moves rows between batch shards
+    assert not [op for op in _collectives(chunk) if "/attention/" in op[2]]
 
 
 @pytest.mark.processes

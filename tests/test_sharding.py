@@ -1,5 +1,7 @@
 """Sharded forward on 8 fake CPU devices equals the single-device forward; rules are applied."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -110,3 +112,33 @@ def test_top_k_sampling_keeps_rows_on_their_device():
         want_tokens, want_logprobs = fn(plain_logits, plain_keys, top_k, top_p)
         np.testing.assert_array_equal(tokens, want_tokens)
         np.testing.assert_allclose(logprobs, want_logprobs, rtol=1e-6)
+
+
+def test_within_batch_shards_maps_global_rows_to_each_shards_own():
+    """A table of global row indices, split over 4 batch shards of 2 rows: each device looks its
+    own rows up (no gather); rows of other shards (2 in shard 0's) and padding (8) come out as the
+    fill value."""
+    from tbajax.models.layers import shard_rows
+    from tbajax.sharding import within_batch_shards
+
+    np.testing.assert_array_equal(shard_rows(jnp.array([0, 3, 4, 5, 8]), 2, 2), [2, 2, 0, 1, 2])
+    mesh = make_mesh(MeshConfig(data=4, tensor=2))
+    values = jnp.arange(8.0) * 10  # one value per row
+    table = jnp.array([[1, 2], [3, 8], [4, 5], [7, 7]])
+
+    def look_up(shard, table, values):
+        return (jnp.take(values, shard_rows(table, shard, values.shape[0]), mode="fill", fill_value=-1),)
+
+    fn = jax.jit(lambda t, v: within_batch_shards(look_up, [(t, ("batch", None)), (v, ("batch",))],
+                                                  [("batch", None)])[0])
+    want = [[10, 20], [30, -1], [40, 50], [70, 70]]
+    np.testing.assert_array_equal(fn(table, values), want)  # no mesh: shard 0 holds every row
+    rows = jax.NamedSharding(mesh, P(("data", "fsdp")))
+    with jax.set_mesh(mesh):
+        t, v = jax.device_put((table, values), rows)
+        hlo = fn.lower(t, v).compile().as_text()
+        np.testing.assert_array_equal(fn(t, v), [[10, -1], [30, -1], [40, 50], [70, 70]])
+    assert not re.search(r"all-gather|all-to-all|collective-permute|all-reduce", hlo)
+    with pytest.raises(ValueError, match="split differently"), jax.set_mesh(mesh):
+        jax.eval_shape(lambda t, v: within_batch_shards(look_up, [(t, ("batch", None)), (v, ("batch",))],
+                                                        [("batch", None)]), table, jnp.zeros(6))

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from tbajax import op_scopes as S
 from tbajax.op_scopes import scoped
-from tbajax.sharding import batch_shards, devices_in_context
+from tbajax.sharding import batch_shards, devices_in_context, within_batch_shards
 
 Array = jax.Array
 _MASK_VALUE = -1e30
@@ -661,21 +661,49 @@ Part = tuple[Array, Array, Array]
 
 def _pooled_prompt_part(qf: Array, prompt: PromptKV) -> Part:
     """The pool's part for every row (qf [b, kv, g, d] fp32): each prompt's K queries gathered
-    from their rows, its keys and values read once, the results gathered back to the rows."""
+    from their rows, its keys and values read once, the results gathered back to the rows.
+
+    On a mesh every device does this for its own pool entries and rows: the continuous engine
+    places a prompt's K samples on its entry's device, so the tables' global indices are mapped
+    to the device's own (`sharding.within_batch_shards`). Indexing the batch-sharded rows with
+    global indices instead made XLA all-gather every row's queries and results onto every
+    device, at every layer of every decode step."""
+    return within_batch_shards(
+        _pool_part_of_shard,
+        [(qf, ("batch", "kv_heads", None, None)), (prompt.k, ("batch", "kv_heads", "head_dim", "length")),
+         (prompt.v, ("batch", "kv_heads", "length", "head_dim")), (prompt.valid, ("batch", "length")),
+         (prompt.samples, ("batch", None)), (prompt.entry, ("batch",))],
+        (("batch", "kv_heads", None), ("batch", "kv_heads", None), ("batch", "kv_heads", None, None)),
+    )
+
+
+def shard_rows(rows: Array, shard: Array | int, per_shard: int) -> Array:
+    """Global row indices -> those of the shard `shard` of `per_shard` rows; rows of other shards
+    (and padding) -> per_shard: out of range."""
+    local = rows - shard * per_shard
+    return jnp.where((local >= 0) & (local < per_shard), local, per_shard)
+
+
+def _pool_part_of_shard(shard: Array | int, qf: Array, pk: Array, pv: Array, valid: Array, samples: Array,
+                        entry: Array) -> Part:
     b, kv, g, d = qf.shape
-    n, k = prompt.samples.shape
-    qe = jnp.take(qf, prompt.samples.reshape(-1), axis=0, mode="fill", fill_value=0)  # [n*k, kv, g, d]
+    n, k = samples.shape
+    rows = shard_rows(samples, shard, b)
+    qe = jnp.take(qf, rows.reshape(-1), axis=0, mode="fill", fill_value=0)  # [n*k, kv, g, d]
     qp = qe.reshape(n, k, kv, g, d).swapaxes(1, 2).reshape(n, kv, k * g, d)
-    sp = jnp.einsum("nhqd,nhds->nhqs", qp, prompt.k.astype(jnp.float32)) * d**-0.5
-    sp = jnp.where(prompt.valid[:, None, None], sp, _MASK_VALUE)
+    sp = jnp.einsum("nhqd,nhds->nhqs", qp, pk.astype(jnp.float32)) * d**-0.5
+    sp = jnp.where(valid[:, None, None], sp, _MASK_VALUE)
     top_p = sp.max(-1)
     ep = jnp.exp(sp - top_p[..., None])
-    out_p = jnp.einsum("nhqs,nhsd->nhqd", ep, prompt.v.astype(jnp.float32))
+    out_p = jnp.einsum("nhqs,nhsd->nhqd", ep, pv.astype(jnp.float32))
+    # a row's prompt * K + j, among this shard's entries (a row that holds no live sample may
+    # point anywhere: clipped, its finite result unused)
+    position = entry - shard * n * k
 
     def to_rows(x: Array) -> Array:  # [n, kv, k*g, ...] -> [b, kv, g, ...] at each row's entry
         rest = x.shape[3:]
         x = x.reshape(n, kv, k, g, *rest).swapaxes(1, 2).reshape(n * k, kv, g, *rest)
-        return jnp.take(x, prompt.entry, axis=0, mode="clip")
+        return jnp.take(x, position, axis=0, mode="clip")
 
     return to_rows(top_p), to_rows(ep.sum(-1)), to_rows(out_p)
 

@@ -24,7 +24,10 @@ the results back to the rows (`layers.attention_after_prompt`). The pool is read
 step, so it is sized to the prompts in flight (`default_prompt_pool`), not to the slots: a
 prompt is admitted when K slots and an entry are free, and its entry is freed with its last
 sample. For long prompts this halves the cache and reads fewer bytes per step
-(`experiments/benchmarks/continuous_shared_prompt.py`).
+(`experiments/benchmarks/continuous_shared_prompt.py`). On a mesh with D batch shards, each
+shard holds 1/D of the entries and of the rows, and a prompt's entry and its K rows are on one
+shard (the host admits a prompt into a shard with K free rows and a free entry, and a ring-tier
+move stays within its shard), so a decode step moves no rows between devices.
 
 Ring tiers (`ring_tiers`): a ring of S slots for every row makes every decode step read S slots
 per row, however short the row's history; with long, spread-out response lengths most rows are
@@ -72,14 +75,14 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tbajax.models import ModelConfig, positions_from_mask, serving
-from tbajax.models.layers import cache_values
+from tbajax.models.layers import cache_values, shard_rows
 from tbajax.models.serving import KVCache, PromptCache, ServingParams, TieredKVCache
 from tbajax.sampling import core
 from tbajax.sampling.config import SamplingConfig
 from tbajax.sampling.sampler import PreparedParams, Sampler, left_pad, length_bucket
 from tbajax.sampling.step import step_keys
 from tbajax.shapes import next_pow2
-from tbajax.sharding import batch_shards, constrain
+from tbajax.sharding import batch_shards, constrain, within_batch_shards
 
 log = logging.getLogger(__name__)
 
@@ -341,11 +344,15 @@ def decode_chunk(
 
     def cond(carry: tuple[Array, KVCache, SlotState, ChunkOut]) -> Array:
         c, _, st, _ = carry
-        ready = jnp.sum(~st.live, dtype=jnp.int32) >= refill_at
-        if pooled:
-            ended = ~(st.live | held)
-            done = jnp.take(ended, pool.samples, mode="fill", fill_value=True).all(-1)  # [entries]
-            ready = ready & (jnp.any(~busy) | jnp.any(busy & done))
+        if pooled:  # a prompt enters a batch shard with K free rows and a free entry (`_admit`)
+            free = ~(st.live | held)
+            shards, k = batch_shards(n), pool.samples.shape[1]
+            entry_free = ~busy | _entries_ended(pool.samples, free)
+            rows_free = free.reshape(shards, -1).sum(-1, dtype=jnp.int32)
+            fits = (rows_free >= k) & entry_free.reshape(shards, -1).any(-1)
+            ready = (refill_at <= n) & jnp.any(fits)
+        else:
+            ready = jnp.sum(~st.live, dtype=jnp.int32) >= refill_at
         return (c < chunk) & jnp.any(st.live) & ((c == 0) | ~ready)
 
     def body(carry: tuple[Array, KVCache, SlotState, ChunkOut]) -> tuple[Array, KVCache, SlotState, ChunkOut]:
@@ -377,6 +384,16 @@ def decode_chunk(
 
     _, cache, state, out = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), cache, state, out))
     return cache, state, out
+
+
+def _entries_ended(samples: Array, ended: Array) -> Array:
+    """[entries]: whether every sample of each pool entry has ended (ended [rows]), each batch
+    shard over its own entries, whose samples are on its own rows."""
+    def of_shard(shard: Array | int, samples: Array, ended: Array) -> tuple[Array]:
+        rows = shard_rows(samples, shard, ended.shape[0])
+        return (jnp.take(ended, rows, mode="fill", fill_value=True).all(-1),)
+
+    return within_batch_shards(of_shard, [(samples, ("batch", None)), (ended, ("batch",))], [("batch",)])[0]
 
 
 def _wrap_index(cache: KVCache | TieredKVCache) -> KVCache | TieredKVCache:
@@ -564,6 +581,11 @@ class ContinuousEngine:
             if wanted < 1:
                 raise ValueError(f"prompt_pool={prompt_pool} must hold at least one prompt")
             self.pool = -(-wanted // shards) * shards  # whole entries per batch shard
+            if k > slots // shards:
+                raise ValueError(
+                    f"a shared prompt cache on {shards} batch shards decodes a prompt's {k} samples on its "
+                    f"pool entry's device, which has {slots // shards} of the {slots} decode slots; raise "
+                    f"rollout.decode_slots to at least {k * shards} or set rollout.share_prompt_cache=false")
         elif prompt_pool is not None:
             raise ValueError("prompt_pool sizes a shared prompt cache, which needs share_prompt_cache "
                              "and K > 1 samples per prompt")
@@ -768,9 +790,15 @@ class ContinuousEngine:
             longest = max(len(self._requests[r].prompt) for r in list(self._queue)[:n])
             return length_bucket(longest, limit_len, self.sampler.min_prompt_bucket)
 
-        p_len = bucket(take)
-        free = self._free_rows(0 if self.pool else p_len)
-        take = min(take, len(free) // k)
+        if self.pool:
+            placed = self._place_in_shards(take)
+            take = len(placed)
+            p_len = bucket(take) if take else 0
+            free = [row for rows, _ in placed for row in rows]
+        else:
+            p_len = bucket(take)
+            free = self._free_rows(p_len)
+            take = min(take, len(free) // k)
         if take == 0:
             return []
         rids = [self._queue.popleft() for _ in range(take)]
@@ -787,7 +815,7 @@ class ContinuousEngine:
         entries = np.full(b, self.pool, np.int32)  # out of range: dropped
         if self.pool:
             for i, r in enumerate(rids):
-                entries[i] = self._requests[r].entry = self._free_entries.pop()
+                entries[i] = self._requests[r].entry = placed[i][1]
         shape = (("batch", b), ("prompt_len", p_len), ("num_samples", k), ("ring", self.ring),
                  ("slots", self.slots), ("pool", self.pool), ("spec", self.spec), ("tiers", self.ring_tiers))
         put = self.sampler._put
@@ -805,6 +833,26 @@ class ContinuousEngine:
                 self._span_base[int(slots[i * k + j])] = 0 if self.pool else p_len
         self.stats.admitted += take
         return [(list(slots[: take * k]), first, self.version)]
+
+    def _place_in_shards(self, prompts: int) -> list[tuple[list[int], int]]:
+        """(K rows, pool entry) for up to `prompts` queued prompts, each on one batch shard (its
+        rows and entry on one device, see the module docstring): the shard with the most free
+        rows first; within a shard, rows in `_free_rows` order. Takes the entries it returns."""
+        k, shards = self.config.num_samples, self.sampler.batch_shards
+        rows_per, entries_per = self.slots // shards, self.pool // shards
+        rows = [[s for s in self._free_rows(0) if s // rows_per == d] for d in range(shards)]
+        entries = [[e for e in self._free_entries if e // entries_per == d] for d in range(shards)]
+        placed = []
+        for _ in range(prompts):
+            open_ = [d for d in range(shards) if len(rows[d]) >= k and entries[d]]
+            if not open_:
+                break
+            d = max(open_, key=lambda d: len(rows[d]))
+            entry = entries[d].pop()
+            self._free_entries.remove(entry)
+            placed.append((rows[d][:k], entry))
+            del rows[d][:k]
+        return placed
 
     def _free_rows(self, prompt_slots: int) -> list[int]:
         """Free rows for new samples whose prompts fill `prompt_slots` of their row: all of them,
@@ -826,6 +874,7 @@ class ContinuousEngine:
             return
         rings = [length for _, length in self.ring_tiers]
         last = len(rings) - 1
+        rows_per = self.slots // self.sampler.batch_shards  # a pool's samples stay on their shard
         free = [s for s, rec in enumerate(self._slot) if rec is None]
         free.sort(key=lambda d: (self._tier_of[d], d))  # shortest ring first
         moves: dict[tuple[int, int], list[tuple[int, int, int, int]]] = collections.defaultdict(list)
@@ -839,7 +888,8 @@ class ContinuousEngine:
             need = span + min(self.chunk, remaining)
             if need <= rings[tier]:
                 continue
-            dst = next((d for d in free if self._tier_of[d] > tier and rings[self._tier_of[d]] >= need), None)
+            dst = next((d for d in free if self._tier_of[d] > tier and rings[self._tier_of[d]] >= need
+                        and (not self.pool or d // rows_per == s // rows_per)), None)
             if dst is None:
                 if s not in self._paused:
                     pause.append(s)
