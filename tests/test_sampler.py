@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
+import re
 from unittest import mock
 
 import jax
@@ -329,6 +330,11 @@ def test_sharded_matches_single_device(tiny_checkpoint, llama_sampler, mesh_conf
     (generate,) = (c for (kind, _), c in sampler._compiled.items() if kind == "generate")
     gathers = [line for line in generate.as_text().splitlines() if " all-gather(" in line]
     assert not [line for line in gathers if "/sampling/" in line]
+    # the fused q/k/v and gate/up products are laid out per KV group and interleaved
+    # (`llama.decode_layout`): each tensor shard slices its own columns of their outputs (the
+    # fsdp-split embedding and LM head still move at every step)
+    permutes = [line for line in generate.as_text().splitlines() if " collective-permute(" in line]
+    assert not [line for line in permutes if re.search(r'op_name="[^"]*/(slice|split)"', line)]
 
 
 # ----------------------------------------------------------------------------- buckets, keys
