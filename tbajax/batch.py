@@ -25,7 +25,7 @@ from tbajax import op_scopes as S
 from tbajax.models.config import check_head_chunk
 from tbajax.models.layers import unfused_transpose
 from tbajax.op_scopes import scoped
-from tbajax.sharding import batch_shards, constrain
+from tbajax.sharding import along_rows, batch_shards, constrain
 
 Array = jax.Array
 
@@ -352,9 +352,8 @@ def window_logprobs(hidden: Array, head: Array, tokens: Array, slots: Array, tem
     """[B, S] log-probs of tokens[b, slots[b, j]] from hidden states [B, T, D] of `tokens`
     (slots >= 1): the states that predict them (slots - 1) are gathered first, so the vocabulary
     projection, its [B, S, V] logits and their gradient (`head_logprobs`) cover the window only."""
-    rows = jnp.arange(hidden.shape[0])[:, None]
     temperature = jnp.asarray(temperature, jnp.float32)
-    return head_logprobs(hidden[rows, slots - 1], head, tokens[rows, slots], temperature, chunk)
+    return head_logprobs(along_rows(hidden, slots - 1), head, along_rows(tokens, slots), temperature, chunk)
 
 
 def windowed_hidden_logprobs(hidden: Array, head: Array, batch: Batch, temperature: float = 1.0,
@@ -383,9 +382,8 @@ def packed_hidden_logprobs(hidden: Array, head: Array, batch: Batch, temperature
     the scored tokens alone (not the prompt's) and it and its gradient go through `head_logprobs`
     as the row layout's do."""
     pk = batch.packed
-    rows = jnp.arange(hidden.shape[0])[:, None]
-    predicting = hidden[rows, pk.previous]  # [G, S, D]
-    targets = pk.tokens[rows, pk.scored]
+    predicting = along_rows(hidden, pk.previous)  # [G, S, D]
+    targets = along_rows(pk.tokens, pk.scored)
     flat = head_logprobs(predicting, head, targets, jnp.float32(temperature), chunk).reshape(-1)
     return jnp.where(batch.loss_mask, flat[pk.source], 0.0)
 

