@@ -221,7 +221,9 @@ class SystemSpec:
     mode: "async" = trainer and searchers as separate processes that never wait for each other;
       "sync" = one process alternates generate-then-train on the current params (on-policy).
     sync_every: k, publish params (and start a new "recent" window) every k trainer steps.
-    searcher_mesh / trainer_mesh: each process's own mesh over its own devices.
+    searcher_mesh / trainer_mesh: each process's own mesh over its own devices. A searcher reads
+      every weight at every token: split its weights over `tensor` (or replicate them over
+      `data`); weights split over `fsdp` are gathered at every decode step (the sampler warns).
     devices: "shared" = every process sees all local devices (on one GPU each takes
       `memory_fraction`, null: 0.9 over the processes the run starts, `launcher.memory_share`);
       "split" = the launcher gives the trainer `trainer_devices` GPUs and each

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
+import logging
 import re
 from unittest import mock
 
@@ -310,13 +311,16 @@ def test_stop_tokens_and_min_new_tokens(llama_sampler):
 
 
 @pytest.mark.parametrize("mesh_config", [MeshConfig(data=8), MeshConfig(data=2, fsdp=2, tensor=2)])
-def test_sharded_matches_single_device(tiny_checkpoint, llama_sampler, mesh_config):
+def test_sharded_matches_single_device(tiny_checkpoint, llama_sampler, mesh_config, caplog):
     assert jax.device_count() == 8
     cfg = COMMON
     key = jax.random.key(7)
     single = llama_sampler.sample(PROMPTS, cfg, key)
     mesh = make_mesh(mesh_config)
-    sampler = Sampler(load_model(tiny_checkpoint("llama"), mesh=mesh), mesh=mesh)
+    with caplog.at_level(logging.WARNING, logger="tbajax.sampling.sampler"):
+        sampler = Sampler(load_model(tiny_checkpoint("llama"), mesh=mesh), mesh=mesh)
+    # weights split over fsdp are gathered at every decode step: the sampler says so
+    assert ("sampler mesh has fsdp=2" in caplog.text) == (mesh_config.fsdp == 2)
     sharded = sampler.sample(PROMPTS, cfg, key)
     cache = sampler._cache  # the held KV cache really is split over the batch shards
     for buf in (*cache.k, *cache.v):  # per layer [batch, ...]

@@ -152,6 +152,14 @@ class Sampler:
         self.cache_dtype = kv_cache_dtype(self.config, self.mesh.devices.flat[0].platform)
         self._policy = PreparedParams.from_model(model, self.mesh)
         self._reference = _Params.from_model(reference, self.mesh) if reference is not None else None
+        fsdp = self.mesh.shape.get("fsdp", 1)
+        if fsdp > 1:
+            weights = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+            log.warning(
+                "sampler mesh has fsdp=%d: every prompt pass and decode step gathers the weights split over "
+                "fsdp, ~%.0f MB onto each device per step. Sampling reads every weight at every token: split "
+                "them over a tensor axis instead (system.searcher_mesh: tensor=N), or replicate them (data)",
+                fsdp, weights * (1 - 1 / fsdp) / 2**20)
         self._compiled: dict[tuple[Any, ...], Any] = {}
         self._cache: core.KVCache | None = None  # the last call's cache, reused when shapes match
         self.compile_events: list[CompileEvent] = []
