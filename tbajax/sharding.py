@@ -188,9 +188,8 @@ def within_batch_shards(fn: Callable[..., Any], args: Sequence[tuple[Any, Sequen
     in_specs = tuple(logical_to_spec(axes, x.shape, mesh) for x, axes in args)
     shapes = jax.eval_shape(lambda *a: fn(0, *a), *xs)
     out_specs = tuple(logical_to_spec(axes, s.shape, mesh) for s, axes in zip(shapes, out_axes))
-    split = {spec[i] for spec, axes in ((*zip(in_specs, (a for _, a in args)),
-                                        *zip(out_specs, out_axes)))
-             for i, name in enumerate(axes) if name == "batch"}
+    named = [*zip(in_specs, (axes for _, axes in args)), *zip(out_specs, out_axes)]
+    split = {spec[i] for spec, axes in named for i, name in enumerate(axes) if name == "batch"}
     if len(split) != 1:
         raise ValueError(f"the batch dims of within_batch_shards' arrays are split differently: {split}")
     (batch,) = split
