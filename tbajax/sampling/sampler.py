@@ -157,8 +157,9 @@ class Sampler:
             weights = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
             log.warning(
                 "sampler mesh has fsdp=%d: every prompt pass and decode step gathers the weights split over "
-                "fsdp, ~%.0f MB onto each device per step. Sampling reads every weight at every token: split "
-                "them over a tensor axis instead (system.searcher_mesh: tensor=N), or replicate them (data)",
+                "fsdp, ~%.0f MB onto each device per step. Sampling reads every weight at every token: a mesh "
+                "that samples is better split over tensor (system.searcher_mesh, or trainer_mesh where the "
+                "trainer samples itself: tensor=N) or replicated (data)",
                 fsdp, weights * (1 - 1 / fsdp) / 2**20)
         self._compiled: dict[tuple[Any, ...], Any] = {}
         self._cache: core.KVCache | None = None  # the last call's cache, reused when shapes match
