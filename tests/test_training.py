@@ -947,7 +947,8 @@ def test_packed_step_equals_row_layout_step(num_microbatches, mesh_config):
         assert_metrics_close(got, want)
         # two Adam steps: Adam's normalisation turns fp32 reduction-order noise in near-zero
         # gradients (packed and row attention sum in different orders) into ~1e-5 parameter differences
-        assert_trees_close(got_state.params, want_state.params, atol=3e-5)
+        # (one of 2,048 reached 3.8e-5 on an AMD EPYC, two micro-batches, at this test's old 3e-5)
+        assert_trees_close(got_state.params, want_state.params, atol=5e-5)
 
 
 def test_packing_refuses_mixed_prompts_and_mismatched_config():
