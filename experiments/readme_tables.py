@@ -121,6 +121,10 @@ TABLES["continuous_shared_prompt"] = {"rows": ["workload", "arm", "prompts_x_k",
                                                 "samples"]}
 TABLES["continuous_schedule"] = {"rows": ["shape", "prompts", "pool_factor", "pool", "decode_steps",
                                            "steps_vs_pool_2x", "occupancy", "chunks", "steps_over_ideal"]}
+TABLES["decode_attention_cores"] = {"rows": ["shape", "b_kv_g_d_slots_layers", "cache_MB", "cores", "ms_1core",
+                                              "ms_all_cores", "speedup", "GB_s_1core", "GB_s_all_cores",
+                                              "read_GB_s_1thread", "read_GB_s_all_threads", "ideal_ms_all_cores",
+                                              "ms_over_ideal"]}
 TABLES["searcher_reference"] = {"rows": ["model", "shape", "prompts_x_k", "tokens", "packed_s", "rows_s",
                                           "sample_only_s", "speedup", "reference_saving", "max_abs_diff"]}
 TABLES["bf16_matmul"] = {"rows": ["product", "rows", "in", "out", "plain_gflops", "fp32_acc_gflops",
@@ -141,7 +145,8 @@ ABSOLUTE = {"update_s", "tbajax_tok_s", "torch_tok_s", "step_s", "best_step_s", 
             "fused_ms", "unfused_ms", "producer_only_ms", "wall_ms", "op_ms", "plain_gflops",
             "fp32_acc_gflops", "before_gflops", "mesh_s", "before_tok_s", "stub_tok_s", "torch_stub_tok_s",
             "attention_ms", "torch_attention_ms", "shared_tok_s", "copied_tok_s", "packed_s", "rows_s",
-            "sample_only_s"}
+            "sample_only_s", "ms_1core", "ms_all_cores", "ideal_ms_all_cores", "GB_s_1core", "GB_s_all_cores",
+            "read_GB_s_1thread", "read_GB_s_all_threads"}
 
 
 def _fmt(v: Any) -> str:
