@@ -187,6 +187,8 @@ def within_batch_shards(fn: Callable[..., Any], args: Sequence[tuple[Any, Sequen
         return fn(0, *xs)
     in_specs = tuple(logical_to_spec(axes, x.shape, mesh) for x, axes in args)
     shapes = jax.eval_shape(lambda *a: fn(0, *a), *xs)
+    if len(shapes) != len(out_axes):
+        raise ValueError(f"within_batch_shards: fn returns {len(shapes)} outputs, out_axes names {len(out_axes)}")
     out_specs = tuple(logical_to_spec(axes, s.shape, mesh) for s, axes in zip(shapes, out_axes))
     named = [*zip(in_specs, (axes for _, axes in args)), *zip(out_specs, out_axes)]
     split = {spec[i] for spec, axes in named for i, name in enumerate(axes) if name == "batch"}
