@@ -378,6 +378,17 @@ class ExperimentConfig:
                 f"rollout.decode_slots={r.decode_slots} cannot hold one prompt's "
                 f"rollout.sampling.num_samples={r.sampling.num_samples} samples: raise rollout.decode_slots"
             )
+        mesh = self.system.searcher_mesh
+        shards = mesh.data * mesh.fsdp if mesh.data > 0 and mesh.fsdp > 0 else 0  # 0: known at run time
+        if (r.engine == "continuous" and r.share_prompt_cache and r.sampling.num_samples > 1 and shards
+                and r.decode_slots < r.sampling.num_samples * shards):
+            # the engine checks it too, once the searcher's mesh is made (data=-1: all its devices)
+            raise ConfigError(
+                f"rollout.decode_slots={r.decode_slots} over the searcher's {shards} batch shards gives each "
+                f"{r.decode_slots // shards} slots, and a shared prompt cache decodes a prompt's "
+                f"{r.sampling.num_samples} samples on one shard: raise rollout.decode_slots to at least "
+                f"{r.sampling.num_samples * shards} or set rollout.share_prompt_cache=false"
+            )
         self._check_recency_supply()
         self._check_trainer_processes()
         if (self.train.groups_per_step * k) % self.train.trainer.num_microbatches:

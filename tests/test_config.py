@@ -44,6 +44,13 @@ def test_overrides_are_typed():
         apply_overrides(cfg, ["rollout.ring_tiers=3"])  # the static engine has no slots to split
     with pytest.raises(ConfigError, match="ring_tiers"):
         apply_overrides(cfg, ["rollout.engine=continuous", "rollout.ring_tiers=0"])
+    # a prompt pool's K samples decode on one of the searcher mesh's batch shards: K slots each
+    k = cfg.rollout.sampling.num_samples
+    sharded = ["rollout.engine=continuous", f"rollout.decode_slots={4 * k}", "system.searcher_mesh.data=4"]
+    assert apply_overrides(cfg, sharded).rollout.decode_slots == 4 * k
+    with pytest.raises(ConfigError, match=f"raise rollout.decode_slots to at least {8 * k}"):
+        apply_overrides(cfg, [*sharded, "system.searcher_mesh.data=8"])
+    apply_overrides(cfg, [*sharded, "system.searcher_mesh.data=8", "rollout.share_prompt_cache=false"])
     assert out.train.steps == 7 and isinstance(out.train.steps, int)
     assert out.train.trainer.optimizer.lr.peak == 3e-4
     assert out.train.objective == "dr_grpo" and out.system.mode == "sync"
