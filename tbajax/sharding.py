@@ -172,6 +172,14 @@ def along_rows(x: Any, index: Any) -> Any:
     return jnp.take_along_axis(x, index.reshape(*index.shape, *(1,) * (x.ndim - 2)), axis=1)
 
 
+def shard_rows(rows: Any, shard: Any, per_shard: int) -> Any:
+    """Global row indices -> those of the shard `shard` of `per_shard` rows (inside
+    `within_batch_shards`); rows of other shards (and padding) -> per_shard: out of range."""
+    import jax.numpy as jnp
+    local = rows - shard * per_shard
+    return jnp.where((local >= 0) & (local < per_shard), local, per_shard)
+
+
 def within_batch_shards(fn: Callable[..., Any], args: Sequence[tuple[Any, Sequence[str | None]]],
                         out_axes: Sequence[Sequence[str | None]]) -> Any:
     """fn(shard, *xs), each device running it on its own shards of xs (given with their logical

@@ -118,8 +118,7 @@ def test_within_batch_shards_maps_global_rows_to_each_shards_own():
     """A table of global row indices, split over 4 batch shards of 2 rows: each device looks its
     own rows up (no gather); rows of other shards (2 in shard 0's) and padding (8) come out as the
     fill value."""
-    from tbajax.models.layers import shard_rows
-    from tbajax.sharding import within_batch_shards
+    from tbajax.sharding import shard_rows, within_batch_shards
 
     np.testing.assert_array_equal(shard_rows(jnp.array([0, 3, 4, 5, 8]), 2, 2), [2, 2, 0, 1, 2])
     mesh = make_mesh(MeshConfig(data=4, tensor=2))

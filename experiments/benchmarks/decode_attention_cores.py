@@ -75,7 +75,7 @@ def child(shape: tuple[int, ...], cores: int, calls: int) -> dict[str, Any]:
         reads.append(time.perf_counter() - t0)
     cache_bytes = sum(x.nbytes for x in (*kt, *v))
     return {"cores": cores, "ms": statistics.median(times) * 1e3, "cache_MB": cache_bytes / 2**20,
-            "read_GB_s": big.numel() * 4 / min(reads) / 1e9, "threads": len(os.sched_getaffinity(0))}
+            "read_GB_s": big.numel() * 4 / min(reads) / 1e9}
 
 
 def main() -> None:

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from tbajax import op_scopes as S
 from tbajax.op_scopes import scoped
-from tbajax.sharding import batch_shards, devices_in_context, within_batch_shards
+from tbajax.sharding import batch_shards, devices_in_context, shard_rows, within_batch_shards
 
 Array = jax.Array
 _MASK_VALUE = -1e30
@@ -675,13 +675,6 @@ def _pooled_prompt_part(qf: Array, prompt: PromptKV) -> Part:
          (prompt.samples, ("batch", None)), (prompt.entry, ("batch",))],
         (("batch", "kv_heads", None), ("batch", "kv_heads", None), ("batch", "kv_heads", None, None)),
     )
-
-
-def shard_rows(rows: Array, shard: Array | int, per_shard: int) -> Array:
-    """Global row indices -> those of the shard `shard` of `per_shard` rows; rows of other shards
-    (and padding) -> per_shard: out of range."""
-    local = rows - shard * per_shard
-    return jnp.where((local >= 0) & (local < per_shard), local, per_shard)
 
 
 def _pool_part_of_shard(shard: Array | int, qf: Array, pk: Array, pv: Array, valid: Array, samples: Array,

@@ -75,14 +75,14 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tbajax.models import ModelConfig, positions_from_mask, serving
-from tbajax.models.layers import cache_values, shard_rows
+from tbajax.models.layers import cache_values
 from tbajax.models.serving import KVCache, PromptCache, ServingParams, TieredKVCache
 from tbajax.sampling import core
 from tbajax.sampling.config import SamplingConfig
 from tbajax.sampling.sampler import PreparedParams, Sampler, left_pad, length_bucket
 from tbajax.sampling.step import step_keys
 from tbajax.shapes import next_pow2
-from tbajax.sharding import batch_shards, constrain, within_batch_shards
+from tbajax.sharding import batch_shards, constrain, shard_rows, within_batch_shards
 
 log = logging.getLogger(__name__)
 
