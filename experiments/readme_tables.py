@@ -100,7 +100,8 @@ TABLES.update({name: TABLES["sampler"] for name in (
     "sampler_smollm2_before_serving_layout", "sampler_before_out_major", "sampler_smollm2_before_out_major",
     "sampler_0.5B", "sampler_0.5B_before_out_major", "sampler_pythia410M", "sampler_pythia410M_before_out_major",
     "sampler_pythia410M_before_mha_attention", "sampler_before_decode_phases", "sampler_long",
-    "sampler_long_one_cache", "sampler_bf16", "sampler_bf16_before_fp32_accumulation", "sampler_amd_epyc")})
+    "sampler_long_one_cache", "sampler_bf16", "sampler_bf16_before_fp32_accumulation", "sampler_amd_epyc",
+    "sampler_amd_epyc_before_weight_first")})
 TABLES["sampler_cpu_devices"] = {"rows": ["model", "batch", "prompt_len", "new_tokens", "ours_tok_s", "ours_step_ms",
                                           "roofline_frac", "torch_tok_s", "torch_threads", "ratio", "mesh_devices",
                                           "mesh_s", "mesh_speedup", "mesh_ratio", "mesh_roofline_frac"]}
@@ -131,6 +132,12 @@ TABLES["bf16_matmul"] = {"rows": ["product", "rows", "in", "out", "plain_gflops"
                                   "before_gflops", "torch_gflops", "speedup", "plain_vs_torch",
                                   "fp32_acc_vs_torch", "plain_max_err", "fp32_acc_max_err"]}
 
+TABLES["weight_first"] = {
+    "rows": ["dtype", "weight", "rows", "in_major_ms", "rows_first_ms", "weight_first_ms", "torch_ms",
+             "weight_first_speedup", "weight_first_vs_torch", "rows_first_vs_torch"],
+    "sampler_rows": ["model", "batch", "tokens", "weight_first_s", "rows_first_s", "speedup", "same_tokens_frac"],
+}
+
 
 # Absolute times and rates: shown only when the file records the machine's matmul rate (machines of
 # one kind differ ~3x in speed); ratios measured in one run are shown always.
@@ -146,7 +153,8 @@ ABSOLUTE = {"update_s", "tbajax_tok_s", "torch_tok_s", "step_s", "best_step_s", 
             "fp32_acc_gflops", "before_gflops", "mesh_s", "before_tok_s", "stub_tok_s", "torch_stub_tok_s",
             "attention_ms", "torch_attention_ms", "shared_tok_s", "copied_tok_s", "packed_s", "rows_s",
             "sample_only_s", "ms_1core", "ms_all_cores", "ideal_ms_all_cores", "GB_s_1core", "GB_s_all_cores",
-            "read_GB_s_1thread", "read_GB_s_all_threads"}
+            "read_GB_s_1thread", "read_GB_s_all_threads", "in_major_ms", "rows_first_ms", "weight_first_ms",
+            "torch_ms", "weight_first_s", "rows_first_s"}
 
 
 def _fmt(v: Any) -> str:

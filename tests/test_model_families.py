@@ -154,18 +154,19 @@ def test_gpt2_positions_ignore_left_padding(ckpt):
 
 
 @pytest.mark.parametrize("name", ["neox_parallel", "gpt2"])
-@pytest.mark.parametrize("out_major", [False, True])
-def test_kv_cache_decode_matches_full_forward(ckpt, name, out_major, monkeypatch):
-    """Prefill, then decode token by token through the sampler's layout (q/k/v and o as matrices;
-    with out_major all four products [out, in], as the large ones are): the logits of one forward.
-    The layout converts back to the model's params exactly."""
-    if out_major:
-        monkeypatch.setattr(L, "OUT_MAJOR_MIN_BYTES", 0)
+@pytest.mark.parametrize("weight_first", [False, True])
+def test_kv_cache_decode_matches_full_forward(ckpt, name, weight_first, monkeypatch):
+    """Prefill, then decode token by token through the sampler's layout (q/k/v and o as matrices,
+    all four products [out, in]; weight_first: the few rows' products take the weight as their
+    left operand, `layers.out_major_product`): the logits of one forward. The layout converts
+    back to the model's params exactly."""
+    if not weight_first:
+        monkeypatch.setattr(L, "WEIGHT_FIRST_MAX_ROWS", 0)
     model = load_model(ckpt(name))
     serving_params = nnx.jit(ServingParams.of)(model)
     products = {"qkv_proj", "o_proj", "up_proj", "down_proj"}
     held = {n.removesuffix(L.OUT_MAJOR) for n in serving_params.layers[0] if n.endswith(L.OUT_MAJOR)}
-    assert held == (products if out_major else set())
+    assert held == products
     assert_serving_layout_converts_back(model, serving_params)
     rng = np.random.RandomState(1)
     b, prompt, new = 3, 6, 5

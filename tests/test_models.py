@@ -3,6 +3,7 @@
 import dataclasses
 import functools
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -66,14 +67,14 @@ def test_logits_match_torch_transformers(tiny_checkpoint, family):
 
 
 @pytest.mark.parametrize(
-    "family, out_major", [("llama", False), ("qwen2", False), ("qwen3", False), ("qwen2", True)]
+    "family, weight_first", [("llama", True), ("qwen2", True), ("qwen3", True), ("qwen2", False)]
 )
-def test_kv_cache_decode_matches_full_forward(tiny_checkpoint, family, out_major, monkeypatch):
+def test_kv_cache_decode_matches_full_forward(tiny_checkpoint, family, weight_first, monkeypatch):
     """Prefill a left-padded prompt, then decode token by token: same logits as one forward.
-    out_major: the sampler's layout holds all four of its layer products [out, in], as it does
-    the large ones (`layers.orient_for_decode`)."""
-    if out_major:
-        monkeypatch.setattr(L, "OUT_MAJOR_MIN_BYTES", 0)
+    weight_first: the few rows' products take the weight as their left operand
+    (`layers.out_major_product`), as a sampler's do at up to 64 rows; else rows first."""
+    if not weight_first:
+        monkeypatch.setattr(L, "WEIGHT_FIRST_MAX_ROWS", 0)
     model = load_model(tiny_checkpoint(family))
     rng = np.random.RandomState(1)
     b, prompt, new = 3, 6, 5
@@ -101,11 +102,8 @@ def test_kv_cache_decode_matches_full_forward(tiny_checkpoint, family, out_major
     # matrix, the head vocab-major) is a copy of the same weights: it converts back exactly
     params = nnx.jit(ServingParams.of)(model)
     fused = {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
-    if out_major:
-        assert {name + L.OUT_MAJOR for name in fused} <= params.layers[0].keys()
-        assert not fused & params.layers[0].keys()
-    else:  # the tiny model's weights are far below the size that is stored out-major
-        assert fused <= params.layers[0].keys() and "q_proj" not in params.layers[0]
+    assert {name + L.OUT_MAJOR for name in fused} <= params.layers[0].keys()  # all four [out, in]
+    assert not fused & params.layers[0].keys() and "q_proj" not in params.layers[0]
     assert_serving_layout_converts_back(model, params)
 
     # the prompt pass attends over the prompt's own keys (no cache) and hands back the keys and
@@ -485,17 +483,16 @@ def test_project_matches_the_einsum_of_a_multi_axis_weight_and_its_gradients():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
-def test_orient_for_decode_moves_only_large_weights_out_major_and_undoes_exactly(monkeypatch):
-    """A weight of at least OUT_MAJOR_MIN_BYTES moves to name + OUT_MAJOR as [out, in], a smaller
-    one and unnamed ones stay; `decode_product` gives the same product either way; undo is exact."""
-    monkeypatch.setattr(L, "OUT_MAJOR_MIN_BYTES", 4 * 6 * 5)  # a [6, 5] fp32 weight's bytes
+def test_orient_for_decode_moves_named_weights_out_major_and_undoes_exactly():
+    """Named weights move to name + OUT_MAJOR as [out, in], unnamed ones stay; `decode_product`
+    gives the same product from either layout; undo is exact."""
     r = np.random.default_rng(2)
     p = {
         "big": jnp.asarray(r.normal(size=(6, 5)), jnp.float32),
         "small": jnp.asarray(r.normal(size=(6, 4)), jnp.float32),
         "norm": jnp.ones((6,), jnp.float32),
     }
-    oriented = L.orient_for_decode(p, ("big", "small"))
+    oriented = L.orient_for_decode(p, ("big",))
     assert set(oriented) == {"big" + L.OUT_MAJOR, "small", "norm"} and set(p) == {"big", "small", "norm"}
     np.testing.assert_array_equal(oriented["big" + L.OUT_MAJOR], np.asarray(p["big"]).T)
     x = jnp.asarray(r.normal(size=(2, 3, 6)), jnp.float32)
@@ -505,6 +502,29 @@ def test_orient_for_decode_moves_only_large_weights_out_major_and_undoes_exactly
     assert set(back) == set(p)
     for name, value in p.items():
         np.testing.assert_array_equal(back[name], value)
+
+
+@pytest.mark.parametrize("rows", [(1, 3), (4, 16), (5, 16)])  # 3, 64: weight first; 80: rows first
+@pytest.mark.parametrize("out_dtype", [None, jnp.float32])
+def test_out_major_product_is_x_times_w_transposed(rows, out_dtype):
+    """x [..., in] times w [out, in]: the same product whichever operand goes first, in bf16 too
+    (accumulated in fp32; `out_dtype` fp32 keeps it); on CPU, up to 64 rows, XLA runs it as
+    w x^T: the optimized program's product writes [out, rows] (the transpose not folded back)."""
+    r = np.random.default_rng(4)
+    x32 = r.normal(size=(*rows, 24)).astype(np.float32)
+    w32 = r.normal(size=(40, 24)).astype(np.float32)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        x, w = jnp.asarray(x32, dtype), jnp.asarray(w32, dtype)
+        fn = jax.jit(lambda x, w: L.out_major_product(x, w, out_dtype))
+        got = fn(x, w)
+        want = np.asarray(x, np.float32) @ np.asarray(w, np.float32).T
+        assert got.shape == (*rows, 40) and got.dtype == (out_dtype or dtype)
+        tol = 1e-5 if dtype == jnp.float32 or out_dtype else 2e-2
+        np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=tol, atol=tol * 10)
+        hlo = fn.lower(x, w).compile().as_text()
+        n = int(np.prod(rows))
+        first = re.search(rf"\[40,{n}\]\{{1,0\}} (dot|fusion)\(", hlo) is not None
+        assert first == (n <= L.WEIGHT_FIRST_MAX_ROWS), hlo
 
 
 def test_unfused_transpose_is_the_transpose_whatever_its_first_element():

@@ -50,7 +50,7 @@ from common import best_seconds, keep_freed_memory, machine_line, timed_in_turns
 from flax import nnx  # noqa: E402
 
 from tbajax.models import ModelConfig, load_model  # noqa: E402
-from tbajax.models.layers import decode_product  # noqa: E402
+from tbajax.models.layers import decode_product, out_major_product  # noqa: E402
 from tbajax.models.serving import ServingParams  # noqa: E402
 from tbajax.sampling import Sampler, SamplingConfig  # noqa: E402
 from tbajax.sampling.core import phase_slots  # noqa: E402
@@ -192,7 +192,7 @@ def decode_matmul_chain(model: Any, batch: int) -> Callable[[], None]:
             qkv = decode_product(x, p, "qkv_proj")
             x = x + decode_product(qkv[:, :q], p, "o_proj")
             x = x + decode_product(decode_product(x, p, up)[:, :f], p, "down_proj")
-        return jnp.einsum("bd,vd->bv", x, head, preferred_element_type=jnp.float32)  # as `serving.logits`
+        return out_major_product(x, head, out_dtype=jnp.float32)  # as `serving.logits`
 
     x = jnp.asarray(np.random.default_rng(0).standard_normal((batch, d)), cfg.jnp_dtype) * 0.01
     return lambda: chain(x, layers, head).block_until_ready()

@@ -140,24 +140,24 @@ def _linear_bwd(residuals: tuple[Array, Array], g: Array) -> tuple[Array, Array]
 linear.defvjp(_linear_fwd, _linear_bwd)
 
 
-# A sampler's weight of at least this many bytes is stored output-major ([out, in], as torch's
-# nn.Linear holds it). At a few rows a step, XLA:CPU's product against a large [in, out] matrix
-# runs well below the same product against its transpose: with a 0.5B model's layer weights
-# (3-33 MB) output-major, the decode step's weight products took 218 instead of 319 ms at batch 32
-# (`sampler_0.5B.json` vs `sampler_0.5B_before_out_major.json`); per product, in fp32 and bf16
-# alike, for the largest weights (8-33 MB) in 11 of 12 rows of `decode_orientation.json`. Smaller
-# weights keep the training layout: from 1 to 6 MB the two layouts trade places between runs.
-OUT_MAJOR_MIN_BYTES = 2 * 2**20
 OUT_MAJOR = "_out_major"  # key suffix of a weight stored [out, in]
+
+# A product of at most this many rows multiplies an output-major weight as the left operand on
+# CPU (`out_major_product`).
+WEIGHT_FIRST_MAX_ROWS = 64
 
 
 def orient_for_decode(p: dict[str, Array], names: tuple[str, ...]) -> dict[str, Array]:
-    """Each named [in, out] weight of at least OUT_MAJOR_MIN_BYTES moved to name + OUT_MAJOR as
-    [out, in] (a copy of `p`; `decode_product` reads either)."""
+    """Each named [in, out] weight moved to name + OUT_MAJOR as [out, in], as torch's nn.Linear
+    holds it (a copy of `p`; `decode_product` reads either layout).
+
+    At a few rows a step XLA:CPU's product against a large [in, out] matrix runs well below the
+    same product against its transpose (a 0.5B model's decode matmuls 319 -> 218 ms a step at
+    batch 32: `sampler_0.5B.json` vs `sampler_0.5B_before_out_major.json`), and output-major is
+    the layout that `out_major_product`'s weight-first form needs at any size."""
     p = dict(p)
     for name in names:
-        if p[name].nbytes >= OUT_MAJOR_MIN_BYTES:
-            p[name + OUT_MAJOR] = p.pop(name).T
+        p[name + OUT_MAJOR] = p.pop(name).T
     return p
 
 
@@ -172,7 +172,38 @@ def decode_product(x: Array, p: dict[str, Array], name: str) -> Array:
     if name in p:
         return linear(x, p[name])
     with jax.named_scope(S.MATMUL):
-        return matmul("...d,fd->...f", x, p[name + OUT_MAJOR])
+        return out_major_product(x, p[name + OUT_MAJOR])
+
+
+def out_major_product(x: Array, w: Array, out_dtype: Any = None) -> Array:
+    """x [..., in] times w [out, in] -> [..., out] (`matmul`, or accumulated and returned in
+    `out_dtype`).
+
+    For a few rows (at most WEIGHT_FIRST_MAX_ROWS) XLA:CPU runs the product faster with the
+    weight as its left operand, w x^T -> [out, rows], transposed after: 0.74-0.92x the time of
+    x w^T for the 50M and 0.5B-class decode weights and LM heads at 32 rows, about even at 128
+    and slower from 256 on (`experiments/benchmarks/weight_first.py`). The barrier keeps XLA
+    from folding the transpose back into the product (it would swap the operands again). Other
+    backends take x w^T."""
+    rows = math.prod(x.shape[:-1])
+
+    def rows_first(x: Array, w: Array) -> Array:
+        if out_dtype is None:
+            return matmul("...d,fd->...f", x, w)
+        return jnp.einsum("...d,fd->...f", x, w, preferred_element_type=out_dtype)
+
+    if rows > WEIGHT_FIRST_MAX_ROWS or x.size == 0:
+        return rows_first(x, w)
+
+    def weight_first(x: Array, w: Array) -> Array:
+        x2 = x.reshape(rows, x.shape[-1])
+        if out_dtype is None:
+            y = matmul("fd,md->fm", w, x2)
+        else:
+            y = jnp.einsum("fd,md->fm", w, x2, preferred_element_type=out_dtype)
+        return jax.lax.optimization_barrier(y).T.reshape(*x.shape[:-1], w.shape[0])
+
+    return jax.lax.platform_dependent(x, w, cpu=weight_first, default=rows_first)
 
 
 def decode_matrix_product(x: Array, p: dict[str, Array], name: str, in_axes: int = 1,

@@ -3,7 +3,7 @@
 A decode step reads every weight once per token, so where the weights lie matters more than in
 training: each layer as its own arrays (XLA copies a layer's slice out of a stacked array at every
 step of a while loop), projections that read the same input fused into one matmul
-(`Family.decode_layout`), large weights output-major (`layers.orient_for_decode`), and the LM
+(`Family.decode_layout`), weights output-major (`layers.orient_for_decode`), and the LM
 head vocab-major. Building that layout copies every weight,
 so a sampler builds it once per params version (`ServingParams.of`), not inside every generate
 call, and holds only this copy (`stacked_params` gives the model's own layout back).
@@ -240,7 +240,7 @@ def stacked_params(cfg: ModelConfig, params: ServingParams) -> dict[str, Any]:
 @scoped(S.LM_HEAD)
 def logits(cfg: ModelConfig, params: ServingParams, hidden: Array) -> Array:
     """fp32 logits [..., vocab] of final hidden states."""
-    out = jnp.einsum("...d,vd->...v", hidden, params.head_matrix(cfg), preferred_element_type=jnp.float32)
+    out = L.out_major_product(hidden, params.head_matrix(cfg), out_dtype=jnp.float32)
     return constrain(out, ("batch", "act_vocab")) if out.ndim == 2 else out
 
 

@@ -60,7 +60,7 @@ def matrix_decode_layout(
 ) -> tuple[Callable[..., dict[str, Any]], Callable[..., dict[str, Any]]]:
     """(decode_layout, undo_decode_layout) for a family whose fused qkv_proj and o_proj weights
     have head axes: the sampler holds both as matrices (`layers.decode_matrix_product` reads
-    either layout), and its large products output-major (`layers.orient_for_decode`)."""
+    either layout), and its products output-major (`layers.orient_for_decode`)."""
     from tbajax.models import layers as L
 
     def layout(cfg: ModelConfig, p: dict[str, Any]) -> dict[str, Any]:

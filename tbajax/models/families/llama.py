@@ -241,8 +241,8 @@ def block(
 
 def decode_layout(cfg: ModelConfig, p: dict[str, Array]) -> dict[str, Array]:
     """q/k/v and gate/up each as one matmul: at a few rows per step, one [d, 2f] product runs
-    ~1.5x faster on CPU than two [d, f] ones. o_proj becomes a matrix; the large ones among these
-    four products are stored output-major (`layers.orient_for_decode`).
+    ~1.5x faster on CPU than two [d, f] ones. o_proj becomes a matrix; all four
+    products are stored output-major (`layers.orient_for_decode`).
 
     The fused columns go per KV head (its group's query heads, its key, its value) and gate / up
     interleaved, so that a tensor-parallel mesh, which splits them into contiguous blocks, gives
