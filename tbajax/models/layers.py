@@ -180,11 +180,12 @@ def out_major_product(x: Array, w: Array, out_dtype: Any = None) -> Array:
     `out_dtype`).
 
     For a few rows (at most WEIGHT_FIRST_MAX_ROWS) XLA:CPU runs the product faster with the
-    weight as its left operand, w x^T -> [out, rows], transposed after: 0.74-0.92x the time of
-    x w^T for the 50M and 0.5B-class decode weights and LM heads at 32 rows, about even at 128
-    and slower from 256 on (`experiments/benchmarks/weight_first.py`). The barrier keeps XLA
-    from folding the transpose back into the product (it would swap the operands again). Other
-    backends take x w^T."""
+    weight as its left operand, w x^T -> [out, rows], transposed after: 1.07-1.37x faster than
+    x w^T for each 10M, 50M and 0.5B-class decode weight and LM head at 32 rows in fp32 (1.09x
+    the median at 64), about even at 128 and slower at 256 (`weight_first.json`,
+    `experiments/benchmarks/weight_first.py`); the 50M sampler's call at batch 32, 1.22x. The
+    barrier keeps XLA from folding the transpose back into the product (it would swap the
+    operands again). Other backends take x w^T."""
     rows = math.prod(x.shape[:-1])
 
     def rows_first(x: Array, w: Array) -> Array:
