@@ -527,6 +527,21 @@ def test_out_major_product_is_x_times_w_transposed(rows, out_dtype):
         assert first == (n <= L.WEIGHT_FIRST_MAX_ROWS), hlo
 
 
+def test_out_major_product_limit_is_per_batch_shard():
+    """Under a data mesh of 2, 128 rows are 64 a device: each device's product goes weight first."""
+    from tbajax.sharding import MeshConfig, make_mesh
+
+    mesh = make_mesh(MeshConfig(data=2), devices=jax.devices()[:2])
+    r = np.random.default_rng(5)
+    x, w = r.normal(size=(128, 24)).astype(np.float32), r.normal(size=(40, 24)).astype(np.float32)
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(x, jax.NamedSharding(mesh, jax.P("data")))
+        fn = jax.jit(lambda x, w: L.out_major_product(x, w))
+        np.testing.assert_allclose(fn(xs, w), x @ w.T, rtol=1e-5, atol=1e-5)
+        hlo = fn.lower(xs, w).compile().as_text()
+    assert re.search(r"\[40,64\]\{1,0\} (dot|fusion)\(", hlo), hlo
+
+
 def test_unfused_transpose_is_the_transpose_whatever_its_first_element():
     """The CPU lowering keeps the transpose in a conditional (so XLA cannot fuse it into its
     producer or fold it into a product); both branches transpose, so a NaN or negative first

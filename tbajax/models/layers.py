@@ -185,15 +185,17 @@ def out_major_product(x: Array, w: Array, out_dtype: Any = None) -> Array:
     the median at 64), about even at 128 and slower at 256 (`weight_first.json`,
     `experiments/benchmarks/weight_first.py`); the 50M sampler's call at batch 32, 1.22x. The
     barrier keeps XLA from folding the transpose back into the product (it would swap the
-    operands again). Other backends take x w^T."""
+    operands again). Other backends take x w^T. Under a mesh the limit is on each batch shard's
+    rows."""
     rows = math.prod(x.shape[:-1])
+    local_rows = rows // batch_shards(x.shape[0]) if x.ndim > 1 else rows
 
     def rows_first(x: Array, w: Array) -> Array:
         if out_dtype is None:
             return matmul("...d,fd->...f", x, w)
         return jnp.einsum("...d,fd->...f", x, w, preferred_element_type=out_dtype)
 
-    if rows > WEIGHT_FIRST_MAX_ROWS or x.size == 0:
+    if local_rows > WEIGHT_FIRST_MAX_ROWS or x.size == 0:
         return rows_first(x, w)
 
     def weight_first(x: Array, w: Array) -> Array:
