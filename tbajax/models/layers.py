@@ -190,20 +190,19 @@ def out_major_product(x: Array, w: Array, out_dtype: Any = None) -> Array:
     rows = math.prod(x.shape[:-1])
     local_rows = rows // batch_shards(x.shape[0]) if x.ndim > 1 else rows
 
-    def rows_first(x: Array, w: Array) -> Array:
+    def product(spec: str, a: Array, b: Array) -> Array:
         if out_dtype is None:
-            return matmul("...d,fd->...f", x, w)
-        return jnp.einsum("...d,fd->...f", x, w, preferred_element_type=out_dtype)
+            return matmul(spec, a, b)
+        return jnp.einsum(spec, a, b, preferred_element_type=out_dtype)
+
+    def rows_first(x: Array, w: Array) -> Array:
+        return product("...d,fd->...f", x, w)
 
     if local_rows > WEIGHT_FIRST_MAX_ROWS or x.size == 0:
         return rows_first(x, w)
 
     def weight_first(x: Array, w: Array) -> Array:
-        x2 = x.reshape(rows, x.shape[-1])
-        if out_dtype is None:
-            y = matmul("fd,md->fm", w, x2)
-        else:
-            y = jnp.einsum("fd,md->fm", w, x2, preferred_element_type=out_dtype)
+        y = product("fd,md->fm", w, x.reshape(rows, x.shape[-1]))
         return jax.lax.optimization_barrier(y).T.reshape(*x.shape[:-1], w.shape[0])
 
     return jax.lax.platform_dependent(x, w, cpu=weight_first, default=rows_first)
