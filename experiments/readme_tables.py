@@ -137,6 +137,7 @@ TABLES["weight_first"] = {
              "weight_first_speedup", "weight_first_vs_torch", "rows_first_vs_torch"],
     "sampler_rows": ["model", "batch", "tokens", "weight_first_s", "rows_first_s", "speedup", "same_tokens_frac"],
 }
+TABLES["weight_first_smollm2"] = TABLES["weight_first"]
 
 
 # Absolute times and rates: shown only when the file records the machine's matmul rate (machines of

@@ -146,6 +146,10 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="two weights at 32 rows, the 10M sampler at 32")
     ap.add_argument("--rounds", type=int, default=15, help="alternating calls per product")
     ap.add_argument("--sampler-rounds", type=int, default=5, help="alternating calls per sampler setting")
+    ap.add_argument("--sampler-models", nargs="+", default=["10M", "50M"],
+                    help="`sampler.py` models for the sampler rows (e.g. smollm2-135M 0.5B)")
+    ap.add_argument("--sampler-batch", type=int, nargs="+", default=[32, 128])
+    ap.add_argument("--no-products", action="store_true", help="the sampler rows only")
     ap.add_argument("--json", help="write the figures to this path")
     args = ap.parse_args()
     import torch
@@ -157,20 +161,22 @@ def main() -> None:
     quick = args.quick
     weights, rows_list, rounds = (QUICK, (32,), 5) if quick else (WEIGHTS, ROWS, args.rounds)
     products = []
-    for dtype in ("float32", "bfloat16"):
+    for dtype in () if args.no_products else ("float32", "bfloat16"):
         for label, d, f in weights:
             for r in rows_list:
                 products.append(product_row(dtype, label, r, d, f, rounds))
         print(f"  {dtype} products: done", flush=True)
-    sampled = sampler_rows(["10M"] if quick else ["10M", "50M"], [32] if quick else [32, 128],
+    sampled = sampler_rows(["10M"] if quick else args.sampler_models, [32] if quick else args.sampler_batch,
                            2 if quick else args.sampler_rounds)
     print(f"x [rows, in] times a weight (`layers.out_major_product` / `layers.matmul`; median of {rounds} "
           "alternating calls): rows first against [in, out] and [out, in], weight first against [out, in]; "
           "torch = F.linear on [out, in], same dtype; weight_first_speedup = the better rows-first time / "
           "the weight-first time")
     print(machine_line(info))
-    print_table(products, ["dtype", "weight", "rows", "in_major_ms", "rows_first_ms", "weight_first_ms",
-                           "torch_ms", "weight_first_speedup", "weight_first_vs_torch", "rows_first_vs_torch"])
+    if products:
+        print_table(products, ["dtype", "weight", "rows", "in_major_ms", "rows_first_ms", "weight_first_ms",
+                               "torch_ms", "weight_first_speedup", "weight_first_vs_torch",
+                               "rows_first_vs_torch"])
     print("\nSampler.sample, weight first (up to the row limit) against rows first everywhere, alternating "
           "calls (median); speedup = rows-first time / weight-first time")
     print_table(sampled, ["model", "batch", "tokens", "weight_first_s", "rows_first_s", "speedup",
