@@ -127,9 +127,8 @@ def sampler_rows(sizes: list[str], batches: list[int], rounds: int, prompt_len: 
             # tip a sampled token, and every later one with it)
             a, b = (samplers[arm].sample(prompts, config, jax.random.key(1)).tokens for arm in samplers)
             agree = float((a == b).all(axis=1).mean())
-            seconds = median_seconds_in_turns(
-                {arm: (lambda s=s: s.sample(prompts, config, jax.random.key(2))) for arm, s in samplers.items()},
-                rounds, warmup=1)
+            calls = {arm: (lambda s=s: s.sample(prompts, config, jax.random.key(2))) for arm, s in samplers.items()}
+            seconds = median_seconds_in_turns(calls, rounds, warmup=1)
             out.append({
                 "model": size, "batch": batch, "tokens": f"{prompt_len}+{new_tokens}",
                 "weight_first_s": seconds["weight_first"], "rows_first_s": seconds["rows_first"],
@@ -155,6 +154,8 @@ def main() -> None:
     import torch
 
     from common import keep_freed_memory, machine, machine_line, print_table, write_json
+
+    from tbajax.models import layers as L
 
     keep_freed_memory()
     info = machine()
@@ -183,14 +184,8 @@ def main() -> None:
                           "weight_first_tok_s", "same_tokens_frac"])
     write_json(args.json, {"benchmark": "weight_first", "machine": info, "rounds": rounds,
                            "sampler_rounds": args.sampler_rounds, "torch_threads": torch.get_num_threads(),
-                           "rows_first_max_rows": 0, "weight_first_max_rows": _limit(),
+                           "rows_first_max_rows": 0, "weight_first_max_rows": L.WEIGHT_FIRST_MAX_ROWS,
                            "rows": products, "sampler_rows": sampled})
-
-
-def _limit() -> int:
-    from tbajax.models import layers as L
-
-    return L.WEIGHT_FIRST_MAX_ROWS
 
 
 if __name__ == "__main__":
