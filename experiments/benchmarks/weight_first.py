@@ -127,7 +127,8 @@ def sampler_rows(sizes: list[str], batches: list[int], rounds: int, prompt_len: 
             # tip a sampled token, and every later one with it)
             a, b = (samplers[arm].sample(prompts, config, jax.random.key(1)).tokens for arm in samplers)
             agree = float((a == b).all(axis=1).mean())
-            calls = {arm: (lambda s=s: s.sample(prompts, config, jax.random.key(2))) for arm, s in samplers.items()}
+            key = jax.random.key(2)
+            calls = {arm: (lambda s=s: s.sample(prompts, config, key)) for arm, s in samplers.items()}
             seconds = median_seconds_in_turns(calls, rounds, warmup=1)
             out.append({
                 "model": size, "batch": batch, "tokens": f"{prompt_len}+{new_tokens}",
