@@ -840,8 +840,12 @@ class ContinuousEngine:
         rows first; within a shard, rows in `_free_rows` order. Takes the entries it returns."""
         k, shards = self.config.num_samples, self.sampler.batch_shards
         rows_per, entries_per = self.slots // shards, self.pool // shards
-        rows = [[s for s in self._free_rows(0) if s // rows_per == d] for d in range(shards)]
-        entries = [[e for e in self._free_entries if e // entries_per == d] for d in range(shards)]
+        rows: list[list[int]] = [[] for _ in range(shards)]
+        for s in self._free_rows(0):
+            rows[s // rows_per].append(s)
+        entries: list[list[int]] = [[] for _ in range(shards)]
+        for e in self._free_entries:
+            entries[e // entries_per].append(e)
         placed = []
         for _ in range(prompts):
             open_ = [d for d in range(shards) if len(rows[d]) >= k and entries[d]]
