@@ -138,6 +138,8 @@ TABLES["weight_first"] = {
     "sampler_rows": ["model", "batch", "tokens", "weight_first_s", "rows_first_s", "speedup", "same_tokens_frac"],
 }
 TABLES["weight_first_smollm2"] = TABLES["weight_first"]
+TABLES["fsdp_sampling"] = {"rows": ["model", "batch", "tokens", "devices", "arm", "s", "tok_s", "vs_data",
+                                     "all_gathers", "prepare_s", "rows_as_data_mesh"]}
 
 
 # Absolute times and rates: shown only when the file records the machine's matmul rate (machines of
@@ -155,7 +157,7 @@ ABSOLUTE = {"update_s", "tbajax_tok_s", "torch_tok_s", "step_s", "best_step_s", 
             "attention_ms", "torch_attention_ms", "shared_tok_s", "copied_tok_s", "packed_s", "rows_s",
             "sample_only_s", "ms_1core", "ms_all_cores", "ideal_ms_all_cores", "GB_s_1core", "GB_s_all_cores",
             "read_GB_s_1thread", "read_GB_s_all_threads", "in_major_ms", "rows_first_ms", "weight_first_ms",
-            "torch_ms", "weight_first_s", "rows_first_s"}
+            "torch_ms", "weight_first_s", "rows_first_s", "prepare_s", "s", "tok_s"}
 
 
 def _fmt(v: Any) -> str:

@@ -223,7 +223,8 @@ class SystemSpec:
     sync_every: k, publish params (and start a new "recent" window) every k trainer steps.
     searcher_mesh / trainer_mesh: each process's own mesh over its own devices. A searcher reads
       every weight at every token: split its weights over `tensor` (or replicate them over
-      `data`); weights split over `fsdp` are gathered at every decode step (the sampler warns).
+      `data`); a sampling mesh with `fsdp` > 1 holds its weights whole along fsdp (gathered once
+      per params version, `sampling.sampler.serving_shardings`), so they must fit a device / tensor.
     devices: "shared" = every process sees all local devices (on one GPU each takes
       `memory_fraction`, null: 0.9 over the processes the run starts, `launcher.memory_share`);
       "split" = the launcher gives the trainer `trainer_devices` GPUs and each

@@ -119,6 +119,18 @@ def named_sharding(logical_axes: Sequence[str | None], shape: Sequence[int], mes
     return NamedSharding(mesh, logical_to_spec(logical_axes, shape, mesh))
 
 
+def replicated_over(sharding: NamedSharding, axis: str) -> NamedSharding:
+    """`sharding` with mesh axis `axis` dropped from its spec: the same split over the other axes,
+    each shard held whole by every device along `axis`."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    def drop(entry: Any) -> Any:
+        kept = tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()) if a != axis)
+        return None if not kept else kept[0] if len(kept) == 1 else kept
+
+    return NamedSharding(sharding.mesh, P(*(drop(e) for e in sharding.spec)))
+
+
 def devices_in_context() -> int:
     """How many devices the mesh in context spans (1 with no mesh)."""
     import jax

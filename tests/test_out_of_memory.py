@@ -77,6 +77,15 @@ def test_each_role_gets_its_own_settings():
     assert f"eval.batch_size={config.eval.batch_size} sequences" in messages["evaluator"]
     # in sync mode the trainer also generates and evaluates
     assert all(s in messages["sync trainer"] for s in ("micro-batch", "rollout.prompts_per_call", "eval.batch_size"))
+    # a sampling mesh split over fsdp holds its weights whole along it (`serving_shardings`): named
+    assert "whole along" not in messages["searcher"]
+    for role, mesh_key in (("searcher", "searcher_mesh"), ("trainer", "trainer_mesh")):
+        config = _config(f"system.{mesh_key}.fsdp=2", *(("system.mode=sync",) if role == "trainer" else ()))
+        with pytest.raises(DeviceOutOfMemoryError) as caught:
+            with explain_out_of_memory(config, role):
+                raise error
+        assert f"whole along system.{mesh_key}.fsdp=2" in str(caught.value)
+        assert f"split them over tensor instead (system.{mesh_key}: tensor > 1, fsdp=1)" in str(caught.value)
 
 
 def test_other_errors_pass_unchanged():

@@ -10,7 +10,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from tbajax.models import load_model
-from tbajax.sharding import MeshConfig, logical_to_spec, make_mesh
+from tbajax.sharding import MeshConfig, logical_to_spec, make_mesh, replicated_over
 from tests.conftest import build_tiny_hf_checkpoint
 
 
@@ -65,6 +65,19 @@ def test_mesh_config_errors():
     with pytest.raises(ValueError, match="at most one"):
         MeshConfig(data=-1, tensor=-1).shape(8)
     assert make_mesh(MeshConfig(tensor=2)).shape == {"data": 4, "fsdp": 1, "tensor": 2}
+
+
+def test_replicated_over_drops_one_mesh_axis():
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    cases = {P(("data", "fsdp"), "tensor", None): P("data", "tensor", None), P("fsdp", "tensor"): P(None, "tensor"),
+             P(("fsdp", "tensor")): P("tensor"), P("tensor", "fsdp"): P("tensor", None), P(): P()}
+    for spec, expected in cases.items():
+        dropped = replicated_over(jax.NamedSharding(mesh, spec), "fsdp")
+        assert dropped.mesh is mesh and dropped.spec == expected, (spec, dropped.spec)
+    x = jax.device_put(jnp.arange(16.0).reshape(4, 4), jax.NamedSharding(mesh, P("fsdp", "tensor")))
+    whole = jax.device_put(x, replicated_over(x.sharding, "fsdp"))
+    assert whole.addressable_shards[0].data.shape == (4, 2)  # whole along fsdp, still split over tensor
+    np.testing.assert_array_equal(whole, x)
 
 
 def test_data_parallel_forward_keeps_rows_on_their_device(divisible_checkpoint):

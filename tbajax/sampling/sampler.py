@@ -35,7 +35,7 @@ from tbajax.packing import PromptGroupRows, group_by_prompt, pack_prompt_groups,
 from tbajax.sampling import core
 from tbajax.sampling.config import SamplingConfig
 from tbajax.shapes import next_pow2, pow2_bucket
-from tbajax.sharding import MeshConfig, make_mesh, named_sharding, param_shardings
+from tbajax.sharding import MeshConfig, make_mesh, named_sharding, param_shardings, replicated_over
 
 log = logging.getLogger(__name__)
 
@@ -109,9 +109,10 @@ def packing_is_cheaper(cfg: ModelConfig, prompt: int, response: int, k: int) -> 
 class Sampler:
     """Samples from a `CausalLM` with compiled, bucketed, sharded programs.
 
-    mesh: where params and the batch live (batch over data x fsdp, params by the logical rules);
-      None = one device. max_cache_length: prompt + new tokens must fit (default: the model's
-      max_position_embeddings). min_prompt_bucket: smallest prompt-length bucket.
+    mesh: where params and the batch live (batch over data x fsdp, params by the logical rules,
+      the serving weights held whole along fsdp: `serving_shardings`); None = one device.
+    max_cache_length: prompt + new tokens must fit (default: the model's max_position_embeddings).
+    min_prompt_bucket: smallest prompt-length bucket.
     first_decode_phase: new tokens the decode loop writes into a cache of prompt + this many slots
       before it moves to a larger one (`core.phase_slots`; 0: one full-length cache from the start).
     share_prompt_cache: with K > 1 samples per prompt, cache each prompt's keys/values once and
@@ -155,12 +156,10 @@ class Sampler:
         fsdp = self.mesh.shape.get("fsdp", 1)
         if fsdp > 1:
             weights = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-            log.warning(
-                "sampler mesh has fsdp=%d: every prompt pass and decode step gathers the weights split over "
-                "fsdp, ~%.0f MB onto each device per step. Sampling reads every weight at every token: a mesh "
-                "that samples is better split over tensor (system.searcher_mesh, or trainer_mesh where the "
-                "trainer samples itself: tensor=N) or replicated (data)",
-                fsdp, weights * (1 - 1 / fsdp) / 2**20)
+            log.info(
+                "sampler mesh has fsdp=%d: the sampler holds its weights replicated over fsdp (~%.0f MB a "
+                "device, gathered once per params version; `serving_shardings`), and each fsdp device decodes "
+                "its own rows", fsdp, weights / self.mesh.shape.get("tensor", 1) / 2**20)
         self._compiled: dict[tuple[Any, ...], Any] = {}
         self._cache: core.KVCache | None = None  # the last call's cache, reused when shapes match
         self.compile_events: list[CompileEvent] = []
@@ -627,10 +626,16 @@ class PreparedParams:
     def from_model(cls, model: CausalLM, mesh: Mesh) -> PreparedParams:
         layout = _Params.from_model(model, mesh)
 
-        @jax.jit
-        def convert(leaves: list[jax.Array]) -> ServingParams:
+        def to_serving(leaves: list[jax.Array]) -> ServingParams:
             return ServingParams.of(layout.model(leaves))
 
+        convert = jax.jit(to_serving)
+        if mesh.shape.get("fsdp", 1) > 1:
+            # every decode step reads every weight: gathered over fsdp here, once per version, not
+            # by every prompt pass and decode step (`serving_shardings`)
+            with jax.set_mesh(mesh):
+                as_trained = convert.lower(layout.leaves).compile().output_shardings
+            convert = jax.jit(to_serving, out_shardings=serving_shardings(as_trained))
         with jax.set_mesh(mesh):
             params = convert(layout.leaves)
         unconvert = jax.jit(functools.partial(stacked_params, model.config))
@@ -646,6 +651,16 @@ class PreparedParams:
             stacked = self.unconvert(self.params)
         flat = _flat_by_path(stacked)
         return self.layout.model(_place([flat[k] for k in self.layout.paths], self.layout.shardings))
+
+
+def serving_shardings(as_trained: Any) -> Any:
+    """Where a sampler holds its serving weights, given where the model's layout would put them:
+    replicated over the mesh's fsdp axis (still split over tensor). Sampling reads every weight
+    at every token, so weights split over fsdp would be all-gathered by every prompt pass and
+    decode step; held whole along fsdp, each fsdp device decodes its own batch rows with them,
+    and the gather happens once per params version (`PreparedParams`)."""
+    return jax.tree.map(lambda s: replicated_over(s, "fsdp"), as_trained,
+                        is_leaf=lambda s: isinstance(s, NamedSharding))
 
 
 def _flat_by_path(tree: Any) -> dict[str, Any]:

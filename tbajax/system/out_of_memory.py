@@ -73,8 +73,13 @@ def _advice(config: ExperimentConfig, role: str) -> str:
         else:
             batch = (f"rollout.prompts_per_call={rollout.prompts_per_call} x rollout.sampling.num_samples="
                      f"{rollout.sampling.num_samples} sequences")
+        mesh_key = "trainer_mesh" if config.system.mode == "sync" else "searcher_mesh"
+        mesh = getattr(config.system, mesh_key)
+        whole = "" if mesh.fsdp == 1 else (
+            f" It also holds its weights whole along system.{mesh_key}.fsdp={mesh.fsdp} (sampling reads every "
+            f"weight at every token); split them over tensor instead (system.{mesh_key}: tensor > 1, fsdp=1).")
         return (f"A generation call holds the KV cache of {batch} of up to "
-                f"{context(rollout.sampling.max_new_tokens)}. To need less: fewer sequences at once, shorter "
+                f"{context(rollout.sampling.max_new_tokens)}.{whole} To need less: fewer sequences at once, shorter "
                 f"contexts, or more devices per searcher (system.devices_per_searcher){shared}. Then `--resume` "
                 "(the sequences at once and the memory fraction may change on resume).")
     if role == "evaluator":
