@@ -115,6 +115,12 @@ class RolloutSpec:
       1: one ring of the longest length for every slot. Worth it when responses are long and
       their lengths spread (chains of thought). On a mesh with several batch shards each shard
       holds its share of every tier.
+    fsdp_weights: on a sampling mesh with fsdp > 1 (system.searcher_mesh, or trainer_mesh where
+      the trainer samples itself): "whole" holds the serving weights whole along fsdp, gathered
+      once per params version (weights / tensor a device: every decode step reads every weight);
+      "split" leaves them split as trained (weights / (fsdp x tensor) a device), all-gathered by
+      every prompt pass and decode step: for weights that do not fit whole beside the trainer's
+      state. `tbajax.sampling.sampler.serving_shardings`.
     """
 
     prompts_per_call: int = 8
@@ -133,6 +139,7 @@ class RolloutSpec:
     share_prompt_cache: bool = True
     prompt_pool: int | None = None
     ring_tiers: int = 1
+    fsdp_weights: Literal["whole", "split"] = "whole"
 
     def __post_init__(self) -> None:
         if self.ring_tiers > 1 and self.engine != "continuous":
@@ -223,8 +230,8 @@ class SystemSpec:
     sync_every: k, publish params (and start a new "recent" window) every k trainer steps.
     searcher_mesh / trainer_mesh: each process's own mesh over its own devices. A searcher reads
       every weight at every token: split its weights over `tensor` (or replicate them over
-      `data`); a sampling mesh with `fsdp` > 1 holds its weights whole along fsdp (gathered once
-      per params version, `sampling.sampler.serving_shardings`), so they must fit a device / tensor.
+      `data`); a sampling mesh with `fsdp` > 1 holds its weights whole along fsdp, gathered once
+      per params version (`rollout.fsdp_weights`).
     devices: "shared" = every process sees all local devices (on one GPU each takes
       `memory_fraction`, null: 0.9 over the processes the run starts, `launcher.memory_share`);
       "split" = the launcher gives the trainer `trainer_devices` GPUs and each
@@ -542,6 +549,7 @@ RESUME_SAFE_KEYS: tuple[str, ...] = (
     "rollout.decode_slots",
     "rollout.prompt_pool",
     "rollout.ring_tiers",
+    "rollout.fsdp_weights",
     "system.memory_fraction",
     "train.trainer.optimizer.lr.warmup_steps",
     "train.trainer.optimizer.lr.stable_steps",

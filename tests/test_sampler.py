@@ -310,20 +310,24 @@ def test_stop_tokens_and_min_new_tokens(llama_sampler):
 # ----------------------------------------------------------------------------- sharding
 
 
-@pytest.mark.parametrize("mesh_config", [MeshConfig(data=8), MeshConfig(data=2, fsdp=2, tensor=2)])
-def test_sharded_matches_single_device(tiny_checkpoint, llama_sampler, mesh_config, caplog):
+@pytest.mark.parametrize("mesh_config, fsdp_weights", [
+    (MeshConfig(data=8), "whole"), (MeshConfig(data=2, fsdp=2, tensor=2), "whole"),
+    (MeshConfig(data=2, fsdp=2, tensor=2), "split")], ids=["data", "fsdp-whole", "fsdp-split"])
+def test_sharded_matches_single_device(tiny_checkpoint, llama_sampler, mesh_config, fsdp_weights, caplog):
     assert jax.device_count() == 8
     cfg = COMMON
     key = jax.random.key(7)
     single = llama_sampler.sample(PROMPTS, cfg, key)
     mesh = make_mesh(mesh_config)
     with caplog.at_level(logging.INFO, logger="tbajax.sampling.sampler"):
-        sampler = Sampler(load_model(tiny_checkpoint("llama"), mesh=mesh), mesh=mesh)
-    # the serving weights are held whole along fsdp (each fsdp device decodes its own rows), and
-    # the sampler says what that costs
-    assert ("replicated over fsdp" in caplog.text) == (mesh_config.fsdp == 2)
+        sampler = Sampler(load_model(tiny_checkpoint("llama"), mesh=mesh), mesh=mesh, fsdp_weights=fsdp_weights)
+    # the serving weights are held whole along fsdp (each fsdp device decodes its own rows), or
+    # left split, gathered by every step (fsdp_weights=split); the sampler says which
+    split = mesh_config.fsdp == 2 and fsdp_weights == "split"
+    assert ("whole along fsdp" in caplog.text) == (mesh_config.fsdp == 2 and not split)
+    assert ("gathers the weights split over fsdp" in caplog.text) == split
     shardings = [x.sharding for x in jax.tree.leaves(sampler.serving_params)]
-    assert not [s for s in shardings if "fsdp" in str(s.spec)]
+    assert bool([s for s in shardings if "fsdp" in str(s.spec)]) == split
     assert any("tensor" in str(s.spec) for s in shardings) == (mesh_config.tensor == 2)
     sharded = sampler.sample(PROMPTS, cfg, key)
     cache = sampler._cache  # the held KV cache really is split over the batch shards
@@ -338,9 +342,10 @@ def test_sharded_matches_single_device(tiny_checkpoint, llama_sampler, mesh_conf
     (generate,) = (c for (kind, _), c in sampler._compiled.items() if kind == "generate")
     gathers = [line for line in generate.as_text().splitlines() if " all-gather(" in line]
     assert not [line for line in gathers if "/sampling/" in line]
-    # no weight moves at a prompt pass or decode step (weights split over fsdp would be gathered
-    # by every one: the products' and the embedding lookup's all-gathers)
-    assert not [line for line in gathers if re.search(r'op_name="[^"]*/(matmul|embed|lm_head)/', line)]
+    # no weight moves at a prompt pass or decode step, unless left split over fsdp (the products'
+    # and the embedding lookup's all-gathers)
+    weight_gathers = [line for line in gathers if re.search(r'op_name="[^"]*/(matmul|embed|lm_head)/', line)]
+    assert bool(weight_gathers) == split
     # the fused q/k/v and gate/up products are laid out per KV group and interleaved
     # (`llama.decode_layout`): each tensor shard slices its own columns of their outputs (the
     # fsdp-split embedding and LM head still move at every step)

@@ -1,6 +1,6 @@
 """Sampling on a mesh split over fsdp: the serving weights gathered once per params version
-(`sampling.sampler.serving_shardings`, what the sampler does) vs gathered by every prompt pass
-and decode step (what it did before), against a data mesh that holds every weight whole.
+(`sampling.sampler.serving_shardings`, the sampler's default) vs gathered by every prompt pass
+and decode step (`rollout.fsdp_weights=split`), against a data mesh that holds every weight whole.
 
     python experiments/benchmarks/fsdp_sampling.py [--quick] [--devices 2] [--json PATH]
 
@@ -10,7 +10,8 @@ may be given an fsdp mesh. Arms, each a `Sampler` over the same N host devices (
 prompt + 128 new tokens, full-vocabulary sampling at T = 1 with no early stop):
   data             MeshConfig(data=N): the reference, no weight ever moves
   fsdp, once       MeshConfig(data=1, fsdp=N), the sampler as it is
-  fsdp, per step   the same with the serving weights left split over fsdp (as trained)
+  fsdp, per step   the same with the serving weights left split over fsdp as trained
+                   (`Sampler(fsdp_weights="split")`, what the sampler did before)
 Per arm: seconds a call (median), generated tok/s, vs the data mesh (its time / the arm's), the
 all-gathers in the compiled generate program, and `Sampler.prepare_params` (a new version placed
 and laid out, the once-per-version gather included; median).
@@ -28,7 +29,6 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[2])]
 
@@ -47,23 +47,18 @@ from sampler import SIZES, build_random_llama, prompts_for  # noqa: E402
 
 from tbajax.models import load_model  # noqa: E402
 from tbajax.sampling import Sampler, SamplingConfig  # noqa: E402
-from tbajax.sampling import sampler as sampler_module  # noqa: E402
 from tbajax.sharding import MeshConfig, make_mesh  # noqa: E402
 
 
 def arm_samplers(directory: Path, devices: int) -> dict[str, tuple[Sampler, Any]]:
     """(sampler, a loaded model to re-prepare) per arm, each on its own mesh over the same devices."""
-    meshes = {"data": MeshConfig(data=devices), "fsdp, once": MeshConfig(data=1, fsdp=devices),
-              "fsdp, per step": MeshConfig(data=1, fsdp=devices)}
+    arms = {"data": (MeshConfig(data=devices), "whole"), "fsdp, once": (MeshConfig(data=1, fsdp=devices), "whole"),
+            "fsdp, per step": (MeshConfig(data=1, fsdp=devices), "split")}
     out = {}
-    for name, config in meshes.items():
+    for name, (config, fsdp_weights) in arms.items():
         mesh = make_mesh(config, devices=jax.devices()[:devices])
         model = load_model(directory, mesh=mesh)
-        if name == "fsdp, per step":  # the serving weights where the model's layout puts them
-            with mock.patch.object(sampler_module, "serving_shardings", lambda as_trained: as_trained):
-                out[name] = (Sampler(model, mesh=mesh), model)
-        else:
-            out[name] = (Sampler(model, mesh=mesh), model)
+        out[name] = (Sampler(model, mesh=mesh, fsdp_weights=fsdp_weights), model)
     return out
 
 

@@ -20,7 +20,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -119,6 +119,9 @@ class Sampler:
       have its K samples' decode attention read them together (`serving.PromptCache`,
       `layers.attention_after_prompt`) instead of copying them into K rows (False: the copies).
     reference: an optional reference model for `sample(..., reference_logprobs=True)`.
+    fsdp_weights: on a mesh with fsdp > 1, "whole" holds the serving weights whole along fsdp,
+      gathered once per params version (`serving_shardings`); "split" leaves them split as
+      trained, all-gathered by every prompt pass and decode step (a fsdp-th of the memory).
     """
 
     def __init__(
@@ -131,7 +134,10 @@ class Sampler:
         reference: CausalLM | None = None,
         first_decode_phase: int = 64,
         share_prompt_cache: bool = True,
+        fsdp_weights: Literal["whole", "split"] = "whole",
     ):
+        if fsdp_weights not in ("whole", "split"):
+            raise ValueError(f"fsdp_weights must be 'whole' or 'split', got {fsdp_weights!r}")
         for m in (model, reference):
             if m is not None and m.config.num_labels is not None:
                 raise ValueError(
@@ -151,15 +157,21 @@ class Sampler:
         self.batch_shards = self.mesh.shape.get("data", 1) * self.mesh.shape.get("fsdp", 1)
         # fp32 for a bf16 model on CPU devices, whatever JAX's default backend is
         self.cache_dtype = kv_cache_dtype(self.config, self.mesh.devices.flat[0].platform)
-        self._policy = PreparedParams.from_model(model, self.mesh)
+        self._policy = PreparedParams.from_model(model, self.mesh, whole_along_fsdp=fsdp_weights == "whole")
         self._reference = _Params.from_model(reference, self.mesh) if reference is not None else None
         fsdp = self.mesh.shape.get("fsdp", 1)
         if fsdp > 1:
             weights = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-            log.info(
-                "sampler mesh has fsdp=%d: the sampler holds its weights replicated over fsdp (~%.0f MB a "
-                "device, gathered once per params version; `serving_shardings`), and each fsdp device decodes "
-                "its own rows", fsdp, weights / self.mesh.shape.get("tensor", 1) / 2**20)
+            if fsdp_weights == "whole":
+                log.info("sampler mesh has fsdp=%d: the sampler holds its weights whole along fsdp (~%.0f MB a "
+                         "device, gathered once per params version), and each fsdp device decodes its own rows",
+                         fsdp, weights / self.mesh.shape.get("tensor", 1) / 2**20)
+            else:
+                log.warning(
+                    "sampler mesh has fsdp=%d and fsdp_weights=split: every prompt pass and decode step gathers "
+                    "the weights split over fsdp, ~%.0f MB onto each device per step; fsdp_weights=whole "
+                    "(rollout.fsdp_weights) gathers them once per params version", fsdp,
+                    weights * (1 - 1 / fsdp) / self.mesh.shape.get("tensor", 1) / 2**20)
         self._compiled: dict[tuple[Any, ...], Any] = {}
         self._cache: core.KVCache | None = None  # the last call's cache, reused when shapes match
         self.compile_events: list[CompileEvent] = []
@@ -623,14 +635,14 @@ class PreparedParams:
     params: ServingParams
 
     @classmethod
-    def from_model(cls, model: CausalLM, mesh: Mesh) -> PreparedParams:
+    def from_model(cls, model: CausalLM, mesh: Mesh, whole_along_fsdp: bool = True) -> PreparedParams:
         layout = _Params.from_model(model, mesh)
 
         def to_serving(leaves: list[jax.Array]) -> ServingParams:
             return ServingParams.of(layout.model(leaves))
 
         convert = jax.jit(to_serving)
-        if mesh.shape.get("fsdp", 1) > 1:
+        if whole_along_fsdp and mesh.shape.get("fsdp", 1) > 1:
             # every decode step reads every weight: gathered over fsdp here, once per version, not
             # by every prompt pass and decode step (`serving_shardings`)
             with jax.set_mesh(mesh):

@@ -113,6 +113,7 @@ class Rollouts:
             reference=_frozen_copy(model) if reference_logprobs else None,
             first_decode_phase=config.rollout.first_decode_phase,
             share_prompt_cache=config.rollout.share_prompt_cache,
+            fsdp_weights=config.rollout.fsdp_weights,
         )
         self._prompt_cache: dict[tuple[str, int], np.ndarray] = {}
         self.skipped_prompts = 0
