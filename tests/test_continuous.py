@@ -346,12 +346,16 @@ def test_inflight_swap_records_versions(llama):
         np.testing.assert_allclose(np.stack(g.logprobs), ref_lp, atol=1e-5)
 
 
-@pytest.mark.parametrize("shared", [False, True], ids=["copied_prompts", "prompt_pool"])
-def test_sharded_engine_matches_single_device(tiny_checkpoint, llama, shared):
+@pytest.mark.parametrize("shared, mesh_config", [
+    (False, MeshConfig(data=4, tensor=2)), (True, MeshConfig(data=4, tensor=2)),
+    (True, MeshConfig(data=2, fsdp=2, tensor=2))], ids=["copied_prompts", "prompt_pool", "prompt_pool-fsdp"])
+def test_sharded_engine_matches_single_device(tiny_checkpoint, llama, shared, mesh_config):
+    """On an fsdp mesh too: the weights are held whole along fsdp (`serving_shardings`), so a
+    decode chunk moves no weights either."""
     assert jax.device_count() == 8
     key = jax.random.key(5)
     single = Sampler(llama, max_cache_length=64).sample(PROMPTS[:4], CFG, key)
-    mesh = make_mesh(MeshConfig(data=4, tensor=2))
+    mesh = make_mesh(mesh_config)
     sampler = Sampler(load_model(tiny_checkpoint("llama"), mesh=mesh), mesh=mesh, max_cache_length=64)
     # a pool's prompt decodes its K = 3 samples on its entry's shard: at least 3 slots a shard
     slots = 12 if shared else 8
@@ -360,8 +364,9 @@ def test_sharded_engine_matches_single_device(tiny_checkpoint, llama, shared):
     pool = engine._cache.prompt
     # 2 x 12 // 3 (prompt bucket 32 > max_new_tokens 10), a multiple of the 4 shards
     assert (pool is not None) == shared and engine.pool == (8 if shared else 0)
+    rows = "data" if mesh_config.fsdp == 1 else ("data", "fsdp")
     for buf in (*engine._cache.k, *engine._cache.v, *(pool.k if shared else ())):  # per layer [batch, ...]
-        assert buf.sharding.spec[0] == "data" and len(buf.sharding.device_set) == 8
+        assert buf.sharding.spec[0] == rows and len(buf.sharding.device_set) == 8
     _assert_same(single, groups, CFG.num_samples)
     chunk = next(c for (kind, _), c in sampler._compiled.items() if kind == "decode_chunk").as_text()
     # nothing moves rows between batch shards; the tensor axis only sums the row-split products
