@@ -117,10 +117,12 @@ class RolloutSpec:
       holds its share of every tier.
     fsdp_weights: on a sampling mesh with fsdp > 1 (system.searcher_mesh, or trainer_mesh where
       the trainer samples itself): "whole" holds the serving weights whole along fsdp, gathered
-      once per params version (weights / tensor a device: every decode step reads every weight);
-      "split" leaves them split as trained (weights / (fsdp x tensor) a device), all-gathered by
-      every prompt pass and decode step: for weights that do not fit whole beside the trainer's
-      state. `tbajax.sampling.sampler.serving_shardings`.
+      once per params version (weights / tensor a device; every decode step reads every weight;
+      `tbajax.sampling.sampler.serving_shardings`); "tensor" samples on the same devices with the
+      fsdp devices as more tensor shards (weights / (fsdp x tensor) a device, resharded once per
+      version, the batch split over data only: `tbajax.sharding.fsdp_as_tensor`), for weights
+      that do not fit whole; "split" leaves them split as trained, all-gathered by every prompt
+      pass and decode step.
     """
 
     prompts_per_call: int = 8
@@ -139,7 +141,7 @@ class RolloutSpec:
     share_prompt_cache: bool = True
     prompt_pool: int | None = None
     ring_tiers: int = 1
-    fsdp_weights: Literal["whole", "split"] = "whole"
+    fsdp_weights: Literal["whole", "tensor", "split"] = "whole"
 
     def __post_init__(self) -> None:
         if self.ring_tiers > 1 and self.engine != "continuous":
@@ -387,7 +389,8 @@ class ExperimentConfig:
                 f"rollout.sampling.num_samples={r.sampling.num_samples} samples: raise rollout.decode_slots"
             )
         mesh = self.system.searcher_mesh
-        shards = mesh.data * mesh.fsdp if mesh.data > 0 and mesh.fsdp > 0 else 0  # 0: known at run time
+        fsdp = 1 if r.fsdp_weights == "tensor" else mesh.fsdp  # fsdp_as_tensor: batch over data only
+        shards = mesh.data * fsdp if mesh.data > 0 and fsdp > 0 else 0  # 0: known at run time
         if (r.engine == "continuous" and r.share_prompt_cache and r.sampling.num_samples > 1 and shards
                 and r.decode_slots < r.sampling.num_samples * shards):
             # the engine checks it too, once the searcher's mesh is made (data=-1: all its devices)

@@ -119,6 +119,16 @@ def named_sharding(logical_axes: Sequence[str | None], shape: Sequence[int], mes
     return NamedSharding(mesh, logical_to_spec(logical_axes, shape, mesh))
 
 
+def fsdp_as_tensor(mesh: Mesh) -> Mesh:
+    """The same devices as a (data, 1, fsdp x tensor) mesh: the fsdp devices of each data row
+    become more tensor shards. A sampler on it splits every weight as a tensor axis does (by heads,
+    MLP columns, vocabulary), so each device holds weights / (fsdp x tensor) and reads only its
+    own, where a mesh split over fsdp would gather them whole (`rollout.fsdp_weights=tensor`)."""
+    from jax.sharding import Mesh
+    d, f, t = (mesh.shape[a] for a in MESH_AXES)
+    return Mesh(mesh.devices.reshape(d, 1, f * t), MESH_AXES, axis_types=mesh.axis_types)
+
+
 def replicated_over(sharding: NamedSharding, axis: str) -> NamedSharding:
     """`sharding` with mesh axis `axis` dropped from its spec: the same split over the other axes,
     each shard held whole by every device along `axis`."""

@@ -51,6 +51,12 @@ def test_overrides_are_typed():
     with pytest.raises(ConfigError, match=f"raise rollout.decode_slots to at least {8 * k}"):
         apply_overrides(cfg, [*sharded, "system.searcher_mesh.data=8"])
     apply_overrides(cfg, [*sharded, "system.searcher_mesh.data=8", "rollout.share_prompt_cache=false"])
+    # fsdp splits the batch too, unless the sampler takes the fsdp devices as tensor shards
+    with pytest.raises(ConfigError, match=f"raise rollout.decode_slots to at least {8 * k}"):
+        apply_overrides(cfg, [*sharded, "system.searcher_mesh.fsdp=2"])
+    apply_overrides(cfg, [*sharded, "system.searcher_mesh.fsdp=2", "rollout.fsdp_weights=tensor"])
+    with pytest.raises(ConfigError, match="fsdp_weights"):
+        apply_overrides(cfg, ["rollout.fsdp_weights=gathered"])
     assert out.train.steps == 7 and isinstance(out.train.steps, int)
     assert out.train.trainer.optimizer.lr.peak == 3e-4
     assert out.train.objective == "dr_grpo" and out.system.mode == "sync"

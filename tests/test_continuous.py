@@ -346,17 +346,19 @@ def test_inflight_swap_records_versions(llama):
         np.testing.assert_allclose(np.stack(g.logprobs), ref_lp, atol=1e-5)
 
 
-@pytest.mark.parametrize("shared, mesh_config", [
-    (False, MeshConfig(data=4, tensor=2)), (True, MeshConfig(data=4, tensor=2)),
-    (True, MeshConfig(data=2, fsdp=2, tensor=2))], ids=["copied_prompts", "prompt_pool", "prompt_pool-fsdp"])
-def test_sharded_engine_matches_single_device(tiny_checkpoint, llama, shared, mesh_config):
-    """On an fsdp mesh too: the weights are held whole along fsdp (`serving_shardings`), so a
-    decode chunk moves no weights either."""
+@pytest.mark.parametrize("shared, mesh_config, fsdp_weights", [
+    (False, MeshConfig(data=4, tensor=2), "whole"), (True, MeshConfig(data=4, tensor=2), "whole"),
+    (True, MeshConfig(data=2, fsdp=2, tensor=2), "whole"), (True, MeshConfig(data=2, fsdp=2, tensor=2), "tensor")],
+    ids=["copied_prompts", "prompt_pool", "prompt_pool-fsdp-whole", "prompt_pool-fsdp-tensor"])
+def test_sharded_engine_matches_single_device(tiny_checkpoint, llama, shared, mesh_config, fsdp_weights):
+    """On an fsdp mesh too, with the weights held whole along fsdp (`serving_shardings`) or split
+    over the fsdp devices as tensor shards (`fsdp_as_tensor`): a decode chunk moves no weights."""
     assert jax.device_count() == 8
     key = jax.random.key(5)
     single = Sampler(llama, max_cache_length=64).sample(PROMPTS[:4], CFG, key)
     mesh = make_mesh(mesh_config)
-    sampler = Sampler(load_model(tiny_checkpoint("llama"), mesh=mesh), mesh=mesh, max_cache_length=64)
+    sampler = Sampler(load_model(tiny_checkpoint("llama"), mesh=mesh), mesh=mesh, max_cache_length=64,
+                      fsdp_weights=fsdp_weights)
     # a pool's prompt decodes its K = 3 samples on its entry's shard: at least 3 slots a shard
     slots = 12 if shared else 8
     engine, groups = _run_engine(sampler, CFG, key, PROMPTS[:4], slots=slots, chunk=4,
@@ -364,7 +366,7 @@ def test_sharded_engine_matches_single_device(tiny_checkpoint, llama, shared, me
     pool = engine._cache.prompt
     # 2 x 12 // 3 (prompt bucket 32 > max_new_tokens 10), a multiple of the 4 shards
     assert (pool is not None) == shared and engine.pool == (8 if shared else 0)
-    rows = "data" if mesh_config.fsdp == 1 else ("data", "fsdp")
+    rows = "data" if mesh_config.fsdp == 1 or fsdp_weights == "tensor" else ("data", "fsdp")
     for buf in (*engine._cache.k, *engine._cache.v, *(pool.k if shared else ())):  # per layer [batch, ...]
         assert buf.sharding.spec[0] == rows and len(buf.sharding.device_set) == 8
     _assert_same(single, groups, CFG.num_samples)

@@ -85,12 +85,13 @@ def test_each_role_gets_its_own_settings():
             with explain_out_of_memory(config, role):
                 raise error
         assert f"whole along system.{mesh_key}.fsdp=2" in str(caught.value)
-        assert f"split them over tensor instead (system.{mesh_key}: tensor > 1, fsdp=1)" in str(caught.value)
-        assert "rollout.fsdp_weights=split" in str(caught.value)
-    with pytest.raises(DeviceOutOfMemoryError) as caught:  # already split: nothing whole to name
-        with explain_out_of_memory(_config("system.searcher_mesh.fsdp=2", "rollout.fsdp_weights=split"), "searcher"):
-            raise error
-    assert "whole along" not in str(caught.value)
+        assert "rollout.fsdp_weights=tensor splits them" in str(caught.value)
+    for split in ("tensor", "split"):  # nothing held whole to name
+        with pytest.raises(DeviceOutOfMemoryError) as caught:
+            with explain_out_of_memory(_config("system.searcher_mesh.fsdp=2", f"rollout.fsdp_weights={split}"),
+                                       "searcher"):
+                raise error
+        assert "whole along" not in str(caught.value)
 
 
 def test_other_errors_pass_unchanged():

@@ -312,28 +312,40 @@ def test_stop_tokens_and_min_new_tokens(llama_sampler):
 
 @pytest.mark.parametrize("mesh_config, fsdp_weights", [
     (MeshConfig(data=8), "whole"), (MeshConfig(data=2, fsdp=2, tensor=2), "whole"),
-    (MeshConfig(data=2, fsdp=2, tensor=2), "split")], ids=["data", "fsdp-whole", "fsdp-split"])
+    (MeshConfig(data=2, fsdp=2, tensor=2), "tensor"), (MeshConfig(data=2, fsdp=2, tensor=2), "split")],
+    ids=["data", "fsdp-whole", "fsdp-tensor", "fsdp-split"])
 def test_sharded_matches_single_device(tiny_checkpoint, llama_sampler, mesh_config, fsdp_weights, caplog):
     assert jax.device_count() == 8
     cfg = COMMON
     key = jax.random.key(7)
     single = llama_sampler.sample(PROMPTS, cfg, key)
     mesh = make_mesh(mesh_config)
+    model = load_model(tiny_checkpoint("llama"), mesh=mesh)
     with caplog.at_level(logging.INFO, logger="tbajax.sampling.sampler"):
-        sampler = Sampler(load_model(tiny_checkpoint("llama"), mesh=mesh), mesh=mesh, fsdp_weights=fsdp_weights)
-    # the serving weights are held whole along fsdp (each fsdp device decodes its own rows), or
-    # left split, gathered by every step (fsdp_weights=split); the sampler says which
-    split = mesh_config.fsdp == 2 and fsdp_weights == "split"
-    assert ("whole along fsdp" in caplog.text) == (mesh_config.fsdp == 2 and not split)
+        sampler = Sampler(model, mesh=mesh, fsdp_weights=fsdp_weights)
+    # on a mesh split over fsdp the serving weights are held whole along it (each fsdp device
+    # decodes its own rows), split over the fsdp devices as more tensor shards (fsdp_weights=
+    # tensor: the sampler's mesh is data x (fsdp x tensor)), or left split and gathered by every
+    # step (fsdp_weights=split); the sampler says which
+    fsdp = mesh_config.fsdp == 2
+    split, as_tensor = fsdp and fsdp_weights == "split", fsdp and fsdp_weights == "tensor"
+    assert ("whole along fsdp" in caplog.text) == (fsdp and fsdp_weights == "whole")
+    assert ("runs on the same devices as tensor=4" in caplog.text) == as_tensor
     assert ("gathers the weights split over fsdp" in caplog.text) == split
+    assert sampler.mesh.shape == ({"data": 2, "fsdp": 1, "tensor": 4} if as_tensor else mesh.shape)
     shardings = [x.sharding for x in jax.tree.leaves(sampler.serving_params)]
     assert bool([s for s in shardings if "fsdp" in str(s.spec)]) == split
     assert any("tensor" in str(s.spec) for s in shardings) == (mesh_config.tensor == 2)
     sharded = sampler.sample(PROMPTS, cfg, key)
     cache = sampler._cache  # the held KV cache really is split over the batch shards
     for buf in (*cache.k, *cache.v):  # per layer [batch, ...]
-        assert buf.sharding.spec[0] == (("data", "fsdp") if mesh_config.fsdp > 1 else "data")
+        assert buf.sharding.spec[0] == (("data", "fsdp") if fsdp and not as_tensor else "data")
         assert len(buf.sharding.device_set) == 8
+    # the policy comes back on the caller's mesh, whatever mesh the sampler ran on
+    policy = jax.tree.leaves(nnx.state(sampler.policy_model(), nnx.Param))
+    trained = jax.tree.leaves(nnx.state(model, nnx.Param))
+    assert len(policy) == len(trained)
+    assert all(a.sharding.mesh == mesh and a.sharding.spec == b.sharding.spec for a, b in zip(policy, trained))
     np.testing.assert_array_equal(sharded.tokens, single.tokens)
     np.testing.assert_array_equal(sharded.length, single.length)
     np.testing.assert_allclose(sharded.logprobs, single.logprobs, atol=1e-5)

@@ -10,7 +10,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from tbajax.models import load_model
-from tbajax.sharding import MeshConfig, logical_to_spec, make_mesh, replicated_over
+from tbajax.sharding import MeshConfig, fsdp_as_tensor, logical_to_spec, make_mesh, replicated_over
 from tests.conftest import build_tiny_hf_checkpoint
 
 
@@ -78,6 +78,14 @@ def test_replicated_over_drops_one_mesh_axis():
     whole = jax.device_put(x, replicated_over(x.sharding, "fsdp"))
     assert whole.addressable_shards[0].data.shape == (4, 2)  # whole along fsdp, still split over tensor
     np.testing.assert_array_equal(whole, x)
+
+
+def test_fsdp_as_tensor_keeps_each_data_rows_devices():
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    folded = fsdp_as_tensor(mesh)
+    assert folded.shape == {"data": 2, "fsdp": 1, "tensor": 4}
+    assert (folded.devices.reshape(2, 4) == mesh.devices.reshape(2, 4)).all()  # a data row's devices
+    assert folded.axis_types == mesh.axis_types
 
 
 def test_data_parallel_forward_keeps_rows_on_their_device(divisible_checkpoint):

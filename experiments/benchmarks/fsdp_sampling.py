@@ -1,6 +1,7 @@
 """Sampling on a mesh split over fsdp: the serving weights gathered once per params version
-(`sampling.sampler.serving_shardings`, the sampler's default) vs gathered by every prompt pass
-and decode step (`rollout.fsdp_weights=split`), against a data mesh that holds every weight whole.
+(`sampling.sampler.serving_shardings`, the sampler's default) or resharded as tensor shards
+(`rollout.fsdp_weights=tensor`) vs gathered by every prompt pass and decode step
+(`rollout.fsdp_weights=split`), against a data mesh that holds every weight whole.
 
     python experiments/benchmarks/fsdp_sampling.py [--quick] [--devices 2] [--json PATH]
 
@@ -9,7 +10,9 @@ may be given an fsdp mesh. Arms, each a `Sampler` over the same N host devices (
 --xla_force_host_platform_device_count), timed call by call in turns (`Sampler.sample`, 64
 prompt + 128 new tokens, full-vocabulary sampling at T = 1 with no early stop):
   data             MeshConfig(data=N): the reference, no weight ever moves
-  fsdp, once       MeshConfig(data=1, fsdp=N), the sampler as it is
+  fsdp, once       MeshConfig(data=1, fsdp=N), the sampler's default (`fsdp_weights="whole"`)
+  fsdp as tensor   the same mesh sampled as tensor=N (`fsdp_weights="tensor"`: weights / N a
+                   device, resharded once per version; `sharding.fsdp_as_tensor`)
   fsdp, per step   the same with the serving weights left split over fsdp as trained
                    (`Sampler(fsdp_weights="split")`, what the sampler did before)
 Per arm: seconds a call (median), generated tok/s, vs the data mesh (its time / the arm's), the
@@ -52,8 +55,9 @@ from tbajax.sharding import MeshConfig, make_mesh  # noqa: E402
 
 def arm_samplers(directory: Path, devices: int) -> dict[str, tuple[Sampler, Any]]:
     """(sampler, a loaded model to re-prepare) per arm, each on its own mesh over the same devices."""
-    arms = {"data": (MeshConfig(data=devices), "whole"), "fsdp, once": (MeshConfig(data=1, fsdp=devices), "whole"),
-            "fsdp, per step": (MeshConfig(data=1, fsdp=devices), "split")}
+    fsdp = MeshConfig(data=1, fsdp=devices)
+    arms = {"data": (MeshConfig(data=devices), "whole"), "fsdp, once": (fsdp, "whole"),
+            "fsdp as tensor": (fsdp, "tensor"), "fsdp, per step": (fsdp, "split")}
     out = {}
     for name, (config, fsdp_weights) in arms.items():
         mesh = make_mesh(config, devices=jax.devices()[:devices])

@@ -35,7 +35,9 @@ from tbajax.packing import PromptGroupRows, group_by_prompt, pack_prompt_groups,
 from tbajax.sampling import core
 from tbajax.sampling.config import SamplingConfig
 from tbajax.shapes import next_pow2, pow2_bucket
-from tbajax.sharding import MeshConfig, make_mesh, named_sharding, param_shardings, replicated_over
+from tbajax.sharding import (
+    MeshConfig, fsdp_as_tensor, make_mesh, named_sharding, param_shardings, replicated_over,
+)
 
 log = logging.getLogger(__name__)
 
@@ -120,8 +122,10 @@ class Sampler:
       `layers.attention_after_prompt`) instead of copying them into K rows (False: the copies).
     reference: an optional reference model for `sample(..., reference_logprobs=True)`.
     fsdp_weights: on a mesh with fsdp > 1, "whole" holds the serving weights whole along fsdp,
-      gathered once per params version (`serving_shardings`); "split" leaves them split as
-      trained, all-gathered by every prompt pass and decode step (a fsdp-th of the memory).
+      gathered once per params version (`serving_shardings`); "tensor" samples on the same
+      devices as a mesh whose fsdp devices are more tensor shards (`sharding.fsdp_as_tensor`:
+      weights / (fsdp x tensor) a device, resharded once per version, batch over data only);
+      "split" leaves them split as trained, all-gathered by every prompt pass and decode step.
     """
 
     def __init__(
@@ -134,10 +138,10 @@ class Sampler:
         reference: CausalLM | None = None,
         first_decode_phase: int = 64,
         share_prompt_cache: bool = True,
-        fsdp_weights: Literal["whole", "split"] = "whole",
+        fsdp_weights: Literal["whole", "tensor", "split"] = "whole",
     ):
-        if fsdp_weights not in ("whole", "split"):
-            raise ValueError(f"fsdp_weights must be 'whole' or 'split', got {fsdp_weights!r}")
+        if fsdp_weights not in ("whole", "tensor", "split"):
+            raise ValueError(f"fsdp_weights must be 'whole', 'tensor' or 'split', got {fsdp_weights!r}")
         for m in (model, reference):
             if m is not None and m.config.num_labels is not None:
                 raise ValueError(
@@ -145,7 +149,10 @@ class Sampler:
                     f"num_labels={m.config.num_labels} score head); load a causal LM with load_model"
                 )
         self.config: ModelConfig = model.config
-        self.mesh = mesh if mesh is not None else make_mesh(MeshConfig(), devices=jax.devices()[:1])
+        # model_mesh: where the caller's params live (`policy_model` returns them there); mesh: where
+        # the sampler's programs run
+        self.model_mesh = mesh if mesh is not None else make_mesh(MeshConfig(), devices=jax.devices()[:1])
+        self.mesh = fsdp_as_tensor(self.model_mesh) if fsdp_weights == "tensor" else self.model_mesh
         self.max_cache_length = max_cache_length or self.config.max_position_embeddings
         if min_prompt_bucket < 1:
             raise ValueError(f"min_prompt_bucket must be >= 1, got {min_prompt_bucket}")
@@ -159,19 +166,23 @@ class Sampler:
         self.cache_dtype = kv_cache_dtype(self.config, self.mesh.devices.flat[0].platform)
         self._policy = PreparedParams.from_model(model, self.mesh, whole_along_fsdp=fsdp_weights == "whole")
         self._reference = _Params.from_model(reference, self.mesh) if reference is not None else None
-        fsdp = self.mesh.shape.get("fsdp", 1)
+        fsdp, tensor = self.model_mesh.shape.get("fsdp", 1), self.model_mesh.shape.get("tensor", 1)
         if fsdp > 1:
             weights = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
             if fsdp_weights == "whole":
                 log.info("sampler mesh has fsdp=%d: the sampler holds its weights whole along fsdp (~%.0f MB a "
                          "device, gathered once per params version), and each fsdp device decodes its own rows",
-                         fsdp, weights / self.mesh.shape.get("tensor", 1) / 2**20)
+                         fsdp, weights / tensor / 2**20)
+            elif fsdp_weights == "tensor":
+                log.info("sampler mesh has fsdp=%d: the sampler runs on the same devices as tensor=%d (~%.0f MB "
+                         "of weights a device, resharded once per params version), its batch split over data=%d",
+                         fsdp, fsdp * tensor, weights / (fsdp * tensor) / 2**20, self.mesh.shape["data"])
             else:
                 log.warning(
                     "sampler mesh has fsdp=%d and fsdp_weights=split: every prompt pass and decode step gathers "
-                    "the weights split over fsdp, ~%.0f MB onto each device per step; fsdp_weights=whole "
-                    "(rollout.fsdp_weights) gathers them once per params version", fsdp,
-                    weights * (1 - 1 / fsdp) / self.mesh.shape.get("tensor", 1) / 2**20)
+                    "the weights split over fsdp, ~%.0f MB onto each device per step; fsdp_weights=whole or "
+                    "tensor (rollout.fsdp_weights) moves them once per params version", fsdp,
+                    weights * (1 - 1 / fsdp) / tensor / 2**20)
         self._compiled: dict[tuple[Any, ...], Any] = {}
         self._cache: core.KVCache | None = None  # the last call's cache, reused when shapes match
         self.compile_events: list[CompileEvent] = []
@@ -204,8 +215,13 @@ class Sampler:
         return self._policy.params
 
     def policy_model(self) -> CausalLM:
-        """The policy with its current weights, rebuilt from the serving layout (a copy)."""
-        return self._policy.model()
+        """The policy with its current weights, rebuilt from the serving layout (a copy), on the
+        mesh the sampler was given."""
+        model = self._policy.model()
+        if self.mesh is self.model_mesh:
+            return model
+        graphdef, state = nnx.split(model)
+        return nnx.merge(graphdef, jax.device_put(state, param_shardings(state, self.model_mesh)))
 
     def set_reference(self, model: CausalLM | None) -> None:
         if model is not None and model.config.vocab_size != self.config.vocab_size:

@@ -75,11 +75,10 @@ def _advice(config: ExperimentConfig, role: str) -> str:
                      f"{rollout.sampling.num_samples} sequences")
         mesh_key = "trainer_mesh" if config.system.mode == "sync" else "searcher_mesh"
         mesh = getattr(config.system, mesh_key)
-        whole = "" if mesh.fsdp == 1 or rollout.fsdp_weights == "split" else (
+        whole = "" if mesh.fsdp == 1 or rollout.fsdp_weights != "whole" else (
             f" It also holds its weights whole along system.{mesh_key}.fsdp={mesh.fsdp} (rollout.fsdp_weights="
-            f"whole: sampling reads every weight at every token); split them over tensor instead (system."
-            f"{mesh_key}: tensor > 1, fsdp=1), or leave them split over fsdp (rollout.fsdp_weights=split: "
-            "gathered by every decode step, slower).")
+            "whole: sampling reads every weight at every token); rollout.fsdp_weights=tensor splits them over "
+            "the fsdp devices as tensor shards while sampling.")
         return (f"A generation call holds the KV cache of {batch} of up to "
                 f"{context(rollout.sampling.max_new_tokens)}.{whole} To need less: fewer sequences at once, shorter "
                 f"contexts, or more devices per searcher (system.devices_per_searcher){shared}. Then `--resume` "
