@@ -232,8 +232,8 @@ class SystemSpec:
     sync_every: k, publish params (and start a new "recent" window) every k trainer steps.
     searcher_mesh / trainer_mesh: each process's own mesh over its own devices. A searcher reads
       every weight at every token: split its weights over `tensor` (or replicate them over
-      `data`); a sampling mesh with `fsdp` > 1 holds its weights whole along fsdp, gathered once
-      per params version (`rollout.fsdp_weights`).
+      `data`); a sampling mesh with `fsdp` > 1 moves its weights once per params version, not at
+      every decode step (`rollout.fsdp_weights`).
     devices: "shared" = every process sees all local devices (on one GPU each takes
       `memory_fraction`, null: 0.9 over the processes the run starts, `launcher.memory_share`);
       "split" = the launcher gives the trainer `trainer_devices` GPUs and each

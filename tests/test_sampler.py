@@ -349,6 +349,9 @@ def test_sharded_matches_single_device(tiny_checkpoint, llama_sampler, mesh_conf
     np.testing.assert_array_equal(sharded.tokens, single.tokens)
     np.testing.assert_array_equal(sharded.length, single.length)
     np.testing.assert_allclose(sharded.logprobs, single.logprobs, atol=1e-5)
+    # a new version from the caller's mesh (a trainer's state, a param load) is moved once
+    sampler.update_params(nnx.state(model, nnx.Param))
+    np.testing.assert_array_equal(sampler.sample(PROMPTS, cfg, key).tokens, single.tokens)
     # top-k + top-p sampling draws each shard's rows on their own device (a prompt pass of fewer
     # prompts than shards does gather their keys and values for the rows)
     (generate,) = (c for (kind, _), c in sampler._compiled.items() if kind == "generate")

@@ -111,8 +111,8 @@ def packing_is_cheaper(cfg: ModelConfig, prompt: int, response: int, k: int) -> 
 class Sampler:
     """Samples from a `CausalLM` with compiled, bucketed, sharded programs.
 
-    mesh: where params and the batch live (batch over data x fsdp, params by the logical rules,
-      the serving weights held whole along fsdp: `serving_shardings`); None = one device.
+    mesh: where params and the batch live (batch over data x fsdp, params by the logical rules;
+      with fsdp > 1 see `fsdp_weights`); None = one device.
     max_cache_length: prompt + new tokens must fit (default: the model's max_position_embeddings).
     min_prompt_bucket: smallest prompt-length bucket.
     first_decode_phase: new tokens the decode loop writes into a cache of prompt + this many slots
