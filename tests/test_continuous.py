@@ -348,7 +348,8 @@ def test_inflight_swap_records_versions(llama):
 
 @pytest.mark.parametrize("shared, mesh_config, fsdp_weights", [
     (False, MeshConfig(data=4, tensor=2), "whole"), (True, MeshConfig(data=4, tensor=2), "whole"),
-    (True, MeshConfig(data=2, fsdp=2, tensor=2), "whole"), (True, MeshConfig(data=2, fsdp=2, tensor=2), "tensor")],
+    (True, MeshConfig(data=2, fsdp=2, tensor=2), "whole"),
+    (True, MeshConfig(data=2, fsdp=2, tensor=2), "tensor")],
     ids=["copied_prompts", "prompt_pool", "prompt_pool-fsdp-whole", "prompt_pool-fsdp-tensor"])
 def test_sharded_engine_matches_single_device(tiny_checkpoint, llama, shared, mesh_config, fsdp_weights):
     """On an fsdp mesh too, with the weights held whole along fsdp (`serving_shardings`) or split

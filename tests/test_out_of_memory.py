@@ -87,9 +87,9 @@ def test_each_role_gets_its_own_settings():
         assert f"whole along system.{mesh_key}.fsdp=2" in str(caught.value)
         assert "rollout.fsdp_weights=tensor splits them" in str(caught.value)
     for split in ("tensor", "split"):  # nothing held whole to name
+        config = _config("system.searcher_mesh.fsdp=2", f"rollout.fsdp_weights={split}")
         with pytest.raises(DeviceOutOfMemoryError) as caught:
-            with explain_out_of_memory(_config("system.searcher_mesh.fsdp=2", f"rollout.fsdp_weights={split}"),
-                                       "searcher"):
+            with explain_out_of_memory(config, "searcher"):
                 raise error
         assert "whole along" not in str(caught.value)
 

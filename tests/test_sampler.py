@@ -345,7 +345,8 @@ def test_sharded_matches_single_device(tiny_checkpoint, llama_sampler, mesh_conf
     policy = jax.tree.leaves(nnx.state(sampler.policy_model(), nnx.Param))
     trained = jax.tree.leaves(nnx.state(model, nnx.Param))
     assert len(policy) == len(trained)
-    assert all(a.sharding.mesh == mesh and a.sharding.spec == b.sharding.spec for a, b in zip(policy, trained))
+    assert all(a.sharding.mesh == mesh and a.sharding.spec == b.sharding.spec
+               for a, b in zip(policy, trained))
     np.testing.assert_array_equal(sharded.tokens, single.tokens)
     np.testing.assert_array_equal(sharded.length, single.length)
     np.testing.assert_allclose(sharded.logprobs, single.logprobs, atol=1e-5)

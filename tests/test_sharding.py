@@ -69,8 +69,9 @@ def test_mesh_config_errors():
 
 def test_replicated_over_drops_one_mesh_axis():
     mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
-    cases = {P(("data", "fsdp"), "tensor", None): P("data", "tensor", None), P("fsdp", "tensor"): P(None, "tensor"),
-             P(("fsdp", "tensor")): P("tensor"), P("tensor", "fsdp"): P("tensor", None), P(): P()}
+    cases = {P(("data", "fsdp"), "tensor", None): P("data", "tensor", None),
+             P("fsdp", "tensor"): P(None, "tensor"), P(("fsdp", "tensor")): P("tensor"),
+             P("tensor", "fsdp"): P("tensor", None), P(): P()}
     for spec, expected in cases.items():
         dropped = replicated_over(jax.NamedSharding(mesh, spec), "fsdp")
         assert dropped.mesh is mesh and dropped.spec == expected, (spec, dropped.spec)

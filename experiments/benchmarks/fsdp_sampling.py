@@ -42,10 +42,13 @@ _argv = sys.argv[1:]
 _devices = next((a.split("=", 1)[1] for a in _argv if a.startswith("--devices=")), None)
 if _devices is None and "--devices" in _argv:
     _devices = _argv[_argv.index("--devices") + 1]
-os.environ["XLA_FLAGS"] = host_devices_flag(["--cpu-devices", _devices or "2"], os.environ.get("XLA_FLAGS", ""))
+os.environ["XLA_FLAGS"] = host_devices_flag(["--cpu-devices", _devices or "2"],
+                                           os.environ.get("XLA_FLAGS", ""))
 
 import jax  # noqa: E402
-from common import keep_freed_memory, machine, machine_line, median_seconds_in_turns, print_table, write_json  # noqa: E402
+from common import (  # noqa: E402
+    keep_freed_memory, machine, machine_line, median_seconds_in_turns, print_table, write_json,
+)
 from sampler import SIZES, build_random_llama, prompts_for  # noqa: E402
 
 from tbajax.models import load_model  # noqa: E402
@@ -86,7 +89,8 @@ def bench(size: str, batch: int, prompt_len: int, new_tokens: int, devices: int,
         return lambda: s.prepare_params(model)
 
     seconds = median_seconds_in_turns({n: call(s) for n, (s, _) in samplers.items()}, rounds)
-    prepare_s = median_seconds_in_turns({n: prepare(s, m) for n, (s, m) in samplers.items()}, rounds, warmup=1)
+    prepare_s = median_seconds_in_turns({n: prepare(s, m) for n, (s, m) in samplers.items()}, rounds,
+                                        warmup=1)
     outputs = {n: s.sample(prompts, config, key) for n, (s, _) in samplers.items()}
     reference = outputs["data"]
     rows = []
@@ -121,9 +125,9 @@ def main() -> None:
     print(machine_line(info))
     print_table(rows, ["model", "batch", "tokens", "devices", "arm", "s", "tok_s", "vs_data", "all_gathers",
                        "prepare_s", "rows_as_data_mesh"])
-    print("s: median seconds a call, arms in turns; vs_data = the data mesh's time / the arm's (> 1: faster); "
-          "all_gathers: in the compiled generate program; prepare_s: median Sampler.prepare_params; "
-          "rows_as_data_mesh: share of rows with the data mesh's tokens (same keys)")
+    print("s: median seconds a call, arms in turns; vs_data = the data mesh's time / the arm's "
+          "(> 1: faster); all_gathers: in the compiled generate program; prepare_s: median "
+          "Sampler.prepare_params; rows_as_data_mesh: share of rows with the data mesh's tokens (same keys)")
     print(f"({time.perf_counter() - t0:.0f} s in all)")
     write_json(args.json, {"benchmark": "fsdp_sampling", "machine": info, "rows": rows})
 

@@ -170,19 +170,20 @@ class Sampler:
         if fsdp > 1:
             weights = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
             if fsdp_weights == "whole":
-                log.info("sampler mesh has fsdp=%d: the sampler holds its weights whole along fsdp (~%.0f MB a "
-                         "device, gathered once per params version), and each fsdp device decodes its own rows",
-                         fsdp, weights / tensor / 2**20)
+                log.info("sampler mesh has fsdp=%d: the sampler holds its weights whole along fsdp (~%.0f MB "
+                         "a device, gathered once per params version), and each fsdp device decodes its "
+                         "own rows", fsdp, weights / tensor / 2**20)
             elif fsdp_weights == "tensor":
-                log.info("sampler mesh has fsdp=%d: the sampler runs on the same devices as tensor=%d (~%.0f MB "
-                         "of weights a device, resharded once per params version), its batch split over data=%d",
-                         fsdp, fsdp * tensor, weights / (fsdp * tensor) / 2**20, self.mesh.shape["data"])
+                log.info("sampler mesh has fsdp=%d: the sampler runs on the same devices as tensor=%d "
+                         "(~%.0f MB of weights a device, resharded once per params version), its batch "
+                         "split over data=%d", fsdp, fsdp * tensor, weights / (fsdp * tensor) / 2**20,
+                         self.mesh.shape["data"])
             else:
                 log.warning(
-                    "sampler mesh has fsdp=%d and fsdp_weights=split: every prompt pass and decode step gathers "
-                    "the weights split over fsdp, ~%.0f MB onto each device per step; fsdp_weights=whole or "
-                    "tensor (rollout.fsdp_weights) moves them once per params version", fsdp,
-                    weights * (1 - 1 / fsdp) / tensor / 2**20)
+                    "sampler mesh has fsdp=%d and fsdp_weights=split: every prompt pass and decode step "
+                    "gathers the weights split over fsdp, ~%.0f MB onto each device per step; "
+                    "fsdp_weights=whole or tensor (rollout.fsdp_weights) moves them once per params "
+                    "version", fsdp, weights * (1 - 1 / fsdp) / tensor / 2**20)
         self._compiled: dict[tuple[Any, ...], Any] = {}
         self._cache: core.KVCache | None = None  # the last call's cache, reused when shapes match
         self.compile_events: list[CompileEvent] = []

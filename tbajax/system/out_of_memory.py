@@ -76,13 +76,13 @@ def _advice(config: ExperimentConfig, role: str) -> str:
         mesh_key = "trainer_mesh" if config.system.mode == "sync" else "searcher_mesh"
         mesh = getattr(config.system, mesh_key)
         whole = "" if mesh.fsdp == 1 or rollout.fsdp_weights != "whole" else (
-            f" It also holds its weights whole along system.{mesh_key}.fsdp={mesh.fsdp} (rollout.fsdp_weights="
-            "whole: sampling reads every weight at every token); rollout.fsdp_weights=tensor splits them over "
-            "the fsdp devices as tensor shards while sampling.")
+            f" It also holds its weights whole along system.{mesh_key}.fsdp={mesh.fsdp} "
+            "(rollout.fsdp_weights=whole: sampling reads every weight at every token); "
+            "rollout.fsdp_weights=tensor splits them over the fsdp devices as tensor shards while sampling.")
         return (f"A generation call holds the KV cache of {batch} of up to "
-                f"{context(rollout.sampling.max_new_tokens)}.{whole} To need less: fewer sequences at once, shorter "
-                f"contexts, or more devices per searcher (system.devices_per_searcher){shared}. Then `--resume` "
-                "(the sequences at once and the memory fraction may change on resume).")
+                f"{context(rollout.sampling.max_new_tokens)}.{whole} To need less: fewer sequences at once, "
+                f"shorter contexts, or more devices per searcher (system.devices_per_searcher){shared}. Then "
+                "`--resume` (the sequences at once and the memory fraction may change on resume).")
     if role == "evaluator":
         new_tokens = config.eval.max_new_tokens or rollout.sampling.max_new_tokens
         return (f"An evaluation call holds eval.batch_size={config.eval.batch_size} sequences of up to "
