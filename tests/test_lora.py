@@ -521,19 +521,26 @@ def test_adapters_for_another_base_or_config_are_refused_by_name(tmp_path):
 
 
 @pytest.mark.processes
-def test_sync_run_with_lora_trains_adapters_and_samples_with_the_merged_policy(tmp_path):
+@pytest.mark.parametrize("mesh", [(), ("system.cpu_devices_per_trainer_process=2", "system.trainer_mesh.data=1",
+                                       "system.trainer_mesh.fsdp=2", "rollout.fsdp_weights=tensor")],
+                         ids=["one-device", "fsdp-as-tensor"])
+def test_sync_run_with_lora_trains_adapters_and_samples_with_the_merged_policy(tmp_path, mesh):
     """`python -m tbajax.main` in sync mode with LoRA: the sampler gets the merged policy of every
-    step in memory, and checkpoints hold the adapters, not the base."""
+    step in memory, and checkpoints hold the adapters, not the base. Also on a trainer mesh split
+    over fsdp whose sampler takes the fsdp devices as tensor shards (`rollout.fsdp_weights=tensor`:
+    the merged policy resharded at every step)."""
     import orbax.checkpoint as ocp
 
     from tbajax.system.metrics import read_metrics
     from tests.test_system import _finish, _main
 
     run = tmp_path / "run"
-    lora = [a for o in LORA_OVERRIDES for a in ("--set", o)]
+    lora = [a for o in (*LORA_OVERRIDES, *mesh) for a in ("--set", o)]
     out = _finish(_main(run, "--mode=sync", "--set", "train.steps=2", *lora), timeout=600)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["trainer_steps"] == 2, out
+    sampled_as_tensor = "sampler runs on the same devices as tensor=2" in (run / "logs" / "trainer.log").read_text()
+    assert sampled_as_tensor == bool(mesh)
     second = [r for r in read_metrics(run, "trainer") if "loss" in r][1]
     # step 2 trains on samples drawn after update 1: the policy has left the reference (the base)
     # and the sampler drew with exactly the policy the trainer scores (the merged adapters)
