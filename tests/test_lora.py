@@ -521,9 +521,11 @@ def test_adapters_for_another_base_or_config_are_refused_by_name(tmp_path):
 
 
 @pytest.mark.processes
-@pytest.mark.parametrize("mesh", [(), ("system.cpu_devices_per_trainer_process=2", "system.trainer_mesh.data=1",
-                                       "system.trainer_mesh.fsdp=2", "rollout.fsdp_weights=tensor")],
-                         ids=["one-device", "fsdp-as-tensor"])
+FSDP_AS_TENSOR = ("system.cpu_devices_per_trainer_process=2", "system.trainer_mesh.data=1",
+                  "system.trainer_mesh.fsdp=2", "rollout.fsdp_weights=tensor")
+
+
+@pytest.mark.parametrize("mesh", [(), FSDP_AS_TENSOR], ids=["one-device", "fsdp-as-tensor"])
 def test_sync_run_with_lora_trains_adapters_and_samples_with_the_merged_policy(tmp_path, mesh):
     """`python -m tbajax.main` in sync mode with LoRA: the sampler gets the merged policy of every
     step in memory, and checkpoints hold the adapters, not the base. Also on a trainer mesh split
@@ -539,8 +541,8 @@ def test_sync_run_with_lora_trains_adapters_and_samples_with_the_merged_policy(t
     out = _finish(_main(run, "--mode=sync", "--set", "train.steps=2", *lora), timeout=600)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["trainer_steps"] == 2, out
-    sampled_as_tensor = "sampler runs on the same devices as tensor=2" in (run / "logs" / "trainer.log").read_text()
-    assert sampled_as_tensor == bool(mesh)
+    log = (run / "logs" / "trainer.log").read_text()
+    assert ("sampler runs on the same devices as tensor=2" in log) == bool(mesh)
     second = [r for r in read_metrics(run, "trainer") if "loss" in r][1]
     # step 2 trains on samples drawn after update 1: the policy has left the reference (the base)
     # and the sampler drew with exactly the policy the trainer scores (the merged adapters)
