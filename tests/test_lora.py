@@ -520,11 +520,11 @@ def test_adapters_for_another_base_or_config_are_refused_by_name(tmp_path):
         reader.restore(version, nnx.to_pure_dict(base))
 
 
-@pytest.mark.processes
 FSDP_AS_TENSOR = ("system.cpu_devices_per_trainer_process=2", "system.trainer_mesh.data=1",
                   "system.trainer_mesh.fsdp=2", "rollout.fsdp_weights=tensor")
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("mesh", [(), FSDP_AS_TENSOR], ids=["one-device", "fsdp-as-tensor"])
 def test_sync_run_with_lora_trains_adapters_and_samples_with_the_merged_policy(tmp_path, mesh):
     """`python -m tbajax.main` in sync mode with LoRA: the sampler gets the merged policy of every
