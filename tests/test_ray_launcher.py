@@ -310,6 +310,28 @@ def test_ray_second_ctrl_c_kills_every_role_at_once(ray_cluster, tmp_path, capsy
     assert not (run / "launcher.lock").exists()
 
 
+def test_a_stop_that_reaches_an_actor_before_its_role_starts_is_kept(ray_cluster, tmp_path):
+    """A run that ends while a role's actor is still starting (a trainer that failed at once): the
+    final stop finds no process to signal, and the role must not start after it (it would run until
+    the launcher's grace period ran out and it was killed)."""
+    from tbajax.system.ray_launcher import RoleActor
+    from tests.test_launcher import ROLE
+
+    run = tmp_path / "run"
+    run.mkdir()
+    script = tmp_path / "role.py"
+    script.write_text(ROLE)
+    config = load_experiment("tiny_arithmetic")
+    options = actor_options(config.system.ray, "searcher", max_restarts=0)
+    actor = ray.remote(RoleActor).options(**options).remote(
+        config, "searcher-0", 0, [], str(run / "logs" / "searcher-0.log"), os.getcwd(), 0.0,
+        [sys.executable, str(script), str(run), "searcher-0", "wait"])
+    ray.get(actor.signal.remote(signal.SIGTERM, True))
+    assert ray.get(actor.run.remote(), timeout=60) == 0
+    assert not (run / "searcher-0.starts").exists()  # the role never started
+    ray.kill(actor)
+
+
 @pytest.mark.parametrize("role", ["trainer", "searcher-0"])
 def test_ray_role_out_of_device_memory_is_not_restarted(ray_cluster, tmp_path, capsys, role):
     """Stand-in roles (tests/test_launcher.py's) under Ray actors with restart budgets: the role

@@ -21,6 +21,7 @@ file, grace period, then `ray.kill`), a second Ctrl-C, and the final summary.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -120,8 +121,12 @@ class RoleActor:
         role out of device memory returns its code instead: a restart would run out again."""
         time.sleep(self.backoff_s)  # a crash loop does not spin
         self.backoff_s = 0.0
+        if self.stopping:  # the run ended while this actor started: a final stop found no process
+            return 0
         self.child.start()
         assert self.child.proc is not None
+        if self.stopping:  # ... or came while the role started (`signal` runs beside `run`)
+            self.child.signal(signal.SIGTERM)
         code = self.child.proc.wait()
         self.child.kill_group()  # its reward workers and a hung grader too
         if code != 0 and not self.stopping:
