@@ -3,7 +3,7 @@
 (`rollout.fsdp_weights=tensor`) vs gathered by every prompt pass and decode step
 (`rollout.fsdp_weights=split`), against a data mesh that holds every weight whole.
 
-    python experiments/benchmarks/fsdp_sampling.py [--quick] [--devices 2] [--json PATH]
+    python experiments/benchmarks/fsdp_sampling.py [--quick] [--cpu-devices 2] [--json PATH]
 
 A trainer that samples itself (system.mode=sync) samples on its training mesh, and a searcher
 may be given an fsdp mesh. Arms, each a `Sampler` over the same N host devices (XLA's
@@ -37,13 +37,10 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 
 from common import host_devices_flag  # noqa: E402
 
-# before jax: XLA reads the host device count when it opens its CPU backend
-_argv = sys.argv[1:]
-_devices = next((a.split("=", 1)[1] for a in _argv if a.startswith("--devices=")), None)
-if _devices is None and "--devices" in _argv:
-    _devices = _argv[_argv.index("--devices") + 1]
-os.environ["XLA_FLAGS"] = host_devices_flag(["--cpu-devices", _devices or "2"],
-                                           os.environ.get("XLA_FLAGS", ""))
+# before jax: XLA reads the host device count when it opens its CPU backend (2 unless given)
+_given = any(a.startswith("--cpu-devices") for a in sys.argv[1:])
+_argv = sys.argv[1:] if _given else ["--cpu-devices", "2"]
+os.environ["XLA_FLAGS"] = host_devices_flag(_argv, os.environ.get("XLA_FLAGS", ""))
 
 import jax  # noqa: E402
 from common import (  # noqa: E402
@@ -108,19 +105,19 @@ def bench(size: str, batch: int, prompt_len: int, new_tokens: int, devices: int,
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="10M, batch 8, 16 + 16 tokens, 2 rounds")
-    ap.add_argument("--devices", type=int, default=2, help="host devices of every arm's mesh (default 2)")
+    ap.add_argument("--cpu-devices", type=int, default=2, help="host devices of every arm's mesh (default 2)")
     ap.add_argument("--models", nargs="+", default=["10M", "50M"], choices=["10M", "50M"])
     ap.add_argument("--rounds", type=int, default=5, help="calls per arm, in turns")
     ap.add_argument("--json", help="write the figures to this path")
     args = ap.parse_args()
     keep_freed_memory()
-    if len(jax.devices()) < args.devices:
-        raise SystemExit(f"needs {args.devices} devices, this backend has {len(jax.devices())}")
+    if len(jax.devices()) < args.cpu_devices:
+        raise SystemExit(f"needs {args.cpu_devices} devices, this backend has {len(jax.devices())}")
     t0 = time.perf_counter()
     if args.quick:
-        rows = bench("10M", 8, 16, 16, args.devices, 2)
+        rows = bench("10M", 8, 16, 16, args.cpu_devices, 2)
     else:
-        rows = [r for size in args.models for r in bench(size, 32, 64, 128, args.devices, args.rounds)]
+        rows = [r for size in args.models for r in bench(size, 32, 64, 128, args.cpu_devices, args.rounds)]
     info = machine()
     print(machine_line(info))
     print_table(rows, ["model", "batch", "tokens", "devices", "arm", "s", "tok_s", "vs_data", "all_gathers",
