@@ -548,6 +548,8 @@ def test_bad_inputs_fail_before_compiling(llama):
         ({"temperature": -0.1}, "temperature"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
+        ({"top_p": None}, r"top_p must be in \(0, 1\] \(1 = off\), got None"),  # not a TypeError
+        ({"temperature": None}, "temperature"),
         ({"top_k": -1}, "top_k"),
         ({"min_new_tokens": 9, "max_new_tokens": 8}, "min_new_tokens"),
     ]:

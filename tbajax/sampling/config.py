@@ -39,11 +39,11 @@ class SamplingConfig:
             raise ValueError(
                 f"num_samples (K samples per prompt) must be a positive int, got {self.num_samples!r}"
             )
-        if not self.temperature >= 0:  # also rejects NaN
+        if not _is_number(self.temperature) or not self.temperature >= 0:  # also rejects NaN
             raise ValueError(
                 f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}"
             )
-        if not 0 < self.top_p <= 1:
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
@@ -66,3 +66,8 @@ class SamplingConfig:
     def logprob_temperature(self) -> float:
         """The T of the distribution the reported log-probs are under."""
         return 1.0 if self.temperature == 0 else float(self.temperature)
+
+
+def _is_number(x: object) -> bool:
+    """A real number, not a bool or None (None is not "off" here: top_p=1.0 and top_k=0 are)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
