@@ -21,7 +21,10 @@ import pytest
 from tbajax.models import layers, load_model
 from tbajax.sampling import Sampler, SamplingConfig
 from tbajax.sampling.continuous import ContinuousEngine, request_keys
+from tbajax.sharding import MeshConfig, make_mesh
 from tbajax.training import init_train_state, resolve_objective, train_step
+from tbajax.training.collate import scored_windows
+from tbajax.training.step import batch_shardings
 from tests.test_model_families import DECODERS, _build
 from tests.test_training import ACCUM_CONFIG, fresh_model, make_batch
 
@@ -103,6 +106,38 @@ def test_train_step_lowered_for_cuda_matches_the_cpu_step(dtype, monkeypatch):
         assert float(got_out.metrics[name]) == pytest.approx(float(want_out.metrics[name]), rel=tol), name
     for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(want.params)):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=tol, rtol=tol)
+
+
+def test_programs_on_a_mesh_lowered_for_cuda_match_one_cpu_device(tiny_checkpoint):
+    """On a data x fsdp x tensor mesh of 8 (CPU) devices, as on a multi-GPU host: a TB update and
+    a sampler's programs lowered for CUDA give one CPU device's params, tokens and log-probs."""
+    assert jax.device_count() == 8
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    config = ACCUM_CONFIG
+    objective, objective_config = resolve_objective("tb", None)
+    fn = jax.jit(functools.partial(train_step, graphdef=init_train_state(fresh_model(), config)[0],
+                                   objective=objective, objective_config=objective_config, config=config))
+    batch = make_batch(0)
+    want, want_out = fn(init_train_state(fresh_model(), config)[1], batch)
+    _, state = init_train_state(fresh_model(), config, mesh)
+    batch = dataclasses.replace(batch, scored=scored_windows(np.asarray(batch.loss_mask)))
+    batch = jax.device_put(batch, batch_shardings(mesh))
+    with jax.set_mesh(mesh):
+        got, got_out = fn.trace(state, batch).lower(lowering_platforms=("cuda",)).compile()(state, batch)
+    assert got.params["layers"]["q_proj"][...].sharding.mesh == mesh
+    assert float(got_out.metrics["loss"]) == pytest.approx(float(want_out.metrics["loss"]), rel=1e-5)
+    for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(want.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
+
+    key = jax.random.key(3)
+    want_sample = Sampler(load_model(tiny_checkpoint("llama")), max_cache_length=64).sample(PROMPTS, CFG, key)
+    lowered: list[str] = []
+    model = load_model(tiny_checkpoint("llama"), mesh=mesh)
+    got_sample = sampler_lowered_for(("cuda",), model, lowered, mesh=mesh, max_cache_length=64).sample(
+        PROMPTS, CFG, key)
+    assert lowered
+    np.testing.assert_array_equal(got_sample.tokens, want_sample.tokens)
+    np.testing.assert_allclose(got_sample.logprobs, want_sample.logprobs, atol=1e-5)
 
 
 @pytest.mark.parametrize("family", ["llama", "neox_parallel"])
