@@ -298,7 +298,8 @@ def print_summary(summary: dict, run_dir: Path) -> None:
     ]
     width = max(len(k) for k, _ in rows)
     print("\n" + "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows))
-    print(f"(summary.json, metrics.jsonl, tensorboard/ and plots/learning_curve.png are in {run_dir})")
+    print(f"(summary.json, metrics.jsonl, tensorboard/ and plots/learning_curve.png are in {run_dir}; "
+          f"`python -m tbajax.export {run_dir}` writes the policy as a Hugging Face checkpoint)")
 
 
 def entry_point() -> int:

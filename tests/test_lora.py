@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -550,3 +551,16 @@ def test_sync_run_with_lora_trains_adapters_and_samples_with_the_merged_policy(t
     state = ocp.StandardCheckpointer().restore(run / "checkpoints" / "2" / "state")
     assert sorted(state["params"]) == ["layers.down_proj", "layers.q_proj", "layers.v_proj"]
     assert state["ref_params"] is None
+    # `python -m tbajax.export`: a sync run publishes no versions, so its last checkpoint is exported,
+    # the adapters merged into the base: the adapted weights moved, every other weight is the base's
+    from safetensors.numpy import load_file
+
+    from tbajax.export import main as export_main
+
+    assert export_main([str(run)]) == 0
+    exported = load_file(run / "hf" / "checkpoint-2" / "model.safetensors")
+    config = json.loads((run / "config.json").read_text())
+    base = load_file(Path(config["model"]["checkpoint"]) / "model.safetensors")
+    assert sorted(exported) == sorted(base)
+    adapted = {k for k in base if not np.array_equal(exported[k], base[k])}
+    assert adapted and {k.split(".")[-2] for k in adapted} == {"q_proj", "v_proj", "down_proj"}, adapted

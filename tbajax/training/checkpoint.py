@@ -135,6 +135,44 @@ class Checkpointer:
         self.close()
 
 
+def restore_params(directory: str | Path, step: int | None = None) -> tuple[Any, int]:
+    """(params, step): the trained params alone of checkpoint `step` (default: the newest
+    complete one), as a nested dict of arrays on the first device in their stored dtypes: a full
+    run's policy, or a LoRA run's adapters (`TrainState.params`). Nothing else is read (no
+    optimizer moments, no reference params), and no target state needs building: the
+    checkpoint's own metadata gives the shapes. Used to export a run's policy."""
+    directory = directory if "://" in str(directory) else Path(directory).absolute()
+    options = ocp.CheckpointManagerOptions(create=False, read_only=True)
+    manager = ocp.CheckpointManager(directory, options=options, item_names=("state", "extra"))
+    steps = sorted(manager.all_steps())
+    if not steps:
+        raise FileNotFoundError(f"no complete trainer checkpoint under {directory}")
+    if step is None:
+        step = steps[-1]
+    elif step not in steps:
+        raise FileNotFoundError(f"no checkpoint for step {step} under {directory}; have {steps}")
+    path = manager.directory / str(step) / "state"
+    metadata = ocp.PyTreeCheckpointer().metadata(path).item_metadata.tree["params"]
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = {"params": jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one),
+                                     metadata)}
+    restore_args = jax.tree.map(
+        lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding, global_shape=s.shape, dtype=s.dtype), target)
+    restored = ocp.PyTreeCheckpointer().restore(
+        path, args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True))
+    manager.close()
+    return _unwrap_values(restored["params"]), step
+
+
+def _unwrap_values(tree: Any) -> Any:
+    """A saved nnx State's {"value": array} nodes (one per Param) as the arrays themselves."""
+    if isinstance(tree, dict):
+        if set(tree) == {"value"}:
+            return tree["value"]
+        return {k: _unwrap_values(v) for k, v in tree.items()}
+    return tree
+
+
 def _check_raw_keys(state: Any) -> None:
     for leaf in jax.tree.leaves(state):
         dtype = getattr(leaf, "dtype", None)

@@ -1,0 +1,182 @@
+"""A run's policy as a Hugging Face checkpoint, for transformers, vLLM or an evaluation harness.
+
+    python -m tbajax.export RUN_DIR [--version N | --checkpoint STEP] [--out DIR] [--dtype bfloat16]
+
+Writes config.json, safetensors and the run's tokenizer (`AutoModelForCausalLM.from_pretrained(DIR)`
+loads it) from a published param version (the weights the searchers sample with; the newest
+`system.keep_param_versions` are kept) or a trainer checkpoint (the trainer's own params, only
+those read). By default, whichever is newer. A LoRA run is exported with its adapters merged into
+its base checkpoint (`model.checkpoint`), which is read only then; otherwise the architecture is
+all that comes from the base checkpoint (its config.json: a local directory, or a hub id in the
+local cache). `export.json` beside the weights records the run, the source and the trainer step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ExportError(RuntimeError):
+    """What was asked for cannot be exported (nothing published, an occupied output directory)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Exported:
+    directory: Path
+    source: str  # "param version N" or "trainer checkpoint N"
+    step: int | None  # the trainer step of those params
+    lora_merged: bool  # LoRA adapters merged into the base checkpoint
+    dtype: str
+
+
+def export_policy(run_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str] | None = None, *,
+                  version: int | None = None, checkpoint: int | None = None, dtype: str | None = None,
+                  store_url: str | None = None, overwrite: bool = False) -> Exported:
+    """Write the policy of the run in `run_dir` as an HF checkpoint in `out_dir` (None:
+    RUN_DIR/hf/version-N or RUN_DIR/hf/checkpoint-N), in `dtype` (None: `model.param_dtype`, what
+    the searchers sample with).
+
+    The params are published version `version`, or trainer checkpoint `checkpoint` (a step);
+    neither: whichever of the newest version and the newest checkpoint is of the later trainer
+    step, the checkpoint on a tie (it holds the trainer's own params, a version may be a bf16
+    copy). A sync-mode run publishes no versions: its checkpoints are what it has. An existing,
+    non-empty `out_dir` is an error unless `overwrite`."""
+    from flax import nnx
+
+    from tbajax.models import ModelConfig, resolve_checkpoint, save_model
+    from tbajax.models.hf import abstract_model, load_weights
+    from tbajax.stores.params import ParamReader
+    from tbajax.stores.urls import param_store_url
+    from tbajax.system import rundir
+    from tbajax.system.assets import load_tokenizer_for
+    from tbajax.system.publishing import SearcherParams, publishes_adapters
+    from tbajax.training.checkpoint import restore_params
+
+    run_dir = Path(run_dir)
+    if dtype is not None and dtype not in DTYPES:
+        raise ExportError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    if version is not None and checkpoint is not None:
+        raise ExportError("give a param version or a trainer checkpoint to export, not both")
+    if not (run_dir / "config.json").is_file():
+        raise ExportError(f"{run_dir} holds no run (no config.json): pass the --run-dir of a "
+                          "`python -m tbajax.main` run")
+    config = rundir.load_config(run_dir)
+    store = param_store_url(store_url or str(run_dir))
+    reader = ParamReader(store, f"export-{os.getpid()}")
+    if version is None and checkpoint is None:
+        version, checkpoint = _newest(reader, rundir.checkpoint_steps(run_dir), store, run_dir)
+    step = checkpoint if version is None else reader.version_step(version)  # ParamVersionError: which exist
+    name = f"version-{version}" if version is not None else f"checkpoint-{checkpoint}"
+    out = Path(out_dir) if out_dir is not None else run_dir / "hf" / name
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise ExportError(f"{out} exists and is not empty: pass another --out, or --overwrite to replace "
+                          "its files")
+
+    source = resolve_checkpoint(config.model.checkpoint)
+    cfg = ModelConfig.from_hf(json.loads((source / "config.json").read_text()),
+                              param_dtype=config.model.param_dtype, dtype=config.model.dtype)
+    adapters = config.model.lora is not None and (version is None or publishes_adapters(config))
+    if adapters:  # a LoRA run's checkpoints (and adapter versions) hold adapters: merged into the base
+        base = nnx.state(load_weights(source, cfg), nnx.Param)
+        graphdef = nnx.graphdef(abstract_model(cfg))
+    else:  # every weight is stored: the architecture is all that is needed
+        graphdef, base = nnx.split(abstract_model(cfg))
+    reading = SearcherParams(base, None, config.model.lora)
+    if version is not None:
+        with reader:
+            state = reading.load(reader, version)
+    else:
+        trained, _ = restore_params(run_dir / "checkpoints", checkpoint)
+        state = reading.merge(trained, config.model.lora) if adapters else _replaced(base, trained)
+    dtype = dtype or config.model.param_dtype
+    save_model(nnx.merge(graphdef, state), out, dtype=dtype)
+    load_tokenizer_for(config).save_pretrained(out)
+    what = f"param version {version}" if version is not None else f"trainer checkpoint {checkpoint}"
+    record = {"run": str(run_dir.resolve()), "run_id": _run_id(run_dir), "experiment": config.name,
+              "objective": config.train.objective, "base_checkpoint": config.model.checkpoint, "source": what,
+              "version": version, "checkpoint": checkpoint, "step": step,
+              "lora_merged": adapters, "dtype": dtype,
+              "time": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+    (out / "export.json").write_text(json.dumps(record, indent=2) + "\n")
+    return Exported(out, what, step, adapters, dtype)
+
+
+def _newest(reader: Any, checkpoints: list[int], store: str, run_dir: Path) -> tuple[int | None, int | None]:
+    """(version, None) or (None, checkpoint step): the later trainer step, the checkpoint on a tie."""
+    latest = reader.latest_version()
+    if latest is None and not checkpoints:
+        raise ExportError(f"{run_dir} has no params to export yet: no version published to {store} and no "
+                          "trainer checkpoint (the trainer publishes at each sync and checkpoints every "
+                          "train.checkpoint_every steps)")
+    if latest is None:
+        return None, checkpoints[-1]
+    step = reader.version_step(latest)
+    if checkpoints and (step is None or checkpoints[-1] >= step):
+        return None, checkpoints[-1]
+    return latest, None
+
+
+def _replaced(base: Any, values: Any) -> Any:
+    """A copy of the (abstract) state `base` holding `values` (a nested dict of its params)."""
+    import jax
+    from flax import nnx
+
+    state = jax.tree.map(lambda x: x, base)
+    nnx.replace_by_pure_dict(state, values)
+    return state
+
+
+def _run_id(run_dir: Path) -> str | None:
+    path = run_dir / "run_id"
+    return path.read_text().strip() if path.is_file() else None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m tbajax.export", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("run_dir", type=Path, help="the run directory (--run-dir of python -m tbajax.main)")
+    source = ap.add_mutually_exclusive_group()
+    source.add_argument("--version", type=int, help="a published param version (see RUN_DIR/params)")
+    source.add_argument("--checkpoint", type=int, metavar="STEP",
+                        help="a trainer checkpoint (see RUN_DIR/checkpoints)")
+    ap.add_argument("--out", type=Path, help="output directory (default: RUN_DIR/hf/version-N)")
+    ap.add_argument("--dtype", choices=DTYPES, help="weights dtype (default: the run's model.param_dtype)")
+    ap.add_argument("--store", help="URL of the run's stores where they are not the run dir (main's --store)")
+    ap.add_argument("--overwrite", action="store_true", help="write into a non-empty --out")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from tbajax.config import ConfigError
+    from tbajax.models import CheckpointError
+    from tbajax.stores.params import ParamStoreError, ParamVersionError
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's notes on metadata files it does without
+    try:
+        done = export_policy(args.run_dir, args.out, version=args.version, checkpoint=args.checkpoint,
+                             dtype=args.dtype, store_url=args.store, overwrite=args.overwrite)
+    except (ExportError, ConfigError, CheckpointError, ParamStoreError, ParamVersionError,
+            FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    step = "" if done.step is None else f" (trainer step {done.step})"
+    merged = ", its LoRA adapters merged into the base checkpoint," if done.lora_merged else ""
+    print(f"exported {done.source}{step} of {args.run_dir}{merged} in {done.dtype} to {done.directory}\n"
+          f"load it with transformers.AutoModelForCausalLM.from_pretrained({str(done.directory)!r})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""`python -m tbajax.export`: a run's published policy as a Hugging Face checkpoint that torch
+transformers loads with the logits of the params the run published (full weights, or LoRA
+adapters merged into the base), with the run's tokenizer; and clear errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from tbajax.config import apply_overrides
+from tbajax.export import ExportError, export_policy, main
+from tbajax.main import load_experiment
+from tbajax.models import load_model
+from tbajax.models.lora import adapter_arrays, adapter_manifest, init_lora, merge_lora
+from tbajax.stores import ParamPublisher
+from tbajax.stores.params import ParamVersionError
+from tbajax.stores.urls import param_store_url
+from tbajax.training import Checkpointer, init_train_state
+from tests.conftest import logits_of
+
+IDS = np.array([[1, 5, 9, 3, 11, 4, 7, 2]])
+LORA = ["model.lora.rank=4", "model.lora.alpha=8", 'model.lora.targets=["q_proj","v_proj","down_proj"]']
+
+
+def make_run(run_dir, *overrides: str):
+    """A run directory as `python -m tbajax.main` leaves one (config.json, run_id), of the default
+    experiment, and its param publisher."""
+    config = apply_overrides(load_experiment("tiny_arithmetic"), list(overrides))
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.json").write_text(config.to_json())
+    (run_dir / "run_id").write_text("run-a\n")
+    return config, ParamPublisher(param_store_url(str(run_dir)), "run-a", dtype="float32")
+
+
+def perturbed(state, seed: int):
+    """The params moved off the checkpoint's, as a trained policy's are."""
+    leaves, treedef = jax.tree.flatten(nnx.to_pure_dict(state))
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    return jax.tree.unflatten(treedef, [x + 0.05 * jax.random.normal(k, x.shape, x.dtype)
+                                        for x, k in zip(leaves, keys)])
+
+
+def torch_logits(directory) -> np.ndarray:
+    """The checkpoint's logits for IDS, computed in fp32 (bf16 weights are widened exactly)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        return model(torch.tensor(IDS)).logits.float().numpy()
+
+
+def with_params(model, pure):
+    state = nnx.state(model, nnx.Param)
+    nnx.replace_by_pure_dict(state, pure)
+    return nnx.merge(nnx.graphdef(model), state)
+
+
+def test_export_loads_in_transformers_with_the_published_logits_and_the_runs_tokenizer(tmp_path, capsys):
+    from transformers import AutoTokenizer
+
+    run = tmp_path / "run"
+    config, publisher = make_run(run)
+    model = load_model(config.model.checkpoint)
+    versions = [perturbed(nnx.state(model, nnx.Param), seed) for seed in (1, 2)]
+    with publisher:
+        for step, params in enumerate(versions, 1):
+            publisher.publish(params, {"kind": "full"}, step=step * 10)
+
+    done = export_policy(run)  # the newest version, in model.param_dtype, under RUN/hf
+    assert (done.directory, done.source, done.step) == (run / "hf" / "version-2", "param version 2", 20)
+    assert not done.lora_merged
+    want = logits_of(with_params(model, versions[1]), IDS)
+    np.testing.assert_allclose(torch_logits(done.directory), want, atol=2e-5)
+    record = json.loads((done.directory / "export.json").read_text())
+    assert record["version"] == 2 and record["step"] == 20 and record["run_id"] == "run-a"
+    assert record["base_checkpoint"] == config.model.checkpoint and record["dtype"] == "float32"
+    tokenizer = AutoTokenizer.from_pretrained(done.directory)
+    text = "12+345="
+    from tbajax.system.assets import load_tokenizer_for
+
+    assert tokenizer(text)["input_ids"] == load_tokenizer_for(config)(text)["input_ids"]
+
+    # the command line: an older version, elsewhere, in bf16
+    out = tmp_path / "v1-bf16"
+    assert main([str(run), "--version", "1", "--out", str(out), "--dtype", "bfloat16"]) == 0
+    printed = capsys.readouterr().out
+    assert f"exported param version 1 (trainer step 10) of {run} in bfloat16 to {out}\n" in printed
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    from safetensors import safe_open
+
+    with safe_open(out / "model.safetensors", "pt") as f:
+        assert {str(f.get_tensor(k).dtype) for k in f.keys()} == {"torch.bfloat16"}
+    bf16 = logits_of(with_params(model, jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(x.dtype),
+                                                     versions[0])), IDS)
+    np.testing.assert_allclose(torch_logits(out), bf16, atol=2e-5)
+
+
+def test_a_lora_run_exports_its_adapters_merged_into_the_base(tmp_path):
+    run = tmp_path / "run"
+    config, publisher = make_run(run, *LORA)
+    model = load_model(config.model.checkpoint)
+    base = nnx.state(model, nnx.Param)
+    adapters = init_lora(base, config.model.lora, jax.random.key(0))
+    for i, (name, pair) in enumerate(sorted(adapters.items())):  # B = 0 at init: give it values
+        b = pair["b"]
+        values = 0.1 * jax.random.normal(jax.random.key(i), b.shape, b.dtype)
+        pair["b"] = nnx.Param(values, **b.get_metadata())
+    meta = {**adapter_manifest(base, config.model.lora), "base_checkpoint": config.model.checkpoint}
+    with publisher:
+        publisher.publish(adapter_arrays(adapters), meta, step=3)
+    done = export_policy(run, tmp_path / "merged")
+    assert done.lora_merged and done.step == 3
+    want = logits_of(merge_lora(model, adapters, config.model.lora), IDS)
+    assert np.abs(want - logits_of(model, IDS)).max() > 1e-3  # the adapters change the policy
+    np.testing.assert_allclose(torch_logits(done.directory), want, atol=2e-5)
+
+
+def test_what_cannot_be_exported_is_said(tmp_path, capsys):
+    run = tmp_path / "run"
+    config, publisher = make_run(run)
+    with pytest.raises(ExportError, match="no params to export yet: no version published to .* and no"):
+        export_policy(run)
+    params = nnx.to_pure_dict(nnx.state(load_model(config.model.checkpoint), nnx.Param))
+    with publisher:
+        for step in range(1, 6):  # keeps the newest 3
+            publisher.publish(params, {"kind": "full"}, step=step)
+    with pytest.raises(ParamVersionError, match=r"version 1 is not available .* versions are \[3, 4, 5\]"):
+        export_policy(run, version=1)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(ExportError, match="exists and is not empty: pass another --out, or --overwrite"):
+        export_policy(run, out)
+    assert export_policy(run, out, overwrite=True).source == "param version 5"
+    assert (out / "notes.txt").exists()  # --overwrite replaces the export's files, not the directory
+    assert main([str(tmp_path / "nothing-here")]) == 2
+    assert "holds no run" in capsys.readouterr().err
+    assert main([str(run), "--version", "2"]) == 2
+    assert "param version 2 is not available" in capsys.readouterr().err
+    assert main([str(run), "--checkpoint", "4"]) == 2
+    assert "no complete trainer checkpoint under" in capsys.readouterr().err
+
+
+def test_a_trainer_checkpoint_exports_its_params_and_the_newer_source_is_the_default(tmp_path):
+    """A sync-mode run publishes nothing: its checkpoints hold the policy. Only the params are read
+    from a checkpoint (not the optimizer's moments or the reference), and by default the export
+    takes whichever of the newest checkpoint and the newest version is of the later step."""
+    run = tmp_path / "run"
+    config, publisher = make_run(run)
+    model = load_model(config.model.checkpoint)
+    trained = with_params(model, perturbed(nnx.state(model, nnx.Param), 3))
+    trainer = config.train.trainer
+    _, state = init_train_state(trained, trainer)
+    state = dataclasses.replace(state, step=jnp.asarray(10, jnp.int32))
+    with Checkpointer(run / "checkpoints") as checkpoints:
+        checkpoints.save(state, {"buffer": {}})
+    done = export_policy(run)
+    assert (done.source, done.step, done.directory.name) == ("trainer checkpoint 10", 10, "checkpoint-10")
+    np.testing.assert_allclose(torch_logits(done.directory), logits_of(trained, IDS), atol=2e-5)
+    with publisher:
+        publisher.publish(perturbed(nnx.state(model, nnx.Param), 4), {"kind": "full"}, step=10)
+        assert export_policy(run, tmp_path / "tie").source == "trainer checkpoint 10"  # the trainer's own
+        publisher.publish(perturbed(nnx.state(model, nnx.Param), 5), {"kind": "full"}, step=11)
+    assert export_policy(run, tmp_path / "newer").source == "param version 2"
+    assert export_policy(run, tmp_path / "asked", checkpoint=10).source == "trainer checkpoint 10"
