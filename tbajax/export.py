@@ -2,8 +2,8 @@
 
     python -m tbajax.export RUN_DIR [--version N | --checkpoint STEP] [--out DIR] [--dtype bfloat16]
 
-Writes config.json, safetensors and the run's tokenizer (`AutoModelForCausalLM.from_pretrained(DIR)`
-loads it) from a published param version (the weights the searchers sample with; the newest
+Writes config.json, safetensors, the run's tokenizer and its rollout sampling as
+generation_config.json (`AutoModelForCausalLM.from_pretrained(DIR)` loads it) from a published param version (the weights the searchers sample with; the newest
 `system.keep_param_versions` are kept) or a trainer checkpoint (the trainer's own params, only
 those read). By default, whichever is newer. A LoRA run is exported with its adapters merged into
 its base checkpoint (`model.checkpoint`), which is read only then; otherwise the architecture is
@@ -100,7 +100,9 @@ def export_policy(run_dir: str | os.PathLike[str], out_dir: str | os.PathLike[st
         state = reading.merge(trained, config.model.lora) if adapters else _replaced(base, trained)
     dtype = dtype or config.model.param_dtype
     save_model(nnx.merge(graphdef, state), out, dtype=dtype)
-    load_tokenizer_for(config).save_pretrained(out)
+    tokenizer = load_tokenizer_for(config)
+    tokenizer.save_pretrained(out)
+    generation_config(config, cfg, tokenizer).save_pretrained(out)
     what = f"param version {version}" if version is not None else f"trainer checkpoint {checkpoint}"
     record = {"run": str(run_dir.resolve()), "run_id": _run_id(run_dir), "experiment": config.name,
               "objective": config.train.objective, "base_checkpoint": config.model.checkpoint, "source": what,
@@ -109,6 +111,24 @@ def export_policy(run_dir: str | os.PathLike[str], out_dir: str | os.PathLike[st
               "time": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
     (out / "export.json").write_text(json.dumps(record, indent=2) + "\n")
     return Exported(out, what, step, adapters, dtype)
+
+
+def generation_config(config: Any, cfg: Any, tokenizer: Any) -> Any:
+    """The run's rollout sampling as transformers' `GenerationConfig`, so `generate` (and vLLM,
+    which reads generation_config.json) samples as the searchers did: temperature, top-k / top-p,
+    the stop ids and the response cap."""
+    from transformers import GenerationConfig
+
+    sampling = config.rollout.sampling
+    stops = list(sampling.stop_token_ids if sampling.stop_token_ids is not None else cfg.eos_token_ids)
+    pad = sampling.pad_token_id if sampling.pad_token_id is not None else tokenizer.pad_token_id
+    drawn = {} if sampling.is_greedy else {  # top_k 0 and top_p 1.0 are "off" here as in tbajax
+        "temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p}
+    return GenerationConfig(
+        do_sample=not sampling.is_greedy, **drawn, max_new_tokens=sampling.max_new_tokens,
+        min_new_tokens=sampling.min_new_tokens or None, eos_token_id=stops or None, pad_token_id=pad,
+        bos_token_id=cfg.bos_token_id,
+    )
 
 
 def _newest(reader: Any, checkpoints: list[int], store: str, run_dir: Path) -> tuple[int | None, int | None]:

@@ -63,7 +63,7 @@ def with_params(model, pure):
 
 
 def test_export_loads_in_transformers_with_the_published_logits_and_the_runs_tokenizer(tmp_path, capsys):
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, GenerationConfig
 
     run = tmp_path / "run"
     config, publisher = make_run(run)
@@ -81,6 +81,17 @@ def test_export_loads_in_transformers_with_the_published_logits_and_the_runs_tok
     record = json.loads((done.directory / "export.json").read_text())
     assert record["version"] == 2 and record["step"] == 20 and record["run_id"] == "run-a"
     assert record["base_checkpoint"] == config.model.checkpoint and record["dtype"] == "float32"
+    generation = GenerationConfig.from_pretrained(done.directory)  # the searchers' sampling
+    sampling = config.rollout.sampling
+    assert generation.do_sample and generation.temperature == sampling.temperature == 0.7
+    assert (generation.top_k, generation.top_p, generation.max_new_tokens) == (0, 1.0, sampling.max_new_tokens)
+    assert generation.eos_token_id == [2]  # the checkpoint's eos: the experiment names no stop ids
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)  # transformers' generate samples with the exported settings as they are
+    drawn = AutoModelForCausalLM.from_pretrained(done.directory).generate(torch.tensor(IDS[:, :4]))
+    assert 4 < drawn.shape[1] <= 4 + sampling.max_new_tokens
     tokenizer = AutoTokenizer.from_pretrained(done.directory)
     text = "12+345="
     from tbajax.system.assets import load_tokenizer_for
