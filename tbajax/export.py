@@ -3,12 +3,13 @@
     python -m tbajax.export RUN_DIR [--version N | --checkpoint STEP] [--out DIR] [--dtype bfloat16]
 
 Writes config.json, safetensors, the run's tokenizer and its rollout sampling as
-generation_config.json (`AutoModelForCausalLM.from_pretrained(DIR)` loads it) from a published param version (the weights the searchers sample with; the newest
-`system.keep_param_versions` are kept) or a trainer checkpoint (the trainer's own params, only
-those read). By default, whichever is newer. A LoRA run is exported with its adapters merged into
-its base checkpoint (`model.checkpoint`), which is read only then; otherwise the architecture is
-all that comes from the base checkpoint (its config.json: a local directory, or a hub id in the
-local cache). `export.json` beside the weights records the run, the source and the trainer step.
+generation_config.json (`AutoModelForCausalLM.from_pretrained(DIR)` loads it), from a published
+param version (the weights the searchers sample with; the newest `system.keep_param_versions`
+are kept) or a trainer checkpoint (the trainer's own params, only those read); by default,
+whichever is newer. A LoRA run is exported with its adapters merged into its base checkpoint
+(`model.checkpoint`), which is read only then; otherwise the architecture is all that comes from
+the base checkpoint (its config.json: a local directory, or a hub id in the local cache).
+`export.json` beside the weights records the run, the source and the trainer step.
 """
 
 from __future__ import annotations
