@@ -182,3 +182,14 @@ def test_a_trainer_checkpoint_exports_its_params_and_the_newer_source_is_the_def
         publisher.publish(perturbed(nnx.state(model, nnx.Param), 5), {"kind": "full"}, step=11)
     assert export_policy(run, tmp_path / "newer").source == "param version 2"
     assert export_policy(run, tmp_path / "asked", checkpoint=10).source == "trainer checkpoint 10"
+
+
+def test_evaluate_names_what_is_wrong(capsys):
+    """`python -m tbajax.evaluate` (scored against a run's own final evaluation in
+    `test_system.py::test_async_run_with_two_searchers`): a missing checkpoint and a misspelt key."""
+    from tbajax.evaluate import main as evaluate_main
+
+    assert evaluate_main(["--model", "/nonexistent-checkpoint"]) == 2
+    assert "'/nonexistent-checkpoint' is neither a local directory nor a hub id" in capsys.readouterr().err
+    assert evaluate_main(["--set", "eval.num_problem=3"]) == 2
+    assert "Did you mean 'eval.num_problems'?" in capsys.readouterr().err

@@ -96,6 +96,20 @@ def test_async_run_with_two_searchers(tmp_path):
     assert (run / "plots" / "learning_curve.png").exists()
     assert list((run / "tensorboard" / "trainer").glob("events.*"))
     assert set(discover_searcher_stores(str(run))) == {0, 1}
+    # the final policy exported (`python -m tbajax.export`) and scored by `python -m tbajax.evaluate`
+    # with the run's config reproduces the trainer's own final evaluation
+    from tbajax.export import export_policy
+
+    exported = export_policy(run)
+    assert (exported.source, exported.step) == ("trainer checkpoint 6", 6)
+    env = {**os.environ, "XLA_FLAGS": ROLE_XLA_FLAGS}
+    scored = subprocess.run(
+        [sys.executable, "-m", "tbajax.evaluate", f"--run-dir={run}", f"--model={exported.directory}",
+         f"--json={tmp_path / 'eval.json'}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert scored.returncode == 0, scored.stdout + scored.stderr
+    result = json.loads((tmp_path / "eval.json").read_text())
+    assert result["eval_problems"] == 16 and result["eval_metric"] == summary["eval_metric"]
+    assert result["eval_score"] == summary["eval_score_end"], (result, summary["eval_score_end"])
 
 
 def test_sync_mode_uses_the_same_trainer_and_user_objective(tmp_path):

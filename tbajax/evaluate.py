@@ -1,0 +1,95 @@
+"""A checkpoint scored by an experiment's held-out evaluation, the one its trainer runs.
+
+    python -m tbajax.evaluate [--experiment NAME | --run-dir RUN] [--model DIR_OR_HUB_ID]
+                              [--set KEY=VALUE ...] [--json PATH]
+
+The same eval problems, prompts, greedy (or, for red-teaming, sampled) decoding, graders and
+metrics as the trainer's `eval_*` records (`tbajax.system.evaluation.Evaluator`), for a model
+that did not come out of this run: a base model, an exported policy (`python -m tbajax.export`),
+another library's fine-tune of the same architecture. `--model` replaces `model.checkpoint`
+(its tokenizer too, unless `model.tokenizer` is set); without it the experiment's own
+checkpoint is scored (the step-0 figure of its runs). `--run-dir` takes a run's stored config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def evaluate(config: Any, checkpoint: str | None = None) -> dict[str, float]:
+    """{"eval_score": the task's headline metric, "eval_<name>": every metric} of `checkpoint`
+    (None: `config.model.checkpoint`) under `config`'s evaluation, on the searcher mesh."""
+    from tbajax.models import load_model
+    from tbajax.sharding import make_mesh
+    from tbajax.system.evaluation import Evaluator
+    from tbajax.system.searcher import make_reward_pool
+
+    if checkpoint is not None:
+        model_spec = dataclasses.replace(config.model, checkpoint=str(checkpoint))
+        config = dataclasses.replace(config, model=model_spec)
+    mesh = make_mesh(config.system.searcher_mesh)
+    model = load_model(config.model.checkpoint, mesh=mesh, param_dtype=config.model.param_dtype,
+                       dtype=config.model.dtype, attention=config.model.attention)
+    reward_pool = make_reward_pool(config)
+    try:
+        evaluator = Evaluator(config, model, mesh, reward_pool)
+        out = evaluator.run(model)
+        out["eval_problems"] = float(len(evaluator.problems))
+        return {"eval_metric": evaluator.metric, **out}  # type: ignore[dict-item]
+    finally:
+        if reward_pool is not None:
+            reward_pool.close()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m tbajax.evaluate", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    config = ap.add_mutually_exclusive_group()
+    config.add_argument("--experiment", help="name or path to a .py file (default: the embedded default)")
+    config.add_argument("--run-dir", type=Path, help="take the config of this run")
+    ap.add_argument("--model", help="the checkpoint to score: a local HF directory or a hub id "
+                                    "(default: model.checkpoint)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="config override, as for python -m tbajax.main (e.g. eval.num_problems=100)")
+    ap.add_argument("--json", type=Path, help="also write the metrics to this file")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from tbajax.config import ConfigError, apply_overrides
+    from tbajax.main import DEFAULT_EXPERIMENT, load_experiment
+    from tbajax.models import CheckpointError
+    from tbajax.system import rundir
+
+    try:
+        if args.run_dir is not None:
+            config = rundir.load_config(args.run_dir)
+        else:
+            config = load_experiment(args.experiment or DEFAULT_EXPERIMENT)
+        config = apply_overrides(config, args.overrides)
+        out = evaluate(config, args.model)
+    except (ConfigError, CheckpointError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    model = args.model or config.model.checkpoint
+    print(f"{config.name}: {model} on {int(out['eval_problems'])} eval problems")
+    shown = {k: v for k, v in out.items() if k != "eval_problems"}
+    width = max(len(k) for k in shown)
+    for k, v in shown.items():
+        print(f"  {k.ljust(width)}  {v if isinstance(v, str) else f'{v:.4f}'}")
+    if args.json is not None:
+        record = {"experiment": config.name, "model": str(model), **out}
+        args.json.write_text(json.dumps(record, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
