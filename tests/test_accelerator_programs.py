@@ -26,7 +26,7 @@ from tbajax.training import init_train_state, resolve_objective, train_step
 from tbajax.training.collate import scored_windows
 from tbajax.training.step import batch_shardings
 from tests.test_model_families import DECODERS, _build
-from tests.test_training import ACCUM_CONFIG, fresh_model, make_batch
+from tests.test_training import ACCUM_CONFIG, FAST_COMPILE, fresh_model, make_batch
 
 PROMPTS = [[1, 5, 6, 7], [1, 9], [1, *range(3, 22)], [1, 40, 41]]
 CFG = SamplingConfig(max_new_tokens=8, num_samples=2, temperature=0.8, top_k=40, top_p=0.9,
@@ -95,8 +95,8 @@ def test_train_step_lowered_for_cuda_matches_the_cpu_step(dtype, monkeypatch):
     batch = make_batch(0)
     fn = jax.jit(functools.partial(train_step, graphdef=graphdef, objective=objective,
                                    objective_config=objective_config, config=config))
-    on_cpu = fn.trace(state, batch).lower().compile()
-    for_cuda = fn.trace(state, batch).lower(lowering_platforms=("cuda",)).compile()
+    on_cpu = fn.trace(state, batch).lower().compile(FAST_COMPILE)
+    for_cuda = fn.trace(state, batch).lower(lowering_platforms=("cuda",)).compile(FAST_COMPILE)
     assert conditionals(for_cuda) == 1 < conditionals(on_cpu)
     assert loops(for_cuda) < loops(on_cpu)  # the attention's forward and VJP row loops of each layer
     (want, want_out), (got, got_out) = on_cpu(state, batch), for_cuda(state, batch)
@@ -118,12 +118,14 @@ def test_programs_on_a_mesh_lowered_for_cuda_match_one_cpu_device(tiny_checkpoin
     fn = jax.jit(functools.partial(train_step, graphdef=init_train_state(fresh_model(), config)[0],
                                    objective=objective, objective_config=objective_config, config=config))
     batch = make_batch(0)
-    want, want_out = fn(init_train_state(fresh_model(), config)[1], batch)
+    one_device = init_train_state(fresh_model(), config)[1]
+    want, want_out = fn.trace(one_device, batch).lower().compile(FAST_COMPILE)(one_device, batch)
     _, state = init_train_state(fresh_model(), config, mesh)
     batch = dataclasses.replace(batch, scored=scored_windows(np.asarray(batch.loss_mask)))
     batch = jax.device_put(batch, batch_shardings(mesh))
     with jax.set_mesh(mesh):
-        got, got_out = fn.trace(state, batch).lower(lowering_platforms=("cuda",)).compile()(state, batch)
+        lowered_step = fn.trace(state, batch).lower(lowering_platforms=("cuda",))
+        got, got_out = lowered_step.compile(FAST_COMPILE)(state, batch)
     assert got.params["layers"]["q_proj"][...].sharding.mesh == mesh
     assert float(got_out.metrics["loss"]) == pytest.approx(float(want_out.metrics["loss"]), rel=1e-5)
     for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(want.params)):
@@ -143,9 +145,9 @@ def test_programs_on_a_mesh_lowered_for_cuda_match_one_cpu_device(tiny_checkpoin
 @pytest.mark.parametrize("family", ["llama", "neox_parallel"])
 def test_sampler_and_continuous_engine_lowered_for_cuda_sample_what_the_cpu_programs_sample(
         checkpoint, family):
-    """Static sampling (top-k + top-p, K samples sharing each prompt's cache, stops) and the
-    continuous engine over the same keys: the same tokens and log-probs as on CPU. The decode
-    products take x w^T rather than the CPU's weight-first w x^T (`layers.out_major_product`)."""
+    """Static sampling (top-k + top-p, K samples sharing each prompt's cache, stops) and, for the
+    Llama, the continuous engine over the same keys: the same tokens and log-probs as on CPU. The
+    decode products take x w^T rather than the CPU's weight-first w x^T (`layers.out_major_product`)."""
     model = load_model(checkpoint(family))
     key = jax.random.key(11)
     on_cpu: list[str] = []
@@ -159,7 +161,8 @@ def test_sampler_and_continuous_engine_lowered_for_cuda_sample_what_the_cpu_prog
     np.testing.assert_array_equal(got.length, want.length)
     np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5)
     assert got.finished.any() and not got.finished.all()
-
+    if family != "llama":
+        return
     engine = ContinuousEngine(sampler, CFG, slots=4, chunk=3, max_prompt_tokens=32)
     k = CFG.num_samples
     for i, p in enumerate(PROMPTS):
