@@ -1,14 +1,15 @@
 """A run's policy as a Hugging Face checkpoint, for transformers, vLLM or an evaluation harness.
 
-    python -m tbajax.export RUN_DIR [--version N | --checkpoint STEP] [--out DIR] [--dtype bfloat16]
+    python -m tbajax.export RUN_DIR [--version N | --checkpoint STEP] [--out DIR] [--dtype bfloat16] [--peft]
 
 Writes config.json, safetensors, the run's tokenizer and its rollout sampling as
 generation_config.json (`AutoModelForCausalLM.from_pretrained(DIR)` loads it), from a published
 param version (the weights the searchers sample with; the newest `system.keep_param_versions`
 are kept) or a trainer checkpoint (the trainer's own params, only those read); by default,
 whichever is newer. A LoRA run is exported with its adapters merged into its base checkpoint
-(`model.checkpoint`), which is read only then; otherwise the architecture is all that comes from
-the base checkpoint (its config.json: a local directory, or a hub id in the local cache).
+(`model.checkpoint`), which is read only then, or with --peft as its adapters alone (a PEFT
+adapter directory); otherwise the architecture is all that comes from the base checkpoint (its
+config.json: a local directory, or a hub id in the local cache).
 `export.json` beside the weights records the run, the source and the trainer step.
 """
 
@@ -36,13 +37,13 @@ class Exported:
     directory: Path
     source: str  # "param version N" or "trainer checkpoint N"
     step: int | None  # the trainer step of those params
-    lora_merged: bool  # LoRA adapters merged into the base checkpoint
+    written: str  # "full" (every weight stored), "lora_merged" (into the base) or "peft_adapters"
     dtype: str
 
 
 def export_policy(run_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str] | None = None, *,
                   version: int | None = None, checkpoint: int | None = None, dtype: str | None = None,
-                  store_url: str | None = None, overwrite: bool = False) -> Exported:
+                  store_url: str | None = None, overwrite: bool = False, peft: bool = False) -> Exported:
     """Write the policy of the run in `run_dir` as an HF checkpoint in `out_dir` (None:
     RUN_DIR/hf/version-N or RUN_DIR/hf/checkpoint-N), in `dtype` (None: `model.param_dtype`, what
     the searchers sample with).
@@ -51,11 +52,17 @@ def export_policy(run_dir: str | os.PathLike[str], out_dir: str | os.PathLike[st
     neither: whichever of the newest version and the newest checkpoint is of the later trainer
     step, the checkpoint on a tie (it holds the trainer's own params, a version may be a bf16
     copy). A sync-mode run publishes no versions: its checkpoints are what it has. An existing,
-    non-empty `out_dir` is an error unless `overwrite`."""
+    non-empty `out_dir` is an error unless `overwrite`.
+
+    peft: a LoRA run's adapters alone, as a PEFT adapter directory (adapter_config.json +
+    adapter_model.safetensors, `peft.PeftModel.from_pretrained(base, DIR)`), instead of the
+    merged model; the base checkpoint is not read."""
+    import jax
     from flax import nnx
 
     from tbajax.models import ModelConfig, resolve_checkpoint, save_model
     from tbajax.models.hf import abstract_model, load_weights
+    from tbajax.models.lora import save_peft_adapter
     from tbajax.stores.params import ParamReader
     from tbajax.stores.urls import param_store_url
     from tbajax.system import rundir
@@ -87,20 +94,33 @@ def export_policy(run_dir: str | os.PathLike[str], out_dir: str | os.PathLike[st
     cfg = ModelConfig.from_hf(json.loads((source / "config.json").read_text()),
                               param_dtype=config.model.param_dtype, dtype=config.model.dtype)
     adapters = config.model.lora is not None and (version is None or publishes_adapters(config))
-    if adapters:  # a LoRA run's checkpoints (and adapter versions) hold adapters: merged into the base
+    if peft and not adapters:
+        raise ExportError("--peft writes a LoRA run's adapters, and " + (
+            "this run trains every weight (model.lora is null)" if config.model.lora is None else
+            f"its param versions hold the merged policy (system.publish={config.system.publish!r}): "
+            "export a trainer checkpoint (--checkpoint STEP), or the merged model without --peft"))
+    if adapters and not peft:  # merged into the base, which is read for it
         base = nnx.state(load_weights(source, cfg), nnx.Param)
         graphdef = nnx.graphdef(abstract_model(cfg))
-    else:  # every weight is stored: the architecture is all that is needed
+    else:  # every weight is stored, or only the adapters are written: the architecture is all it takes
         graphdef, base = nnx.split(abstract_model(cfg))
     reading = SearcherParams(base, None, config.model.lora)
-    if version is not None:
+    if version is not None:  # a version's manifest says what it holds; `target` checks it against the run
         with reader:
-            state = reading.load(reader, version)
+            trained, _ = reader.restore_for(version, reading.target)
     else:
         trained, _ = restore_params(run_dir / "checkpoints", checkpoint)
-        state = reading.merge(trained, config.model.lora) if adapters else _replaced(base, trained)
     dtype = dtype or config.model.param_dtype
-    save_model(nnx.merge(graphdef, state), out, dtype=dtype)
+    if peft:
+        save_peft_adapter(out, nnx.merge(graphdef, base), trained, config.model.lora,
+                          base_model_name_or_path=config.model.checkpoint)
+    else:
+        if adapters:
+            state = reading.merge(trained, config.model.lora)
+        else:
+            state = jax.tree.map(lambda x: x, base)  # a copy: nnx.replace_by_pure_dict writes in place
+            nnx.replace_by_pure_dict(state, trained)
+        save_model(nnx.merge(graphdef, state), out, dtype=dtype)
     tokenizer = load_tokenizer_for(config)
     tokenizer.save_pretrained(out)
     generation_config(config, cfg, tokenizer).save_pretrained(out)
@@ -108,10 +128,11 @@ def export_policy(run_dir: str | os.PathLike[str], out_dir: str | os.PathLike[st
     record = {"run": str(run_dir.resolve()), "run_id": _run_id(run_dir), "experiment": config.name,
               "objective": config.train.objective, "base_checkpoint": config.model.checkpoint, "source": what,
               "version": version, "checkpoint": checkpoint, "step": step,
-              "lora_merged": adapters, "dtype": dtype,
+              "written": "peft_adapters" if peft else "lora_merged" if adapters else "full",
+              "dtype": "float32" if peft else dtype,
               "time": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
     (out / "export.json").write_text(json.dumps(record, indent=2) + "\n")
-    return Exported(out, what, step, adapters, dtype)
+    return Exported(out, what, step, record["written"], record["dtype"])
 
 
 def generation_config(config: Any, cfg: Any, tokenizer: Any) -> Any:
@@ -147,16 +168,6 @@ def _newest(reader: Any, checkpoints: list[int], store: str, run_dir: Path) -> t
     return latest, None
 
 
-def _replaced(base: Any, values: Any) -> Any:
-    """A copy of the (abstract) state `base` holding `values` (a nested dict of its params)."""
-    import jax
-    from flax import nnx
-
-    state = jax.tree.map(lambda x: x, base)
-    nnx.replace_by_pure_dict(state, values)
-    return state
-
-
 def _run_id(run_dir: Path) -> str | None:
     path = run_dir / "run_id"
     return path.read_text().strip() if path.is_file() else None
@@ -174,6 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", choices=DTYPES, help="weights dtype (default: the run's model.param_dtype)")
     ap.add_argument("--store", help="URL of the run's stores where they are not the run dir (main's --store)")
     ap.add_argument("--overwrite", action="store_true", help="write into a non-empty --out")
+    ap.add_argument("--peft", action="store_true",
+                    help="a LoRA run: its adapters alone as a PEFT adapter directory, not the merged model")
     return ap
 
 
@@ -187,15 +200,19 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's notes on metadata files it does without
     try:
         done = export_policy(args.run_dir, args.out, version=args.version, checkpoint=args.checkpoint,
-                             dtype=args.dtype, store_url=args.store, overwrite=args.overwrite)
+                             dtype=args.dtype, store_url=args.store, overwrite=args.overwrite, peft=args.peft)
     except (ExportError, ConfigError, CheckpointError, ParamStoreError, ParamVersionError,
             FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     step = "" if done.step is None else f" (trainer step {done.step})"
-    merged = ", its LoRA adapters merged into the base checkpoint," if done.lora_merged else ""
-    print(f"exported {done.source}{step} of {args.run_dir}{merged} in {done.dtype} to {done.directory}\n"
-          f"load it with transformers.AutoModelForCausalLM.from_pretrained({str(done.directory)!r})")
+    how = {"full": "", "lora_merged": ", its LoRA adapters merged into the base checkpoint,",
+           "peft_adapters": ", its LoRA adapters as a PEFT adapter,"}[done.written]
+    print(f"exported {done.source}{step} of {args.run_dir}{how} in {done.dtype} to {done.directory}")
+    if done.written == "peft_adapters":
+        print(f"load it with peft.PeftModel.from_pretrained(base_model, {str(done.directory)!r})")
+    else:
+        print(f"load it with transformers.AutoModelForCausalLM.from_pretrained({str(done.directory)!r})")
     return 0
 
 

@@ -75,7 +75,7 @@ def test_export_loads_in_transformers_with_the_published_logits_and_the_runs_tok
 
     done = export_policy(run)  # the newest version, in model.param_dtype, under RUN/hf
     assert (done.directory, done.source, done.step) == (run / "hf" / "version-2", "param version 2", 20)
-    assert not done.lora_merged
+    assert done.written == "full"
     want = logits_of(with_params(model, versions[1]), IDS)
     np.testing.assert_allclose(torch_logits(done.directory), want, atol=2e-5)
     record = json.loads((done.directory / "export.json").read_text())
@@ -128,10 +128,23 @@ def test_a_lora_run_exports_its_adapters_merged_into_the_base(tmp_path):
     with publisher:
         publisher.publish(adapter_arrays(adapters), meta, step=3)
     done = export_policy(run, tmp_path / "merged")
-    assert done.lora_merged and done.step == 3
+    assert done.written == "lora_merged" and done.step == 3
     want = logits_of(merge_lora(model, adapters, config.model.lora), IDS)
     assert np.abs(want - logits_of(model, IDS)).max() > 1e-3  # the adapters change the policy
     np.testing.assert_allclose(torch_logits(done.directory), want, atol=2e-5)
+
+    # the adapters alone, for PEFT: over the torch base they give the same policy
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    peft_dir = export_policy(run, tmp_path / "peft", peft=True).directory
+    assert sorted(p.name for p in peft_dir.iterdir() if p.name.startswith("adapter_")) == [
+        "adapter_config.json", "adapter_model.safetensors"]
+    base = AutoModelForCausalLM.from_pretrained(config.model.checkpoint, dtype=torch.float32)
+    with torch.inference_mode():
+        got = PeftModel.from_pretrained(base, peft_dir).eval()(torch.tensor(IDS)).logits.numpy()
+    np.testing.assert_allclose(got, want, atol=2e-5)
 
 
 def test_what_cannot_be_exported_is_said(tmp_path, capsys):
@@ -158,6 +171,8 @@ def test_what_cannot_be_exported_is_said(tmp_path, capsys):
     assert "param version 2 is not available" in capsys.readouterr().err
     assert main([str(run), "--checkpoint", "4"]) == 2
     assert "no complete trainer checkpoint under" in capsys.readouterr().err
+    assert main([str(run), "--peft"]) == 2
+    assert "--peft writes a LoRA run's adapters, and this run trains every weight" in capsys.readouterr().err
 
 
 def test_a_trainer_checkpoint_exports_its_params_and_the_newer_source_is_the_default(tmp_path):

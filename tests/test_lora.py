@@ -564,3 +564,14 @@ def test_sync_run_with_lora_trains_adapters_and_samples_with_the_merged_policy(t
     assert sorted(exported) == sorted(base)
     adapted = {k for k in base if not np.array_equal(exported[k], base[k])}
     assert adapted and {k.split(".")[-2] for k in adapted} == {"q_proj", "v_proj", "down_proj"}, adapted
+    # the checkpoint's adapters alone, for PEFT: over the torch base, the merged export's logits
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    assert export_main([str(run), "--peft", "--out", str(tmp_path / "peft")]) == 0
+    ids = torch.tensor([[1, 5, 9, 3, 11, 4]])
+    with torch.inference_mode():
+        merged = AutoModelForCausalLM.from_pretrained(run / "hf" / "checkpoint-2").eval()(ids).logits
+        base_model = AutoModelForCausalLM.from_pretrained(config["model"]["checkpoint"])
+        peft = PeftModel.from_pretrained(base_model, tmp_path / "peft").eval()(ids).logits
+    np.testing.assert_allclose(peft.numpy(), merged.numpy(), atol=2e-5)
