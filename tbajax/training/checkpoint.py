@@ -144,23 +144,27 @@ def restore_params(directory: str | Path, step: int | None = None) -> tuple[Any,
     directory = directory if "://" in str(directory) else Path(directory).absolute()
     options = ocp.CheckpointManagerOptions(create=False, read_only=True)
     manager = ocp.CheckpointManager(directory, options=options, item_names=("state", "extra"))
-    steps = sorted(manager.all_steps())
+    try:
+        steps, root = sorted(manager.all_steps()), manager.directory
+    finally:
+        manager.close()
     if not steps:
         raise FileNotFoundError(f"no complete trainer checkpoint under {directory}")
     if step is None:
         step = steps[-1]
     elif step not in steps:
         raise FileNotFoundError(f"no checkpoint for step {step} under {directory}; have {steps}")
-    path = manager.directory / str(step) / "state"
-    metadata = ocp.PyTreeCheckpointer().metadata(path).item_metadata.tree["params"]
+    path = root / str(step) / "state"
+    checkpointer = ocp.PyTreeCheckpointer()
+    metadata = checkpointer.metadata(path)  # the tree sits under item_metadata in newer orbax versions
+    metadata = getattr(getattr(metadata, "item_metadata", metadata), "tree", metadata)
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = {"params": jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one),
-                                     metadata)}
+                                     metadata["params"])}
     restore_args = jax.tree.map(
         lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding, global_shape=s.shape, dtype=s.dtype), target)
-    restored = ocp.PyTreeCheckpointer().restore(
+    restored = checkpointer.restore(
         path, args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True))
-    manager.close()
     return _unwrap_values(restored["params"]), step
 
 
