@@ -1,14 +1,15 @@
 """A checkpoint scored by an experiment's held-out evaluation, the one its trainer runs.
 
     python -m tbajax.evaluate [--experiment NAME | --run-dir RUN] [--model DIR_OR_HUB_ID]
-                              [--set KEY=VALUE ...] [--json PATH]
+                              [--version N | --checkpoint STEP] [--set KEY=VALUE ...] [--json PATH]
 
 The same eval problems, prompts, greedy (or, for red-teaming, sampled) decoding, graders and
-metrics as the trainer's `eval_*` records (`tbajax.system.evaluation.Evaluator`), for a model
-that did not come out of this run: a base model, an exported policy (`python -m tbajax.export`),
-another library's fine-tune of the same architecture. `--model` replaces `model.checkpoint`
-(its tokenizer too, unless `model.tokenizer` is set); without it the experiment's own
-checkpoint is scored (the step-0 figure of its runs). `--run-dir` takes a run's stored config.
+metrics as the trainer's `eval_*` records (`tbajax.system.evaluation.Evaluator`), for any model:
+a base model, an export (`python -m tbajax.export`), another library's fine-tune of the same
+architecture (`--model` replaces `model.checkpoint`, and its tokenizer too unless
+`model.tokenizer` is set), or, with `--run-dir`, a param version or trainer checkpoint the run
+stored (`--version`, `--checkpoint`; `tbajax.export.choose_source`), read in place. Without
+either, the experiment's own checkpoint is scored: the step-0 figure of its runs.
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ from pathlib import Path
 from typing import Any
 
 
-def evaluate(config: Any, checkpoint: str | None = None) -> dict[str, float]:
-    """{"eval_score": the task's headline metric, "eval_<name>": every metric} of `checkpoint`
-    (None: `config.model.checkpoint`) under `config`'s evaluation, on the searcher mesh."""
+def evaluate(config: Any, checkpoint: str | None = None, policy: Any = None) -> dict[str, Any]:
+    """{"eval_metric": its name, "eval_score": the task's headline metric, "eval_<name>": every
+    metric, "eval_problems": how many} of `policy` (a `CausalLM`), else of `checkpoint` (None:
+    `config.model.checkpoint`), under `config`'s evaluation on the searcher mesh."""
     from tbajax.models import load_model
     from tbajax.sharding import make_mesh
     from tbajax.system.evaluation import Evaluator
@@ -34,8 +36,9 @@ def evaluate(config: Any, checkpoint: str | None = None) -> dict[str, float]:
         model_spec = dataclasses.replace(config.model, checkpoint=str(checkpoint))
         config = dataclasses.replace(config, model=model_spec)
     mesh = make_mesh(config.system.searcher_mesh)
-    model = load_model(config.model.checkpoint, mesh=mesh, param_dtype=config.model.param_dtype,
-                       dtype=config.model.dtype, attention=config.model.attention)
+    model = policy if policy is not None else load_model(
+        config.model.checkpoint, mesh=mesh, param_dtype=config.model.param_dtype, dtype=config.model.dtype,
+        attention=config.model.attention)
     reward_pool = make_reward_pool(config)
     try:
         evaluator = Evaluator(config, model, mesh, reward_pool)
@@ -53,8 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
     config = ap.add_mutually_exclusive_group()
     config.add_argument("--experiment", help="name or path to a .py file (default: the embedded default)")
     config.add_argument("--run-dir", type=Path, help="take the config of this run")
-    ap.add_argument("--model", help="the checkpoint to score: a local HF directory or a hub id "
-                                    "(default: model.checkpoint)")
+    which = ap.add_mutually_exclusive_group()
+    which.add_argument("--model", help="the checkpoint to score: a local HF directory or a hub id "
+                                       "(default: model.checkpoint)")
+    which.add_argument("--version", type=int, help="with --run-dir: a param version the run published")
+    which.add_argument("--checkpoint", type=int, metavar="STEP", help="with --run-dir: a trainer checkpoint")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="config override, as for python -m tbajax.main (e.g. eval.num_problems=100)")
     ap.add_argument("--json", type=Path, help="also write the metrics to this file")
@@ -64,22 +70,32 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("absl").setLevel(logging.ERROR)
     from tbajax.config import ConfigError, apply_overrides
+    from tbajax.export import ExportError, read_stored_policy
     from tbajax.main import DEFAULT_EXPERIMENT, load_experiment
     from tbajax.models import CheckpointError
+    from tbajax.stores.params import ParamStoreError, ParamVersionError
     from tbajax.system import rundir
 
+    stored = args.version is not None or args.checkpoint is not None
     try:
+        if stored and args.run_dir is None:
+            raise ConfigError("--version and --checkpoint name what a run stored: give its --run-dir")
         if args.run_dir is not None:
             config = rundir.load_config(args.run_dir)
         else:
             config = load_experiment(args.experiment or DEFAULT_EXPERIMENT)
         config = apply_overrides(config, args.overrides)
-        out = evaluate(config, args.model)
-    except (ConfigError, CheckpointError, FileNotFoundError) as e:
+        if stored:
+            policy = read_stored_policy(args.run_dir, version=args.version, checkpoint=args.checkpoint)
+            model, out = f"{args.run_dir}: {policy.source}", evaluate(config, policy=policy.model())
+        else:
+            model, out = args.model or config.model.checkpoint, evaluate(config, args.model)
+    except (ConfigError, CheckpointError, ExportError, ParamStoreError, ParamVersionError,
+            FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    model = args.model or config.model.checkpoint
     print(f"{config.name}: {model} on {int(out['eval_problems'])} eval problems")
     shown = {k: v for k, v in out.items() if k != "eval_problems"}
     width = max(len(k) for k in shown)

@@ -41,98 +41,156 @@ class Exported:
     dtype: str
 
 
-def export_policy(run_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str] | None = None, *,
-                  version: int | None = None, checkpoint: int | None = None, dtype: str | None = None,
-                  store_url: str | None = None, overwrite: bool = False, peft: bool = False) -> Exported:
-    """Write the policy of the run in `run_dir` as an HF checkpoint in `out_dir` (None:
-    RUN_DIR/hf/version-N or RUN_DIR/hf/checkpoint-N), in `dtype` (None: `model.param_dtype`, what
-    the searchers sample with).
+@dataclasses.dataclass(frozen=True)
+class StoredPolicy:
+    """A run's policy as it stored it at one point (a published version or a trainer checkpoint),
+    read back: `trained` is every weight, or a LoRA run's adapters (`adapters`), over `base` (the
+    base checkpoint's params when the adapters are to be merged, else its abstract shapes)."""
 
-    The params are published version `version`, or trainer checkpoint `checkpoint` (a step);
-    neither: whichever of the newest version and the newest checkpoint is of the later trainer
-    step, the checkpoint on a tie (it holds the trainer's own params, a version may be a bf16
-    copy). A sync-mode run publishes no versions: its checkpoints are what it has. An existing,
-    non-empty `out_dir` is an error unless `overwrite`.
+    config: Any  # the run's ExperimentConfig
+    model_config: Any  # its ModelConfig
+    graphdef: Any
+    base: Any
+    trained: Any
+    adapters: bool
+    source: str  # "param version N" or "trainer checkpoint N"
+    version: int | None
+    checkpoint: int | None
+    step: int | None  # the trainer step of those params
 
-    peft: a LoRA run's adapters alone, as a PEFT adapter directory (adapter_config.json +
-    adapter_model.safetensors, `peft.PeftModel.from_pretrained(base, DIR)`), instead of the
-    merged model; the base checkpoint is not read."""
-    import jax
-    from flax import nnx
+    def model(self) -> Any:
+        """The policy as a `CausalLM`: the stored weights, or the adapters merged into the base."""
+        import jax
+        from flax import nnx
 
-    from tbajax.models import ModelConfig, resolve_checkpoint, save_model
-    from tbajax.models.hf import abstract_model, load_weights
-    from tbajax.models.lora import save_peft_adapter
+        from tbajax.system.publishing import SearcherParams
+
+        if self.adapters:
+            lora = self.config.model.lora
+            state = SearcherParams(self.base, None, lora).merge(self.trained, lora)
+        else:
+            state = jax.tree.map(lambda x: x, self.base)  # a copy: nnx.replace_by_pure_dict writes in place
+            nnx.replace_by_pure_dict(state, self.trained)
+        return nnx.merge(self.graphdef, state)
+
+
+def choose_source(run_dir: str | os.PathLike[str], *, version: int | None = None,
+                  checkpoint: int | None = None, store_url: str | None = None
+                  ) -> tuple[int | None, int | None, int | None]:
+    """(version, checkpoint, trainer step): what to read from the run in `run_dir`: param version
+    `version`, or trainer checkpoint `checkpoint`; neither: whichever of the newest version and
+    the newest checkpoint is of the later trainer step, the checkpoint on a tie (it holds the
+    trainer's own params, a version may be a bf16 copy). A sync-mode run publishes no versions:
+    its checkpoints are what it has."""
     from tbajax.stores.params import ParamReader
     from tbajax.stores.urls import param_store_url
     from tbajax.system import rundir
-    from tbajax.system.assets import load_tokenizer_for
-    from tbajax.system.publishing import SearcherParams, publishes_adapters
-    from tbajax.training.checkpoint import restore_params
 
     run_dir = Path(run_dir)
-    if dtype is not None and dtype not in DTYPES:
-        raise ExportError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     if version is not None and checkpoint is not None:
-        raise ExportError("give a param version or a trainer checkpoint to export, not both")
+        raise ExportError("give a param version or a trainer checkpoint, not both")
     if not (run_dir / "config.json").is_file():
         raise ExportError(f"{run_dir} holds no run (no config.json): pass the --run-dir of a "
                           "`python -m tbajax.main` run")
-    config = rundir.load_config(run_dir)
     store = param_store_url(store_url or str(run_dir))
     reader = ParamReader(store, f"export-{os.getpid()}")
     if version is None and checkpoint is None:
         version, checkpoint = _newest(reader, rundir.checkpoint_steps(run_dir), store, run_dir)
     step = checkpoint if version is None else reader.version_step(version)  # ParamVersionError: which exist
+    return version, checkpoint, step
+
+
+def read_stored_policy(run_dir: str | os.PathLike[str], *, version: int | None = None,
+                       checkpoint: int | None = None, store_url: str | None = None,
+                       merge: bool = True) -> StoredPolicy:
+    """The params the run in `run_dir` stored (see `choose_source` for which), read onto the first
+    device. A LoRA run's adapters come with its base checkpoint's params when `merge` (for
+    `StoredPolicy.model`); otherwise only the architecture is read from the base checkpoint (its
+    config.json: a local directory, or a hub id in the local cache)."""
+    from flax import nnx
+
+    from tbajax.models import ModelConfig, resolve_checkpoint
+    from tbajax.models.hf import abstract_model, load_weights
+    from tbajax.stores.params import ParamReader
+    from tbajax.stores.urls import param_store_url
+    from tbajax.system import rundir
+    from tbajax.system.publishing import SearcherParams, publishes_adapters
+    from tbajax.training.checkpoint import restore_params
+
+    run_dir = Path(run_dir)
+    version, checkpoint, step = choose_source(run_dir, version=version, checkpoint=checkpoint,
+                                              store_url=store_url)
+    config = rundir.load_config(run_dir)
+    source = resolve_checkpoint(config.model.checkpoint)
+    cfg = ModelConfig.from_hf(json.loads((source / "config.json").read_text()),
+                              param_dtype=config.model.param_dtype, dtype=config.model.dtype)
+    adapters = config.model.lora is not None and (version is None or publishes_adapters(config))
+    if adapters and merge:
+        base = nnx.state(load_weights(source, cfg), nnx.Param)
+        graphdef = nnx.graphdef(abstract_model(cfg))
+    else:  # every weight is stored, or the adapters stay apart: the architecture is all it takes
+        graphdef, base = nnx.split(abstract_model(cfg))
+    if version is not None:  # a version's manifest says what it holds; `target` checks it against the run
+        with ParamReader(param_store_url(store_url or str(run_dir)), f"export-{os.getpid()}") as reader:
+            trained, _ = reader.restore_for(version, SearcherParams(base, None, config.model.lora).target)
+    else:
+        trained, _ = restore_params(run_dir / "checkpoints", checkpoint)
+    what = f"param version {version}" if version is not None else f"trainer checkpoint {checkpoint}"
+    return StoredPolicy(config, cfg, graphdef, base, trained, adapters, what, version, checkpoint, step)
+
+
+def export_policy(run_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str] | None = None, *,
+                  version: int | None = None, checkpoint: int | None = None, dtype: str | None = None,
+                  store_url: str | None = None, overwrite: bool = False, peft: bool = False) -> Exported:
+    """Write the policy of the run in `run_dir` (`choose_source`) as an HF checkpoint in `out_dir`
+    (None: RUN_DIR/hf/version-N or RUN_DIR/hf/checkpoint-N), in `dtype` (None: `model.param_dtype`,
+    what the searchers sample with). An existing, non-empty `out_dir` is an error unless
+    `overwrite`.
+
+    peft: a LoRA run's adapters alone, as a PEFT adapter directory (adapter_config.json +
+    adapter_model.safetensors, `peft.PeftModel.from_pretrained(base, DIR)`), instead of the
+    merged model; the base checkpoint's weights are not read."""
+    from flax import nnx
+
+    from tbajax.models import save_model
+    from tbajax.models.lora import save_peft_adapter
+    from tbajax.system.assets import load_tokenizer_for
+
+    run_dir = Path(run_dir)
+    if dtype is not None and dtype not in DTYPES:
+        raise ExportError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    version, checkpoint, _ = choose_source(run_dir, version=version, checkpoint=checkpoint,
+                                           store_url=store_url)
     name = f"version-{version}" if version is not None else f"checkpoint-{checkpoint}"
     out = Path(out_dir) if out_dir is not None else run_dir / "hf" / name
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ExportError(f"{out} exists and is not empty: pass another --out, or --overwrite to replace "
                           "its files")
-
-    source = resolve_checkpoint(config.model.checkpoint)
-    cfg = ModelConfig.from_hf(json.loads((source / "config.json").read_text()),
-                              param_dtype=config.model.param_dtype, dtype=config.model.dtype)
-    adapters = config.model.lora is not None and (version is None or publishes_adapters(config))
-    if peft and not adapters:
+    stored = read_stored_policy(run_dir, version=version, checkpoint=checkpoint, store_url=store_url,
+                                merge=not peft)
+    config = stored.config
+    if peft and not stored.adapters:
         raise ExportError("--peft writes a LoRA run's adapters, and " + (
             "this run trains every weight (model.lora is null)" if config.model.lora is None else
             f"its param versions hold the merged policy (system.publish={config.system.publish!r}): "
             "export a trainer checkpoint (--checkpoint STEP), or the merged model without --peft"))
-    if adapters and not peft:  # merged into the base, which is read for it
-        base = nnx.state(load_weights(source, cfg), nnx.Param)
-        graphdef = nnx.graphdef(abstract_model(cfg))
-    else:  # every weight is stored, or only the adapters are written: the architecture is all it takes
-        graphdef, base = nnx.split(abstract_model(cfg))
-    reading = SearcherParams(base, None, config.model.lora)
-    if version is not None:  # a version's manifest says what it holds; `target` checks it against the run
-        with reader:
-            trained, _ = reader.restore_for(version, reading.target)
-    else:
-        trained, _ = restore_params(run_dir / "checkpoints", checkpoint)
     dtype = dtype or config.model.param_dtype
     if peft:
-        save_peft_adapter(out, nnx.merge(graphdef, base), trained, config.model.lora,
+        save_peft_adapter(out, nnx.merge(stored.graphdef, stored.base), stored.trained, config.model.lora,
                           base_model_name_or_path=config.model.checkpoint)
     else:
-        if adapters:
-            state = reading.merge(trained, config.model.lora)
-        else:
-            state = jax.tree.map(lambda x: x, base)  # a copy: nnx.replace_by_pure_dict writes in place
-            nnx.replace_by_pure_dict(state, trained)
-        save_model(nnx.merge(graphdef, state), out, dtype=dtype)
+        save_model(stored.model(), out, dtype=dtype)
     tokenizer = load_tokenizer_for(config)
     tokenizer.save_pretrained(out)
-    generation_config(config, cfg, tokenizer).save_pretrained(out)
-    what = f"param version {version}" if version is not None else f"trainer checkpoint {checkpoint}"
+    generation_config(config, stored.model_config, tokenizer).save_pretrained(out)
+    written = "peft_adapters" if peft else "lora_merged" if stored.adapters else "full"
     record = {"run": str(run_dir.resolve()), "run_id": _run_id(run_dir), "experiment": config.name,
-              "objective": config.train.objective, "base_checkpoint": config.model.checkpoint, "source": what,
-              "version": version, "checkpoint": checkpoint, "step": step,
-              "written": "peft_adapters" if peft else "lora_merged" if adapters else "full",
-              "dtype": "float32" if peft else dtype,
+              "objective": config.train.objective, "base_checkpoint": config.model.checkpoint,
+              "source": stored.source, "version": version, "checkpoint": checkpoint, "step": stored.step,
+              "written": written, "dtype": "float32" if peft else dtype,
               "time": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
     (out / "export.json").write_text(json.dumps(record, indent=2) + "\n")
-    return Exported(out, what, step, record["written"], record["dtype"])
+    return Exported(out, stored.source, stored.step, written, record["dtype"])
 
 
 def generation_config(config: Any, cfg: Any, tokenizer: Any) -> Any:

@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 from tbajax.config import apply_overrides
-from tbajax.export import ExportError, export_policy, main
+from tbajax.export import ExportError, export_policy, main, read_stored_policy
 from tbajax.main import load_experiment
 from tbajax.models import load_model
 from tbajax.models.lora import adapter_arrays, adapter_manifest, init_lora, merge_lora
@@ -197,6 +197,14 @@ def test_a_trainer_checkpoint_exports_its_params_and_the_newer_source_is_the_def
         publisher.publish(perturbed(nnx.state(model, nnx.Param), 5), {"kind": "full"}, step=11)
     assert export_policy(run, tmp_path / "newer").source == "param version 2"
     assert export_policy(run, tmp_path / "asked", checkpoint=10).source == "trainer checkpoint 10"
+
+    # `python -m tbajax.evaluate` scores a stored policy in place as it scores its export
+    from tbajax.evaluate import evaluate
+
+    small = apply_overrides(config, ["eval.num_problems=8", "eval.batch_size=8"])
+    in_place = evaluate(small, policy=read_stored_policy(run, checkpoint=10).model())
+    assert in_place == evaluate(small, str(done.directory))
+    assert in_place["eval_problems"] == 8 and in_place["eval_metric"] == "accuracy"
 
 
 def test_evaluate_names_what_is_wrong(capsys):
