@@ -15,10 +15,13 @@ either, the experiment's own checkpoint is scored: the step-0 figure of its runs
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
 import sys
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,12 +45,35 @@ def evaluate(config: Any, checkpoint: str | None = None, policy: Any = None) -> 
     reward_pool = make_reward_pool(config)
     try:
         evaluator = Evaluator(config, model, mesh, reward_pool)
-        out = evaluator.run(model)
+        with progress(len(evaluator.problems), "eval problems") as done:
+            out = evaluator.run(model, done)
         out["eval_problems"] = float(len(evaluator.problems))
         return {"eval_metric": evaluator.metric, **out}  # type: ignore[dict-item]
     finally:
         if reward_pool is not None:
             reward_pool.close()
+
+
+@contextlib.contextmanager
+def progress(total: int, unit: str, every_s: float = 10.0) -> Iterator[Callable[[int], None]]:
+    """A callback taking how many of `total` are done: a bar on a terminal, else a line on stderr
+    at most every `every_s` seconds (and at the end), for logs."""
+    if sys.stderr.isatty():
+        from tqdm import tqdm
+
+        with tqdm(total=total, unit=unit.split()[-1], desc=unit, dynamic_ncols=True) as bar:
+            yield lambda n: bar.update(n - bar.n)
+        return
+    start = last = time.monotonic()
+
+    def line(n: int) -> None:
+        nonlocal last
+        now = time.monotonic()
+        if now - last >= every_s or n >= total:
+            last = now
+            print(f"{n}/{total} {unit} in {now - start:.0f} s", file=sys.stderr, flush=True)
+
+    yield line
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 DTYPES = ("float32", "bfloat16", "float16")
+log = logging.getLogger(__name__)
 
 
 class ExportError(RuntimeError):
@@ -130,12 +131,13 @@ def read_stored_policy(run_dir: str | os.PathLike[str], *, version: int | None =
         graphdef = nnx.graphdef(abstract_model(cfg))
     else:  # every weight is stored, or the adapters stay apart: the architecture is all it takes
         graphdef, base = nnx.split(abstract_model(cfg))
+    what = f"param version {version}" if version is not None else f"trainer checkpoint {checkpoint}"
+    log.info("reading %s of %s%s", what, run_dir, " and the base checkpoint" if adapters and merge else "")
     if version is not None:  # a version's manifest says what it holds; `target` checks it against the run
         with ParamReader(param_store_url(store_url or str(run_dir)), f"export-{os.getpid()}") as reader:
             trained, _ = reader.restore_for(version, SearcherParams(base, None, config.model.lora).target)
     else:
         trained, _ = restore_params(run_dir / "checkpoints", checkpoint)
-    what = f"param version {version}" if version is not None else f"trainer checkpoint {checkpoint}"
     return StoredPolicy(config, cfg, graphdef, base, trained, adapters, what, version, checkpoint, step)
 
 
@@ -175,6 +177,7 @@ def export_policy(run_dir: str | os.PathLike[str], out_dir: str | os.PathLike[st
             f"its param versions hold the merged policy (system.publish={config.system.publish!r}): "
             "export a trainer checkpoint (--checkpoint STEP), or the merged model without --peft"))
     dtype = dtype or config.model.param_dtype
+    log.info("writing %s", out)
     if peft:
         save_peft_adapter(out, nnx.merge(stored.graphdef, stored.base), stored.trained, config.model.lora,
                           base_model_name_or_path=config.model.checkpoint)
@@ -254,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     from tbajax.models import CheckpointError
     from tbajax.stores.params import ParamStoreError, ParamVersionError
 
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    log.setLevel(logging.INFO)  # what it reads and writes, on stderr: a 7B model takes a while
     logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's notes on metadata files it does without
     try:
         done = export_policy(args.run_dir, args.out, version=args.version, checkpoint=args.checkpoint,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -57,14 +58,16 @@ class Evaluator:
         """The task's headline eval metric (what `eval_score` holds)."""
         return self.task.headline_metric
 
-    def run(self, model: CausalLM) -> dict[str, float]:
+    def run(self, model: CausalLM, on_batch: Callable[[int], None] | None = None) -> dict[str, float]:
         """{"eval_score": the headline metric, "eval_<name>": every metric of the task}.
 
         Tasks with an `eval_fn` see every eval sample with its scores and extras (attack success,
-        diversity, win rate); others get accuracy / mean reward / pass@k of their rewards."""
-        return self.run_params(nnx.state(model, nnx.Param))
+        diversity, win rate); others get accuracy / mean reward / pass@k of their rewards.
+        on_batch(problems done so far) is called after each batch (a progress display)."""
+        return self.run_params(nnx.state(model, nnx.Param), on_batch)
 
-    def run_params(self, params: nnx.State) -> dict[str, float]:
+    def run_params(self, params: nnx.State, on_batch: Callable[[int], None] | None = None
+                   ) -> dict[str, float]:
         """`run` on params of this model's shape (the evaluator role's loaded versions)."""
         self.rollouts.set_params(params)
         key = jax.random.PRNGKey(0)  # fixed: sampled evals draw the same noise every time
@@ -75,6 +78,8 @@ class Evaluator:
             _, batch, scored = self.rollouts.sample_and_score(chunk, self.sampling, chunk_key, split="eval")
             samples.append(batch)
             scores.append(scored)
+            if on_batch is not None:
+                on_batch(start + len(chunk))
         if self.task.eval_fn is not None:
             metrics = self.task.eval_fn(concat_samples(samples), concat_scores(scores))
         else:
