@@ -67,6 +67,9 @@ class StoredPolicy:
         from tbajax.system.publishing import SearcherParams
 
         if self.adapters:
+            if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(self.base)):
+                raise ValueError("these adapters were read without their base checkpoint's params "
+                                 "(read_stored_policy(merge=False)): read them with merge=True to merge them")
             lora = self.config.model.lora
             state = SearcherParams(self.base, None, lora).merge(self.trained, lora)
         else:
@@ -123,8 +126,8 @@ def read_stored_policy(run_dir: str | os.PathLike[str], *, version: int | None =
                                               store_url=store_url)
     config = rundir.load_config(run_dir)
     source = resolve_checkpoint(config.model.checkpoint)
-    cfg = ModelConfig.from_hf(json.loads((source / "config.json").read_text()),
-                              param_dtype=config.model.param_dtype, dtype=config.model.dtype)
+    cfg = ModelConfig.from_hf(json.loads((source / "config.json").read_text()), param_dtype=config.model.param_dtype,
+                              dtype=config.model.dtype, attention=config.model.attention)
     adapters = config.model.lora is not None and (version is None or publishes_adapters(config))
     if adapters and merge:
         base = nnx.state(load_weights(source, cfg), nnx.Param)
