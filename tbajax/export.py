@@ -126,8 +126,9 @@ def read_stored_policy(run_dir: str | os.PathLike[str], *, version: int | None =
                                               store_url=store_url)
     config = rundir.load_config(run_dir)
     source = resolve_checkpoint(config.model.checkpoint)
-    cfg = ModelConfig.from_hf(json.loads((source / "config.json").read_text()), param_dtype=config.model.param_dtype,
-                              dtype=config.model.dtype, attention=config.model.attention)
+    spec = config.model
+    cfg = ModelConfig.from_hf(json.loads((source / "config.json").read_text()), param_dtype=spec.param_dtype,
+                              dtype=spec.dtype, attention=spec.attention)
     adapters = config.model.lora is not None and (version is None or publishes_adapters(config))
     if adapters and merge:
         base = nnx.state(load_weights(source, cfg), nnx.Param)
