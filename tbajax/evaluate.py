@@ -28,8 +28,9 @@ from typing import Any
 
 def evaluate(config: Any, checkpoint: str | None = None, policy: Any = None) -> dict[str, Any]:
     """{"eval_metric": its name, "eval_score": the task's headline metric, "eval_<name>": every
-    metric, "eval_problems": how many} of `policy` (a `CausalLM`), else of `checkpoint` (None:
-    `config.model.checkpoint`), under `config`'s evaluation on the searcher mesh."""
+    metric, "eval_problems": how many, "eval_samples_per_problem": 1 (greedy) or n (sampled)} of
+    `policy` (a `CausalLM`), else of `checkpoint` (None: `config.model.checkpoint`), under
+    `config`'s evaluation on the searcher mesh."""
     from tbajax.models import load_model
     from tbajax.sharding import make_mesh
     from tbajax.system.evaluation import Evaluator
@@ -48,6 +49,7 @@ def evaluate(config: Any, checkpoint: str | None = None, policy: Any = None) -> 
         with progress(len(evaluator.problems), "eval problems") as done:
             out = evaluator.run(model, done)
         out["eval_problems"] = float(len(evaluator.problems))
+        out["eval_samples_per_problem"] = float(evaluator.sampling.num_samples)
         return {"eval_metric": evaluator.metric, **out}  # type: ignore[dict-item]
     finally:
         if reward_pool is not None:
@@ -122,8 +124,10 @@ def main(argv: list[str] | None = None) -> int:
             FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"{config.name}: {model} on {int(out['eval_problems'])} eval problems")
-    shown = {k: v for k, v in out.items() if k != "eval_problems"}
+    n, k = int(out["eval_problems"]), int(out["eval_samples_per_problem"])
+    how = "greedy" if k == 1 else f"{k} samples each"
+    print(f"{config.name}: {model} on {n} eval problem{'s' if n != 1 else ''} ({how})")
+    shown = {k: v for k, v in out.items() if k not in ("eval_problems", "eval_samples_per_problem")}
     width = max(len(k) for k in shown)
     for k, v in shown.items():
         print(f"  {k.ljust(width)}  {v if isinstance(v, str) else f'{v:.4f}'}")
