@@ -44,6 +44,9 @@ def newest_trajectories(run_url: str, searcher: int | None = None,
     from tbajax.stores import TrajectoryReader, discover_searcher_stores
 
     stores = discover_searcher_stores(run_url)
+    if not stores:
+        raise LookupError(f"no trajectories are stored under {run_url} yet: searchers append theirs after "
+                          "their first scored batch")
     if searcher is not None:
         if searcher not in stores:
             raise LookupError(f"no trajectory store of searcher {searcher} under {run_url}; "

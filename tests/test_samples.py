@@ -66,3 +66,11 @@ def test_the_command_line(run, capsys):
     assert capsys.readouterr().out.strip() == "no samples match"
     assert main([str(run), "--searcher", "5"]) == 2
     assert "no trajectory store of searcher 5" in capsys.readouterr().err
+
+
+def test_a_run_without_trajectories_says_so(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(load_experiment("tiny_arithmetic").to_json())
+    assert main([str(tmp_path)]) == 2
+    assert "no trajectories are stored under" in capsys.readouterr().err
+    assert main([str(tmp_path / "elsewhere")]) == 2
+    assert "config.json does not exist" in capsys.readouterr().err
