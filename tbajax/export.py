@@ -104,6 +104,14 @@ def choose_source(run_dir: str | os.PathLike[str], *, version: int | None = None
     return version, checkpoint, step
 
 
+def holds_adapters(config: Any, version: int | None) -> bool:
+    """Whether what a run stored is LoRA adapters: a LoRA run's checkpoints always are, its
+    versions unless it publishes the merged policy (`system.publish`)."""
+    from tbajax.system.publishing import publishes_adapters
+
+    return config.model.lora is not None and (version is None or publishes_adapters(config))
+
+
 def read_stored_policy(run_dir: str | os.PathLike[str], *, version: int | None = None,
                        checkpoint: int | None = None, store_url: str | None = None,
                        merge: bool = True) -> StoredPolicy:
@@ -118,7 +126,7 @@ def read_stored_policy(run_dir: str | os.PathLike[str], *, version: int | None =
     from tbajax.stores.params import ParamReader
     from tbajax.stores.urls import param_store_url
     from tbajax.system import rundir
-    from tbajax.system.publishing import SearcherParams, publishes_adapters
+    from tbajax.system.publishing import SearcherParams
     from tbajax.training.checkpoint import restore_params
 
     run_dir = Path(run_dir)
@@ -129,7 +137,7 @@ def read_stored_policy(run_dir: str | os.PathLike[str], *, version: int | None =
     spec = config.model
     cfg = ModelConfig.from_hf(json.loads((source / "config.json").read_text()), param_dtype=spec.param_dtype,
                               dtype=spec.dtype, attention=spec.attention)
-    adapters = config.model.lora is not None and (version is None or publishes_adapters(config))
+    adapters = holds_adapters(config, version)
     if adapters and merge:
         base = nnx.state(load_weights(source, cfg), nnx.Param)
         graphdef = nnx.graphdef(abstract_model(cfg))
@@ -160,6 +168,7 @@ def export_policy(run_dir: str | os.PathLike[str], out_dir: str | os.PathLike[st
 
     from tbajax.models import save_model
     from tbajax.models.lora import save_peft_adapter
+    from tbajax.system import rundir
     from tbajax.system.assets import load_tokenizer_for
 
     run_dir = Path(run_dir)
@@ -172,14 +181,14 @@ def export_policy(run_dir: str | os.PathLike[str], out_dir: str | os.PathLike[st
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ExportError(f"{out} exists and is not empty: pass another --out, or --overwrite to replace "
                           "its files")
-    stored = read_stored_policy(run_dir, version=version, checkpoint=checkpoint, store_url=store_url,
-                                merge=not peft)
-    config = stored.config
-    if peft and not stored.adapters:
+    config = rundir.load_config(run_dir)
+    if peft and not holds_adapters(config, version):  # said before anything large is read
         raise ExportError("--peft writes a LoRA run's adapters, and " + (
             "this run trains every weight (model.lora is null)" if config.model.lora is None else
             f"its param versions hold the merged policy (system.publish={config.system.publish!r}): "
             "export a trainer checkpoint (--checkpoint STEP), or the merged model without --peft"))
+    stored = read_stored_policy(run_dir, version=version, checkpoint=checkpoint, store_url=store_url,
+                                merge=not peft)
     dtype = dtype or config.model.param_dtype
     log.info("writing %s", out)
     if peft:

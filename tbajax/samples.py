@@ -20,7 +20,10 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-READ_CHUNK = 4096  # rows a read takes, newest first, while looking for rows that pass the filters
+# rows a store's first read takes from its end; each further read twice as many, up to READ_CHUNK
+# (a few samples cost a small read; a filter that few rows pass, a few large ones)
+FIRST_READ = 64
+READ_CHUNK = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +43,7 @@ class Sample:
 def newest_trajectories(run_url: str, searcher: int | None = None,
                         keep: Callable[[Any], bool] = lambda t: True) -> Iterator[tuple[int, int, Any]]:
     """(searcher id, row, trajectory) of every stored trajectory that `keep` accepts, newest first
-    (by generation time across stores), read a chunk of rows at a time from each store's end."""
+    (by generation time across stores), read from each store's end in growing chunks."""
     from tbajax.stores import TrajectoryReader, discover_searcher_stores
 
     stores = discover_searcher_stores(run_url)
@@ -55,9 +58,11 @@ def newest_trajectories(run_url: str, searcher: int | None = None,
     readers = {i: TrajectoryReader(url) for i, url in stores.items()}
     ends = {i: r.committed_rows() for i, r in readers.items()}
     pending: dict[int, list[tuple[int, Any]]] = {i: [] for i in readers}
+    chunk = {i: min(FIRST_READ, READ_CHUNK) for i in readers}
 
     def refill(i: int) -> None:
-        start = max(0, ends[i] - READ_CHUNK)
+        start = max(0, ends[i] - chunk[i])
+        chunk[i] = min(2 * chunk[i], READ_CHUNK)
         rows = readers[i].read(start, ends[i])
         pending[i] = [(start + k, t) for k, t in enumerate(rows)]  # oldest first: pop() is the newest
         ends[i] = start

@@ -42,7 +42,8 @@ def run(tmp_path_factory):
 
 
 def test_newest_samples_across_searchers_as_text(run, monkeypatch):
-    monkeypatch.setattr(samples_module, "READ_CHUNK", 3)  # several reads per store
+    monkeypatch.setattr(samples_module, "FIRST_READ", 2)  # several reads per store: 2, 4, 5, 5, ...
+    monkeypatch.setattr(samples_module, "READ_CHUNK", 5)
     got = read_samples(run, 5)
     assert [(s.searcher, s.row) for s in got] == [(0, 29), (0, 28), (0, 27), (0, 26), (0, 25)]
     got = read_samples(run, 4, min_reward=1.0, version=1)  # rows 10-19 of each, even ones
