@@ -551,6 +551,8 @@ def test_sync_run_with_lora_trains_adapters_and_samples_with_the_merged_policy(t
     state = ocp.StandardCheckpointer().restore(run / "checkpoints" / "2" / "state")
     assert sorted(state["params"]) == ["layers.down_proj", "layers.q_proj", "layers.v_proj"]
     assert state["ref_params"] is None
+    if not mesh:  # checked once, on the run whose checkpoint is split over 2 devices (read onto one)
+        return
     # `python -m tbajax.export`: a sync run publishes no versions, so its last checkpoint is exported,
     # the adapters merged into the base: the adapted weights moved, every other weight is the base's
     from safetensors.numpy import load_file
