@@ -105,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     from tbajax.models import CheckpointError
     from tbajax.stores.params import ParamStoreError, ParamVersionError
     from tbajax.system import rundir
+    from tbajax.system.run_model import with_run_tokenizer
 
     stored = args.version is not None or args.checkpoint is not None
     try:
@@ -112,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("--version and --checkpoint name what a run stored: give its --run-dir")
         if args.run_dir is not None:
             config = rundir.load_config(args.run_dir)
+            if stored:  # the run's own tokenizer copy, where it has one (`--set model.tokenizer` still wins)
+                config = with_run_tokenizer(args.run_dir, config)
         else:
             config = load_experiment(args.experiment or DEFAULT_EXPERIMENT)
         config = apply_overrides(config, args.overrides)

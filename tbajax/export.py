@@ -8,8 +8,9 @@ param version (the weights the searchers sample with; the newest `system.keep_pa
 are kept) or a trainer checkpoint (the trainer's own params, only those read); by default,
 whichever is newer. A LoRA run is exported with its adapters merged into its base checkpoint
 (`model.checkpoint`), which is read only then, or with --peft as its adapters alone (a PEFT
-adapter directory); otherwise the architecture is all that comes from the base checkpoint (its
-config.json: a local directory, or a hub id in the local cache).
+adapter directory). The architecture and the tokenizer are the run's own copies (RUN_DIR/model/,
+`tbajax.system.run_model`), so a run directory exports on another machine; a run from before
+those copies reads them from the base checkpoint.
 `export.json` beside the weights records the run, the source and the trainer step.
 """
 
@@ -48,7 +49,7 @@ class StoredPolicy:
     read back: `trained` is every weight, or a LoRA run's adapters (`adapters`), over `base` (the
     base checkpoint's params when the adapters are to be merged, else its abstract shapes)."""
 
-    config: Any  # the run's ExperimentConfig
+    config: Any  # the run's ExperimentConfig, its tokenizer read from the run's copy where it has one
     model_config: Any  # its ModelConfig
     graphdef: Any
     base: Any
@@ -117,28 +118,35 @@ def read_stored_policy(run_dir: str | os.PathLike[str], *, version: int | None =
                        merge: bool = True) -> StoredPolicy:
     """The params the run in `run_dir` stored (see `choose_source` for which), read onto the first
     device. A LoRA run's adapters come with its base checkpoint's params when `merge` (for
-    `StoredPolicy.model`); otherwise only the architecture is read from the base checkpoint (its
-    config.json: a local directory, or a hub id in the local cache)."""
+    `StoredPolicy.model`); otherwise no weight of the base checkpoint is read. The architecture
+    and the tokenizer (`StoredPolicy.config`) are the run's copies in RUN_DIR/model/ where it has
+    them (`tbajax.system.run_model`), else the base checkpoint's."""
     from flax import nnx
 
-    from tbajax.models import ModelConfig, resolve_checkpoint
+    from tbajax.models import CheckpointError, ModelConfig, resolve_checkpoint
     from tbajax.models.hf import abstract_model, load_weights
     from tbajax.stores.params import ParamReader
     from tbajax.stores.urls import param_store_url
     from tbajax.system import rundir
     from tbajax.system.publishing import SearcherParams
+    from tbajax.system.run_model import architecture_dir, with_run_tokenizer
     from tbajax.training.checkpoint import restore_params
 
     run_dir = Path(run_dir)
     version, checkpoint, step = choose_source(run_dir, version=version, checkpoint=checkpoint,
                                               store_url=store_url)
-    config = rundir.load_config(run_dir)
-    source = resolve_checkpoint(config.model.checkpoint)
+    config = with_run_tokenizer(run_dir, rundir.load_config(run_dir))
     spec = config.model
-    cfg = ModelConfig.from_hf(json.loads((source / "config.json").read_text()), param_dtype=spec.param_dtype,
-                              dtype=spec.dtype, attention=spec.attention)
+    cfg = ModelConfig.from_hf(json.loads((architecture_dir(run_dir, config) / "config.json").read_text()),
+                              param_dtype=spec.param_dtype, dtype=spec.dtype, attention=spec.attention)
     adapters = holds_adapters(config, version)
     if adapters and merge:
+        try:
+            source = resolve_checkpoint(spec.checkpoint)
+        except CheckpointError as e:
+            raise ExportError(f"merging this LoRA run's adapters reads its base checkpoint's weights, and "
+                              f"model.checkpoint={spec.checkpoint!r} cannot be read ({e}): make it reachable "
+                              "at that path, or export the adapters alone with --peft") from None
         base = nnx.state(load_weights(source, cfg), nnx.Param)
         graphdef = nnx.graphdef(abstract_model(cfg))
     else:  # every weight is stored, or the adapters stay apart: the architecture is all it takes
@@ -196,7 +204,7 @@ def export_policy(run_dir: str | os.PathLike[str], out_dir: str | os.PathLike[st
                           base_model_name_or_path=config.model.checkpoint)
     else:
         save_model(stored.model(), out, dtype=dtype)
-    tokenizer = load_tokenizer_for(config)
+    tokenizer = load_tokenizer_for(stored.config)  # the run's own copy where it has one
     tokenizer.save_pretrained(out)
     generation_config(config, stored.model_config, tokenizer).save_pretrained(out)
     written = "peft_adapters" if peft else "lora_merged" if stored.adapters else "full"

@@ -97,9 +97,10 @@ def read_samples(run_dir: str | os.PathLike[str], n: int = 10, *, searcher: int 
 
     from tbajax.system import rundir
     from tbajax.system.assets import load_tokenizer_for
+    from tbajax.system.run_model import with_run_tokenizer
 
     run_dir = Path(run_dir)
-    config = rundir.load_config(run_dir)
+    config = with_run_tokenizer(run_dir, rundir.load_config(run_dir))
     tokenizer = load_tokenizer_for(config)
     found = itertools.islice(newest_trajectories(store_url or str(run_dir), searcher,
                                                  lambda t: matches(t, **filters)), n)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -145,6 +146,49 @@ def test_a_lora_run_exports_its_adapters_merged_into_the_base(tmp_path):
     with torch.inference_mode():
         got = PeftModel.from_pretrained(base, peft_dir).eval()(torch.tensor(IDS)).logits.numpy()
     np.testing.assert_allclose(got, want, atol=2e-5)
+
+
+def test_a_moved_run_exports_without_its_base_checkpoint(tmp_path):
+    """The trainer copies the architecture and the tokenizer into RUN/model (`keep_model_files`),
+    so a run whose base checkpoint is gone (a run directory moved to another machine) still
+    exports, with the run's tokenizer; only merging LoRA adapters reads the base's weights."""
+    from transformers import AutoTokenizer
+
+    from tbajax.system.run_model import keep_model_files, with_run_tokenizer
+
+    base = tmp_path / "base"
+    shutil.copytree(load_experiment("tiny_arithmetic").model.checkpoint, base)
+    at_base = f"model.checkpoint={json.dumps(str(base))}"
+    full, lora = tmp_path / "full", tmp_path / "lora"
+    config, publisher = make_run(full, at_base)
+    assert keep_model_files(full, config) == full / "model"
+    assert json.loads((full / "model" / "source.json").read_text())["checkpoint"] == str(base)
+    (full / "model" / "source.json").write_text("first")
+    keep_model_files(full, config)  # a resumed trainer keeps its first copy
+    assert (full / "model" / "source.json").read_text() == "first"
+    model = load_model(base)
+    trained = perturbed(nnx.state(model, nnx.Param), 6)
+    with publisher:
+        publisher.publish(trained, {"kind": "full"}, step=4)
+    lora_config, lora_publisher = make_run(lora, at_base, *LORA)
+    keep_model_files(lora, lora_config)
+    adapters = init_lora(nnx.state(model, nnx.Param), lora_config.model.lora, jax.random.key(0))
+    with lora_publisher:
+        lora_publisher.publish(adapter_arrays(adapters),
+                               adapter_manifest(nnx.state(model, nnx.Param), lora_config.model.lora), step=2)
+    text = "12+345="
+    want_ids = AutoTokenizer.from_pretrained(base)(text)["input_ids"]
+    shutil.rmtree(base)
+
+    done = export_policy(full)
+    np.testing.assert_allclose(torch_logits(done.directory), logits_of(with_params(model, trained), IDS),
+                               atol=2e-5)
+    assert AutoTokenizer.from_pretrained(done.directory)(text)["input_ids"] == want_ids
+    assert with_run_tokenizer(full, config).model.tokenizer == str(full / "model")  # samples, evaluate
+    with pytest.raises(ExportError, match="merging this LoRA run's adapters reads its base checkpoint's "
+                                          "weights.*or export the adapters alone with --peft"):
+        export_policy(lora)
+    assert export_policy(lora, peft=True).written == "peft_adapters"
 
 
 def test_what_cannot_be_exported_is_said(tmp_path, capsys):

@@ -94,6 +94,7 @@ def test_async_run_with_two_searchers(tmp_path):
     assert ParamReader(param_store_url(str(run)), "test").latest_version() == 3
     assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == ["3", "6"]
     assert (run / "plots" / "learning_curve.png").exists()
+    assert {"config.json", "tokenizer.json", "source.json"} <= {p.name for p in (run / "model").iterdir()}
     assert list((run / "tensorboard" / "trainer").glob("events.*"))
     assert set(discover_searcher_stores(str(run))) == {0, 1}
     # the final policy exported (`python -m tbajax.export`) and scored by `python -m tbajax.evaluate`

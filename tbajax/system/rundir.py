@@ -7,6 +7,7 @@ Layout (stores live beside these, see tbajax.stores):
     status/<role>.json     each role's latest progress line (atomically replaced)
     logs/<role>.log        each process's output (launcher)
     metrics.jsonl, tensorboard/, plots/, summary.json, checkpoints/
+    model/                 the base checkpoint's config.json and the tokenizer (tbajax.system.run_model)
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ LOCK_FILE = "launcher.lock"
 # What a run writes into its directory; a run that never trained is replaced by removing these
 # (logs/ stay: they tell what went wrong the first time).
 RUN_ENTRIES = ("config.json", "run_id", "summary.json", "metrics.jsonl", "trajectories", "params",
-               "checkpoints", "status", "control", "tensorboard", "plots")
+               "checkpoints", "status", "control", "tensorboard", "plots", "model")
 
 
 def write_json_atomic(path: Path, payload: Any) -> None:

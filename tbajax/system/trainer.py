@@ -52,6 +52,7 @@ from tbajax.system.evaluator import PIN_PURPOSE, eval_only, eval_pin, eval_reque
 from tbajax.system.metrics import MetricsWriter, eval_records, machine_info, plot_learning_curve, read_metrics
 from tbajax.system.pipeline import BackgroundPublish, PollBackoff, Prefetcher, UpdateClock
 from tbajax.system.publishing import params_to_publish
+from tbajax.system.run_model import keep_model_files
 from tbajax.system.searcher import Rollouts, build_rollouts, make_reward_pool
 from tbajax.training import Checkpointer, PolicyUpdater
 from tbajax.training.collate import UnpackableGroups, collate
@@ -194,6 +195,8 @@ def run_trainer(run_dir: Path, *, resume: bool = False, store_url: str | None = 
     checkpoints = Checkpointer(run_dir / "checkpoints", max_to_keep=config.train.keep_checkpoints)
     metrics = MetricsWriter(run_dir, "trainer") if primary else NullMetrics()
     run_id = agreement.share("run_id", lambda: _run_id(run_dir, resume))
+    if primary:  # what export / evaluate / samples read where the base checkpoint is not reachable
+        keep_model_files(run_dir, config)
     publisher = ParamPublisher(param_store_url(store), run_id, dtype=config.system.publish_dtype,
                                keep=config.system.keep_param_versions)
     counters = RunCounters(start_time=time.time())
