@@ -224,6 +224,26 @@ class RaySpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class WandbSpec:
+    """Weights & Biases logging (`pip install 'tbajax[wandb]'`): every role's metrics records, as
+    they go to metrics.jsonl, also go to a W&B run of its own, all of them in one W&B group per
+    tbajax run (W&B's layout for a job of several processes), each resumed where it stopped when
+    its role restarts. Enable with `--set system.wandb.project=NAME`.
+
+    project / entity (None: your default entity) / tags: where the runs go and how they are marked.
+    group: None = the run directory's name and a hash of its path (what the run ids build on).
+    mode: "online" (needs `wandb login` or WANDB_API_KEY and network) or "offline": written under
+      RUN_DIR/wandb/, uploaded later with `wandb sync RUN_DIR/wandb/offline-run-*`.
+    """
+
+    project: str = "tbajax"
+    entity: str | None = None
+    group: str | None = None
+    tags: tuple[str, ...] = ()
+    mode: Literal["online", "offline"] = "online"
+
+
+@dataclasses.dataclass(frozen=True)
 class SystemSpec:
     """How the roles run.
 
@@ -278,6 +298,7 @@ class SystemSpec:
       "auto" = $JAX_COMPILATION_CACHE_DIR when set, else $TBAJAX_CACHE/xla (~/.cache/tbajax/xla);
       a path or a bucket URL; None = off (an inherited $JAX_COMPILATION_CACHE_DIR too). A role
       started by hand uses $JAX_COMPILATION_CACHE_DIR.
+    wandb: also log every role's metrics to Weights & Biases (see WandbSpec); None = off.
     """
 
     mode: Literal["async", "sync"] = "async"
@@ -303,6 +324,7 @@ class SystemSpec:
     cpu_devices_per_trainer_process: int | None = None
     cpu_devices_per_searcher: int | None = None
     compile_cache: str | None = "auto"
+    wandb: WandbSpec | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -572,6 +594,7 @@ RESUME_SAFE_KEYS: tuple[str, ...] = (
     "system.stop_grace_s",
     "system.compile_cache",  # where compiled programs are kept, not what they compute
     "system.ray",  # a section: every key under it (placement only, e.g. on another cluster)
+    "system.wandb",  # where metrics are also logged
 )
 
 

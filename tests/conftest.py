@@ -131,6 +131,41 @@ def logits_of(model: Any, ids: Any, attention_mask: Any = None, positions: Any =
     return np.asarray(_jitted_forward()(model, arr(ids), arr(positions), arr(attention_mask)))
 
 
+def wandb_history(run_dir: Path, run_id: str) -> list[dict[str, Any]]:
+    """The history rows (`run.log` calls) of an offline W&B run under `run_dir`/wandb, read from
+    its .wandb files (every offline session of that run id, oldest first). The file is a header
+    (":W&B", 2 magic bytes, a version byte) and then LevelDB's log format: 32 KiB blocks of records
+    (CRC, length, type: full / first / middle / last) that each hold a `Record` protobuf."""
+    import json
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    rows: list[dict[str, Any]] = []
+    for path in sorted((Path(run_dir) / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb")):
+        blob, pos, pending, chunks = path.read_bytes(), 7, b"", []
+        assert blob[:4] == b":W&B", path
+        while pos + 7 <= len(blob):
+            if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
+                pos += 32768 - pos % 32768
+                continue
+            _, n, kind = struct.unpack("<IHB", blob[pos:pos + 7])
+            data, pos = blob[pos + 7:pos + 7 + n], pos + 7 + n
+            if kind in (1, 2):
+                pending = data
+            elif kind in (3, 4):
+                pending += data
+            if kind in (1, 4):
+                chunks.append(pending)
+        for chunk in chunks:
+            record = wandb_internal_pb2.Record.FromString(chunk)
+            if record.WhichOneof("record_type") == "history":
+                items = {item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                         for item in record.history.item}
+                rows.append({k: v for k, v in items.items() if not k.startswith("_")})
+    return rows
+
+
 def numpy_model_parts(config: Any, scale: float = 0.1, seed: int = 0) -> tuple[Any, Any]:
     """(graphdef, params) of a `CausalLM` of `config` with numpy weights ~N(0, scale) (norms ~1):
     no PRNG kernels to compile."""

@@ -77,11 +77,24 @@ def _wait_for(predicate, timeout: float, what: str) -> None:
 def test_async_run_with_two_searchers(tmp_path):
     run = tmp_path / "run"
     out = _finish(_main(run, "--set", "train.steps=6", "--set", "system.num_searchers=2",
-                        "--set", "train.checkpoint_every=3", "--set", "system.sync_every=2"))
+                        "--set", "train.checkpoint_every=3", "--set", "system.sync_every=2",
+                        "--set", "system.wandb.mode=offline"))
     summary = json.loads((run / "summary.json").read_text())
     assert summary["trainer_steps"] == 6, out
     trainer = [r for r in read_metrics(run, "trainer") if "loss" in r]
     assert len(trainer) == 6
+    # every role's records also went to its own W&B run (offline files under RUN/wandb)
+    from tbajax.config import WandbSpec
+    from tbajax.system.wandb_logging import wandb_names
+    from tests.conftest import wandb_history
+
+    logged = {role: wandb_history(run, wandb_names(run, role, WandbSpec())[1])
+              for role in ("trainer", "searcher-0", "searcher-1")}
+    assert [(r["step"], r["loss"]) for r in logged["trainer"] if "loss" in r] == [
+        (r["step"], r["loss"]) for r in trainer]
+    for i in (0, 1):
+        mine = read_metrics(run, f"searcher-{i}")
+        assert [r["samples"] for r in logged[f"searcher-{i}"]] == [r["samples"] for r in mine] != []
     # both searchers' trajectories were trained on
     for i in (0, 1):
         assert sum(r.get(f"rows_from_searcher_{i}", 0) for r in trainer) > 0, f"searcher {i} never trained on"

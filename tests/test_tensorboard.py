@@ -1,4 +1,5 @@
-"""Our TensorBoard event files: the framing and protos that tensorboardX writes, decoded by its protos."""
+"""Metrics sinks: our TensorBoard event files (the framing and protos that tensorboardX writes, decoded by
+its protos) and the Weights & Biases runs of `system.wandb` (read back from W&B's offline files)."""
 
 import struct
 
@@ -57,3 +58,52 @@ def test_metrics_writer_writes_jsonl_and_flushed_events(tmp_path):
     assert [(e.summary.value[0].tag, e.step) for e in events[1:]] == [("loss", 3)]
     m.close()
     assert read_metrics(tmp_path, "trainer")[0]["loss"] == 1.25
+
+
+def test_wandb_runs_are_named_by_run_directory_and_role(tmp_path):
+    from tbajax.config import WandbSpec
+    from tbajax.system.wandb_logging import loggable, wandb_names
+
+    run = tmp_path / "k=2 m=0.4.seed0"
+    group, run_id, name = wandb_names(run, "searcher-1", WandbSpec())
+    assert group.startswith("k-2-m-0-4-seed0-") and len(group) == len("k-2-m-0-4-seed0-") + 8
+    assert (run_id, name) == (f"{group}-searcher-1", "k=2 m=0.4.seed0/searcher-1")
+    assert wandb_names(tmp_path / "elsewhere" / run.name, "trainer", WandbSpec())[0] != group  # another path
+    assert wandb_names(run, "trainer", WandbSpec(group="mine"))[:2] == ("mine", "mine-trainer")
+    assert loggable({"step": 3, "time": 1e9, "role": "trainer", "loss": 0.5, "nan": float("nan"),
+                     "done": True, "event": "resume", "versions": [1, 2]}) == {
+        "step": 3, "loss": 0.5, "nan": pytest.approx(float("nan"), nan_ok=True)}
+
+
+def test_metrics_writer_logs_each_record_to_an_offline_wandb_run(tmp_path):
+    """What `system.wandb` logs, read back from W&B's own offline files: every record's numbers,
+    against its own step, and a restarted role continues its W&B run (a resumed trainer may log
+    a step again)."""
+    from tbajax.config import WandbSpec
+    from tbajax.system.wandb_logging import WandbRun, wandb_names
+    from tests.conftest import wandb_history
+
+    spec = WandbSpec(project="tbajax-test", mode="offline")
+    config = {"name": "tiny", "train": {"steps": 3}}
+    first = MetricsWriter(tmp_path, "trainer", wandb=WandbRun(spec, tmp_path, "trainer", config))
+    for step in (1, 2, 3):
+        first.write(step, {"loss": 1.0 / step, "event": "x"})
+    first.close()
+    again = MetricsWriter(tmp_path, "trainer", wandb=WandbRun(spec, tmp_path, "trainer", config))
+    again.write(2, {"loss": 0.125})
+    again.close()
+    run_id = wandb_names(tmp_path, "trainer", spec)[1]
+    assert wandb_history(tmp_path, run_id) == [
+        {"step": 1, "loss": 1.0}, {"step": 2, "loss": 0.5}, {"step": 3, "loss": 1.0 / 3},
+        {"step": 2, "loss": 0.125}]
+
+
+def test_wandb_without_its_package_is_a_config_error(monkeypatch):
+    import sys
+
+    from tbajax.config import ConfigError
+    from tbajax.system.wandb_logging import import_wandb
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as on an install without the extra
+    with pytest.raises(ConfigError, match=r"needs the wandb package: pip install 'tbajax\[wandb\]'"):
+        import_wandb()

@@ -123,6 +123,7 @@ def run_evaluator(run_dir: Path, store_url: str | None = None) -> None:
     from tbajax.system.metrics import MetricsWriter, read_metrics
     from tbajax.system.publishing import SearcherParams
     from tbajax.system.searcher import make_reward_pool
+    from tbajax.system.wandb_logging import open_wandb
 
     config = rundir.load_config(run_dir)
     if config.eval.mode != "process" or config.system.mode != "async":
@@ -139,7 +140,7 @@ def run_evaluator(run_dir: Path, store_url: str | None = None) -> None:
     evaluator = Evaluator(config, model, mesh, reward_pool)
     resident = SearcherParams(initial, mesh, config.model.lora)
     reader = ParamReader(param_store_url(store), "evaluator")
-    metrics = MetricsWriter(run_dir, "evaluator")
+    metrics = MetricsWriter(run_dir, "evaluator", wandb=open_wandb(config, run_dir, "evaluator"))
     mine = read_metrics(run_dir, "evaluator", superseded=True)  # before a restart too: never evaluated twice
     done = evaluated_versions(mine)
     counts = {"evaluated": 0, "missing": sum(1 for r in mine if r.get("event") == "eval_missing")}

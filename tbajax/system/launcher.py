@@ -617,6 +617,10 @@ def preflight(config: ExperimentConfig) -> None:
     except (ValueError, ImportError, AttributeError, TypeError, OSError) as e:
         raise ConfigError(f"{type(e).__name__}: {e}") from None
     check_compile_cache(config.system.compile_cache)
+    if config.system.wandb is not None:
+        from tbajax.system.wandb_logging import import_wandb
+
+        import_wandb()
 
 
 def check_compile_cache(setting: str | None) -> None:

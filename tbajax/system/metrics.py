@@ -26,12 +26,14 @@ def _require(module: str, what: str) -> Any:
 
 
 class MetricsWriter:
-    """Appends `{"step", "time", "role", **scalars}` to metrics.jsonl and to TensorBoard."""
+    """Appends `{"step", "time", "role", **scalars}` to metrics.jsonl, to TensorBoard and, given a
+    `WandbRun` (`tbajax.system.wandb_logging.open_wandb`), to Weights & Biases."""
 
-    def __init__(self, run_dir: str | Path, role: str, tensorboard: bool = True):
+    def __init__(self, run_dir: str | Path, role: str, tensorboard: bool = True, wandb: Any = None):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.role = role
+        self._wandb = wandb
         self._tb = None
         if tensorboard:
             from tbajax.system.tensorboard import ScalarEventWriter
@@ -48,11 +50,16 @@ class MetricsWriter:
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
                     self._tb.add_scalar(k, v, int(step))
             self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(record)
         return record
 
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.close()
+            self._wandb = None
 
 
 def matmul_flops_per_s(n: int = 1024, repeats: int = 5) -> float:

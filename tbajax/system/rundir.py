@@ -8,6 +8,7 @@ Layout (stores live beside these, see tbajax.stores):
     logs/<role>.log        each process's output (launcher)
     metrics.jsonl, tensorboard/, plots/, summary.json, checkpoints/
     model/                 the base checkpoint's config.json and the tokenizer (tbajax.system.run_model)
+    wandb/                 Weights & Biases' local files, with system.wandb (tbajax.system.wandb_logging)
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ LOCK_FILE = "launcher.lock"
 # What a run writes into its directory; a run that never trained is replaced by removing these
 # (logs/ stay: they tell what went wrong the first time).
 RUN_ENTRIES = ("config.json", "run_id", "summary.json", "metrics.jsonl", "trajectories", "params",
-               "checkpoints", "status", "control", "tensorboard", "plots", "model")
+               "checkpoints", "status", "control", "tensorboard", "plots", "model",
+               "wandb")
 
 
 def write_json_atomic(path: Path, payload: Any) -> None:

@@ -30,6 +30,7 @@ from tbajax.system import rundir
 from tbajax.system.metrics import MetricsWriter
 from tbajax.system.pipeline import PollBackoff
 from tbajax.system.publishing import SearcherParams
+from tbajax.system.wandb_logging import open_wandb
 from tbajax.tasks.base import Problem, Task
 from tbajax.tasks.reward_pool import RewardResult
 from tbajax.tasks.scoring import Samples, Scorer, ScorerContext, Scores, build_scorer, grade_in_process
@@ -402,7 +403,8 @@ def run_searcher(run_dir: Path, searcher_id: int, store_url: str | None = None) 
     rollouts = build_rollouts(config, searcher_id, mesh, reward_pool=make_reward_pool(config))
     writer = TrajectoryWriter(trajectory_store_url(store, searcher_id), searcher_id)
     params_reader = ParamReader(param_store_url(store), f"searcher-{searcher_id}")
-    metrics = MetricsWriter(run_dir, f"searcher-{searcher_id}", tensorboard=False)
+    metrics = MetricsWriter(run_dir, f"searcher-{searcher_id}", tensorboard=False,
+                            wandb=open_wandb(config, run_dir, f"searcher-{searcher_id}"))
     problems = rollouts.task.load("train")
     committed = writer.committed_rows()
     stream = PromptStream(problems, searcher_id, config.system.num_searchers, config.seed,

@@ -53,6 +53,7 @@ from tbajax.system.metrics import MetricsWriter, eval_records, machine_info, plo
 from tbajax.system.pipeline import BackgroundPublish, PollBackoff, Prefetcher, UpdateClock
 from tbajax.system.publishing import params_to_publish
 from tbajax.system.run_model import keep_model_files
+from tbajax.system.wandb_logging import open_wandb
 from tbajax.system.searcher import Rollouts, build_rollouts, make_reward_pool
 from tbajax.training import Checkpointer, PolicyUpdater
 from tbajax.training.collate import UnpackableGroups, collate
@@ -193,7 +194,8 @@ def run_trainer(run_dir: Path, *, resume: bool = False, store_url: str | None = 
         lambda: make_mesh(config.system.searcher_mesh, devices=jax.local_devices()), agreement)
     buffer = make_buffer(config)
     checkpoints = Checkpointer(run_dir / "checkpoints", max_to_keep=config.train.keep_checkpoints)
-    metrics = MetricsWriter(run_dir, "trainer") if primary else NullMetrics()
+    metrics = MetricsWriter(run_dir, "trainer", wandb=open_wandb(config, run_dir, "trainer")) \
+        if primary else NullMetrics()
     run_id = agreement.share("run_id", lambda: _run_id(run_dir, resume))
     if primary:  # what export / evaluate / samples read where the base checkpoint is not reachable
         keep_model_files(run_dir, config)
