@@ -274,6 +274,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # Reading, merging and writing weights needs no accelerator: on the host, an export takes no
+    # memory from the GPUs a run may still be using (JAX would reserve most of one at its first
+    # array). JAX_PLATFORMS set by the caller still wins; too late once jax has started (in-process).
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from tbajax.config import ConfigError
     from tbajax.models import CheckpointError
     from tbajax.stores.params import ParamStoreError, ParamVersionError
