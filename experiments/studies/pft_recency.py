@@ -139,7 +139,9 @@ def main() -> None:
     table = markdown_table(header, [row(r, kl) for r, kl in zip(results, kls)])
     plot(out / "win_rate_kl.png", results, kls)
     groups = by_group(results)
-    spread = [f"- {g}: win rate " + ", ".join(f"{r.final_score:.3f}" for r in runs) for g, runs in groups.items()]
+    spread = [f"- {g}: win rate " + ", ".join(f"{r.final_score:.3f}" for r in runs)
+              + (f" (mean {sum(r.final_score for r in runs) / len(runs):.3f} over {len(runs)} seeds)"
+                 if len(runs) > 1 else "") for g, runs in groups.items()]
     sections = [
         f"## Win rate and KL after {args.steps} trainer steps", "",
         "Win rate of the policy's greedy continuation over the SFT model's on 64 held-out passages under "
