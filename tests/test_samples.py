@@ -1,9 +1,13 @@
-"""`python -m tbajax.samples`: a run's stored trajectories as text, newest first across searchers,
-filtered, decoded with the run's tokenizer as the searchers decode them for grading."""
+"""Reading a run: `python -m tbajax.samples` (its stored trajectories as text, newest first across
+searchers, filtered, decoded with the run's tokenizer as the searchers decode them for grading) and
+`python -m tbajax.status` (where it stands, from its directory's files)."""
 
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -75,3 +79,45 @@ def test_a_run_without_trajectories_says_so(tmp_path, capsys):
     assert "no trajectories are stored under" in capsys.readouterr().err
     assert main([str(tmp_path / "elsewhere")]) == 2
     assert "config.json does not exist" in capsys.readouterr().err
+
+
+def test_status_of_a_run_from_its_files(tmp_path, capsys):
+    from tbajax.config import apply_overrides
+    from tbajax.status import describe, run_state
+    from tbajax.status import main as status_main
+    from tbajax.system import rundir
+    from tbajax.system.metrics import MetricsWriter
+
+    run = tmp_path / "run"
+    run.mkdir()
+    config = apply_overrides(load_experiment("tiny_arithmetic"), ["train.steps=10"])
+    (run / "config.json").write_text(config.to_json())
+    assert run_state(run).state == "not started"
+    rundir.write_status(run, "trainer", {"phase": "training", "step": 4})  # this (live) process
+    rundir.write_status(run, "searcher-0", {"version": 2, "samples": 96, "tokens_per_s": 812.4})
+    metrics = MetricsWriter(run, "trainer", tensorboard=False)
+    metrics.write(0, {"eval_score": 0.25})
+    metrics.write(4, {"eval_score": 0.5})
+    metrics.close()
+    (run / "checkpoints" / "4").mkdir(parents=True)
+    state = run_state(run)
+    assert (state.state, state.step, state.checkpoints) == ("running", 4, [4])
+    assert state.evals == [(0, 0.25), (4, 0.5)]
+    text = describe(state)
+    assert "running: trainer step 4 of 10 (40%)" in text and "0.250 (step 0) → 0.500 (step 4)" in text
+    assert re.search(r"searcher-0 +- +- +2 +96 +812 +\d+ s ago", text), text
+    # its processes have exited: stopped, and how to continue it
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True)
+    for role in ("trainer", "searcher-0"):
+        path = run / "status" / f"{role}.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "pid": int(gone.stdout)}))
+    state = run_state(run)
+    assert state.state == "stopped" and [r.alive for r in state.roles] == [False, False]
+    assert f"python -m tbajax.main --run-dir {run} --resume" in describe(state)
+    (run / "summary.json").write_text(json.dumps({"trainer_steps": 10, "eval_metric": "accuracy"}))
+    assert run_state(run).state == "finished"
+    assert status_main([str(run), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["state"] == "finished"
+    assert status_main([str(tmp_path / "no-run")]) == 2
+    assert "does not exist" in capsys.readouterr().err

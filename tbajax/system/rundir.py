@@ -214,7 +214,8 @@ def stop_requested(run_dir: Path) -> bool:
 
 
 def write_status(run_dir: Path, role: str, status: dict[str, Any]) -> None:
-    write_json_atomic(run_dir / "status" / f"{role}.json", {"time": time.time(), "pid": os.getpid(), **status})
+    write_json_atomic(run_dir / "status" / f"{role}.json",
+                      {"time": time.time(), "pid": os.getpid(), "host": socket.gethostname(), **status})
 
 
 def read_status(run_dir: Path) -> dict[str, dict[str, Any]]:
