@@ -31,7 +31,7 @@ from tbajax.models import (
 from tbajax.models import layers as L
 from tbajax.models.serving import ServingParams
 
-FAMILIES = ["llama", "llama_tied_rope3", "qwen2", "qwen2_tied", "qwen3"]
+FAMILIES = ["llama", "llama_tied_rope3", "qwen2", "qwen2_tied", "qwen3", "mistral"]
 
 
 def _batch(seed: int = 0, b: int = 4, t: int = 11, vocab: int = 101):
@@ -64,6 +64,15 @@ def test_logits_match_torch_transformers(tiny_checkpoint, family):
     ours = logits_of(model, ids, mask)
     real = mask.astype(bool)
     assert np.abs(ours - ref)[real].max() <= 1e-4
+
+
+def test_a_mistral_sliding_window_shorter_than_its_context_is_refused(tiny_checkpoint):
+    hf = json.loads((tiny_checkpoint("mistral") / "config.json").read_text())
+    assert hf["sliding_window"] is None and ModelConfig.from_hf(hf).head_dim == 12
+    assert ModelConfig.from_hf({**hf, "sliding_window": hf["max_position_embeddings"]}).model_type == "mistral"
+    with pytest.raises(UnsupportedModelError, match="sliding_window=64 changes attention for sequences longer "
+                                                    "than 64 tokens; .*set sliding_window to null"):
+        ModelConfig.from_hf({**hf, "sliding_window": 64})
 
 
 @pytest.mark.parametrize(

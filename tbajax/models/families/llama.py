@@ -1,5 +1,6 @@
-"""Llama (2, 3.x), Qwen2/2.5 (q/k/v bias) and Qwen3 (q/k RMSNorm): pre-norm RMSNorm blocks,
-full RoPE, grouped-query attention, SwiGLU MLP, optionally tied embeddings."""
+"""Llama (2, 3.x), Mistral (without a sliding window shorter than its context), Qwen2/2.5 (q/k/v
+bias) and Qwen3 (q/k RMSNorm): pre-norm RMSNorm blocks, full RoPE, grouped-query attention, SwiGLU
+MLP, optionally tied embeddings."""
 
 from __future__ import annotations
 
@@ -32,6 +33,14 @@ def parse_hf(hf: dict[str, Any]) -> dict[str, Any]:
         raise UnsupportedModelError(
             "use_sliding_window=true changes attention; sliding-window attention is not "
             "implemented (set use_sliding_window=false only if every sequence fits the window)"
+        )
+    window = hf.get("sliding_window")
+    if model_type == "mistral" and window is not None and window < int(hf.get("max_position_embeddings", 0)):
+        # Mistral has no use_sliding_window switch: a window shorter than the context is in force
+        raise UnsupportedModelError(
+            f"sliding_window={window} changes attention for sequences longer than {window} tokens; "
+            "sliding-window attention is not implemented (set sliding_window to null in config.json "
+            "only if every prompt + response fits the window)"
         )
     layer_types = hf.get("layer_types")
     if layer_types and any(t != "full_attention" for t in layer_types):
@@ -89,6 +98,8 @@ def to_hf(cfg: ModelConfig) -> dict[str, Any]:
         out["use_sliding_window"] = False
         out["sliding_window"] = None
         out["max_window_layers"] = cfg.num_layers
+    if cfg.model_type == "mistral":
+        out["sliding_window"] = None
     return out
 
 
@@ -276,9 +287,10 @@ def undo_decode_layout(cfg: ModelConfig, p: dict[str, Array]) -> dict[str, Array
 
 FAMILY = Family(
     name="llama",
-    model_types=("llama", "qwen2", "qwen3"),
+    model_types=("llama", "mistral", "qwen2", "qwen3"),
     architectures={
         "llama": ("LlamaForCausalLM", "LlamaForSequenceClassification"),
+        "mistral": ("MistralForCausalLM", "MistralForSequenceClassification"),
         "qwen2": ("Qwen2ForCausalLM", "Qwen2ForSequenceClassification"),
         "qwen3": ("Qwen3ForCausalLM", "Qwen3ForSequenceClassification"),
     },
