@@ -89,6 +89,7 @@ TINY_FAMILIES: dict[str, dict[str, Any]] = {
     "qwen2_tied": dict(model_type="qwen2", tie_word_embeddings=True),
     "qwen3": dict(model_type="qwen3", head_dim=24, tie_word_embeddings=True),
     "mistral": dict(model_type="mistral", sliding_window=None, rope_theta=1e6),
+    "olmo2": dict(model_type="olmo2", rms_norm_eps=1e-6),
 }
 
 

@@ -504,7 +504,8 @@ def test_hand_built_config_exports_and_is_checked(tmp_path):
         ModelConfig(hidden_act="gelu_new", **{**fields, "num_kv_heads": 2})
 
 
-@pytest.mark.parametrize("name", ["qwen2_tied", "neox_parallel"])  # SwiGLU + tied head; GELU + untied
+# SwiGLU + tied head; GELU + untied; OLMo 2's norms over whole projections and after each sublayer
+@pytest.mark.parametrize("name", ["qwen2_tied", "neox_parallel", "olmo2"])
 def test_logprob_gradients_match_torch(ckpt, tiny_checkpoint, name):
     """The trainer's scoring path (`sequence_logprobs`: the hand-written VJPs of the vocabulary
     projection + tempered log-softmax, of every MLP matmul and of SwiGLU) against torch autograd,
@@ -515,7 +516,7 @@ def test_logprob_gradients_match_torch(ckpt, tiny_checkpoint, name):
     from tbajax.models.hf import hf_tensors
     from tbajax.training import sequence_logprobs
 
-    directory = tiny_checkpoint(name) if name == "qwen2_tied" else ckpt(name)
+    directory = tiny_checkpoint(name) if name in ("qwen2_tied", "olmo2") else ckpt(name)
     temperature = 0.7
     ids, mask = _batch(3)
     scored = mask * np.pad(mask[:, :-1], ((0, 0), (1, 0)))  # a real token after a real one

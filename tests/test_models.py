@@ -31,7 +31,7 @@ from tbajax.models import (
 from tbajax.models import layers as L
 from tbajax.models.serving import ServingParams
 
-FAMILIES = ["llama", "llama_tied_rope3", "qwen2", "qwen2_tied", "qwen3", "mistral"]
+FAMILIES = ["llama", "llama_tied_rope3", "qwen2", "qwen2_tied", "qwen3", "mistral", "olmo2"]
 
 
 def _batch(seed: int = 0, b: int = 4, t: int = 11, vocab: int = 101):
@@ -76,7 +76,8 @@ def test_a_mistral_sliding_window_shorter_than_its_context_is_refused(tiny_check
 
 
 @pytest.mark.parametrize(
-    "family, weight_first", [("llama", True), ("qwen2", True), ("qwen3", True), ("qwen2", False)]
+    "family, weight_first",
+    [("llama", True), ("qwen2", True), ("qwen3", True), ("olmo2", True), ("qwen2", False)],
 )
 def test_kv_cache_decode_matches_full_forward(tiny_checkpoint, family, weight_first, monkeypatch):
     """Prefill a left-padded prompt, then decode token by token: same logits as one forward.
@@ -162,7 +163,7 @@ def test_bf16_compute_and_remat(tiny_checkpoint):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2_tied", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2_tied", "qwen3", "mistral", "olmo2"])
 def test_export_round_trip_loads_in_torch(tiny_checkpoint, tmp_path, family):
     directory = tiny_checkpoint(family)
     model = load_model(directory)

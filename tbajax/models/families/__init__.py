@@ -99,6 +99,7 @@ class Family:
     validate: Callable[["ModelConfig"], None] | None = None  # any further family-specific check
     # one layer's weights -> the same weights laid out for decoding a few rows (e.g. projections
     # that read the same input concatenated into one matmul); `block` accepts both layouts
+    grouped_query_attention: bool = False  # num_kv_heads may be fewer than num_heads
     decode_layout: Callable[["ModelConfig", dict[str, Any]], dict[str, Any]] | None = None
     undo_decode_layout: Callable[["ModelConfig", dict[str, Any]], dict[str, Any]] | None = None  # its inverse
 
@@ -117,7 +118,7 @@ class Family:
                 )
         if self.validate is not None:
             self.validate(cfg)
-        if cfg.num_heads != cfg.num_kv_heads and self.name != "llama":
+        if cfg.num_heads != cfg.num_kv_heads and not self.grouped_query_attention:
             raise UnsupportedModelError(
                 f"{cfg.model_type} has no grouped-query attention: num_kv_heads={cfg.num_kv_heads} "
                 f"must equal num_heads={cfg.num_heads}"
@@ -126,15 +127,16 @@ class Family:
 
 def family_for(model_type: str) -> Family:
     """The family implementing `model_type` (imported lazily: families import the config)."""
-    from tbajax.models.families import gpt2, gpt_neox, llama
+    from tbajax.models.families import gpt2, gpt_neox, llama, olmo2
 
-    for fam in (llama.FAMILY, gpt_neox.FAMILY, gpt2.FAMILY):
+    for fam in (llama.FAMILY, olmo2.FAMILY, gpt_neox.FAMILY, gpt2.FAMILY):
         if model_type in fam.model_types:
             return fam
     raise KeyError(model_type)
 
 
 def supported_model_types() -> tuple[str, ...]:
-    from tbajax.models.families import gpt2, gpt_neox, llama
+    from tbajax.models.families import gpt2, gpt_neox, llama, olmo2
 
-    return llama.FAMILY.model_types + gpt_neox.FAMILY.model_types + gpt2.FAMILY.model_types
+    families = (llama.FAMILY, olmo2.FAMILY, gpt_neox.FAMILY, gpt2.FAMILY)
+    return tuple(t for fam in families for t in fam.model_types)

@@ -218,14 +218,7 @@ def block(
     cos, sin = tables
     w = {k: v.astype(dt) for k, v in p.items()}
     h = L.rms_norm(x, w["input_norm"], cfg.rms_norm_eps)
-    if "q_proj" not in w:  # decode_layout: per KV head, its query group's heads, its key, its value
-        b, t, _ = h.shape
-        g = cfg.num_heads // cfg.num_kv_heads
-        qkv = L.decode_product(h, w, "qkv_proj").reshape(b, t, cfg.num_kv_heads, g + 2, cfg.head_dim)
-        q = qkv[..., :g, :].reshape(b, t, cfg.num_heads, cfg.head_dim)
-        k, v = qkv[..., g, :], qkv[..., g + 1, :]
-    else:
-        q, k, v = (L.project(h, w[name]) for name in ("q_proj", "k_proj", "v_proj"))
+    q, k, v = query_key_value(cfg, w, h)
     if cfg.qkv_bias:
         q, k, v = q + w["q_bias"], k + w["k_bias"], v + w["v_bias"]
     if cfg.qk_norm:
@@ -238,7 +231,23 @@ def block(
     if cfg.o_bias:
         o = o + w["o_bias"]
     x = x + o
-    h = L.rms_norm(x, w["post_attention_norm"], cfg.rms_norm_eps)
+    x = x + swiglu_mlp(w, L.rms_norm(x, w["post_attention_norm"], cfg.rms_norm_eps))
+    return constrain(x, ("batch", "length", "act_embed")), new_cache
+
+
+def query_key_value(cfg: ModelConfig, w: dict[str, Array], h: Array) -> tuple[Array, Array, Array]:
+    """q [b,t,h,d], k and v [b,t,kv,d] from the layer's input, in either weight layout."""
+    if "q_proj" in w:
+        return tuple(L.project(h, w[name]) for name in ("q_proj", "k_proj", "v_proj"))  # type: ignore
+    # decode_layout: per KV head, its query group's heads, its key, its value
+    b, t, _ = h.shape
+    g = cfg.num_heads // cfg.num_kv_heads
+    qkv = L.decode_product(h, w, "qkv_proj").reshape(b, t, cfg.num_kv_heads, g + 2, cfg.head_dim)
+    return qkv[..., :g, :].reshape(b, t, cfg.num_heads, cfg.head_dim), qkv[..., g, :], qkv[..., g + 1, :]
+
+
+def swiglu_mlp(w: dict[str, Array], h: Array) -> Array:
+    """down(silu(gate h) * up h), in either weight layout."""
     if "gate_proj" in w:
         gate = L.linear(h, w["gate_proj"])
         up = L.linear(h, w["up_proj"])
@@ -246,8 +255,7 @@ def block(
         gate_up = L.decode_product(h, w, "gate_up_proj")
         gate_up = gate_up.reshape(*gate_up.shape[:-1], -1, 2)
         gate, up = gate_up[..., 0], gate_up[..., 1]
-    x = x + L.decode_product(L.swiglu(gate, up), w, "down_proj")
-    return constrain(x, ("batch", "length", "act_embed")), new_cache
+    return L.decode_product(L.swiglu(gate, up), w, "down_proj")
 
 
 def decode_layout(cfg: ModelConfig, p: dict[str, Array]) -> dict[str, Array]:
@@ -306,6 +314,7 @@ FAMILY = Family(
     final_norm=final_norm,
     ignored_suffixes=("rotary_emb.inv_freq",),
     fixed={"hidden_act": ("silu",), "rotary_pct": (1.0,), "parallel_residual": (False,)},
+    grouped_query_attention=True,
     decode_layout=decode_layout,
     undo_decode_layout=undo_decode_layout,
 )

@@ -1,0 +1,118 @@
+"""OLMo 2 (AllenAI): Llama's projections, RoPE and SwiGLU MLP with the norms moved. No norm on a
+block's input; RMSNorm on the attention output and on the MLP output before each joins the
+residual; RMSNorm on the whole query and key projections (over all heads at once, where Qwen3
+normalises each head) before RoPE."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from tbajax import op_scopes as S
+from tbajax.models import layers as L
+from tbajax.models.config import ModelConfig, UnsupportedModelError
+from tbajax.models.families import Family, Mapping, ParamSpec, llama, same
+from tbajax.sharding import constrain
+
+Array = jax.Array
+
+
+def parse_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    if hf.get("attention_bias"):
+        raise UnsupportedModelError("attention_bias=true is not supported for olmo2")
+    return {**llama.parse_hf(hf), "qk_norm": True}
+
+
+def to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    return {**llama.to_hf(cfg), "attention_bias": False}
+
+
+def layer_params(cfg: ModelConfig) -> dict[str, ParamSpec]:
+    d, h, kv, hd, f = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+    return {
+        "q_proj": ParamSpec(("embed", "q_heads", "head_dim"), (d, h, hd)),
+        "k_proj": ParamSpec(("embed", "kv_heads", "head_dim"), (d, kv, hd)),
+        "v_proj": ParamSpec(("embed", "kv_heads", "head_dim"), (d, kv, hd)),
+        "q_norm": ParamSpec(("q_heads", "head_dim"), (h, hd), "ones"),
+        "k_norm": ParamSpec(("kv_heads", "head_dim"), (kv, hd), "ones"),
+        "o_proj": ParamSpec(("q_heads", "head_dim", "embed"), (h, hd, d)),
+        "post_attention_norm": ParamSpec(("norm",), (d,), "ones"),
+        "gate_proj": ParamSpec(("embed", "mlp"), (d, f)),
+        "up_proj": ParamSpec(("embed", "mlp"), (d, f)),
+        "down_proj": ParamSpec(("mlp", "embed"), (f, d)),
+        "post_feedforward_norm": ParamSpec(("norm",), (d,), "ones"),
+    }
+
+
+def _whole_projection(hf_name: str, heads_attr: str) -> Mapping:
+    """HF's norm weight over a whole projection [heads * head_dim] <-> ours [heads, head_dim]."""
+    return Mapping(hf_name, lambda a, c: a.reshape(getattr(c, heads_attr), c.head_dim),
+                   lambda a, c: a.reshape(-1))
+
+
+def hf_mappings(cfg: ModelConfig) -> dict[str, Mapping]:
+    pre = "model.layers.{i}."
+    out = {k: v for k, v in llama.hf_mappings(cfg).items()
+           if k.removeprefix("layers.") in layer_params(cfg) or not k.startswith("layers.")}
+    return {
+        **out,
+        "layers.q_norm": _whole_projection(pre + "self_attn.q_norm.weight", "num_heads"),
+        "layers.k_norm": _whole_projection(pre + "self_attn.k_norm.weight", "num_kv_heads"),
+        "layers.post_feedforward_norm": same(pre + "post_feedforward_layernorm.weight"),
+    }
+
+
+def _norm_over_heads(x: Array, w: Array, eps: float) -> Array:
+    """RMSNorm of x [..., heads, head_dim] over its last two axes (the whole projection)."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=(-2, -1), keepdims=True) + eps)
+    return (w.astype(jnp.float32) * xf).astype(x.dtype)
+
+
+def block(
+    cfg: ModelConfig,
+    p: dict[str, Array],
+    x: Array,
+    tables: tuple[Array, Array],
+    mask: Array,
+    cache: L.LayerCache | L.EmitKV | None,
+) -> tuple[Array, tuple[Array, Array] | None]:
+    dt = cfg.jnp_dtype
+    cos, sin = tables
+    w = {k: v.astype(dt) for k, v in p.items()}
+    eps = cfg.rms_norm_eps
+    q, k, v = llama.query_key_value(cfg, w, x)
+    with jax.named_scope(S.NORM):
+        q, k = _norm_over_heads(q, w["q_norm"], eps), _norm_over_heads(k, w["k_norm"], eps)
+    q, k = L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin)
+    q = constrain(q, ("batch", "length", "act_heads", None))
+    o, new_cache = L.self_attention(q, k, v, mask, cache, dt, cfg.attention)
+    o = L.decode_matrix_product(o, w, "o_proj", in_axes=2)
+    x = x + L.rms_norm(o, w["post_attention_norm"], eps)
+    x = x + L.rms_norm(llama.swiglu_mlp(w, x), w["post_feedforward_norm"], eps)
+    return constrain(x, ("batch", "length", "act_embed")), new_cache
+
+
+FAMILY = Family(
+    name="olmo2",
+    model_types=("olmo2",),
+    architectures={"olmo2": ("Olmo2ForCausalLM", "Olmo2ForSequenceClassification")},
+    base_prefix="model.",
+    parse_hf=parse_hf,
+    to_hf=to_hf,
+    top_params=llama.top_params,
+    layer_params=layer_params,
+    hf_mappings=hf_mappings,
+    embed=llama.embed,
+    position_tables=llama.position_tables,
+    block=block,
+    final_norm=llama.final_norm,
+    ignored_suffixes=("rotary_emb.inv_freq",),
+    fixed={"hidden_act": ("silu",), "rotary_pct": (1.0,), "parallel_residual": (False,),
+           "qk_norm": (True,), "qkv_bias": (False,), "o_bias": (False,)},
+    grouped_query_attention=True,
+    decode_layout=llama.decode_layout,
+    undo_decode_layout=llama.undo_decode_layout,
+)
