@@ -53,8 +53,8 @@ from tbajax.system.metrics import MetricsWriter, eval_records, machine_info, plo
 from tbajax.system.pipeline import BackgroundPublish, PollBackoff, Prefetcher, UpdateClock
 from tbajax.system.publishing import params_to_publish
 from tbajax.system.run_model import keep_model_files
-from tbajax.system.wandb_logging import open_wandb
 from tbajax.system.searcher import Rollouts, build_rollouts, make_reward_pool
+from tbajax.system.wandb_logging import open_wandb
 from tbajax.training import Checkpointer, PolicyUpdater
 from tbajax.training.collate import UnpackableGroups, collate
 from tbajax.training.layout import LAYOUTS, batch_layout, cheapest
