@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -99,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("absl").setLevel(logging.ERROR)
+    # On a GPU a run may still be training on: take memory as the evaluation needs it, not the 75%
+    # JAX reserves up front by default (the caller's setting wins; too late once jax has started).
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     from tbajax.config import ConfigError, apply_overrides
     from tbajax.export import ExportError, read_stored_policy
     from tbajax.main import DEFAULT_EXPERIMENT, load_experiment
