@@ -54,6 +54,8 @@ CLASSIFIERS = {
     "gpt_neox": ("gpt_neox", dict(hidden_size=48, num_attention_heads=4, intermediate_size=80,
                                   rotary_pct=0.5, num_labels=1)),
     "gpt2": ("gpt2", dict(n_embd=48, n_head=4, n_positions=64, num_labels=2)),
+    "olmo2": ("olmo2", dict(hidden_size=48, intermediate_size=64, num_attention_heads=4,
+                            num_key_value_heads=2, num_labels=1)),
 }
 
 
