@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from tbajax.config import ExperimentConfig, apply_overrides
+from tbajax.config import ConfigError, ExperimentConfig, apply_overrides
 from tbajax.main import load_experiment
 from tbajax.system.launcher import launch, read_summary
 from tbajax.system.metrics import eval_records, read_metrics
@@ -142,7 +142,7 @@ def run_arm(experiment: str, arm: Arm, common: Sequence[str], runs_dir: Path, *,
     run_dir = runs_dir / arm.name
     config_path = run_dir / "config.json"
     summary = read_summary(run_dir)
-    same = config_path.exists() and json.loads(config_path.read_text()) == json.loads(config.to_json())
+    same = config_path.exists() and _stored_config(config_path) == json.loads(config.to_json())
     if fresh or not (summary and same and not summary.get("stopped_early")):
         if run_dir.exists():
             shutil.rmtree(run_dir)
@@ -159,6 +159,16 @@ def run_arm(experiment: str, arm: Arm, common: Sequence[str], runs_dir: Path, *,
     else:
         print(f"  {arm.name}: reusing the finished run in {run_dir}", flush=True)
     return collect(arm, run_dir, summary)
+
+
+def _stored_config(path: Path) -> dict[str, Any]:
+    """A run's config.json as the current code reads it: fields added since the run started take
+    their defaults (as on --resume), so a finished run is not re-run over a new config field."""
+    stored = json.loads(path.read_text())
+    try:
+        return json.loads(ExperimentConfig.from_dict(stored).to_json())
+    except ConfigError:
+        return stored  # a field since removed: compared as stored, it differs and the arm re-runs
 
 
 def collect(arm: Arm, run_dir: Path, summary: dict[str, Any]) -> ArmResult:
