@@ -56,6 +56,8 @@ CLASSIFIERS = {
     "gpt2": ("gpt2", dict(n_embd=48, n_head=4, n_positions=64, num_labels=2)),
     "olmo2": ("olmo2", dict(hidden_size=48, intermediate_size=64, num_attention_heads=4,
                             num_key_value_heads=2, num_labels=1)),
+    "phi3": ("phi3", dict(hidden_size=48, intermediate_size=64, num_attention_heads=4,
+                          num_key_value_heads=2, partial_rotary_factor=0.5, pad_token_id=0, num_labels=1)),
 }
 
 
@@ -506,8 +508,9 @@ def test_hand_built_config_exports_and_is_checked(tmp_path):
         ModelConfig(hidden_act="gelu_new", **{**fields, "num_kv_heads": 2})
 
 
-# SwiGLU + tied head; GELU + untied; OLMo 2's norms over whole projections and after each sublayer
-@pytest.mark.parametrize("name", ["qwen2_tied", "neox_parallel", "olmo2"])
+# SwiGLU + tied head; GELU + untied; OLMo 2's norms over whole projections and after each sublayer;
+# Phi-3's fused projections and partial rotary
+@pytest.mark.parametrize("name", ["qwen2_tied", "neox_parallel", "olmo2", "phi3"])
 def test_logprob_gradients_match_torch(ckpt, tiny_checkpoint, name):
     """The trainer's scoring path (`sequence_logprobs`: the hand-written VJPs of the vocabulary
     projection + tempered log-softmax, of every MLP matmul and of SwiGLU) against torch autograd,
@@ -518,7 +521,7 @@ def test_logprob_gradients_match_torch(ckpt, tiny_checkpoint, name):
     from tbajax.models.hf import hf_tensors
     from tbajax.training import sequence_logprobs
 
-    directory = tiny_checkpoint(name) if name in ("qwen2_tied", "olmo2") else ckpt(name)
+    directory = tiny_checkpoint(name) if name in ("qwen2_tied", "olmo2", "phi3") else ckpt(name)
     temperature = 0.7
     ids, mask = _batch(3)
     scored = mask * np.pad(mask[:, :-1], ((0, 0), (1, 0)))  # a real token after a real one

@@ -31,7 +31,7 @@ from tbajax.models import (
 from tbajax.models import layers as L
 from tbajax.models.serving import ServingParams
 
-FAMILIES = ["llama", "llama_tied_rope3", "qwen2", "qwen2_tied", "qwen3", "mistral", "olmo2"]
+FAMILIES = ["llama", "llama_tied_rope3", "qwen2", "qwen2_tied", "qwen3", "mistral", "olmo2", "phi3"]
 
 
 def _batch(seed: int = 0, b: int = 4, t: int = 11, vocab: int = 101):
@@ -75,9 +75,21 @@ def test_a_mistral_sliding_window_shorter_than_its_context_is_refused(tiny_check
         ModelConfig.from_hf({**hf, "sliding_window": 64})
 
 
+def test_phi3_variants_it_cannot_compute_exactly_are_refused(tiny_checkpoint):
+    """Phi-3-mini-4k's sliding window (2047 of 4096 positions) and Phi-3.5 / Phi-4-mini's longrope."""
+    hf = json.loads((tiny_checkpoint("phi3") / "config.json").read_text())
+    assert ModelConfig.from_hf(hf).rotary_dim == 6
+    with pytest.raises(UnsupportedModelError, match="sliding_window=47 changes attention"):
+        ModelConfig.from_hf({**hf, "sliding_window": 47})
+    longrope = {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 3,
+                "long_factor": [2.0] * 3, "original_max_position_embeddings": 64, "partial_rotary_factor": 0.5}
+    with pytest.raises(UnsupportedModelError, match="longrope"):
+        ModelConfig.from_hf({**hf, "rope_parameters": longrope, "rope_scaling": None})
+
+
 @pytest.mark.parametrize(
     "family, weight_first",
-    [("llama", True), ("qwen2", True), ("qwen3", True), ("olmo2", True), ("qwen2", False)],
+    [("llama", True), ("qwen2", True), ("qwen3", True), ("olmo2", True), ("phi3", True), ("qwen2", False)],
 )
 def test_kv_cache_decode_matches_full_forward(tiny_checkpoint, family, weight_first, monkeypatch):
     """Prefill a left-padded prompt, then decode token by token: same logits as one forward.
@@ -163,7 +175,7 @@ def test_bf16_compute_and_remat(tiny_checkpoint):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2_tied", "qwen3", "mistral", "olmo2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2_tied", "qwen3", "mistral", "olmo2", "phi3"])
 def test_export_round_trip_loads_in_torch(tiny_checkpoint, tmp_path, family):
     directory = tiny_checkpoint(family)
     model = load_model(directory)

@@ -1,0 +1,139 @@
+"""Phi-3 / Phi-4 (model_type phi3): Llama's block with the query, key and value projections fused
+into one weight (all query heads, then the key heads, then the value heads) and the gate and up
+projections fused into another, and rotary embeddings on the first `partial_rotary_factor` of
+each head's dims. The fused weights stay fused here as in the checkpoint (and in PEFT's target
+names: qkv_proj, gate_up_proj). A sliding window shorter than the context (Phi-3-mini-4k) and
+"longrope" scaling (Phi-3.5-mini, Phi-4-mini) are refused naming the field."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from tbajax.models import layers as L
+from tbajax.models.config import ModelConfig, UnsupportedModelError
+from tbajax.models.families import Family, Mapping, ParamSpec, llama, same, transposed
+from tbajax.sharding import constrain
+
+Array = jax.Array
+
+
+def parse_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    window = hf.get("sliding_window")
+    if window is not None and window < int(hf.get("max_position_embeddings", 0)):
+        raise UnsupportedModelError(
+            f"sliding_window={window} changes attention for sequences longer than {window} tokens; "
+            "sliding-window attention is not implemented (set sliding_window to null in config.json "
+            "only if every prompt + response fits the window)"
+        )
+    if hf.get("attention_bias"):
+        raise UnsupportedModelError("attention_bias=true is not supported for phi3")
+    params = dict(hf.get("rope_parameters") or {})
+    factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    return {**llama.parse_hf(hf), "rotary_pct": float(factor)}
+
+
+def to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    out = llama.to_hf(cfg)
+    out.update(partial_rotary_factor=cfg.rotary_pct, sliding_window=None, attention_bias=False)
+    if isinstance(out.get("rope_parameters"), dict):
+        out["rope_parameters"]["partial_rotary_factor"] = cfg.rotary_pct
+    return out
+
+
+def layer_params(cfg: ModelConfig) -> dict[str, ParamSpec]:
+    d, h, kv, hd, f = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+    return {
+        "input_norm": ParamSpec(("norm",), (d,), "ones"),
+        "qkv_proj": ParamSpec(("embed", None, "head_dim"), (d, h + 2 * kv, hd)),
+        "o_proj": ParamSpec(("q_heads", "head_dim", "embed"), (h, hd, d)),
+        "post_attention_norm": ParamSpec(("norm",), (d,), "ones"),
+        "gate_up_proj": ParamSpec(("embed", None, "mlp"), (d, 2, f)),
+        "down_proj": ParamSpec(("mlp", "embed"), (f, d)),
+    }
+
+
+def hf_mappings(cfg: ModelConfig) -> dict[str, Mapping]:
+    pre = "model.layers.{i}."
+    return {
+        "embed_tokens": same("model.embed_tokens.weight"),
+        "norm": same("model.norm.weight"),
+        "lm_head": transposed("lm_head.weight"),
+        "layers.input_norm": same(pre + "input_layernorm.weight"),
+        "layers.post_attention_norm": same(pre + "post_attention_layernorm.weight"),
+        # HF Linear [(h + 2 kv) * head_dim, d] <-> ours [d, h + 2 kv, head_dim]
+        "layers.qkv_proj": Mapping(pre + "self_attn.qkv_proj.weight",
+                                   lambda a, c: a.T.reshape(a.shape[1], -1, c.head_dim),
+                                   lambda a, c: a.reshape(a.shape[0], -1).T),
+        "layers.o_proj": llama.heads_out(pre + "self_attn.o_proj.weight"),
+        # HF Linear [2 f, d] (gate rows, then up rows) <-> ours [d, 2, f]
+        "layers.gate_up_proj": Mapping(pre + "mlp.gate_up_proj.weight",
+                                       lambda a, c: a.T.reshape(a.shape[1], 2, -1),
+                                       lambda a, c: a.reshape(a.shape[0], -1).T),
+        "layers.down_proj": transposed(pre + "mlp.down_proj.weight"),
+    }
+
+
+def block(
+    cfg: ModelConfig,
+    p: dict[str, Array],
+    x: Array,
+    tables: tuple[Array, Array],
+    mask: Array,
+    cache: L.LayerCache | L.EmitKV | None,
+) -> tuple[Array, tuple[Array, Array] | None]:
+    dt = cfg.jnp_dtype
+    cos, sin = tables
+    w = {k: v.astype(dt) for k, v in p.items()}
+    h, kv = cfg.num_heads, cfg.num_kv_heads
+    qkv = L.decode_matrix_product(L.rms_norm(x, w["input_norm"], cfg.rms_norm_eps), w, "qkv_proj",
+                                  out_shape=(h + 2 * kv,))
+    q, k, v = qkv[..., :h, :], qkv[..., h:h + kv, :], qkv[..., h + kv:, :]
+    q, k = L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin)
+    q = constrain(q, ("batch", "length", "act_heads", None))
+    o, new_cache = L.self_attention(q, k, v, mask, cache, dt, cfg.attention)
+    x = x + L.decode_matrix_product(o, w, "o_proj", in_axes=2)
+    gate_up = L.decode_matrix_product(L.rms_norm(x, w["post_attention_norm"], cfg.rms_norm_eps), w,
+                                      "gate_up_proj", out_shape=(2,))
+    x = x + L.decode_product(L.swiglu(gate_up[..., 0, :], gate_up[..., 1, :]), w, "down_proj")
+    return constrain(x, ("batch", "length", "act_embed")), new_cache
+
+
+PRODUCTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def decode_layout(cfg: ModelConfig, p: dict[str, Any]) -> dict[str, Any]:
+    """The fused weights as matrices, all four products output-major (`layers.orient_for_decode`)."""
+    d = cfg.hidden_size
+    p = dict(p, qkv_proj=p["qkv_proj"].reshape(d, -1), o_proj=p["o_proj"].reshape(-1, d),
+             gate_up_proj=p["gate_up_proj"].reshape(d, -1))
+    return L.orient_for_decode(p, PRODUCTS)
+
+
+def undo_decode_layout(cfg: ModelConfig, p: dict[str, Any]) -> dict[str, Any]:
+    p, shapes = L.undo_orient(p), layer_params(cfg)
+    return dict(p, **{n: p[n].reshape(shapes[n].shape) for n in ("qkv_proj", "o_proj", "gate_up_proj")})
+
+
+FAMILY = Family(
+    name="phi3",
+    model_types=("phi3",),
+    architectures={"phi3": ("Phi3ForCausalLM", "Phi3ForSequenceClassification")},
+    base_prefix="model.",
+    parse_hf=parse_hf,
+    to_hf=to_hf,
+    top_params=llama.top_params,
+    layer_params=layer_params,
+    hf_mappings=hf_mappings,
+    embed=llama.embed,
+    position_tables=llama.position_tables,
+    block=block,
+    final_norm=llama.final_norm,
+    ignored_suffixes=("rotary_emb.inv_freq",),
+    fixed={"hidden_act": ("silu",), "parallel_residual": (False,), "qk_norm": (False,),
+           "qkv_bias": (False,), "o_bias": (False,)},
+    grouped_query_attention=True,
+    decode_layout=decode_layout,
+    undo_decode_layout=undo_decode_layout,
+)
