@@ -165,6 +165,31 @@ def test_merged_export_and_peft_adapter_match_torch(tiny_checkpoint, tmp_path):
     np.testing.assert_allclose(peft_logits[real], ours[real], atol=1e-4)
 
 
+def test_adapters_on_fused_projections_export_as_peft_adapters_of_fused_modules(tiny_checkpoint, tmp_path):
+    """Phi-3's q/k/v and gate/up weights are fused in the checkpoint and here: one adapter per fused
+    weight, which PEFT applies to the same fused module (its target names qkv_proj, gate_up_proj)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    directory = tiny_checkpoint("phi3")
+    model = load_model(directory)
+    cfg = LoraConfig(rank=4, alpha=8.0, targets=("qkv_proj", "gate_up_proj"))
+    adapters = _randomise_b(init_lora(nnx.state(model, nnx.Param), cfg, jax.random.key(0)))
+    ours = _logits(merge_lora(model, adapters, cfg))
+    assert np.abs(ours - _logits(model)).max() > 0.1
+    peft_dir = save_peft_adapter(tmp_path / "adapter", model, adapters, cfg,
+                                 base_model_name_or_path=str(directory))
+    assert json.loads((peft_dir / "adapter_config.json").read_text())["target_modules"] == [
+        "mlp.gate_up_proj", "self_attn.qkv_proj"]
+    base = AutoModelForCausalLM.from_pretrained(directory).eval()
+    with torch.no_grad():
+        peft_logits = PeftModel.from_pretrained(base, peft_dir).eval()(
+            input_ids=torch.tensor(TOKENS), attention_mask=torch.tensor(MASK)
+        ).logits.numpy()
+    real = MASK.astype(bool)
+    np.testing.assert_allclose(peft_logits[real], ours[real], atol=1e-4)
+
+
 def test_peft_trained_adapter_loads_into_our_model(tiny_checkpoint, tmp_path):
     import peft
     from transformers import AutoModelForCausalLM
