@@ -5,6 +5,7 @@ normalises each head) before RoPE."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -13,7 +14,7 @@ import jax.numpy as jnp
 from tbajax import op_scopes as S
 from tbajax.models import layers as L
 from tbajax.models.config import ModelConfig, UnsupportedModelError
-from tbajax.models.families import Family, Mapping, ParamSpec, llama, same
+from tbajax.models.families import Mapping, ParamSpec, llama, same
 from tbajax.sharding import constrain
 
 Array = jax.Array
@@ -95,24 +96,16 @@ def block(
     return constrain(x, ("batch", "length", "act_embed")), new_cache
 
 
-FAMILY = Family(
+# Llama's where not said otherwise: embeddings, RoPE tables, final norm, the sampler's layout
+FAMILY = dataclasses.replace(
+    llama.FAMILY,
     name="olmo2",
     model_types=("olmo2",),
     architectures={"olmo2": ("Olmo2ForCausalLM", "Olmo2ForSequenceClassification")},
-    base_prefix="model.",
     parse_hf=parse_hf,
     to_hf=to_hf,
-    top_params=llama.top_params,
     layer_params=layer_params,
     hf_mappings=hf_mappings,
-    embed=llama.embed,
-    position_tables=llama.position_tables,
     block=block,
-    final_norm=llama.final_norm,
-    ignored_suffixes=("rotary_emb.inv_freq",),
-    fixed={"hidden_act": ("silu",), "rotary_pct": (1.0,), "parallel_residual": (False,),
-           "qk_norm": (True,), "qkv_bias": (False,), "o_bias": (False,)},
-    grouped_query_attention=True,
-    decode_layout=llama.decode_layout,
-    undo_decode_layout=llama.undo_decode_layout,
+    fixed={**llama.FAMILY.fixed, "qk_norm": (True,), "qkv_bias": (False,), "o_bias": (False,)},
 )

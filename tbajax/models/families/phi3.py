@@ -7,13 +7,14 @@ names: qkv_proj, gate_up_proj). A sliding window shorter than the context (Phi-3
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
 
 from tbajax.models import layers as L
 from tbajax.models.config import ModelConfig, UnsupportedModelError
-from tbajax.models.families import Family, Mapping, ParamSpec, llama, same, transposed
+from tbajax.models.families import Mapping, ParamSpec, llama, same, transposed
 from tbajax.sharding import constrain
 
 Array = jax.Array
@@ -116,24 +117,19 @@ def undo_decode_layout(cfg: ModelConfig, p: dict[str, Any]) -> dict[str, Any]:
     return dict(p, **{n: p[n].reshape(shapes[n].shape) for n in ("qkv_proj", "o_proj", "gate_up_proj")})
 
 
-FAMILY = Family(
+# Llama's where not said otherwise: embeddings, RoPE tables (partial through rotary_pct), final norm
+FAMILY = dataclasses.replace(
+    llama.FAMILY,
     name="phi3",
     model_types=("phi3",),
     architectures={"phi3": ("Phi3ForCausalLM", "Phi3ForSequenceClassification")},
-    base_prefix="model.",
     parse_hf=parse_hf,
     to_hf=to_hf,
-    top_params=llama.top_params,
     layer_params=layer_params,
     hf_mappings=hf_mappings,
-    embed=llama.embed,
-    position_tables=llama.position_tables,
     block=block,
-    final_norm=llama.final_norm,
-    ignored_suffixes=("rotary_emb.inv_freq",),
     fixed={"hidden_act": ("silu",), "parallel_residual": (False,), "qk_norm": (False,),
            "qkv_bias": (False,), "o_bias": (False,)},
-    grouped_query_attention=True,
     decode_layout=decode_layout,
     undo_decode_layout=undo_decode_layout,
 )
