@@ -88,7 +88,7 @@ def run_state(run_dir: str | os.PathLike[str], now: float | None = None) -> RunS
     if lock is not None and process_alive(lock.get("pid"), lock.get("host")) is not False:
         launcher = {k: lock.get(k) for k in ("pid", "host", "time")}
     trainer = next((r for r in roles if r.role == "trainer"), None)
-    step = max([trainer.step or 0] if trainer else [0])
+    step = (trainer.step or 0) if trainer else 0
     if summary is not None:
         step = max(step, int(summary.get("trainer_steps", 0)))
     live = [r for r in roles if r.alive or (r.alive is None and r.age_s < QUIET_S)]

@@ -12,7 +12,6 @@ than its last logged step would otherwise do.
 from __future__ import annotations
 
 import hashlib
-import math
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -46,12 +45,8 @@ def import_wandb() -> Any:
 
 def loggable(record: Mapping[str, Any]) -> dict[str, float | int]:
     """The record's numbers (W&B keeps its own time; strings and lists stay in metrics.jsonl)."""
-    out: dict[str, float | int] = {}
-    for k, v in record.items():
-        if k in ("time", "role") or isinstance(v, bool) or not isinstance(v, (int, float)):
-            continue
-        out[k] = v if isinstance(v, int) or math.isfinite(v) else float(v)
-    return out
+    return {k: v for k, v in record.items()
+            if k not in ("time", "role") and isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 class WandbRun:
