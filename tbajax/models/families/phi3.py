@@ -36,11 +36,8 @@ def parse_hf(hf: dict[str, Any]) -> dict[str, Any]:
 
 
 def to_hf(cfg: ModelConfig) -> dict[str, Any]:
-    out = llama.to_hf(cfg)
-    out.update(partial_rotary_factor=cfg.rotary_pct, sliding_window=None, attention_bias=False)
-    if isinstance(out.get("rope_parameters"), dict):
-        out["rope_parameters"]["partial_rotary_factor"] = cfg.rotary_pct
-    return out
+    return {**llama.to_hf(cfg), "partial_rotary_factor": cfg.rotary_pct, "sliding_window": None,
+            "attention_bias": False}
 
 
 def layer_params(cfg: ModelConfig) -> dict[str, ParamSpec]:
