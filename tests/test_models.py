@@ -66,21 +66,57 @@ def test_logits_match_torch_transformers(tiny_checkpoint, family):
     assert np.abs(ours - ref)[real].max() <= 1e-4
 
 
-def test_a_mistral_sliding_window_shorter_than_its_context_is_refused(tiny_checkpoint):
+@pytest.mark.parametrize("family", ["mistral", "phi3"])
+def test_a_sliding_window_matches_torch_transformers(tmp_path, family):
+    """Mistral's and Phi-3's sliding window (4 positions here) over 11-token rows with left and
+    right padding: the same logits as transformers, which windows them too; without the window
+    they differ (the test sees it in force). The config round-trips through config.json."""
+    from tests.conftest import TINY_FAMILIES, build_tiny_hf_checkpoint
+
+    spec = {**TINY_FAMILIES[family], "sliding_window": 4}
+    directory = build_tiny_hf_checkpoint(tmp_path, spec.pop("model_type"), **spec)
+    ids, mask = _batch()
+    ref = _torch_logits(directory, ids, mask)
+    model = load_model(directory)
+    assert model.config.sliding_window == 4
+    assert ModelConfig.from_hf(model.config.to_hf()) == model.config
+    real = mask.astype(bool)
+    assert np.abs(logits_of(model, ids, mask) - ref)[real].max() <= 1e-4
+    unwindowed = nnx.merge(*nnx.split(CausalLM(dataclasses.replace(model.config, sliding_window=None),
+                                               rngs=nnx.Rngs(0)))[:1], nnx.state(model))
+    assert np.abs(logits_of(unwindowed, ids, mask) - ref)[real].max() > 1e-2
+
+
+def test_a_sliding_window_is_read_where_it_changes_attention(tiny_checkpoint):
     hf = json.loads((tiny_checkpoint("mistral") / "config.json").read_text())
-    assert hf["sliding_window"] is None and ModelConfig.from_hf(hf).head_dim == 12
-    assert ModelConfig.from_hf({**hf, "sliding_window": hf["max_position_embeddings"]}).model_type == "mistral"
-    with pytest.raises(UnsupportedModelError, match="sliding_window=64 changes attention for sequences longer "
-                                                    "than 64 tokens; .*set sliding_window to null"):
-        ModelConfig.from_hf({**hf, "sliding_window": 64})
+    assert hf["sliding_window"] is None and ModelConfig.from_hf(hf).sliding_window is None
+    # a window as long as the context never cuts anything off
+    assert ModelConfig.from_hf({**hf, "sliding_window": hf["max_position_embeddings"]}).sliding_window is None
+    assert ModelConfig.from_hf({**hf, "sliding_window": 64}).sliding_window == 64
+    with pytest.raises(UnsupportedModelError, match="sliding_window is read and written for"):
+        dataclasses.replace(ModelConfig.from_hf({**hf, "model_type": "llama"}), sliding_window=8)
+
+
+def test_decoding_past_a_sliding_window_is_refused(tiny_checkpoint):
+    """A cache is attended slot by slot (a ring's slots are no positions), so a sampler keeps
+    every sequence within the window: by default its cache is the window, longer is refused."""
+    from tbajax.sampling import Sampler
+
+    hf = json.loads((tiny_checkpoint("mistral") / "config.json").read_text())
+    model = CausalLM(ModelConfig.from_hf({**hf, "sliding_window": 16}), rngs=nnx.Rngs(0))
+    assert Sampler(model).max_cache_length == 16
+    with pytest.raises(UnsupportedModelError, match="a sampler cache .max_cache_length=17. holds 17 tokens, "
+                                                    "more than this mistral model's sliding attention window of 16"):
+        Sampler(model, max_cache_length=17)
+    ids = jnp.ones((1, 1), jnp.int32)
+    with pytest.raises(UnsupportedModelError, match="a KV cache holds 17 tokens"):
+        model(ids, jnp.zeros((1, 1), jnp.int32), jnp.ones((1, 1), bool), KVCache.init(model.config, 1, 17))
 
 
 def test_phi3_variants_it_cannot_compute_exactly_are_refused(tiny_checkpoint):
-    """Phi-3-mini-4k's sliding window (2047 of 4096 positions) and Phi-3.5 / Phi-4-mini's longrope."""
+    """Phi-3.5 / Phi-4-mini's longrope."""
     hf = json.loads((tiny_checkpoint("phi3") / "config.json").read_text())
     assert ModelConfig.from_hf(hf).rotary_dim == 6
-    with pytest.raises(UnsupportedModelError, match="sliding_window=47 changes attention"):
-        ModelConfig.from_hf({**hf, "sliding_window": 47})
     longrope = {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 3,
                 "long_factor": [2.0] * 3, "original_max_position_embeddings": 64, "partial_rotary_factor": 0.5}
     with pytest.raises(UnsupportedModelError, match="longrope"):
@@ -235,7 +271,7 @@ def _edit_config(directory: Path, **changes) -> None:
     "changes, message",
     [
         ({"model_type": "mamba"}, "model_type='mamba'"),
-        ({"use_sliding_window": True}, "sliding-window"),
+        ({"use_sliding_window": True}, "use_sliding_window=true"),
         ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "'yarn'"),
         ({"hidden_act": "gelu"}, "hidden_act"),
     ],

@@ -891,6 +891,30 @@ def test_strided_logprobs_equal_the_row_layout_over_causal_blocks():
                                atol=1e-5, rtol=1e-5)
 
 
+def test_a_sliding_window_scores_alike_in_every_layout():
+    """A Mistral-style window of 8 positions over prompts of 12-17 and responses of up to 20
+    tokens: packed and strided rows window by each sequence's own positions, as its plain row
+    does (which matches transformers, `test_models.py`); without the window the log-probs differ."""
+    windowed = dataclasses.replace(MODEL, model_type="mistral", sliding_window=8)
+    graphdef, params = numpy_model_parts(windowed)
+    r = np.random.default_rng(8)
+    groups = []
+    for g in range(2):
+        prompt = r.integers(3, MODEL.vocab_size - 1, 12 + 5 * g).astype(np.int32)
+        groups.append([Trajectory(g, g, prompt, r.integers(3, MODEL.vocab_size - 1, n).astype(np.int32),
+                                  np.zeros(n, np.float32), 0.0) for n in (20, 6, 13)])
+    rows, packed, strided = (collate(groups, beta=0.5, pack_microbatches=m, pack_strided=s)
+                             for m, s in ((None, False), (1, False), (1, True)))
+    score = jax.jit(sequence_logprobs, static_argnums=(0, 3), compiler_options=FAST_COMPILE)
+    want = np.where(rows.loss_mask, np.asarray(score(graphdef, params, rows, 0.7)), 0)
+    for batch in (packed, strided):
+        got = np.where(rows.loss_mask, np.asarray(score(graphdef, params, batch, 0.7)), 0)
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    unwindowed = nnx.graphdef(CausalLM(dataclasses.replace(windowed, sliding_window=None), rngs=nnx.Rngs(0)))
+    other = np.where(rows.loss_mask, np.asarray(score(unwindowed, params, rows, 0.7)), 0)
+    assert np.abs(other - want).max() > 1e-3
+
+
 @pytest.mark.parametrize("blocks_from", [0, 10**6], ids=["causal-blocks", "whole-rows"])
 def test_packed_logprobs_equal_the_row_layout_over_causal_blocks(blocks_from, monkeypatch):
     """Packed rows of 128 slots, their attention in `layers.causal_blocks` (4) query blocks that

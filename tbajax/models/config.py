@@ -82,6 +82,10 @@ class ModelConfig:
     parallel_residual: bool = False  # GPT-NeoX: x + attn(ln1(x)) + mlp(ln2(x))
     hidden_act: str = "silu"  # "silu" (Llama/Qwen), "gelu" (erf), "gelu_new" (tanh)
     max_position_embeddings: int = 2048
+    # Mistral / Phi-3: each query attends to itself and the sliding_window - 1 positions before it
+    # (None: every earlier position). Exact in the passes without a cache and over a linear cache;
+    # a sampler refuses caches longer than the window (`check_fits_window`).
+    sliding_window: int | None = None
     initializer_range: float = 0.02
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
@@ -142,6 +146,15 @@ class ModelConfig:
                 f"rotary_pct={self.rotary_pct} gives {self.rotary_dim} rotary dims of head_dim "
                 f"{self.head_dim}; it must be in (0, 1] and give an even number of dims"
             )
+        if self.sliding_window is not None:
+            from tbajax.models.locate import WINDOWED_MODEL_TYPES
+
+            if isinstance(self.sliding_window, bool) or self.sliding_window < 1:
+                raise ValueError(f"sliding_window={self.sliding_window!r} must be a number of positions >= 1 "
+                                 "or None")
+            if self.model_type not in WINDOWED_MODEL_TYPES:
+                raise UnsupportedModelError(f"sliding_window is read and written for {WINDOWED_MODEL_TYPES} "
+                                            f"checkpoints, not {self.model_type}")
         if self.num_labels is not None and self.num_labels < 1:
             raise ValueError(f"num_labels={self.num_labels} must be >= 1")
         from tbajax.models.families import family_for
@@ -168,6 +181,19 @@ class ModelConfig:
     def rotary_dim(self) -> int:
         """Dims of each head that RoPE rotates (all of them except for partial-rotary GPT-NeoX)."""
         return int(self.head_dim * self.rotary_pct)
+
+    def check_fits_window(self, length: int, what: str) -> None:
+        """Refuse `what` (a sampler's cache, a KV cache) of `length` slots longer than the sliding
+        window: decoding attends to every valid slot of its cache (a ring's slots are no
+        positions to window by), which is exact only where no slot can be out of a query's window."""
+        if self.sliding_window is not None and length > self.sliding_window:
+            raise UnsupportedModelError(
+                f"{what} holds {length} tokens, more than this {self.model_type} model's sliding attention "
+                f"window of {self.sliding_window}: sampling is implemented for sequences that fit the window "
+                f"(training and scoring apply the window at any length); keep prompt + response within "
+                f"{self.sliding_window} tokens (rollout.max_prompt_tokens + rollout.sampling.max_new_tokens "
+                "and eval.max_new_tokens)"
+            )
 
     def params_per_layer(self) -> int:
         """Parameters of one decoder layer (2x this: its weight FLOPs per token)."""

@@ -11,6 +11,7 @@ sampler's passes (`tbajax/models/serving.py`, over per-layer weights and a KV ca
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -21,6 +22,7 @@ from tbajax import op_scopes as S
 from tbajax.models.config import ModelConfig, rope_inv_freq
 from tbajax.models.families import Family, ParamSpec, family_for
 from tbajax.models.layers import CausalMask, StridedGroups, apply_rope, attention, rms_norm  # noqa: F401
+from tbajax.models.layers import within_window
 from tbajax.models.layers import rope_tables as _rope_tables
 from tbajax.models.layers import scan_layers
 from tbajax.models.serving import KVCache, ServingParams, cached_pass, unstack
@@ -117,13 +119,18 @@ class CausalLM(nnx.Module):
         With `cache`, the tokens are written at slots cache.index ... index + seq
         (`serving.cached_pass` over this model's serving layout, built on every call: a sampler
         builds that layout once per params version and calls the pass itself).
+        A sliding window (`ModelConfig.sliding_window`) applies by position in every pass without
+        a cache; a cache longer than the window is refused.
         """
         cfg = self.config
         b, t = tokens.shape
         if isinstance(attention_mask, StridedGroups):
             if cache is not None or positions is None:
                 raise ValueError("strided prompt groups need explicit positions and no cache")
-            return self._layers_over(tokens, positions, attention_mask), None
+            groups = attention_mask
+            if cfg.sliding_window is not None:
+                groups = dataclasses.replace(groups, window=cfg.sliding_window, positions=positions)
+            return self._layers_over(tokens, positions, groups), None
         promised_causal = isinstance(attention_mask, CausalMask)
         if promised_causal:
             attention_mask = attention_mask.mask
@@ -142,11 +149,16 @@ class CausalLM(nnx.Module):
             positions = positions_from_mask(attention_mask)
         if cache is not None:
             return cached_pass(cfg, ServingParams.of(self), tokens, positions, attention_mask, cache)
+        # a sliding window (Mistral, Phi-3) by position, exact for packed rows too: a continuation's
+        # positions count from its own prompt
+        in_window = within_window(positions, positions, cfg.sliding_window)
         if full_mask:
+            attention_mask = attention_mask & in_window
             mask = CausalMask(attention_mask) if promised_causal else attention_mask
         else:
             slots = jnp.arange(t)
-            mask = CausalMask((slots[None, :] <= slots[:, None])[None] & attention_mask[:, None, :])
+            causal = (slots[None, :] <= slots[:, None])[None] & attention_mask[:, None, :]
+            mask = CausalMask(causal & in_window)
         return self._layers_over(tokens, positions, mask), None
 
     def _layers_over(self, tokens: Array, positions: Array,

@@ -417,6 +417,18 @@ class StridedGroups:
 
     prompt: Array  # [b, P] bool: real prompt slots
     responses: Array  # [b, K, R] bool: real slots of each response's stride
+    # `ModelConfig.sliding_window` and the row's positions [b, P + K R], set by the decoder
+    window: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+    positions: Array | None = None
+
+
+def within_window(query_pos: Array, key_pos: Array, window: int | None) -> Array | bool:
+    """[..., queries, keys]: which keys each query sees under a sliding window of `window`
+    positions, itself and the window - 1 before it (transformers' `kv_idx > q_idx - window`);
+    True (every key) for window None."""
+    if window is None:
+        return True
+    return (query_pos[..., :, None] - key_pos[..., None, :]) < window
 
 
 class EmitKV:
@@ -575,12 +587,19 @@ def strided_group_attention(q: Array, k: Array, v: Array, mask: StridedGroups, i
 
     slots = jnp.arange(p)
     prompt_sees = (slots[None, :] <= slots[:, None])[None] & mask.prompt[:, None, :]  # [b, P, P]
+    if mask.window is not None:
+        assert mask.positions is not None, "a windowed StridedGroups carries its positions"
+        prompt_pos, response_pos = mask.positions[:, :p], responses(mask.positions)
+        prompt_sees &= within_window(prompt_pos, prompt_pos, mask.window)
     out_p = attend(q[:, :p], k[:, :p], v[:, :p], prompt_sees)
     own = jnp.arange(r)
     seen = jnp.concatenate([
         jnp.broadcast_to(per_response(mask.prompt)[:, None, :], (b * n, r, p)),
         (own[None, :] <= own[:, None])[None] & mask.responses.reshape(b * n, 1, r),
     ], axis=-1)  # [b K, R, P + R]
+    if mask.window is not None:
+        key_pos = jnp.concatenate([per_response(prompt_pos), response_pos], axis=1)
+        seen &= within_window(response_pos, key_pos, mask.window)
     keys = jnp.concatenate([per_response(k[:, :p]), responses(k)], axis=1)
     values = jnp.concatenate([per_response(v[:, :p]), responses(v)], axis=1)
     out_r = attend(responses(q), keys, values, seen)

@@ -258,7 +258,8 @@ def prompt_pass(
     x = _embed(cfg, family, params, tokens, positions)
     tables = family.position_tables(cfg, positions)
     slots = jnp.arange(t)
-    causal = CausalMask((slots[None, :] <= slots[:, None])[None] & mask[:, None, :])
+    in_window = L.within_window(positions, positions, cfg.sliding_window)
+    causal = CausalMask((slots[None, :] <= slots[:, None])[None] & mask[:, None, :] & in_window)
     keys, values = [], []
     for p in params.layers:
         x, (k, v) = family.block(cfg, p, x, tables, causal, EMIT_KV)
@@ -278,9 +279,14 @@ def cached_pass(
     cache (no later slot is valid yet), and right for a ring cache whose older history sits at
     higher slots (continuous batching). Layers are unrolled over their own cache buffers, so each
     write and read happens in place. A `TieredKVCache` takes one token per row, and `mask` [b, 1]
-    says which rows write theirs (the others' histories stay as they are)."""
+    says which rows write theirs (the others' histories stay as they are). A cache longer than
+    the model's sliding window is refused (a ring's slots are no positions to window by; a cache
+    within the window needs none)."""
     family = family_for(cfg.model_type)
     t = tokens.shape[1]
+    prompt_slots = 0 if cache.prompt is None else cache.prompt.slots
+    longest = max(c.slots for c in getattr(cache, "tiers", (cache,)))  # a row's history: one tier's ring
+    cfg.check_fits_window(prompt_slots + longest, "a KV cache")
     if isinstance(cache, TieredKVCache):
         return _tiered_pass(cfg, family, params, tokens, positions, mask, cache)
     if cache.prompt is not None and t != 1:

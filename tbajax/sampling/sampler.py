@@ -113,7 +113,8 @@ class Sampler:
 
     mesh: where params and the batch live (batch over data x fsdp, params by the logical rules;
       with fsdp > 1 see `fsdp_weights`); None = one device.
-    max_cache_length: prompt + new tokens must fit (default: the model's max_position_embeddings).
+    max_cache_length: prompt + new tokens must fit (default: the model's max_position_embeddings,
+      or its sliding window if shorter: decoding is implemented within the window).
     min_prompt_bucket: smallest prompt-length bucket.
     first_decode_phase: new tokens the decode loop writes into a cache of prompt + this many slots
       before it moves to a larger one (`core.phase_slots`; 0: one full-length cache from the start).
@@ -153,7 +154,10 @@ class Sampler:
         # the sampler's programs run
         self.model_mesh = mesh if mesh is not None else make_mesh(MeshConfig(), devices=jax.devices()[:1])
         self.mesh = fsdp_as_tensor(self.model_mesh) if fsdp_weights == "tensor" else self.model_mesh
-        self.max_cache_length = max_cache_length or self.config.max_position_embeddings
+        self.max_cache_length = max_cache_length or min(self.config.max_position_embeddings,
+                                                        self.config.sliding_window or math.inf)
+        self.config.check_fits_window(self.max_cache_length,
+                                      f"a sampler cache (max_cache_length={self.max_cache_length})")
         if min_prompt_bucket < 1:
             raise ValueError(f"min_prompt_bucket must be >= 1, got {min_prompt_bucket}")
         self.min_prompt_bucket = min_prompt_bucket

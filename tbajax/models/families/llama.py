@@ -1,4 +1,4 @@
-"""Llama (2, 3.x), Mistral (without a sliding window shorter than its context), Qwen2/2.5 (q/k/v
+"""Llama (2, 3.x), Mistral (with its sliding window: `ModelConfig.sliding_window`), Qwen2/2.5 (q/k/v
 bias) and Qwen3 (q/k RMSNorm): pre-norm RMSNorm blocks, full RoPE, grouped-query attention, SwiGLU
 MLP, optionally tied embeddings."""
 
@@ -14,6 +14,7 @@ import numpy as np
 from tbajax.models import layers as L
 from tbajax.models.config import ModelConfig, UnsupportedModelError, _parse_rope, rope_inv_freq
 from tbajax.models.families import Family, Mapping, ParamSpec, same, transposed
+from tbajax.models.locate import sliding_window_in_force
 from tbajax.sharding import constrain
 
 Array = jax.Array
@@ -31,16 +32,8 @@ def parse_hf(hf: dict[str, Any]) -> dict[str, Any]:
         raise UnsupportedModelError("mlp_bias=true is not supported")
     if hf.get("use_sliding_window"):
         raise UnsupportedModelError(
-            "use_sliding_window=true changes attention; sliding-window attention is not "
-            "implemented (set use_sliding_window=false only if every sequence fits the window)"
-        )
-    window = hf.get("sliding_window")
-    if model_type == "mistral" and window is not None and window < int(hf.get("max_position_embeddings", 0)):
-        # Mistral has no use_sliding_window switch: a window shorter than the context is in force
-        raise UnsupportedModelError(
-            f"sliding_window={window} changes attention for sequences longer than {window} tokens; "
-            "sliding-window attention is not implemented (set sliding_window to null in config.json "
-            "only if every prompt + response fits the window)"
+            "use_sliding_window=true (Qwen2's window on the layers from max_window_layers on) is not "
+            "supported (set use_sliding_window=false only if every sequence fits the window)"
         )
     layer_types = hf.get("layer_types")
     if layer_types and any(t != "full_attention" for t in layer_types):
@@ -71,6 +64,7 @@ def parse_hf(hf: dict[str, Any]) -> dict[str, Any]:
         o_bias=o_bias,
         qk_norm=model_type == "qwen3",
         max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+        sliding_window=sliding_window_in_force(hf),
     )
 
 
@@ -99,7 +93,7 @@ def to_hf(cfg: ModelConfig) -> dict[str, Any]:
         out["sliding_window"] = None
         out["max_window_layers"] = cfg.num_layers
     if cfg.model_type == "mistral":
-        out["sliding_window"] = None
+        out["sliding_window"] = cfg.sliding_window
     return out
 
 

@@ -2,8 +2,9 @@
 into one weight (all query heads, then the key heads, then the value heads) and the gate and up
 projections fused into another, and rotary embeddings on the first `partial_rotary_factor` of
 each head's dims. The fused weights stay fused here as in the checkpoint (and in PEFT's target
-names: qkv_proj, gate_up_proj). A sliding window shorter than the context (Phi-3-mini-4k) and
-"longrope" scaling (Phi-3.5-mini, Phi-4-mini) are refused naming the field."""
+names: qkv_proj, gate_up_proj). A sliding window shorter than the context (Phi-3-mini-4k's 2047)
+is `ModelConfig.sliding_window`; "longrope" scaling (Phi-3.5-mini, Phi-4-mini) is refused naming
+the field."""
 
 from __future__ import annotations
 
@@ -21,13 +22,6 @@ Array = jax.Array
 
 
 def parse_hf(hf: dict[str, Any]) -> dict[str, Any]:
-    window = hf.get("sliding_window")
-    if window is not None and window < int(hf.get("max_position_embeddings", 0)):
-        raise UnsupportedModelError(
-            f"sliding_window={window} changes attention for sequences longer than {window} tokens; "
-            "sliding-window attention is not implemented (set sliding_window to null in config.json "
-            "only if every prompt + response fits the window)"
-        )
     if hf.get("attention_bias"):
         raise UnsupportedModelError("attention_bias=true is not supported for phi3")
     params = dict(hf.get("rope_parameters") or {})
@@ -36,7 +30,7 @@ def parse_hf(hf: dict[str, Any]) -> dict[str, Any]:
 
 
 def to_hf(cfg: ModelConfig) -> dict[str, Any]:
-    return {**llama.to_hf(cfg), "partial_rotary_factor": cfg.rotary_pct, "sliding_window": None,
+    return {**llama.to_hf(cfg), "partial_rotary_factor": cfg.rotary_pct, "sliding_window": cfg.sliding_window,
             "attention_bias": False}
 
 
