@@ -89,6 +89,8 @@ TINY_FAMILIES: dict[str, dict[str, Any]] = {
     "qwen2_tied": dict(model_type="qwen2", tie_word_embeddings=True),
     "qwen3": dict(model_type="qwen3", head_dim=24, tie_word_embeddings=True),
     "mistral": dict(model_type="mistral", sliding_window=None, rope_theta=1e6),
+    # each query sees itself and the 3 positions before it
+    "mistral_window": dict(model_type="mistral", sliding_window=4, rope_theta=1e6),
     "olmo2": dict(model_type="olmo2", rms_norm_eps=1e-6),
     # fused q/k/v and gate/up weights; 6 of each head's 12 dims rotate
     "phi3": dict(model_type="phi3", partial_rotary_factor=0.5, pad_token_id=0),

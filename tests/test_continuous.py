@@ -141,6 +141,42 @@ def test_ring_tiers_match_static(llama, shared, seed):
     assert [t.slots for t in engine._cache.tiers] == [n for _, n in tiers]
 
 
+def test_a_sliding_window_samples_alike_in_every_engine(tiny_checkpoint):
+    """A model whose window (4 positions) is far shorter than its prompts + responses (up to 14 +
+    12): the static sampler's linear cache and the continuous engine's rings, tiered or not,
+    window by ring distance and give the same tokens and log-probs, which are the teacher-forced
+    forward's (windowed by position, as transformers). Shared prompt parts have no window, so
+    both engines copy the prompts into their rows here."""
+    model = load_model(tiny_checkpoint("mistral_window"))
+    r = np.random.default_rng(4)
+    k = 2
+    prompts = [[1, *r.integers(3, 60, r.integers(1, 14)).tolist()] for _ in range(5)]
+    cfg = SamplingConfig(max_new_tokens=12, num_samples=k, temperature=1.0, stop_token_ids=(3,),
+                         pad_token_id=0)
+    sampler = Sampler(model, max_cache_length=32)
+    assert not sampler.share_prompt_cache
+    key = jax.random.key(7)
+    static = sampler.sample(prompts, cfg, key)
+    assert static.length.max() == cfg.max_new_tokens
+    for options in ({}, {"ring_tiers": ((2, 8), (2, 16), (2, 32))}):
+        engine, groups = _run_engine(sampler, cfg, key, prompts, slots=6, chunk=3, share_prompt_cache=True,
+                                     **options)
+        assert engine.pool == 0
+        _assert_same(static, groups, k)
+    rows = [prompts[i // k] + static.response(i).tolist() for i in range(len(static))]
+    width = max(map(len, rows))
+    ids = np.array([[0] * (width - len(row)) + row for row in rows])
+    starts = width - np.array([len(row) for row in rows])
+    mask = np.arange(width)[None, :] >= starts[:, None]  # by length: 0 may be a sampled token too
+    forward = nnx.jit(lambda m, ids, mask: m(ids, attention_mask=mask)[0])
+    logits = forward(model, jnp.asarray(ids), jnp.asarray(mask))
+    logprobs = np.asarray(jax.nn.log_softmax(logits, -1))
+    for i, row in enumerate(rows):
+        n = static.length[i]
+        own = logprobs[i, width - n - 1:width - 1][np.arange(n), ids[i, width - n:]]
+        np.testing.assert_allclose(static.logprobs[i, :n], own, atol=1e-4)
+
+
 def test_default_prompt_pool(llama):
     # 3 x slots / K, or 2 x when the prompt bucket is longer than the responses' cap
     assert default_prompt_pool(128, 16, 64, 512) == 24

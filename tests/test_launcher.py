@@ -305,17 +305,6 @@ def test_truncated_weights_are_refused_before_any_role_starts(tmp_path, capsys):
     assert "no model.safetensors" in _bad_run(tmp_path, capsys, "--set", f"model.checkpoint={ckpt}")
 
 
-def test_a_sliding_window_shorter_than_the_run_is_refused_before_any_role_starts(tmp_path, capsys):
-    ckpt = tmp_path / "ckpt"
-    shutil.copytree(TINY, ckpt)
-    hf = json.loads((ckpt / "config.json").read_text())
-    (ckpt / "config.json").write_text(json.dumps({**hf, "model_type": "mistral", "sliding_window": 40,
-                                                  "max_position_embeddings": 512}))
-    err = _bad_run(tmp_path, capsys, "--set", f"model.checkpoint={ckpt}", "--set", "rollout.max_prompt_tokens=32",
-                   "--set", "rollout.sampling.max_new_tokens=8", "--set", "eval.max_new_tokens=9")
-    assert "attends within a sliding window of 40 tokens, and this run's prompts + responses reach 41" in err
-
-
 def test_a_corrupt_tokenizer_is_refused_before_any_role_starts(tmp_path, capsys):
     ckpt = tmp_path / "ckpt"
     shutil.copytree(TINY, ckpt)

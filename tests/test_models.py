@@ -97,20 +97,21 @@ def test_a_sliding_window_is_read_where_it_changes_attention(tiny_checkpoint):
         dataclasses.replace(ModelConfig.from_hf({**hf, "model_type": "llama"}), sliding_window=8)
 
 
-def test_decoding_past_a_sliding_window_is_refused(tiny_checkpoint):
-    """A cache is attended slot by slot (a ring's slots are no positions), so a sampler keeps
-    every sequence within the window: by default its cache is the window, longer is refused."""
+def test_a_shared_prompt_cache_past_a_sliding_window_is_refused(tiny_checkpoint):
+    """The shared prompt part of a cache has no window: where the window could cut into it, a
+    sampler copies prompts into their rows instead, and a cache that has one is refused."""
     from tbajax.sampling import Sampler
 
-    hf = json.loads((tiny_checkpoint("mistral") / "config.json").read_text())
-    model = CausalLM(ModelConfig.from_hf({**hf, "sliding_window": 16}), rngs=nnx.Rngs(0))
-    assert Sampler(model).max_cache_length == 16
-    with pytest.raises(UnsupportedModelError, match="a sampler cache .max_cache_length=17. holds 17 tokens, "
-                                                    "more than this mistral model's sliding attention window of 16"):
-        Sampler(model, max_cache_length=17)
-    ids = jnp.ones((1, 1), jnp.int32)
-    with pytest.raises(UnsupportedModelError, match="a KV cache holds 17 tokens"):
-        model(ids, jnp.zeros((1, 1), jnp.int32), jnp.ones((1, 1), bool), KVCache.init(model.config, 1, 17))
+    model = load_model(tiny_checkpoint("mistral_window"))
+    assert not Sampler(model, max_cache_length=16).share_prompt_cache
+    assert Sampler(model, max_cache_length=4).share_prompt_cache
+    cache = dataclasses.replace(KVCache.init(model.config, 2, 3),
+                                prompt=serving.PromptCache.init(model.config, 1, 2))
+    ids = jnp.ones((2, 1), jnp.int32)
+    with pytest.raises(UnsupportedModelError, match="a KV cache with a shared prompt part of 2 slots and 3 "
+                                                    "more holds more tokens than this mistral model's "
+                                                    "sliding window of 4"):
+        model(ids, jnp.zeros((2, 1), jnp.int32), jnp.ones((2, 1), bool), cache)
 
 
 def test_phi3_variants_it_cannot_compute_exactly_are_refused(tiny_checkpoint):
@@ -125,7 +126,8 @@ def test_phi3_variants_it_cannot_compute_exactly_are_refused(tiny_checkpoint):
 
 @pytest.mark.parametrize(
     "family, weight_first",
-    [("llama", True), ("qwen2", True), ("qwen3", True), ("olmo2", True), ("phi3", True), ("qwen2", False)],
+    [("llama", True), ("qwen2", True), ("qwen3", True), ("olmo2", True), ("phi3", True), ("qwen2", False),
+     ("mistral_window", True)],
 )
 def test_kv_cache_decode_matches_full_forward(tiny_checkpoint, family, weight_first, monkeypatch):
     """Prefill a left-padded prompt, then decode token by token: same logits as one forward.

@@ -83,8 +83,8 @@ class ModelConfig:
     hidden_act: str = "silu"  # "silu" (Llama/Qwen), "gelu" (erf), "gelu_new" (tanh)
     max_position_embeddings: int = 2048
     # Mistral / Phi-3: each query attends to itself and the sliding_window - 1 positions before it
-    # (None: every earlier position). Exact in the passes without a cache and over a linear cache;
-    # a sampler refuses caches longer than the window (`check_fits_window`).
+    # (None: every earlier position): by position without a cache, by ring distance over one
+    # (`serving.cached_pass`); a shared prompt part of a cache has none (`fits_window`).
     sliding_window: int | None = None
     initializer_range: float = 0.02
     bos_token_id: int | None = None
@@ -182,18 +182,9 @@ class ModelConfig:
         """Dims of each head that RoPE rotates (all of them except for partial-rotary GPT-NeoX)."""
         return int(self.head_dim * self.rotary_pct)
 
-    def check_fits_window(self, length: int, what: str) -> None:
-        """Refuse `what` (a sampler's cache, a KV cache) of `length` slots longer than the sliding
-        window: decoding attends to every valid slot of its cache (a ring's slots are no
-        positions to window by), which is exact only where no slot can be out of a query's window."""
-        if self.sliding_window is not None and length > self.sliding_window:
-            raise UnsupportedModelError(
-                f"{what} holds {length} tokens, more than this {self.model_type} model's sliding attention "
-                f"window of {self.sliding_window}: sampling is implemented for sequences that fit the window "
-                f"(training and scoring apply the window at any length); keep prompt + response within "
-                f"{self.sliding_window} tokens (rollout.max_prompt_tokens + rollout.sampling.max_new_tokens "
-                "and eval.max_new_tokens)"
-            )
+    def fits_window(self, length: int) -> bool:
+        """Whether a sequence of `length` tokens is within the sliding window (always without one)."""
+        return self.sliding_window is None or length <= self.sliding_window
 
     def params_per_layer(self) -> int:
         """Parameters of one decoder layer (2x this: its weight FLOPs per token)."""

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from tbajax import op_scopes as S
 from tbajax.models import layers as L
-from tbajax.models.config import ModelConfig
+from tbajax.models.config import ModelConfig, UnsupportedModelError
 from tbajax.models.families import Family, family_for
 from tbajax.models.layers import EMIT_KV, CausalMask
 from tbajax.op_scopes import scoped
@@ -279,27 +279,41 @@ def cached_pass(
     cache (no later slot is valid yet), and right for a ring cache whose older history sits at
     higher slots (continuous batching). Layers are unrolled over their own cache buffers, so each
     write and read happens in place. A `TieredKVCache` takes one token per row, and `mask` [b, 1]
-    says which rows write theirs (the others' histories stay as they are). A cache longer than
-    the model's sliding window is refused (a ring's slots are no positions to window by; a cache
-    within the window needs none)."""
+    says which rows write theirs (the others' histories stay as they are). A sliding window
+    applies by ring distance (`in_window`); a shared prompt part has none, so it is refused where
+    the window could cut it."""
     family = family_for(cfg.model_type)
     t = tokens.shape[1]
-    prompt_slots = 0 if cache.prompt is None else cache.prompt.slots
-    longest = max(c.slots for c in getattr(cache, "tiers", (cache,)))  # a row's history: one tier's ring
-    cfg.check_fits_window(prompt_slots + longest, "a KV cache")
+    if cache.prompt is not None:
+        longest = max(c.slots for c in getattr(cache, "tiers", (cache,)))  # a row's history: one tier's ring
+        if not cfg.fits_window(cache.prompt.slots + longest):
+            raise UnsupportedModelError(
+                f"a KV cache with a shared prompt part of {cache.prompt.slots} slots and {longest} more "
+                f"holds more tokens than this {cfg.model_type} model's sliding window of "
+                f"{cfg.sliding_window}, and the shared part has no window: copy each prompt into its rows "
+                "instead (share_prompt_cache=False)")
     if isinstance(cache, TieredKVCache):
         return _tiered_pass(cfg, family, params, tokens, positions, mask, cache)
     if cache.prompt is not None and t != 1:
         raise ValueError(f"a cache with a shared prompt part takes one token per row and step, got {t}")
     valid = jax.lax.dynamic_update_slice(cache.valid, mask.astype(bool), (0, cache.index))
-    if t == 1:
-        attend = valid[:, None, :]
-    else:
-        q_slot = cache.index + jnp.arange(t)
-        attend = (jnp.arange(cache.slots)[None, :] <= q_slot[:, None])[None] & valid[:, None, :]
+    q_slot = cache.index + jnp.arange(t)
+    attend = valid[:, None, :] & in_window(cfg, q_slot, cache.slots)
+    if t > 1:
+        attend &= (jnp.arange(cache.slots)[None, :] <= q_slot[:, None])[None]
     x, ks, vs = _through_layers(cfg, family, params, tokens, positions, attend, cache.layer)
     cache = KVCache(k=tuple(ks), v=tuple(vs), valid=valid, index=cache.index + t, prompt=cache.prompt)
     return family.final_norm(cfg, params.top, x), cache
+
+
+def in_window(cfg: ModelConfig, query_slots: Array, slots: int) -> Array | bool:
+    """[queries, slots]: the cache slots within the model's sliding window of each query slot,
+    counting back around the ring (True without a window). A row's history runs in ring order up
+    to the slot its query writes (a linear cache is a ring that has not wrapped; `KVCache`), so a
+    slot's distance back is its token's distance in positions."""
+    if cfg.fits_window(slots):
+        return True
+    return jnp.mod(query_slots[:, None] - jnp.arange(slots)[None, :], slots) < cfg.sliding_window
 
 
 def _through_layers(
@@ -333,7 +347,8 @@ def _tiered_pass(
         old = jax.lax.dynamic_slice(tier.valid, (0, tier.index), (tier.rows, 1))
         valid.append(jax.lax.dynamic_update_slice(tier.valid, w | old, (0, tier.index)))
         start += tier.rows
-    attend = tuple(v[:, None, :] for v in valid)
+    attend = tuple(v[:, None, :] & in_window(cfg, tier.index[None], tier.slots)
+                   for v, tier in zip(valid, cache.tiers))
     x, ks, vs = _through_layers(cfg, family, params, tokens, positions, attend,
                                 lambda i: cache.layer(i, write))
     tiers = tuple(

@@ -113,14 +113,14 @@ class Sampler:
 
     mesh: where params and the batch live (batch over data x fsdp, params by the logical rules;
       with fsdp > 1 see `fsdp_weights`); None = one device.
-    max_cache_length: prompt + new tokens must fit (default: the model's max_position_embeddings,
-      or its sliding window if shorter: decoding is implemented within the window).
+    max_cache_length: prompt + new tokens must fit (default: the model's max_position_embeddings).
     min_prompt_bucket: smallest prompt-length bucket.
     first_decode_phase: new tokens the decode loop writes into a cache of prompt + this many slots
       before it moves to a larger one (`core.phase_slots`; 0: one full-length cache from the start).
     share_prompt_cache: with K > 1 samples per prompt, cache each prompt's keys/values once and
       have its K samples' decode attention read them together (`serving.PromptCache`,
-      `layers.attention_after_prompt`) instead of copying them into K rows (False: the copies).
+      `layers.attention_after_prompt`) instead of copying them into K rows (False: the copies;
+      also where the model's sliding window is shorter than the cache: the shared part has none).
     reference: an optional reference model for `sample(..., reference_logprobs=True)`.
     fsdp_weights: on a mesh with fsdp > 1, "whole" holds the serving weights whole along fsdp,
       gathered once per params version (`serving_shardings`); "tensor" samples on the same
@@ -154,17 +154,18 @@ class Sampler:
         # the sampler's programs run
         self.model_mesh = mesh if mesh is not None else make_mesh(MeshConfig(), devices=jax.devices()[:1])
         self.mesh = fsdp_as_tensor(self.model_mesh) if fsdp_weights == "tensor" else self.model_mesh
-        self.max_cache_length = max_cache_length or min(self.config.max_position_embeddings,
-                                                        self.config.sliding_window or math.inf)
-        self.config.check_fits_window(self.max_cache_length,
-                                      f"a sampler cache (max_cache_length={self.max_cache_length})")
+        self.max_cache_length = max_cache_length or self.config.max_position_embeddings
         if min_prompt_bucket < 1:
             raise ValueError(f"min_prompt_bucket must be >= 1, got {min_prompt_bucket}")
         self.min_prompt_bucket = min_prompt_bucket
         if first_decode_phase < 0:
             raise ValueError(f"first_decode_phase must be >= 0 (0: no phases), got {first_decode_phase}")
         self.first_decode_phase = first_decode_phase
-        self.share_prompt_cache = share_prompt_cache
+        self.share_prompt_cache = share_prompt_cache and self.config.fits_window(self.max_cache_length)
+        if share_prompt_cache and not self.share_prompt_cache:
+            log.info("the sampler copies each prompt's cache into its K rows (share_prompt_cache off): a "
+                     "shared prompt part has no sliding window, and this model's window (%d) is shorter "
+                     "than the cache (%d)", self.config.sliding_window, self.max_cache_length)
         self.batch_shards = self.mesh.shape.get("data", 1) * self.mesh.shape.get("fsdp", 1)
         # fp32 for a bf16 model on CPU devices, whatever JAX's default backend is
         self.cache_dtype = kv_cache_dtype(self.config, self.mesh.devices.flat[0].platform)

@@ -605,7 +605,6 @@ def preflight(config: ExperimentConfig) -> None:
             "with --set model.checkpoint=DIR (or download the hub id on a machine with network access)"
         ) from None
     SafetensorsReader(directory)  # the weights exist, and every header and size is intact
-    check_sliding_window(config, directory)
     try:
         check_tokenizer_for(config)
         resolve_objective(config.train.objective, overrides=dict(config.train.objective_options))
@@ -622,26 +621,6 @@ def preflight(config: ExperimentConfig) -> None:
         from tbajax.system.wandb_logging import import_wandb
 
         import_wandb()
-
-
-def check_sliding_window(config: ExperimentConfig, directory: Path) -> None:
-    """A model whose sliding window is shorter than a run's prompt + response: every searcher's
-    sampler would refuse it (`ModelConfig.check_fits_window`)."""
-    from tbajax.config import ConfigError
-    from tbajax.models.locate import sliding_window_in_force
-
-    path = Path(directory) / "config.json"
-    window = sliding_window_in_force(json.loads(path.read_text())) if path.is_file() else None
-    rollout = config.rollout
-    new_tokens = max(rollout.sampling.max_new_tokens, config.eval.max_new_tokens or 0)
-    longest = rollout.max_prompt_tokens + new_tokens
-    if window is not None and longest > window:
-        raise ConfigError(
-            f"model.checkpoint={config.model.checkpoint!r} attends within a sliding window of {window} "
-            f"tokens, and this run's prompts + responses reach {longest} (rollout.max_prompt_tokens="
-            f"{rollout.max_prompt_tokens} + the longer of rollout.sampling.max_new_tokens and "
-            f"eval.max_new_tokens): sampling is implemented within the window only; lower them to "
-            f"{window} tokens in all")
 
 
 def check_compile_cache(setting: str | None) -> None:
