@@ -91,6 +91,12 @@ TINY_FAMILIES: dict[str, dict[str, Any]] = {
     "mistral": dict(model_type="mistral", sliding_window=None, rope_theta=1e6),
     # each query sees itself and the 3 positions before it
     "mistral_window": dict(model_type="mistral", sliding_window=4, rope_theta=1e6),
+    # a windowed layer (RoPE base 100) and a full one (base 1e4, linearly scaled); scores scaled by
+    # 16 ** -0.5 rather than head_dim's
+    "gemma3": dict(model_type="gemma3_text", head_dim=12, sliding_window=4, query_pre_attn_scalar=16,
+                   layer_types=["sliding_attention", "full_attention"],
+                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                                    "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}),
     "olmo2": dict(model_type="olmo2", rms_norm_eps=1e-6),
     # fused q/k/v and gate/up weights; 6 of each head's 12 dims rotate
     "phi3": dict(model_type="phi3", partial_rotary_factor=0.5, pad_token_id=0),

@@ -141,13 +141,14 @@ def test_ring_tiers_match_static(llama, shared, seed):
     assert [t.slots for t in engine._cache.tiers] == [n for _, n in tiers]
 
 
-def test_a_sliding_window_samples_alike_in_every_engine(tiny_checkpoint):
+@pytest.mark.parametrize("family", ["mistral_window", "gemma3"])
+def test_a_sliding_window_samples_alike_in_every_engine(tiny_checkpoint, family):
     """A model whose window (4 positions) is far shorter than its prompts + responses (up to 14 +
     12): the static sampler's linear cache and the continuous engine's rings, tiered or not,
     window by ring distance and give the same tokens and log-probs, which are the teacher-forced
     forward's (windowed by position, as transformers). Shared prompt parts have no window, so
-    both engines copy the prompts into their rows here."""
-    model = load_model(tiny_checkpoint("mistral_window"))
+    both engines copy the prompts into their rows here. Gemma 3: a windowed layer and a full one."""
+    model = load_model(tiny_checkpoint(family))
     r = np.random.default_rng(4)
     k = 2
     prompts = [[1, *r.integers(3, 60, r.integers(1, 14)).tolist()] for _ in range(5)]

@@ -165,6 +165,30 @@ def test_merged_export_and_peft_adapter_match_torch(tiny_checkpoint, tmp_path):
     np.testing.assert_allclose(peft_logits[real], ours[real], atol=1e-4)
 
 
+def test_gemma3_adapters_merge_and_export_as_transformers_and_peft_apply_them(tiny_checkpoint, tmp_path):
+    """Gemma 3 (a windowed and a full layer, norms as offsets from one): the merged export and the
+    PEFT adapters give transformers our adapted logits."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    directory = tiny_checkpoint("gemma3")
+    model = load_model(directory)
+    cfg = LoraConfig(rank=4, alpha=8.0, targets=("q_proj", "k_proj", "gate_proj", "down_proj"))
+    adapters = _randomise_b(init_lora(nnx.state(model, nnx.Param), cfg, jax.random.key(0)))
+    ours = _logits(merge_lora(model, adapters, cfg))
+    assert np.abs(ours - _logits(model)).max() > 0.1
+    real = MASK.astype(bool)
+    merged = save_model(merge_lora(model, adapters, cfg), tmp_path / "merged")
+    peft_dir = save_peft_adapter(tmp_path / "adapter", model, adapters, cfg, base_model_name_or_path=str(directory))
+    with torch.no_grad():
+        inputs = dict(input_ids=torch.tensor(TOKENS), attention_mask=torch.tensor(MASK))
+        ref = AutoModelForCausalLM.from_pretrained(merged).eval()(**inputs).logits.numpy()
+        base = AutoModelForCausalLM.from_pretrained(directory).eval()
+        peft_logits = PeftModel.from_pretrained(base, peft_dir).eval()(**inputs).logits.numpy()
+    np.testing.assert_allclose(ref[real], ours[real], atol=1e-4)
+    np.testing.assert_allclose(peft_logits[real], ours[real], atol=1e-4)
+
+
 def test_adapters_on_fused_projections_export_as_peft_adapters_of_fused_modules(tiny_checkpoint, tmp_path):
     """Phi-3's q/k/v and gate/up weights are fused in the checkpoint and here: one adapter per fused
     weight, which PEFT applies to the same fused module (its target names qkv_proj, gate_up_proj)."""

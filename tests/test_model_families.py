@@ -58,6 +58,9 @@ CLASSIFIERS = {
                             num_key_value_heads=2, num_labels=1)),
     "phi3": ("phi3", dict(hidden_size=48, intermediate_size=64, num_attention_heads=4,
                           num_key_value_heads=2, partial_rotary_factor=0.5, pad_token_id=0, num_labels=1)),
+    "gemma3": ("gemma3_text", dict(hidden_size=48, intermediate_size=64, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=12, sliding_window=3, num_labels=1,
+                                   layer_types=["full_attention", "sliding_attention"])),
 }
 
 
@@ -510,7 +513,7 @@ def test_hand_built_config_exports_and_is_checked(tmp_path):
 
 # SwiGLU + tied head; GELU + untied; OLMo 2's norms over whole projections and after each sublayer;
 # Phi-3's fused projections and partial rotary
-@pytest.mark.parametrize("name", ["qwen2_tied", "neox_parallel", "olmo2", "phi3"])
+@pytest.mark.parametrize("name", ["qwen2_tied", "neox_parallel", "olmo2", "phi3", "gemma3"])
 def test_logprob_gradients_match_torch(ckpt, tiny_checkpoint, name):
     """The trainer's scoring path (`sequence_logprobs`: the hand-written VJPs of the vocabulary
     projection + tempered log-softmax, of every MLP matmul and of SwiGLU) against torch autograd,
@@ -521,7 +524,7 @@ def test_logprob_gradients_match_torch(ckpt, tiny_checkpoint, name):
     from tbajax.models.hf import hf_tensors
     from tbajax.training import sequence_logprobs
 
-    directory = tiny_checkpoint(name) if name in ("qwen2_tied", "olmo2", "phi3") else ckpt(name)
+    directory = tiny_checkpoint(name) if name in ("qwen2_tied", "olmo2", "phi3", "gemma3") else ckpt(name)
     temperature = 0.7
     ids, mask = _batch(3)
     scored = mask * np.pad(mask[:, :-1], ((0, 0), (1, 0)))  # a real token after a real one
@@ -543,7 +546,7 @@ def test_logprob_gradients_match_torch(ckpt, tiny_checkpoint, name):
                   sample_mask=np.ones(rows, bool), policy_version=np.zeros(rows, np.int32),
                   prompt_id=np.zeros(rows, np.int32), beta=np.float32(0), token_versions=zeros.astype(np.int32),
                   current_version=np.int32(0))
-    for scan in (True, False) if name == "qwen2_tied" else (True,):
+    for scan in (True, False) if name in ("qwen2_tied", "gemma3") else (True,):
         model = load_model(directory, scan_layers=scan)
         graphdef, state = nnx.split(model)
         grads = jax.jit(jax.grad(lambda s: (sequence_logprobs(graphdef, s, batch, temperature) * weights).sum()))(state)

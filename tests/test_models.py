@@ -31,7 +31,7 @@ from tbajax.models import (
 from tbajax.models import layers as L
 from tbajax.models.serving import ServingParams
 
-FAMILIES = ["llama", "llama_tied_rope3", "qwen2", "qwen2_tied", "qwen3", "mistral", "olmo2", "phi3"]
+FAMILIES = ["llama", "llama_tied_rope3", "qwen2", "qwen2_tied", "qwen3", "mistral", "olmo2", "phi3", "gemma3"]
 
 
 def _batch(seed: int = 0, b: int = 4, t: int = 11, vocab: int = 101):
@@ -127,7 +127,7 @@ def test_phi3_variants_it_cannot_compute_exactly_are_refused(tiny_checkpoint):
 @pytest.mark.parametrize(
     "family, weight_first",
     [("llama", True), ("qwen2", True), ("qwen3", True), ("olmo2", True), ("phi3", True), ("qwen2", False),
-     ("mistral_window", True)],
+     ("mistral_window", True), ("gemma3", True)],
 )
 def test_kv_cache_decode_matches_full_forward(tiny_checkpoint, family, weight_first, monkeypatch):
     """Prefill a left-padded prompt, then decode token by token: same logits as one forward.
@@ -213,7 +213,7 @@ def test_bf16_compute_and_remat(tiny_checkpoint):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2_tied", "qwen3", "mistral", "olmo2", "phi3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2_tied", "qwen3", "mistral", "olmo2", "phi3", "gemma3"])
 def test_export_round_trip_loads_in_torch(tiny_checkpoint, tmp_path, family):
     directory = tiny_checkpoint(family)
     model = load_model(directory)

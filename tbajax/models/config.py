@@ -15,7 +15,9 @@ from typing import Any, Literal
 import jax.numpy as jnp
 import numpy as np
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3", "gpt_neox", "gpt2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3", "gemma3_text", "gpt_neox",
+                         "gpt2")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn")
@@ -62,7 +64,8 @@ class ModelConfig:
     """Architecture (from the checkpoint) plus runtime choices (dtypes, remat, scan_layers, attention,
     head_chunk_tokens)."""
 
-    model_type: Literal["llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3", "gpt_neox", "gpt2"]
+    model_type: Literal["llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3", "gemma3_text", "gpt_neox",
+                        "gpt2"]
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -80,12 +83,18 @@ class ModelConfig:
     layer_norm_eps: float = 1e-5  # GPT-NeoX / GPT-2 LayerNorm
     rotary_pct: float = 1.0  # share of each head's dims that RoPE rotates (GPT-NeoX)
     parallel_residual: bool = False  # GPT-NeoX: x + attn(ln1(x)) + mlp(ln2(x))
-    hidden_act: str = "silu"  # "silu" (Llama/Qwen), "gelu" (erf), "gelu_new" (tanh)
+    hidden_act: str = "silu"  # "silu" (Llama/Qwen), "gelu" (erf), "gelu_new" / "gelu_pytorch_tanh" (tanh)
     max_position_embeddings: int = 2048
     # Mistral / Phi-3: each query attends to itself and the sliding_window - 1 positions before it
     # (None: every earlier position): by position without a cache, by ring distance over one
     # (`serving.cached_pass`); a shared prompt part of a cache has none (`fits_window`).
     sliding_window: int | None = None
+    # Gemma 3: which layers ("sliding_attention", "full_attention") take the window, and those
+    # layers' RoPE base (they take no RoPE scaling); None: every layer alike (`layer_kinds`)
+    layer_types: tuple[str, ...] | None = None
+    local_rope_theta: float | None = None
+    # Gemma: attention scores scaled by query_pre_attn_scalar ** -0.5 rather than head_dim's
+    query_pre_attn_scalar: float | None = None
     initializer_range: float = 0.02
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
@@ -137,9 +146,10 @@ class ModelConfig:
         check_head_chunk(self.head_chunk_tokens)
         if self.remat not in ("none", "full", "dots"):
             raise ValueError(f"remat={self.remat!r}; choose 'none', 'full' or 'dots'")
-        if self.hidden_act not in ("silu", "gelu", "gelu_new"):
+        if self.hidden_act not in ("silu", "gelu", "gelu_new", "gelu_pytorch_tanh"):
             raise UnsupportedModelError(
-                f"hidden_act={self.hidden_act!r} is not supported; supported: silu, gelu, gelu_new"
+                f"hidden_act={self.hidden_act!r} is not supported; supported: silu, gelu, gelu_new, "
+                "gelu_pytorch_tanh"
             )
         if not 0.0 < self.rotary_pct <= 1.0 or self.rotary_dim % 2:
             raise UnsupportedModelError(
@@ -155,6 +165,13 @@ class ModelConfig:
             if self.model_type not in WINDOWED_MODEL_TYPES:
                 raise UnsupportedModelError(f"sliding_window is read and written for {WINDOWED_MODEL_TYPES} "
                                             f"checkpoints, not {self.model_type}")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers or not set(self.layer_types) <= set(LAYER_TYPES):
+                raise UnsupportedModelError(f"layer_types={self.layer_types!r}: one of {LAYER_TYPES} for "
+                                            f"each of the {self.num_layers} layers")
+            if "sliding_attention" in self.layer_types and self.sliding_window is None:
+                raise UnsupportedModelError("layer_types has sliding_attention layers and sliding_window is "
+                                            "None")
         if self.num_labels is not None and self.num_labels < 1:
             raise ValueError(f"num_labels={self.num_labels} must be >= 1")
         from tbajax.models.families import family_for
@@ -181,6 +198,21 @@ class ModelConfig:
     def rotary_dim(self) -> int:
         """Dims of each head that RoPE rotates (all of them except for partial-rotary GPT-NeoX)."""
         return int(self.head_dim * self.rotary_pct)
+
+    def layer_kinds(self) -> tuple[tuple["ModelConfig", ...], tuple[int, ...]]:
+        """The configs the layers differ by, and each layer's index into them: one for a model
+        whose layers are alike; with `layer_types`, one for the full-attention layers (no window)
+        and one for the sliding ones (the window, and `local_rope_theta` unscaled if set). A
+        family's block and position tables take its layer's config."""
+        if self.layer_types is None:
+            return (self,), (0,) * self.num_layers
+        full = dataclasses.replace(self, layer_types=None, sliding_window=None, local_rope_theta=None)
+        sliding = dataclasses.replace(self, layer_types=None, local_rope_theta=None)
+        if self.local_rope_theta is not None:
+            sliding = dataclasses.replace(sliding, rope_theta=self.local_rope_theta, rope_scaling=None)
+        kinds = tuple(k for k in LAYER_TYPES if k in self.layer_types)
+        configs = {"full_attention": full, "sliding_attention": sliding}
+        return tuple(configs[k] for k in kinds), tuple(kinds.index(t) for t in self.layer_types)
 
     def fits_window(self, length: int) -> bool:
         """Whether a sequence of `length` tokens is within the sliding window (always without one)."""

@@ -11,8 +11,8 @@ sampler's passes (`tbajax/models/serving.py`, over per-layer weights and a KV ca
 
 from __future__ import annotations
 
-import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +22,7 @@ from tbajax import op_scopes as S
 from tbajax.models.config import ModelConfig, rope_inv_freq
 from tbajax.models.families import Family, ParamSpec, family_for
 from tbajax.models.layers import CausalMask, StridedGroups, apply_rope, attention, rms_norm  # noqa: F401
-from tbajax.models.layers import within_window
+from tbajax.models.layers import windowed
 from tbajax.models.layers import rope_tables as _rope_tables
 from tbajax.models.layers import scan_layers
 from tbajax.models.serving import KVCache, ServingParams, cached_pass, unstack
@@ -120,17 +120,14 @@ class CausalLM(nnx.Module):
         (`serving.cached_pass` over this model's serving layout, built on every call: a sampler
         builds that layout once per params version and calls the pass itself).
         A sliding window (`ModelConfig.sliding_window`) applies by position in every pass without
-        a cache; a cache longer than the window is refused.
+        a cache (`layers.windowed`), and by ring distance over one (`serving.cached_pass`).
         """
         cfg = self.config
         b, t = tokens.shape
         if isinstance(attention_mask, StridedGroups):
             if cache is not None or positions is None:
                 raise ValueError("strided prompt groups need explicit positions and no cache")
-            groups = attention_mask
-            if cfg.sliding_window is not None:
-                groups = dataclasses.replace(groups, window=cfg.sliding_window, positions=positions)
-            return self._layers_over(tokens, positions, groups), None
+            return self._layers_over(tokens, positions, attention_mask), None
         promised_causal = isinstance(attention_mask, CausalMask)
         if promised_causal:
             attention_mask = attention_mask.mask
@@ -149,47 +146,52 @@ class CausalLM(nnx.Module):
             positions = positions_from_mask(attention_mask)
         if cache is not None:
             return cached_pass(cfg, ServingParams.of(self), tokens, positions, attention_mask, cache)
-        # a sliding window (Mistral, Phi-3) by position, exact for packed rows too: a continuation's
-        # positions count from its own prompt
-        in_window = within_window(positions, positions, cfg.sliding_window)
         if full_mask:
-            attention_mask = attention_mask & in_window
             mask = CausalMask(attention_mask) if promised_causal else attention_mask
         else:
             slots = jnp.arange(t)
-            causal = (slots[None, :] <= slots[:, None])[None] & attention_mask[:, None, :]
-            mask = CausalMask(causal & in_window)
+            mask = CausalMask((slots[None, :] <= slots[:, None])[None] & attention_mask[:, None, :])
         return self._layers_over(tokens, positions, mask), None
 
     def _layers_over(self, tokens: Array, positions: Array,
                      mask: Array | CausalMask | StridedGroups) -> Array:
-        """Embed, every layer with `mask` as `layers.self_attention` takes it, final norm."""
+        """Embed, every layer with `mask` as `layers.self_attention` takes it (within the layer's
+        sliding window, if any, by position), final norm."""
         cfg = self.config
         family = self.family
         top = {name: getattr(self, name)[...] for name in family.top_params(cfg)}
         with jax.named_scope(S.EMBED):
             x = family.embed(cfg, top, tokens, positions)
         x = constrain(x, ("batch", "length", "act_embed"))
-        tables = family.position_tables(cfg, positions)
         params = self.layers.stacked(cfg)
-        layer = functools.partial(family.block, cfg)
-        if cfg.remat != "none":
-            policy = (
-                jax.checkpoint_policies.dots_with_no_batch_dims_saveable
-                if cfg.remat == "dots"
-                else jax.checkpoint_policies.nothing_saveable
-            )
-            layer = jax.checkpoint(layer, policy=policy)
+        kinds, kind_of = cfg.layer_kinds()
+        layers = []
+        for kind in kinds:  # each kind of layer (one but for Gemma 3) with its tables and mask
+            layer = functools.partial(family.block, kind)
+            if cfg.remat != "none":
+                policy = (
+                    jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+                    if cfg.remat == "dots"
+                    else jax.checkpoint_policies.nothing_saveable
+                )
+                layer = jax.checkpoint(layer, policy=policy)
+            tables = family.position_tables(kind, positions)
+            layers.append(functools.partial(_layer_output, layer, tables=tables,
+                                            mask=windowed(mask, positions, kind.sliding_window)))
 
         def body(h: Array, p: dict[str, Array]) -> tuple[Array, None]:
-            h, _ = layer(p, h, tables, mask, None)
-            return h, None
+            if len(layers) == 1:
+                return layers[0](p, h), None
+            p = dict(p)
+            return jax.lax.switch(p.pop(LAYER_KIND), layers, p, h), None
 
         if cfg.scan_layers:
+            if len(layers) > 1:
+                params = {**params, LAYER_KIND: jnp.asarray(kind_of, jnp.int32)}
             x, _ = scan_layers(body, x, params)
         else:
-            for p in unstack(params, cfg.num_layers):
-                x, _ = body(x, p)
+            for p, kind in zip(unstack(params, cfg.num_layers), kind_of):
+                x = layers[kind](p, x)
         return family.final_norm(cfg, top, x)
 
     @scoped(S.LM_HEAD)
@@ -211,6 +213,13 @@ class CausalLM(nnx.Module):
 
 
 # ---------------------------------------------------------------------------- pure pieces
+
+LAYER_KIND = "layer_kind"  # a scanned stack's entry: each layer's index into `ModelConfig.layer_kinds`
+
+
+def _layer_output(layer: Any, p: dict[str, Array], h: Array, *, tables: Any, mask: Any) -> Array:
+    return layer(p, h, tables, mask, None)[0]
+
 
 
 def positions_from_mask(mask: Array) -> Array:

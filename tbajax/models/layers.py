@@ -75,7 +75,8 @@ def gelu_tanh(x: Array) -> Array:
     return 0.5 * x * (1.0 + jnp.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
 
 
-ACTIVATIONS: dict[str, Any] = {"silu": jax.nn.silu, "gelu": gelu_exact, "gelu_new": gelu_tanh}
+ACTIVATIONS: dict[str, Any] = {"silu": jax.nn.silu, "gelu": gelu_exact, "gelu_new": gelu_tanh,
+                               "gelu_pytorch_tanh": gelu_tanh}
 
 
 _LOW_PRECISION = (jnp.bfloat16, jnp.float16)
@@ -429,6 +430,19 @@ def within_window(query_pos: Array, key_pos: Array, window: int | None) -> Array
     if window is None:
         return True
     return (query_pos[..., :, None] - key_pos[..., None, :]) < window
+
+
+def windowed(mask: Any, positions: Array, window: int | None) -> Any:
+    """A pass's attention mask (an array [b, t, t], a `CausalMask` or `StridedGroups`) restricted
+    to a sliding window by the tokens' positions [b, t] (the mask itself without one). Packed
+    rows are right too: a continuation's positions count from its own prompt."""
+    if window is None:
+        return mask
+    if isinstance(mask, StridedGroups):
+        return dataclasses.replace(mask, window=window, positions=positions)
+    if isinstance(mask, CausalMask):
+        return CausalMask(mask.mask & within_window(positions, positions, window))
+    return mask & within_window(positions, positions, window)
 
 
 class EmitKV:

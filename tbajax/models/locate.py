@@ -55,12 +55,13 @@ def resolve_checkpoint(source: str | os.PathLike[str]) -> Path:
         ) from None
 
 
-WINDOWED_MODEL_TYPES = ("mistral", "phi3")  # whose config.json sliding_window tbajax reads and writes
+# whose config.json sliding_window tbajax reads and writes
+WINDOWED_MODEL_TYPES = ("mistral", "phi3", "gemma3_text")
 
 
 def sliding_window_in_force(hf: dict[str, Any]) -> int | None:
-    """A Mistral / Phi-3 config's sliding window where it changes attention: shorter than the
-    context (these have no switch to turn it off, unlike Qwen2's use_sliding_window)."""
+    """A Mistral / Phi-3 / Gemma 3 config's sliding window where it changes attention: shorter
+    than the context (these have no switch to turn it off, unlike Qwen2's use_sliding_window)."""
     window = hf.get("sliding_window")
     if hf.get("model_type") not in WINDOWED_MODEL_TYPES or window is None:
         return None

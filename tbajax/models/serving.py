@@ -255,16 +255,11 @@ def prompt_pass(
     family = family_for(cfg.model_type)
     _, t = tokens.shape
     mask = mask.astype(bool)
-    x = _embed(cfg, family, params, tokens, positions)
-    tables = family.position_tables(cfg, positions)
     slots = jnp.arange(t)
-    in_window = L.within_window(positions, positions, cfg.sliding_window)
-    causal = CausalMask((slots[None, :] <= slots[:, None])[None] & mask[:, None, :] & in_window)
-    keys, values = [], []
-    for p in params.layers:
-        x, (k, v) = family.block(cfg, p, x, tables, causal, EMIT_KV)
-        keys.append(k)
-        values.append(v)
+    causal = CausalMask((slots[None, :] <= slots[:, None])[None] & mask[:, None, :])
+    x, keys, values = _through_layers(cfg, family, params, tokens, positions,
+                                      lambda kind: L.windowed(causal, positions, kind.sliding_window),
+                                      lambda i: EMIT_KV)
     return family.final_norm(cfg, params.top, x[:, -1]), tuple(keys), tuple(values)
 
 
@@ -298,10 +293,11 @@ def cached_pass(
         raise ValueError(f"a cache with a shared prompt part takes one token per row and step, got {t}")
     valid = jax.lax.dynamic_update_slice(cache.valid, mask.astype(bool), (0, cache.index))
     q_slot = cache.index + jnp.arange(t)
-    attend = valid[:, None, :] & in_window(cfg, q_slot, cache.slots)
+    attend = valid[:, None, :]
     if t > 1:
         attend &= (jnp.arange(cache.slots)[None, :] <= q_slot[:, None])[None]
-    x, ks, vs = _through_layers(cfg, family, params, tokens, positions, attend, cache.layer)
+    x, ks, vs = _through_layers(cfg, family, params, tokens, positions,
+                                lambda kind: attend & in_window(kind, q_slot, cache.slots), cache.layer)
     cache = KVCache(k=tuple(ks), v=tuple(vs), valid=valid, index=cache.index + t, prompt=cache.prompt)
     return family.final_norm(cfg, params.top, x), cache
 
@@ -317,16 +313,18 @@ def in_window(cfg: ModelConfig, query_slots: Array, slots: int) -> Array | bool:
 
 
 def _through_layers(
-    cfg: ModelConfig, family: Family, params: ServingParams, tokens: Array, positions: Array, attend: Any,
-    layer_cache: Callable[[int], Any],
+    cfg: ModelConfig, family: Family, params: ServingParams, tokens: Array, positions: Array,
+    attend: Callable[[ModelConfig], Any], layer_cache: Callable[[int], Any],
 ) -> tuple[Array, list[Any], list[Any]]:
-    """Tokens through every layer, each attending over `layer_cache(i)`: (hidden states, each
-    layer's updated keys, its values)."""
+    """Tokens through every layer, each with its kind's config, position tables and mask
+    (`attend(kind)`; `ModelConfig.layer_kinds`), attending over `layer_cache(i)`: (hidden
+    states, each layer's updated keys, its values)."""
     x = _embed(cfg, family, params, tokens, positions)
-    tables = family.position_tables(cfg, positions)
+    kinds, kind_of = cfg.layer_kinds()
+    inputs = [(family.position_tables(kind, positions), attend(kind)) for kind in kinds]
     ks, vs = [], []
-    for i, p in enumerate(params.layers):
-        x, (k, v) = family.block(cfg, p, x, tables, attend, layer_cache(i))
+    for i, (p, kind) in enumerate(zip(params.layers, kind_of)):
+        x, (k, v) = family.block(kinds[kind], p, x, *inputs[kind], layer_cache(i))
         ks.append(k)
         vs.append(v)
     return x, ks, vs
@@ -347,8 +345,10 @@ def _tiered_pass(
         old = jax.lax.dynamic_slice(tier.valid, (0, tier.index), (tier.rows, 1))
         valid.append(jax.lax.dynamic_update_slice(tier.valid, w | old, (0, tier.index)))
         start += tier.rows
-    attend = tuple(v[:, None, :] & in_window(cfg, tier.index[None], tier.slots)
-                   for v, tier in zip(valid, cache.tiers))
+    def attend(kind: ModelConfig) -> tuple[Array, ...]:
+        return tuple(v[:, None, :] & in_window(kind, tier.index[None], tier.slots)
+                     for v, tier in zip(valid, cache.tiers))
+
     x, ks, vs = _through_layers(cfg, family, params, tokens, positions, attend,
                                 lambda i: cache.layer(i, write))
     tiers = tuple(

@@ -5,6 +5,7 @@ MLP, optionally tied embeddings."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -242,6 +243,11 @@ def query_key_value(cfg: ModelConfig, w: dict[str, Array], h: Array) -> tuple[Ar
 
 def swiglu_mlp(w: dict[str, Array], h: Array) -> Array:
     """down(silu(gate h) * up h), in either weight layout."""
+    return gated_mlp(w, h, L.swiglu)
+
+
+def gated_mlp(w: dict[str, Array], h: Array, activation: Callable[[Array, Array], Array]) -> Array:
+    """down(activation(gate h, up h)), in either weight layout."""
     if "gate_proj" in w:
         gate = L.linear(h, w["gate_proj"])
         up = L.linear(h, w["up_proj"])
@@ -249,7 +255,7 @@ def swiglu_mlp(w: dict[str, Array], h: Array) -> Array:
         gate_up = L.decode_product(h, w, "gate_up_proj")
         gate_up = gate_up.reshape(*gate_up.shape[:-1], -1, 2)
         gate, up = gate_up[..., 0], gate_up[..., 1]
-    return L.decode_product(L.swiglu(gate, up), w, "down_proj")
+    return L.decode_product(activation(gate, up), w, "down_proj")
 
 
 def decode_layout(cfg: ModelConfig, p: dict[str, Array]) -> dict[str, Array]:
