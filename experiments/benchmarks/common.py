@@ -87,6 +87,26 @@ def make_neox_checkpoint(size: str, reward_model: bool = False, directory: str |
     return directory
 
 
+def make_gemma3_checkpoint(size: str, directory: str | None = None, window: int = 128) -> Path:
+    """A random-init Gemma 3 text checkpoint shaped like SIZES[size]: five layers of six attend
+    within `window` positions (RoPE base 1e4), every sixth to all (base 1e6), as Gemma 3 1B."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    s = SIZES[size]
+    directory = Path(directory or tempfile.mkdtemp(prefix=f"bench-gemma3-{size}-"))
+    layers = s["num_hidden_layers"]
+    head_dim = s["hidden_size"] // s["num_attention_heads"]
+    cfg = AutoConfig.for_model(
+        "gemma3_text", **s, head_dim=head_dim, query_pre_attn_scalar=head_dim, sliding_window=window,
+        layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)],
+        max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=PAD,
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).float().save_pretrained(directory)
+    return directory
+
+
 def timed_in_turns(ours: Callable[[], Any], theirs: Callable[[], Any], repeats: int) -> dict[str, Any]:
     """Time two blocking calls in alternating rounds (ours, theirs, ours, ...) after one untimed
     call each (compile / warm-up), so a shared machine's speed drift hits both sides of a round

@@ -1,11 +1,14 @@
 """Forward-pass tokens/s: tbajax's Flax decoders vs torch transformers, same checkpoint and batch.
 
-    python experiments/benchmarks/forward.py [--quick] [--dtype bfloat16] [--compare NAME] [--json PATH]
+    python experiments/benchmarks/forward.py [--quick] [--models M ...] [--dtype bfloat16] [--compare NAME]
+                                             [--json PATH]
 
-Rows: a Llama-style causal LM, a GPT-NeoX (Pythia-style: partial rotary, parallel residual)
-causal LM, and a GPT-NeoX reward model (`*ForSequenceClassification`, one label) scored at each
-row's last real token of a right-padded batch (`load_scorer(...).score` vs the torch model's
-pooled logits). Both sides hold and compute in fp32 (or both in bf16 with `--dtype bfloat16`)
+Rows (`--models`): a Llama-style causal LM, a GPT-NeoX (Pythia-style: partial rotary, parallel
+residual) causal LM, and a GPT-NeoX reward model (`*ForSequenceClassification`, one label) scored
+at each row's last real token of a right-padded batch (`load_scorer(...).score` vs the torch
+model's pooled logits); `gemma3`, a Gemma 3 text model (five layers of six windowed to 128
+positions, `common.make_gemma3_checkpoint`), not run by default. Both sides hold and compute in
+fp32 (or both in bf16 with `--dtype bfloat16`)
 on this machine's CPU; compile time is reported separately
 from steady state. The two sides take turns call by call (`common.timed_in_turns`): the ratio is
 the median over rounds of torch's / tbajax's time, tok/s come from each side's best call.
@@ -45,7 +48,8 @@ import numpy as np  # noqa: E402
 
 import torch  # noqa: E402
 from common import (  # noqa: E402
-    PAD, SIZES, keep_freed_memory, machine, machine_line, make_llama_checkpoint, make_neox_checkpoint,
+    PAD, SIZES, keep_freed_memory, machine, machine_line, make_gemma3_checkpoint, make_llama_checkpoint,
+    make_neox_checkpoint,
     median_seconds_in_turns, peak_rss_mb, print_table, timed_in_turns, write_json,
 )
 from flax import nnx  # noqa: E402
@@ -75,6 +79,7 @@ COMPARISONS = {
 }
 
 
+MODELS = ("llama", "neox", "neox_rm", "gemma3")
 STUB_ORIGINAL = layers.self_attention
 
 
@@ -119,6 +124,8 @@ def bench(model_name: str, size: str, batch: int, seq: int, repeats: int, dtype:
     mask = np.ones((batch, seq), np.int64)
     if model_name == "llama":
         directory = make_llama_checkpoint(size)
+    elif model_name == "gemma3":
+        directory = make_gemma3_checkpoint(size)
     else:
         directory = make_neox_checkpoint(size, reward_model=model_name == "neox_rm")
     if model_name == "neox_rm":  # right-padded prompt + response rows of different lengths
@@ -188,15 +195,17 @@ def main() -> None:
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                     help="weights and compute dtype of both sides (default float32)")
     ap.add_argument("--compare", choices=sorted(COMPARISONS), help="time the rows with one change undone too")
+    ap.add_argument("--models", nargs="+", choices=MODELS, default=["llama", "neox", "neox_rm"],
+                    help="rows to run (default: llama neox neox_rm)")
     ap.add_argument("--attention-stub", action="store_true",
                     help="time both sides with attention stubbed out too (attention vs the rest)")
     args = ap.parse_args()
     keep_freed_memory()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     if args.quick:
-        cases = [("llama", "10M", 8, 128), ("neox", "10M", 8, 128), ("neox_rm", "10M", 8, 128)]
+        cases = [(m, "10M", 8, 128) for m in args.models]
     else:
-        cases = [(m, s, 16, 256) for s in ("10M", "50M") for m in ("llama", "neox", "neox_rm")]
+        cases = [(m, s, 16, 256) for s in ("10M", "50M") for m in args.models]
     compare = COMPARISONS[args.compare] if args.compare else None
     rows = [bench(m, s, b, t, 3 if args.quick else 7, args.dtype, compare, args.attention_stub)
             for m, s, b, t in cases]
@@ -211,7 +220,8 @@ def main() -> None:
     print_table(rows, columns)
     print("ratio = median over alternating rounds of torch time / tbajax time (>1: tbajax faster); tok/s: "
           "best call of each side; tokens = real (unpadded) tokens")
-    write_json(args.json, {"benchmark": "forward", "dtype": args.dtype, "compare": args.compare,
+    write_json(args.json, {"benchmark": "forward", "models": args.models, "dtype": args.dtype,
+                           "compare": args.compare,
                            "attention_stub": args.attention_stub, "machine": info, "rows": rows})
 
 
