@@ -145,24 +145,30 @@ def test_ring_tiers_match_static(llama, shared, seed):
 def test_a_sliding_window_samples_alike_in_every_engine(tiny_checkpoint, family):
     """A model whose window (4 positions) is far shorter than its prompts + responses (up to 14 +
     12): the static sampler's linear cache and the continuous engine's rings, tiered or not,
-    window by ring distance and give the same tokens and log-probs, which are the teacher-forced
-    forward's (windowed by position, as transformers). Shared prompt parts have no window, so
-    both engines copy the prompts into their rows here. Gemma 3: a windowed layer and a full one."""
+    window by ring distance, and a shared prompt part (the static sampler's, the engine's pool,
+    on one device and over 2 batch shards) by each row's position: every engine gives the same
+    tokens and log-probs, which are the teacher-forced forward's (windowed by position, as
+    transformers). Gemma 3: a windowed layer and a full one."""
     model = load_model(tiny_checkpoint(family))
     r = np.random.default_rng(4)
     k = 2
     prompts = [[1, *r.integers(3, 60, r.integers(1, 14)).tolist()] for _ in range(5)]
     cfg = SamplingConfig(max_new_tokens=12, num_samples=k, temperature=1.0, stop_token_ids=(3,),
                          pad_token_id=0)
-    sampler = Sampler(model, max_cache_length=32)
-    assert not sampler.share_prompt_cache
     key = jax.random.key(7)
-    static = sampler.sample(prompts, cfg, key)
+    static = Sampler(model, max_cache_length=32).sample(prompts, cfg, key)  # prompts shared
     assert static.length.max() == cfg.max_new_tokens
-    for options in ({}, {"ring_tiers": ((2, 20), (4, 24), (2, 32))}):
-        engine, groups = _run_engine(sampler, cfg, key, prompts, slots=8, chunk=3, share_prompt_cache=True,
-                                     **options)
-        assert engine.pool == 0 and (engine.stats.moves > 0) == bool(options)
+    copied = Sampler(model, max_cache_length=32, share_prompt_cache=False)
+    again = copied.sample(prompts, cfg, key)
+    np.testing.assert_array_equal(again.tokens, static.tokens)
+    np.testing.assert_allclose(again.logprobs, static.logprobs, atol=1e-5)
+    mesh = make_mesh(MeshConfig(data=2), devices=jax.devices()[:2])
+    sharded = Sampler(load_model(tiny_checkpoint(family), mesh=mesh), mesh=mesh, max_cache_length=32)
+    for sampler, shared, tiers in ((copied, False, ((2, 20), (4, 24), (2, 32))), (copied, True, None),
+                                   (sharded, True, ((4, 4), (2, 8), (2, 12)))):
+        engine, groups = _run_engine(sampler, cfg, key, prompts, slots=8, chunk=3, share_prompt_cache=shared,
+                                     ring_tiers=tiers)
+        assert (engine.pool > 0) == shared and (engine.stats.moves > 0) == (tiers is not None)
         _assert_same(static, groups, k)
     rows = [prompts[i // k] + static.response(i).tolist() for i in range(len(static))]
     width = max(map(len, rows))

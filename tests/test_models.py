@@ -97,23 +97,6 @@ def test_a_sliding_window_is_read_where_it_changes_attention(tiny_checkpoint):
         dataclasses.replace(ModelConfig.from_hf({**hf, "model_type": "llama"}), sliding_window=8)
 
 
-def test_a_shared_prompt_cache_past_a_sliding_window_is_refused(tiny_checkpoint):
-    """The shared prompt part of a cache has no window: where the window could cut into it, a
-    sampler copies prompts into their rows instead, and a cache that has one is refused."""
-    from tbajax.sampling import Sampler
-
-    model = load_model(tiny_checkpoint("mistral_window"))
-    assert not Sampler(model, max_cache_length=16).share_prompt_cache
-    assert Sampler(model, max_cache_length=4).share_prompt_cache
-    cache = dataclasses.replace(KVCache.init(model.config, 2, 3),
-                                prompt=serving.PromptCache.init(model.config, 1, 2))
-    ids = jnp.ones((2, 1), jnp.int32)
-    with pytest.raises(UnsupportedModelError, match="a KV cache with a shared prompt part of 2 slots and 3 "
-                                                    "more holds more tokens than this mistral model's "
-                                                    "sliding window of 4"):
-        model(ids, jnp.zeros((2, 1), jnp.int32), jnp.ones((2, 1), bool), cache)
-
-
 def test_phi3_variants_it_cannot_compute_exactly_are_refused(tiny_checkpoint):
     """Phi-3.5 / Phi-4-mini's longrope."""
     hf = json.loads((tiny_checkpoint("phi3") / "config.json").read_text())

@@ -85,9 +85,9 @@ class ModelConfig:
     parallel_residual: bool = False  # GPT-NeoX: x + attn(ln1(x)) + mlp(ln2(x))
     hidden_act: str = "silu"  # "silu" (Llama/Qwen), "gelu" (erf), "gelu_new" / "gelu_pytorch_tanh" (tanh)
     max_position_embeddings: int = 2048
-    # Mistral / Phi-3: each query attends to itself and the sliding_window - 1 positions before it
-    # (None: every earlier position): by position without a cache, by ring distance over one
-    # (`serving.cached_pass`); a shared prompt part of a cache has none (`fits_window`).
+    # Mistral / Phi-3 / Gemma 3: each query attends to itself and the sliding_window - 1 positions
+    # before it (None: every earlier position): by position without a cache, by ring distance over
+    # one and by position over its shared prompt part (`serving.cached_pass`).
     sliding_window: int | None = None
     # Gemma 3: which layers ("sliding_attention", "full_attention") take the window, and those
     # layers' RoPE base (they take no RoPE scaling); None: every layer alike (`layer_kinds`)

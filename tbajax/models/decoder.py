@@ -221,7 +221,6 @@ def _layer_output(layer: Any, p: dict[str, Array], h: Array, *, tables: Any, mas
     return layer(p, h, tables, mask, None)[0]
 
 
-
 def positions_from_mask(mask: Array) -> Array:
     """Position ids that skip padding: cumsum(mask) - 1, clipped at 0."""
     return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=-1) - 1, 0)

@@ -28,13 +28,30 @@ class PromptKV(NamedTuple):
     slots hold real tokens [prompts, p]. Rows of the per-sample cache are prompt-major, unless
     the tables say where each sample is (a pool of prompts, as continuous batching holds):
     samples [prompts, K] the row of each prompt's sample j (>= rows: none), and entry [rows]
-    each row's prompt * K + j."""
+    each row's prompt * K + j. Under a sliding window of `window` positions, `positions` [rows]
+    is each row's query position (`prompt_seen`)."""
 
     k: Array
     v: Array
     valid: Array
     samples: Array | None = None
     entry: Array | None = None
+    positions: Array | None = None
+    window: int | None = None
+
+
+def prompt_seen(valid: Array, query_positions: Array, window: int | None, g: int) -> Array:
+    """Which prompt slots each prompt's folded queries see, [prompts, 1, K*g, slots], for a score
+    array [prompts, kv, K*g, slots] (query j*g + i: sample j's head i of its group): the real
+    slots (`valid` [prompts, slots]) within the window of each sample's query position
+    (`query_positions` [prompts, K]). A prompt's real tokens are contiguous (left-padded), so
+    their positions count up from 0 across its valid slots."""
+    if window is None:
+        return valid[:, None, None]
+    prompt_pos = jnp.cumsum(valid.astype(jnp.int32), axis=-1) - 1
+    seen = valid[:, None] & within_window(query_positions, prompt_pos, window)  # [prompts, K, slots]
+    n, k, s = seen.shape
+    return jnp.broadcast_to(seen[:, :, None], (n, k, g, s)).reshape(n, 1, k * g, s)
 
 
 # (keys, values, write index), and the prompt part when the cache holds it once per prompt
@@ -686,7 +703,8 @@ def attention_after_prompt(q: Array, kt: Array, v: Array, mask: Array, prompt: P
     qf = q.reshape(b, kv, g, d).astype(jnp.float32)
     qp = qf.reshape(n, k, kv, g, d).swapaxes(1, 2).reshape(n, kv, k * g, d)
     sp = jnp.einsum("nhqd,nhds->nhqs", qp, prompt.k.astype(jnp.float32)) * scale
-    sp = jnp.where(prompt.valid[:, None, None], sp, _MASK_VALUE)
+    positions = None if prompt.positions is None else prompt.positions.reshape(n, k)
+    sp = jnp.where(prompt_seen(prompt.valid, positions, prompt.window, g), sp, _MASK_VALUE)
     if g == 1:  # no size-1 group axis in the row part's products (see `cached_attention`)
         sr = (qf.reshape(b, kv, d, 1) * kt.astype(jnp.float32)).sum(2) * scale  # [b, kv, s]
         sr = jnp.where(mask[:, :1], sr, _MASK_VALUE)
@@ -734,24 +752,26 @@ def _pooled_prompt_part(qf: Array, prompt: PromptKV) -> Part:
     to the device's own (`sharding.within_batch_shards`). Indexing the batch-sharded rows with
     global indices instead made XLA all-gather every row's queries and results onto every
     device, at every layer of every decode step."""
+    positions = jnp.zeros(qf.shape[:1], jnp.int32) if prompt.positions is None else prompt.positions
     return within_batch_shards(
-        _pool_part_of_shard,
+        functools.partial(_pool_part_of_shard, prompt.window),
         [(qf, ("batch", "kv_heads", None, None)), (prompt.k, ("batch", "kv_heads", "head_dim", "length")),
          (prompt.v, ("batch", "kv_heads", "length", "head_dim")), (prompt.valid, ("batch", "length")),
-         (prompt.samples, ("batch", None)), (prompt.entry, ("batch",))],
+         (prompt.samples, ("batch", None)), (prompt.entry, ("batch",)), (positions, ("batch",))],
         (("batch", "kv_heads", None), ("batch", "kv_heads", None), ("batch", "kv_heads", None, None)),
     )
 
 
-def _pool_part_of_shard(shard: Array | int, qf: Array, pk: Array, pv: Array, valid: Array, samples: Array,
-                        entry: Array) -> Part:
+def _pool_part_of_shard(window: int | None, shard: Array | int, qf: Array, pk: Array, pv: Array, valid: Array,
+                        samples: Array, entry: Array, positions: Array) -> Part:
     b, kv, g, d = qf.shape
     n, k = samples.shape
     rows = shard_rows(samples, shard, b)
     qe = jnp.take(qf, rows.reshape(-1), axis=0, mode="fill", fill_value=0)  # [n*k, kv, g, d]
     qp = qe.reshape(n, k, kv, g, d).swapaxes(1, 2).reshape(n, kv, k * g, d)
     sp = jnp.einsum("nhqd,nhds->nhqs", qp, pk.astype(jnp.float32)) * d**-0.5
-    sp = jnp.where(valid[:, None, None], sp, _MASK_VALUE)
+    query_positions = jnp.take(positions, rows, mode="fill", fill_value=0)  # [n, k]
+    sp = jnp.where(prompt_seen(valid, query_positions, window, g), sp, _MASK_VALUE)
     top_p = sp.max(-1)
     ep = jnp.exp(sp - top_p[..., None])
     out_p = jnp.einsum("nhqs,nhsd->nhqd", ep, pv.astype(jnp.float32))

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from tbajax import op_scopes as S
 from tbajax.models import layers as L
-from tbajax.models.config import ModelConfig, UnsupportedModelError
+from tbajax.models.config import ModelConfig
 from tbajax.models.families import Family, family_for
 from tbajax.models.layers import EMIT_KV, CausalMask
 from tbajax.op_scopes import scoped
@@ -275,18 +275,10 @@ def cached_pass(
     higher slots (continuous batching). Layers are unrolled over their own cache buffers, so each
     write and read happens in place. A `TieredKVCache` takes one token per row, and `mask` [b, 1]
     says which rows write theirs (the others' histories stay as they are). A sliding window
-    applies by ring distance (`in_window`); a shared prompt part has none, so it is refused where
-    the window could cut it."""
+    applies by ring distance (`in_window`), and over a shared prompt part by each row's position
+    (`layers.prompt_seen`)."""
     family = family_for(cfg.model_type)
     t = tokens.shape[1]
-    if cache.prompt is not None:
-        longest = max(c.slots for c in getattr(cache, "tiers", (cache,)))  # a row's history: one tier's ring
-        if not cfg.fits_window(cache.prompt.slots + longest):
-            raise UnsupportedModelError(
-                f"a KV cache with a shared prompt part of {cache.prompt.slots} slots and {longest} more "
-                f"holds more tokens than this {cfg.model_type} model's sliding window of "
-                f"{cfg.sliding_window}, and the shared part has no window: copy each prompt into its rows "
-                "instead (share_prompt_cache=False)")
     if isinstance(cache, TieredKVCache):
         return _tiered_pass(cfg, family, params, tokens, positions, mask, cache)
     if cache.prompt is not None and t != 1:
@@ -296,8 +288,16 @@ def cached_pass(
     attend = valid[:, None, :]
     if t > 1:
         attend &= (jnp.arange(cache.slots)[None, :] <= q_slot[:, None])[None]
+    kinds, kind_of = cfg.layer_kinds()
+
+    def layer_cache(i: int) -> L.LayerCache:
+        layer = cache.layer(i)
+        if cache.prompt is None:
+            return layer
+        return (*layer[:3], _prompt_in_window(layer[3], kinds[kind_of[i]], positions, cache.slots))
+
     x, ks, vs = _through_layers(cfg, family, params, tokens, positions,
-                                lambda kind: attend & in_window(kind, q_slot, cache.slots), cache.layer)
+                                lambda kind: attend & in_window(kind, q_slot, cache.slots), layer_cache)
     cache = KVCache(k=tuple(ks), v=tuple(vs), valid=valid, index=cache.index + t, prompt=cache.prompt)
     return family.final_norm(cfg, params.top, x), cache
 
@@ -310,6 +310,14 @@ def in_window(cfg: ModelConfig, query_slots: Array, slots: int) -> Array | bool:
     if cfg.fits_window(slots):
         return True
     return jnp.mod(query_slots[:, None] - jnp.arange(slots)[None, :], slots) < cfg.sliding_window
+
+
+def _prompt_in_window(prompt: L.PromptKV, kind: ModelConfig, positions: Array, slots: int) -> L.PromptKV:
+    """A layer's shared prompt part as a query at `positions` [rows, 1] sees it under the layer's
+    sliding window (unchanged where a prompt and `slots` more tokens fit the window)."""
+    if kind.fits_window(prompt.k.shape[-1] + slots):
+        return prompt
+    return prompt._replace(positions=positions[:, 0], window=kind.sliding_window)
 
 
 def _through_layers(
@@ -345,12 +353,21 @@ def _tiered_pass(
         old = jax.lax.dynamic_slice(tier.valid, (0, tier.index), (tier.rows, 1))
         valid.append(jax.lax.dynamic_update_slice(tier.valid, w | old, (0, tier.index)))
         start += tier.rows
+
     def attend(kind: ModelConfig) -> tuple[Array, ...]:
         return tuple(v[:, None, :] & in_window(kind, tier.index[None], tier.slots)
                      for v, tier in zip(valid, cache.tiers))
 
-    x, ks, vs = _through_layers(cfg, family, params, tokens, positions, attend,
-                                lambda i: cache.layer(i, write))
+    kinds, kind_of = cfg.layer_kinds()
+    longest = max(tier.slots for tier in cache.tiers)
+
+    def layer_cache(i: int) -> L.RingTiers:
+        layer = cache.layer(i, write)
+        if layer.prompt is None:
+            return layer
+        return layer._replace(prompt=_prompt_in_window(layer.prompt, kinds[kind_of[i]], positions, longest))
+
+    x, ks, vs = _through_layers(cfg, family, params, tokens, positions, attend, layer_cache)
     tiers = tuple(
         KVCache(k=tuple(layer[b] for layer in ks), v=tuple(layer[b] for layer in vs), valid=valid[b],
                 index=tier.index + 1)

@@ -574,11 +574,6 @@ class ContinuousEngine:
         self.pool = 0
         if share_prompt_cache is None:
             share_prompt_cache = sampler.share_prompt_cache
-        if share_prompt_cache and k > 1 and not cfg.fits_window(p_max + config.max_new_tokens):
-            log.info("the continuous engine copies each prompt into its K rows (no prompt pool): a shared "
-                     "prompt part has no sliding window, and this model's window (%d) is shorter than a "
-                     "prompt + response (%d)", cfg.sliding_window, p_max + config.max_new_tokens)
-            share_prompt_cache, prompt_pool = False, None
         if share_prompt_cache and k > 1:
             wanted = prompt_pool
             if wanted is None:

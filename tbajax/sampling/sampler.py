@@ -119,8 +119,7 @@ class Sampler:
       before it moves to a larger one (`core.phase_slots`; 0: one full-length cache from the start).
     share_prompt_cache: with K > 1 samples per prompt, cache each prompt's keys/values once and
       have its K samples' decode attention read them together (`serving.PromptCache`,
-      `layers.attention_after_prompt`) instead of copying them into K rows (False: the copies;
-      also where the model's sliding window is shorter than the cache: the shared part has none).
+      `layers.attention_after_prompt`) instead of copying them into K rows (False: the copies).
     reference: an optional reference model for `sample(..., reference_logprobs=True)`.
     fsdp_weights: on a mesh with fsdp > 1, "whole" holds the serving weights whole along fsdp,
       gathered once per params version (`serving_shardings`); "tensor" samples on the same
@@ -161,11 +160,7 @@ class Sampler:
         if first_decode_phase < 0:
             raise ValueError(f"first_decode_phase must be >= 0 (0: no phases), got {first_decode_phase}")
         self.first_decode_phase = first_decode_phase
-        self.share_prompt_cache = share_prompt_cache and self.config.fits_window(self.max_cache_length)
-        if share_prompt_cache and not self.share_prompt_cache:
-            log.info("the sampler copies each prompt's cache into its K rows (share_prompt_cache off): a "
-                     "shared prompt part has no sliding window, and this model's window (%d) is shorter "
-                     "than the cache (%d)", self.config.sliding_window, self.max_cache_length)
+        self.share_prompt_cache = share_prompt_cache
         self.batch_shards = self.mesh.shape.get("data", 1) * self.mesh.shape.get("fsdp", 1)
         # fp32 for a bf16 model on CPU devices, whatever JAX's default backend is
         self.cache_dtype = kv_cache_dtype(self.config, self.mesh.devices.flat[0].platform)
