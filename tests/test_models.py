@@ -256,6 +256,7 @@ def _edit_config(directory: Path, **changes) -> None:
     "changes, message",
     [
         ({"model_type": "mamba"}, "model_type='mamba'"),
+        ({"model_type": "gemma3"}, "the multimodal Gemma 3.*are gemma3_text"),
         ({"use_sliding_window": True}, "use_sliding_window=true"),
         ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "'yarn'"),
         ({"hidden_act": "gelu"}, "hidden_act"),

@@ -261,8 +261,12 @@ class ModelConfig:
         try:
             family = family_for(model_type)
         except KeyError:
+            hint = ""
+            if model_type == "gemma3":
+                hint = (" (the multimodal Gemma 3, Gemma3ForConditionalGeneration: 4B and up; its text-only "
+                        "checkpoints, 270M and 1B, are gemma3_text)")
             raise UnsupportedModelError(
-                f"config.json has model_type={model_type!r}; tbajax supports {supported_model_types()}"
+                f"config.json has model_type={model_type!r}{hint}; tbajax supports {supported_model_types()}"
             ) from None
         fields = family.parse_hf(hf)
         archs = hf.get("architectures") or []
