@@ -869,18 +869,25 @@ def test_packed_logprobs_equal_the_row_layout(strided):
         assert (got[~rows.loss_mask] == 0).all()
 
 
+def _random_groups(seed: int, prompt_lengths: tuple[int, ...], response_lengths: tuple[int, ...]
+                   ) -> list[list[Trajectory]]:
+    """A group of random responses of `response_lengths` for each random prompt of `prompt_lengths`."""
+    r = np.random.default_rng(seed)
+    groups = []
+    for g, length in enumerate(prompt_lengths):
+        prompt = r.integers(3, MODEL.vocab_size - 1, length).astype(np.int32)
+        groups.append([Trajectory(g, g, prompt, r.integers(3, MODEL.vocab_size - 1, n).astype(np.int32),
+                                  np.zeros(n, np.float32), 0.0) for n in response_lengths])
+    return groups
+
+
 def test_strided_logprobs_equal_the_row_layout_over_causal_blocks():
     """Strided groups whose responses take 64 slots: each response's attention runs in 2 causal
     query blocks over the prompt's keys and its own (`layers.causal_blocks(64)`)."""
     from tbajax.models.layers import causal_blocks
 
     graphdef, params = _model_parts()
-    r = np.random.default_rng(6)
-    groups = []
-    for g in range(2):
-        prompt = r.integers(3, MODEL.vocab_size - 1, 20 + 5 * g).astype(np.int32)
-        groups.append([Trajectory(g, g, prompt, r.integers(3, MODEL.vocab_size - 1, n).astype(np.int32),
-                                  np.zeros(n, np.float32), 0.0) for n in (64, 40, 57)])
+    groups = _random_groups(6, (20, 25), (64, 40, 57))
     rows, strided = (collate(groups, beta=0.5, pack_microbatches=m, pack_strided=m is not None)
                      for m in (None, 1))
     assert strided.packed.response_real.shape == (2, 3, 64) and causal_blocks(64) == 2
@@ -897,12 +904,7 @@ def test_a_sliding_window_scores_alike_in_every_layout():
     does (which matches transformers, `test_models.py`); without the window the log-probs differ."""
     windowed = dataclasses.replace(MODEL, model_type="mistral", sliding_window=8)
     graphdef, params = numpy_model_parts(windowed)
-    r = np.random.default_rng(8)
-    groups = []
-    for g in range(2):
-        prompt = r.integers(3, MODEL.vocab_size - 1, 12 + 5 * g).astype(np.int32)
-        groups.append([Trajectory(g, g, prompt, r.integers(3, MODEL.vocab_size - 1, n).astype(np.int32),
-                                  np.zeros(n, np.float32), 0.0) for n in (20, 6, 13)])
+    groups = _random_groups(8, (12, 17), (20, 6, 13))
     rows, packed, strided = (collate(groups, beta=0.5, pack_microbatches=m, pack_strided=s)
                              for m, s in ((None, False), (1, False), (1, True)))
     score = jax.jit(sequence_logprobs, static_argnums=(0, 3), compiler_options=FAST_COMPILE)
@@ -925,12 +927,7 @@ def test_packed_logprobs_equal_the_row_layout_over_causal_blocks(blocks_from, mo
     monkeypatch.setattr(decoder, "PACKED_CAUSAL_BLOCKS_MIN", blocks_from)
 
     graphdef, params = _model_parts()
-    r = np.random.default_rng(5)
-    groups = []
-    for g in range(2):
-        prompt = r.integers(3, MODEL.vocab_size - 1, 40).astype(np.int32)
-        groups.append([Trajectory(g, g, prompt, r.integers(3, MODEL.vocab_size - 1, n).astype(np.int32),
-                                  np.zeros(n, np.float32), 0.0) for n in (20, 30, 25)])
+    groups = _random_groups(5, (40, 40), (20, 30, 25))
     rows, packed = (collate(groups, beta=0.5, pack_microbatches=m) for m in (None, 1))
     assert packed.packed.tokens.shape == (2, 128) and causal_blocks(128) == 4
     score = jax.jit(sequence_logprobs, static_argnums=(0, 3), compiler_options=FAST_COMPILE)
