@@ -91,6 +91,8 @@ TINY_FAMILIES: dict[str, dict[str, Any]] = {
     "mistral": dict(model_type="mistral", sliding_window=None, rope_theta=1e6),
     # each query sees itself and the 3 positions before it
     "mistral_window": dict(model_type="mistral", sliding_window=4, rope_theta=1e6),
+    # the window on the layers from max_window_layers on: the second
+    "qwen2_window": dict(model_type="qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=1),
     # a windowed layer (RoPE base 100) and a full one (base 1e4, linearly scaled); scores scaled by
     # 16 ** -0.5 rather than head_dim's
     "gemma3": dict(model_type="gemma3_text", head_dim=12, sliding_window=4, query_pre_attn_scalar=16,

@@ -31,7 +31,8 @@ from tbajax.models import (
 from tbajax.models import layers as L
 from tbajax.models.serving import ServingParams
 
-FAMILIES = ["llama", "llama_tied_rope3", "qwen2", "qwen2_tied", "qwen3", "mistral", "olmo2", "phi3", "gemma3"]
+FAMILIES = ["llama", "llama_tied_rope3", "qwen2", "qwen2_tied", "qwen3", "mistral", "olmo2", "phi3", "gemma3",
+            "qwen2_window"]
 
 
 def _batch(seed: int = 0, b: int = 4, t: int = 11, vocab: int = 101):
@@ -95,6 +96,13 @@ def test_a_sliding_window_is_read_where_it_changes_attention(tiny_checkpoint):
     assert ModelConfig.from_hf({**hf, "sliding_window": 64}).sliding_window == 64
     with pytest.raises(UnsupportedModelError, match="sliding_window is read and written for"):
         dataclasses.replace(ModelConfig.from_hf({**hf, "model_type": "llama"}), sliding_window=8)
+    # Qwen2 (a transformers v4 config.json): the window on the layers from max_window_layers on
+    qwen = {**hf, "model_type": "qwen2", "num_hidden_layers": 3, "sliding_window": 8, "max_window_layers": 1}
+    assert ModelConfig.from_hf(qwen).sliding_window is None  # use_sliding_window unset
+    windowed = ModelConfig.from_hf({**qwen, "use_sliding_window": True})
+    assert windowed.sliding_window == 8
+    assert windowed.layer_types == ("full_attention", "sliding_attention", "sliding_attention")
+    assert ModelConfig.from_hf(windowed.to_hf()) == windowed
 
 
 def test_phi3_variants_it_cannot_compute_exactly_are_refused(tiny_checkpoint):
@@ -196,7 +204,8 @@ def test_bf16_compute_and_remat(tiny_checkpoint):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2_tied", "qwen3", "mistral", "olmo2", "phi3", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2_tied", "qwen3", "mistral", "olmo2", "phi3", "gemma3",
+                                    "qwen2_window"])
 def test_export_round_trip_loads_in_torch(tiny_checkpoint, tmp_path, family):
     directory = tiny_checkpoint(family)
     model = load_model(directory)
@@ -257,7 +266,6 @@ def _edit_config(directory: Path, **changes) -> None:
     [
         ({"model_type": "mamba"}, "model_type='mamba'"),
         ({"model_type": "gemma3"}, "the multimodal Gemma 3.*are gemma3_text"),
-        ({"use_sliding_window": True}, "use_sliding_window=true"),
         ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "'yarn'"),
         ({"hidden_act": "gelu"}, "hidden_act"),
     ],

@@ -18,6 +18,7 @@ import numpy as np
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3", "gemma3_text", "gpt_neox",
                          "gpt2")
 LAYER_TYPES = ("full_attention", "sliding_attention")
+WINDOWED_MODEL_TYPES = ("mistral", "phi3", "gemma3_text", "qwen2", "qwen3")  # with a sliding_window
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn")
@@ -157,8 +158,6 @@ class ModelConfig:
                 f"{self.head_dim}; it must be in (0, 1] and give an even number of dims"
             )
         if self.sliding_window is not None:
-            from tbajax.models.locate import WINDOWED_MODEL_TYPES
-
             if isinstance(self.sliding_window, bool) or self.sliding_window < 1:
                 raise ValueError(f"sliding_window={self.sliding_window!r} must be a number of positions >= 1 "
                                  "or None")

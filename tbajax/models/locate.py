@@ -1,12 +1,10 @@
 """Where a checkpoint lives: a local Hugging Face directory or a hub id fetched once into the
-hub cache, and what of its config.json limits a run (`sliding_window_in_force`). Free of jax, so
-the launcher can check a run's checkpoint before any role starts."""
+hub cache. Free of jax, so the launcher can check a run's checkpoint before any role starts."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 from tbajax.models.safetensors_io import CheckpointError
 
@@ -53,18 +51,3 @@ def resolve_checkpoint(source: str | os.PathLike[str]) -> Path:
             f"could not fetch hub model {source!r}: {type(e).__name__}: {e}. Download it on a machine "
             "with network access (huggingface-cli download) and pass the local directory instead."
         ) from None
-
-
-# whose config.json sliding_window tbajax reads and writes
-WINDOWED_MODEL_TYPES = ("mistral", "phi3", "gemma3_text")
-
-
-def sliding_window_in_force(hf: dict[str, Any]) -> int | None:
-    """A Mistral / Phi-3 / Gemma 3 config's sliding window where it changes attention: shorter
-    than the context (these have no switch to turn it off, unlike Qwen2's use_sliding_window)."""
-    window = hf.get("sliding_window")
-    if hf.get("model_type") not in WINDOWED_MODEL_TYPES or window is None:
-        return None
-    if int(window) >= int(hf.get("max_position_embeddings", 0)):
-        return None
-    return int(window)

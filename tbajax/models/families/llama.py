@@ -1,5 +1,6 @@
 """Llama (2, 3.x), Mistral (with its sliding window: `ModelConfig.sliding_window`), Qwen2/2.5 (q/k/v
-bias) and Qwen3 (q/k RMSNorm): pre-norm RMSNorm blocks, full RoPE, grouped-query attention, SwiGLU
+bias; use_sliding_window windows its later layers) and Qwen3 (q/k RMSNorm): pre-norm RMSNorm
+blocks, full RoPE, grouped-query attention, SwiGLU
 MLP, optionally tied embeddings."""
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import numpy as np
 from tbajax.models import layers as L
 from tbajax.models.config import ModelConfig, UnsupportedModelError, _parse_rope, rope_inv_freq
 from tbajax.models.families import Family, Mapping, ParamSpec, same, transposed
-from tbajax.models.locate import sliding_window_in_force
 from tbajax.sharding import constrain
 
 Array = jax.Array
@@ -31,16 +31,7 @@ def parse_hf(hf: dict[str, Any]) -> dict[str, Any]:
         raise UnsupportedModelError(f"hidden_act={act!r} is not supported for {model_type} (only 'silu')")
     if hf.get("mlp_bias"):
         raise UnsupportedModelError("mlp_bias=true is not supported")
-    if hf.get("use_sliding_window"):
-        raise UnsupportedModelError(
-            "use_sliding_window=true (Qwen2's window on the layers from max_window_layers on) is not "
-            "supported (set use_sliding_window=false only if every sequence fits the window)"
-        )
-    layer_types = hf.get("layer_types")
-    if layer_types and any(t != "full_attention" for t in layer_types):
-        raise UnsupportedModelError(
-            f"layer_types {sorted(set(layer_types))} are not supported (only full_attention)"
-        )
+    window, layer_types = _windows(hf)
     theta, scaling = _parse_rope(hf)
     num_heads = int(hf["num_attention_heads"])
     head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
@@ -65,8 +56,36 @@ def parse_hf(hf: dict[str, Any]) -> dict[str, Any]:
         o_bias=o_bias,
         qk_norm=model_type == "qwen3",
         max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-        sliding_window=sliding_window_in_force(hf),
+        sliding_window=window,
+        layer_types=layer_types,
     )
+
+
+def _windows(hf: dict[str, Any]) -> tuple[int | None, tuple[str, ...] | None]:
+    """(sliding_window, layer_types) where a window changes attention. Mistral and Phi-3 have no
+    switch: a window shorter than the context is in force on every layer. Qwen2 / Qwen3 window
+    the layers from max_window_layers on when use_sliding_window is set (transformers v5 writes
+    them out as layer_types)."""
+    model_type, window = hf["model_type"], hf.get("sliding_window")
+    layer_types = hf.get("layer_types")
+    if model_type in ("qwen2", "qwen3"):
+        if not hf.get("use_sliding_window") or window is None:
+            return None, None
+        if not layer_types:
+            first = int(hf.get("max_window_layers", 0))
+            layer_types = ["sliding_attention" if i >= first else "full_attention"
+                           for i in range(int(hf["num_hidden_layers"]))]
+        if "sliding_attention" not in layer_types:
+            return None, None
+        return int(window), tuple(layer_types)
+    if layer_types and any(t != "full_attention" for t in layer_types):
+        raise UnsupportedModelError(
+            f"layer_types {sorted(set(layer_types))} are not supported for {model_type} (only full_attention)"
+        )
+    context = int(hf.get("max_position_embeddings", 0))
+    if model_type in ("mistral", "phi3") and window is not None and int(window) < context:
+        return int(window), None
+    return None, None
 
 
 def to_hf(cfg: ModelConfig) -> dict[str, Any]:
@@ -90,9 +109,13 @@ def to_hf(cfg: ModelConfig) -> dict[str, Any]:
     if cfg.model_type == "llama":
         out["mlp_bias"] = False
     if cfg.model_type in ("qwen2", "qwen3"):
-        out["use_sliding_window"] = False
-        out["sliding_window"] = None
-        out["max_window_layers"] = cfg.num_layers
+        sliding = [i for i, t in enumerate(cfg.layer_types or ()) if t == "sliding_attention"]
+        out["use_sliding_window"] = bool(sliding)
+        out["sliding_window"] = cfg.sliding_window if sliding else None
+        # transformers v4 windows the layers from max_window_layers on; v5 reads layer_types
+        out["max_window_layers"] = sliding[0] if sliding else cfg.num_layers
+        if sliding:
+            out["layer_types"] = list(cfg.layer_types or ())
     if cfg.model_type == "mistral":
         out["sliding_window"] = cfg.sliding_window
     return out
