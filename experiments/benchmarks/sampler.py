@@ -73,6 +73,12 @@ SIZES: dict[str, dict[str, int]] = {
     "smollm2-135M": {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
                      "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152,
                      "tie_word_embeddings": True},
+    # the 10M's shapes as Gemma 3 (norms around each sublayer, GeGLU, tied embeddings), five of six
+    # layers windowed to 128 positions: a 64 + 128 token sample outgrows the window
+    "gemma3-10M": {"model_type": "gemma3_text", "hidden_size": 256, "intermediate_size": 704,
+                   "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+                   "query_pre_attn_scalar": 64, "sliding_window": 128, "vocab_size": 8192,
+                   "tie_word_embeddings": True},
     # Pythia-410M's shapes (GPT-NeoX: fused q/k/v, GELU MLP, partial rotary, parallel residual)
     "pythia-410M": {"model_type": "gpt_neox", "hidden_size": 1024, "intermediate_size": 4096,
                     "num_hidden_layers": 24, "num_attention_heads": 16, "vocab_size": 50304,
@@ -167,9 +173,10 @@ def flops_per_token(cfg: ModelConfig, context: float) -> float:
     """Matmul FLOPs to generate one token: 2 x (layer weights + lm_head) + attention over `context`."""
     d, f, l = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    mlp = (3 if cfg.model_type in ("llama", "qwen2", "qwen3") else 2) * d * f  # gated or not
+    mlp = (2 if cfg.model_type in ("gpt_neox", "gpt2") else 3) * d * f  # gated or not
     weights = l * (d * (q + 2 * kv) + q * d + mlp) + d * cfg.vocab_size
-    attention = l * 2 * q * context  # scores + weighted sum
+    kinds, kind_of = cfg.layer_kinds()  # a windowed layer attends to at most its window
+    attention = sum(2 * q * min(context, kinds[k].sliding_window or context) for k in kind_of)
     return 2 * (weights + attention)
 
 
@@ -179,12 +186,12 @@ def decode_matmul_chain(model: Any, batch: int) -> Callable[[], None]:
     each reads the last one's output, on [batch, hidden] rows. The weights total more than the
     CPU's caches, so each product reads its weights from memory as it does in a real step."""
     cfg = model.config
-    if model.family.name not in ("llama", "gpt_neox"):
-        raise ValueError("the matmul bound follows the Llama and GPT-NeoX decode layouts")
+    if model.family.name not in ("llama", "gemma3", "gpt_neox"):
+        raise ValueError("the matmul bound follows the Llama (and Gemma 3) and GPT-NeoX decode layouts")
     params = nnx.jit(ServingParams.of)(model)
     layers, head = params.layers, params.head_matrix(cfg)
     q, d, f = cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
-    up = "gate_up_proj" if model.family.name == "llama" else "up_proj"
+    up = "up_proj" if model.family.name == "gpt_neox" else "gate_up_proj"
 
     @jax.jit
     def chain(x: jax.Array, layers: Any, head: jax.Array) -> jax.Array:
@@ -485,7 +492,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help="10M only, batch 32, short sequences (< 1 min)")
     ap.add_argument("--json", type=Path, help="write the figures here")
     ap.add_argument("--models", nargs="+",
-                    help="subset of 10M 50M smollm2 smollm2-135M 0.5B pythia-410M (default: 10M 50M smollm2)")
+                    help="subset of 10M 50M smollm2 smollm2-135M 0.5B pythia-410M gemma3-10M "
+                         "(default: 10M 50M smollm2)")
     ap.add_argument("--batch", type=int, nargs="+", help="batch sizes (default 32 128; --quick: 32)")
     ap.add_argument("--prompt-len", type=int, help="prompt tokens (default 64; --quick: 16)")
     ap.add_argument("--new-tokens", type=int, help="generated tokens (default 128; --quick: 32)")
