@@ -1,7 +1,6 @@
 """Llama (2, 3.x), Mistral (with its sliding window: `ModelConfig.sliding_window`), Qwen2/2.5 (q/k/v
 bias; use_sliding_window windows its later layers) and Qwen3 (q/k RMSNorm): pre-norm RMSNorm
-blocks, full RoPE, grouped-query attention, SwiGLU
-MLP, optionally tied embeddings."""
+blocks, full RoPE, grouped-query attention, SwiGLU MLP, optionally tied embeddings."""
 
 from __future__ import annotations
 
