@@ -151,12 +151,21 @@ def wandb_history(run_dir: Path, run_id: str) -> list[dict[str, Any]]:
     (":W&B", 2 magic bytes, a version byte) and then LevelDB's log format: 32 KiB blocks of records
     (CRC, length, type: full / first / middle / last) that each hold a `Record` protobuf."""
     import json
+    import re
     import struct
 
     from wandb.proto import wandb_internal_pb2
 
+    # a session's directory is offline-run-<second it started>-<run id>, with "-1", "-2", ... after
+    # it for a later session that started within the same second
+    session = re.compile(rf"offline-run-(\d{{8}}_\d{{6}})-{re.escape(run_id)}(?:-(\d+))?")
+    sessions = []
+    for directory in (Path(run_dir) / "wandb").glob("offline-run-*"):
+        m = session.fullmatch(directory.name)
+        if m and (directory / f"run-{run_id}.wandb").is_file():
+            sessions.append((m.group(1), int(m.group(2) or 0), directory / f"run-{run_id}.wandb"))
     rows: list[dict[str, Any]] = []
-    for path in sorted((Path(run_dir) / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb")):
+    for *_, path in sorted(sessions):
         blob, pos, pending, chunks = path.read_bytes(), 7, b"", []
         assert blob[:4] == b":W&B", path
         while pos + 7 <= len(blob):
