@@ -105,6 +105,40 @@ def test_a_sliding_window_is_read_where_it_changes_attention(tiny_checkpoint):
     assert ModelConfig.from_hf(windowed.to_hf()) == windowed
 
 
+# google/gemma-3-1b-it's config.json as published (transformers 4.50 layout: no layer_types, the
+# local RoPE base beside the global one)
+GEMMA3_1B = {
+    "architectures": ["Gemma3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "attn_logit_softcapping": None, "bos_token_id": 2, "cache_implementation": "hybrid",
+    "eos_token_id": [1, 106], "final_logit_softcapping": None, "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 1152, "initializer_range": 0.02,
+    "intermediate_size": 6912, "max_position_embeddings": 32768, "model_type": "gemma3_text",
+    "num_attention_heads": 4, "num_hidden_layers": 26, "num_key_value_heads": 1, "pad_token_id": 0,
+    "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000, "rope_scaling": None,
+    "rope_theta": 1000000, "sliding_window": 512, "sliding_window_pattern": 6, "torch_dtype": "bfloat16",
+    "transformers_version": "4.50.0.dev0", "use_cache": True, "vocab_size": 262144,
+}
+
+
+def test_the_published_gemma3_1b_config_reads_as_transformers_reads_it():
+    """No weights (no network here): the layer kinds, RoPE and size transformers builds from the
+    real config.json, and from the one we write back."""
+    from transformers import AutoConfig
+
+    cfg = ModelConfig.from_hf(GEMMA3_1B)
+    ignored = ("architectures", "transformers_version", "torch_dtype")
+    theirs = AutoConfig.for_model(**{k: v for k, v in GEMMA3_1B.items() if k not in ignored})
+    with torch.device("meta"):
+        size = sum(p.numel() for p in AutoModelForCausalLM.from_config(theirs).parameters())
+    assert cfg.num_params() == size == 999_885_952
+    assert list(cfg.layer_types) == theirs.layer_types and cfg.layer_types.count("full_attention") == 4
+    assert (cfg.rope_theta, cfg.local_rope_theta, cfg.sliding_window) == (1e6, 1e4, 512)
+    assert cfg.eos_token_ids == (1, 106)
+    ours = AutoConfig.for_model(**{k: v for k, v in cfg.to_hf().items() if k != "architectures"})
+    assert (ours.layer_types, ours.rope_parameters, ours.query_pre_attn_scalar, ours.sliding_window) == (
+        theirs.layer_types, theirs.rope_parameters, 256, 512)
+
+
 def test_phi3_variants_it_cannot_compute_exactly_are_refused(tiny_checkpoint):
     """Phi-3.5 / Phi-4-mini's longrope."""
     hf = json.loads((tiny_checkpoint("phi3") / "config.json").read_text())
