@@ -62,11 +62,11 @@ def sampler_lowered_for(platforms: tuple[str, ...] | None, model: Any, lowered: 
 
 @pytest.fixture(scope="module")
 def checkpoint(tiny_checkpoint, tmp_path_factory):
-    """checkpoint(name): the tiny Llama of `tiny_checkpoint`, or a tiny GPT-NeoX with partial
-    rotary, biases and a parallel residual (`test_model_families.DECODERS`)."""
+    """checkpoint(name): the tiny Llama or Gemma 3 of `tiny_checkpoint`, or a tiny GPT-NeoX with
+    partial rotary, biases and a parallel residual (`test_model_families.DECODERS`)."""
     def get(name: str) -> Any:
-        if name == "llama":
-            return tiny_checkpoint("llama")
+        if name in ("llama", "gemma3"):
+            return tiny_checkpoint(name)
         model_type, overrides = DECODERS[name]
         return _build(tmp_path_factory.mktemp(name), model_type, overrides, classifier=False)
 
@@ -142,12 +142,13 @@ def test_programs_on_a_mesh_lowered_for_cuda_match_one_cpu_device(tiny_checkpoin
     np.testing.assert_allclose(got_sample.logprobs, want_sample.logprobs, atol=1e-5)
 
 
-@pytest.mark.parametrize("family", ["llama", "neox_parallel"])
+@pytest.mark.parametrize("family", ["llama", "neox_parallel", "gemma3"])
 def test_sampler_and_continuous_engine_lowered_for_cuda_sample_what_the_cpu_programs_sample(
         checkpoint, family):
     """Static sampling (top-k + top-p, K samples sharing each prompt's cache, stops) and, for the
     Llama, the continuous engine over the same keys: the same tokens and log-probs as on CPU. The
-    decode products take x w^T rather than the CPU's weight-first w x^T (`layers.out_major_product`)."""
+    decode products take x w^T rather than the CPU's weight-first w x^T (`layers.out_major_product`).
+    Gemma 3: a windowed layer (4 positions, shorter than the prompts) and a full one."""
     model = load_model(checkpoint(family))
     key = jax.random.key(11)
     on_cpu: list[str] = []
