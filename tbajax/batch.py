@@ -23,7 +23,7 @@ import numpy as np
 
 from tbajax import op_scopes as S
 from tbajax.models.config import check_head_chunk
-from tbajax.models.layers import unfused_transpose
+from tbajax.models.layers import soft_capped, unfused_transpose
 from tbajax.op_scopes import scoped
 from tbajax.sharding import along_rows, batch_shards, constrain
 
@@ -165,11 +165,11 @@ tempered_logprobs.defvjp(_tempered_fwd, _tempered_bwd)
 
 
 def hidden_token_logprobs(hidden: Array, head: Array, tokens: Array, temperature: float = 1.0,
-                          chunk: HeadChunk = "auto") -> Array:
+                          chunk: HeadChunk = "auto", softcap: float | None = None) -> Array:
     """`token_logprobs` of `hidden @ head` ([B, T, D] hidden, [D, V] head) without going through
     autodiff of the vocabulary projection: `head_logprobs` computes the [B, T, V] logit gradient
     once and feeds both weight-gradient matmuls from it."""
-    return _aligned(head_logprobs(hidden, head, _next_tokens(tokens), jnp.float32(temperature), chunk))
+    return _aligned(head_logprobs(hidden, head, _next_tokens(tokens), jnp.float32(temperature), chunk, softcap))
 
 
 # `head_logprobs(chunk=...)`: tokens per chunk of the vocabulary projection, "auto" (as many as
@@ -194,9 +194,10 @@ def head_chunk_steps(chunk: HeadChunk, hidden_shape: tuple[int, ...], vocab: int
 
 
 def head_logprobs(hidden: Array, head: Array, targets: Array, temperature: Array,
-                  chunk: HeadChunk = "auto") -> Array:
+                  chunk: HeadChunk = "auto", softcap: float | None = None) -> Array:
     """tempered_logprobs(hidden @ head): [..., L, D] hidden, [D, V] head (the compute dtype; logits
-    in f32), [..., L] targets -> [..., L] f32.
+    in f32), [..., L] targets -> [..., L] f32. softcap: the logits soft-capped before the
+    temperature (`layers.soft_capped`; Gemma 2's `final_logit_softcapping`), as the model's are.
 
     With more tokens on a device than `chunk` (a batch-sharded mesh splits the rows over its
     devices), the projection runs a chunk of the length axis at a time (every row in each chunk,
@@ -209,50 +210,75 @@ def head_logprobs(hidden: Array, head: Array, targets: Array, temperature: Array
     rows = math.prod(lead)
     steps = head_chunk_steps(chunk, hidden.shape, head.shape[-1], batch_shards(rows))
     if steps == 1:
-        return _whole_head_logprobs(hidden, head, targets, temperature)
-    out = _chunked_head_logprobs(steps, hidden.reshape(rows, length, width), head,
+        return _whole_head_logprobs(softcap, hidden, head, targets, temperature)
+    out = _chunked_head_logprobs(steps, softcap, hidden.reshape(rows, length, width), head,
                                  targets.reshape(rows, length), temperature)
     return out.reshape(*lead, length)
 
 
-@jax.custom_vjp
-def _whole_head_logprobs(hidden: Array, head: Array, targets: Array, temperature: Array) -> Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _whole_head_logprobs(softcap: float | None, hidden: Array, head: Array, targets: Array,
+                         temperature: Array) -> Array:
     """`head_logprobs` all at once.
 
     XLA CPU differentiates the projection by computing the [rows, V] logit gradient twice, once
     row-major for d hidden and once transposed for d head (each as slow as the matmul it feeds);
     here it is computed once and both products read it as laid out. The temperature divides the
     hidden states before the product, not the [rows, V] logits after it: (h / T) @ W is
-    logits / T without a vocab-sized pass over them.
+    logits / T without a vocab-sized pass over them (soft-capped logits are capped first, and
+    divided by T after: `_head_input`).
     """
-    return _head_forward(hidden, head, targets, temperature)[0]
+    return _head_forward(softcap, hidden, head, targets, temperature)[0]
 
 
 _UNIT_TEMPERATURE = np.float32(1.0)
 
 
-def _head_forward(hidden: Array, head: Array, targets: Array, temperature: Array):
-    """(log-probs, (hidden / T, the tempered logits z = (hidden / T) @ head, log-normaliser))."""
-    scaled = (hidden.astype(jnp.float32) / temperature).astype(hidden.dtype)
+def _head_input(hidden: Array, temperature: Array, softcap: float | None) -> Array:
+    """What the vocabulary product reads: h / T, whose product is the tempered logits, or h itself
+    for soft-capped logits (the cap comes before the temperature, `_tempered_logits`)."""
+    if softcap is None:
+        return (hidden.astype(jnp.float32) / temperature).astype(hidden.dtype)
+    return hidden
+
+
+def _tempered_logits(product: Array, temperature: Array, softcap: float | None) -> Array:
+    """The tempered logits z from the vocabulary product of `_head_input`."""
+    return product if softcap is None else soft_capped(product, softcap) / temperature
+
+
+def _product_grad(dz: Array, z: Array, temperature: Array, softcap: float | None) -> tuple[Array, Array]:
+    """(d product, what d product @ W^T is divided by for d hidden) from dz = d z: with
+    z = (h / T) @ W, (dz, T); with z = cap tanh((h @ W) / cap) / T, (dz (1 - (z T / cap)^2) / T, 1)."""
+    if softcap is None:
+        return dz, temperature
+    return dz * (1.0 - jnp.square(z * (temperature / softcap))) / temperature, jnp.float32(1.0)
+
+
+def _head_forward(softcap: float | None, hidden: Array, head: Array, targets: Array, temperature: Array):
+    """(log-probs, (the product's input, the tempered logits z, log-normaliser))."""
+    scaled = _head_input(hidden, temperature, softcap)
     with jax.named_scope(S.LM_HEAD):
         z = _vocab_sharded(jnp.einsum("...d,dv->...v", scaled, head, preferred_element_type=jnp.float32))
+    z = _tempered_logits(z, temperature, softcap)
     out, logz = _tempered_forward(z, targets, _UNIT_TEMPERATURE)
     return out, (scaled, z, logz)
 
 
-def _head_fwd(hidden: Array, head: Array, targets: Array, temperature: Array):
-    out, (scaled, z, logz) = _head_forward(hidden, head, targets, temperature)
+def _head_fwd(softcap: float | None, hidden: Array, head: Array, targets: Array, temperature: Array):
+    out, (scaled, z, logz) = _head_forward(softcap, hidden, head, targets, temperature)
     return out, (scaled, head, targets, temperature, z, logz)
 
 
-def _head_bwd(residuals, g: Array):
+def _head_bwd(softcap: float | None, residuals, g: Array):
     """With z = (h / T) @ W: dz = g * (onehot - softmax(z)), d h = (dz @ W^T) / T, d W = (h / T)^T dz,
-    and d T = -sum(dz * z) / T (h / T and so z move with T)."""
+    and d T = -sum(dz * z) / T (h / T and so z move with T); soft-capped, `_product_grad`."""
     scaled, head, targets, temperature, z, logz = residuals
     dz, dtemp_unit = _cotangents(z, targets, _UNIT_TEMPERATURE, logz, g)
+    dz, divisor = _product_grad(dz, z, temperature, softcap)
     dz = _vocab_sharded(dz.astype(scaled.dtype))
     with jax.named_scope(S.LM_HEAD):
-        dhidden = jnp.einsum("...v,dv->...d", dz, head, preferred_element_type=jnp.float32) / temperature
+        dhidden = jnp.einsum("...v,dv->...d", dz, head, preferred_element_type=jnp.float32) / divisor
         flat_h = scaled.reshape(-1, scaled.shape[-1])
         flat_dz = dz.reshape(-1, dz.shape[-1])
         # (h / T)^T transposed first (the small operand): as "nv,nd->vd" then .T, XLA:CPU ran the
@@ -281,21 +307,22 @@ def _chunk_logits(scaled: Array, head: Array) -> Array:
         return _vocab_sharded(jnp.einsum("...d,dv->...v", scaled, head, preferred_element_type=jnp.float32))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _chunked_head_logprobs(steps: int, hidden: Array, head: Array, targets: Array,
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _chunked_head_logprobs(steps: int, softcap: float | None, hidden: Array, head: Array, targets: Array,
                            temperature: Array) -> Array:
     """`head_logprobs` over [rows, L, D] hidden states in `steps` chunks of the length axis."""
-    return _chunked_forward(steps, hidden, head, targets, temperature)[0]
+    return _chunked_forward(steps, softcap, hidden, head, targets, temperature)[0]
 
 
-def _chunked_forward(steps: int, hidden: Array, head: Array, targets: Array, temperature: Array):
-    """(log-probs [rows, L], (hidden / T padded to the chunks, the log-normalisers [rows, L']))."""
+def _chunked_forward(steps: int, softcap: float | None, hidden: Array, head: Array, targets: Array,
+                     temperature: Array):
+    """(log-probs [rows, L], (the product's input padded to the chunks, the log-normalisers [rows, L']))."""
     length = hidden.shape[1]
-    scaled, per_step = _in_steps((hidden.astype(jnp.float32) / temperature).astype(hidden.dtype), steps)
+    scaled, per_step = _in_steps(_head_input(hidden, temperature, softcap), steps)
     padded_targets = _in_steps(targets, steps)[0]
 
     def one(j: Array) -> tuple[Array, Array]:
-        z = _chunk_logits(_chunk(scaled, j, per_step), head)
+        z = _tempered_logits(_chunk_logits(_chunk(scaled, j, per_step), head), temperature, softcap)
         return _tempered_forward(z, _chunk(padded_targets, j, per_step), _UNIT_TEMPERATURE)
 
     out, logz = jax.lax.map(one, jnp.arange(steps))  # [steps, rows, per_step]
@@ -303,13 +330,14 @@ def _chunked_forward(steps: int, hidden: Array, head: Array, targets: Array, tem
     return joined(out)[:, :length], (scaled, joined(logz))
 
 
-def _chunked_fwd(steps: int, hidden: Array, head: Array, targets: Array, temperature: Array):
-    out, (scaled, logz) = _chunked_forward(steps, hidden, head, targets, temperature)
+def _chunked_fwd(steps: int, softcap: float | None, hidden: Array, head: Array, targets: Array,
+                 temperature: Array):
+    out, (scaled, logz) = _chunked_forward(steps, softcap, hidden, head, targets, temperature)
     return out, (scaled, head, targets, temperature, logz)
 
 
-def _chunked_bwd(steps: int, residuals, g: Array):
-    """`_head_bwd` a chunk at a time, each chunk's logits computed again from the saved h / T."""
+def _chunked_bwd(steps: int, softcap: float | None, residuals, g: Array):
+    """`_head_bwd` a chunk at a time, each chunk's logits computed again from the saved product input."""
     scaled, head, targets, temperature, logz = residuals
     length, per_step = targets.shape[1], scaled.shape[1] // steps
     padded_targets, padded_g = _in_steps(targets, steps)[0], _in_steps(g, steps)[0]  # g = 0 on the pad
@@ -317,12 +345,13 @@ def _chunked_bwd(steps: int, residuals, g: Array):
     def one(j: Array, carry: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
         dhidden, dhead, dtemp = carry
         h = _chunk(scaled, j, per_step)
-        z = _chunk_logits(h, head)
+        z = _tempered_logits(_chunk_logits(h, head), temperature, softcap)
         dz, dtemp_unit = _cotangents(z, _chunk(padded_targets, j, per_step), _UNIT_TEMPERATURE,
                                      _chunk(logz, j, per_step), _chunk(padded_g, j, per_step))
+        dz, divisor = _product_grad(dz, z, temperature, softcap)
         dz = _vocab_sharded(dz.astype(h.dtype))
         with jax.named_scope(S.LM_HEAD):
-            dh = jnp.einsum("...v,dv->...d", dz, head, preferred_element_type=jnp.float32) / temperature
+            dh = jnp.einsum("...v,dv->...d", dz, head, preferred_element_type=jnp.float32) / divisor
             dhead = dhead + jnp.einsum("dn,nv->dv", unfused_transpose(h.reshape(-1, h.shape[-1])),
                                        dz.reshape(-1, dz.shape[-1]), preferred_element_type=jnp.float32)
         dhidden = jax.lax.dynamic_update_slice_in_dim(dhidden, dh.astype(dhidden.dtype), j * per_step, axis=1)
@@ -348,23 +377,24 @@ def _int_zeros(x: Array) -> Array:
 
 
 def window_logprobs(hidden: Array, head: Array, tokens: Array, slots: Array, temperature: Array,
-                    chunk: HeadChunk = "auto") -> Array:
+                    chunk: HeadChunk = "auto", softcap: float | None = None) -> Array:
     """[B, S] log-probs of tokens[b, slots[b, j]] from hidden states [B, T, D] of `tokens`
     (slots >= 1): the states that predict them (slots - 1) are gathered first, so the vocabulary
     projection, its [B, S, V] logits and their gradient (`head_logprobs`) cover the window only."""
     temperature = jnp.asarray(temperature, jnp.float32)
-    return head_logprobs(along_rows(hidden, slots - 1), head, along_rows(tokens, slots), temperature, chunk)
+    return head_logprobs(along_rows(hidden, slots - 1), head, along_rows(tokens, slots), temperature, chunk,
+                         softcap)
 
 
 def windowed_hidden_logprobs(hidden: Array, head: Array, batch: Batch, temperature: float = 1.0,
-                             chunk: HeadChunk = "auto") -> Array:
+                             chunk: HeadChunk = "auto", softcap: float | None = None) -> Array:
     """`hidden_token_logprobs` over each row's scored window only (`batch.scored`): hidden states
     [B, T, D] of `batch.tokens`, result [B, T], filled on `loss_mask` only (0 elsewhere).
 
     The states that predict the window's tokens (slots - 1) are gathered first, so the vocabulary
     projection, its [B, S, V] logits and their gradient cover the window, not the prompt."""
     slots, tokens = jnp.asarray(batch.scored), jnp.asarray(batch.tokens)
-    picked = window_logprobs(hidden, head, tokens, slots, temperature, chunk)
+    picked = window_logprobs(hidden, head, tokens, slots, temperature, chunk, softcap)
     offset = jnp.arange(tokens.shape[1])[None, :] - slots[:, :1]  # slot t -> window entry t - first
     inside = (offset >= 0) & (offset < slots.shape[1])
     aligned = jnp.take_along_axis(picked, jnp.clip(offset, 0, slots.shape[1] - 1), axis=1)
@@ -372,7 +402,7 @@ def windowed_hidden_logprobs(hidden: Array, head: Array, batch: Batch, temperatu
 
 
 def packed_hidden_logprobs(hidden: Array, head: Array, batch: Batch, temperature: float = 1.0,
-                           chunk: HeadChunk = "auto") -> Array:
+                           chunk: HeadChunk = "auto", softcap: float | None = None) -> Array:
     """`hidden_token_logprobs` for a batch scored through its packed rows: hidden states [G, L, D]
     of `batch.packed.tokens`, result [B, T] in the row layout, filled on `loss_mask` only (0
     elsewhere: prompt tokens are not scored in a packed row).
@@ -384,7 +414,7 @@ def packed_hidden_logprobs(hidden: Array, head: Array, batch: Batch, temperature
     pk = batch.packed
     predicting = along_rows(hidden, pk.previous)  # [G, S, D]
     targets = along_rows(pk.tokens, pk.scored)
-    flat = head_logprobs(predicting, head, targets, jnp.float32(temperature), chunk).reshape(-1)
+    flat = head_logprobs(predicting, head, targets, jnp.float32(temperature), chunk, softcap).reshape(-1)
     return jnp.where(batch.loss_mask, flat[pk.source], 0.0)
 
 

@@ -99,6 +99,10 @@ TINY_FAMILIES: dict[str, dict[str, Any]] = {
                    layer_types=["sliding_attention", "full_attention"],
                    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
                                     "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}),
+    # Gemma 3's layer kinds with one RoPE base, no q/k norms, and soft-capping: caps this low squash
+    # the tiny model's scores and logits (of up to ~1.3) visibly
+    "gemma2": dict(model_type="gemma2", head_dim=12, sliding_window=4, query_pre_attn_scalar=16,
+                   attn_logit_softcapping=0.5, final_logit_softcapping=1.0),
     "olmo2": dict(model_type="olmo2", rms_norm_eps=1e-6),
     # fused q/k/v and gate/up weights; 6 of each head's 12 dims rotate
     "phi3": dict(model_type="phi3", partial_rotary_factor=0.5, pad_token_id=0),

@@ -141,14 +141,15 @@ def test_ring_tiers_match_static(llama, shared, seed):
     assert [t.slots for t in engine._cache.tiers] == [n for _, n in tiers]
 
 
-@pytest.mark.parametrize("family", ["mistral_window", "gemma3"])
+@pytest.mark.parametrize("family", ["mistral_window", "gemma2", "gemma3"])
 def test_a_sliding_window_samples_alike_in_every_engine(tiny_checkpoint, family):
     """A model whose window (4 positions) is far shorter than its prompts + responses (up to 14 +
     12): the static sampler's linear cache and the continuous engine's rings, tiered or not,
     window by ring distance, and a shared prompt part (the static sampler's, the engine's pool,
     on one device and over 2 batch shards, tiered) by each row's position: every engine gives the same
     tokens and log-probs, which are the teacher-forced forward's (windowed by position, as
-    transformers). Gemma 3: a windowed layer and a full one."""
+    transformers). Gemma 2 and 3: a windowed layer and a full one; Gemma 2 soft-caps its scores
+    and logits in every engine's attention and head."""
     model = load_model(tiny_checkpoint(family))
     r = np.random.default_rng(4)
     k = 2
@@ -165,7 +166,7 @@ def test_a_sliding_window_samples_alike_in_every_engine(tiny_checkpoint, family)
     mesh = make_mesh(MeshConfig(data=2), devices=jax.devices()[:2])
     sharded = Sampler(load_model(tiny_checkpoint(family), mesh=mesh), mesh=mesh, max_cache_length=32)
     # the engines split between the two models (each run compiles its own programs)
-    engines = [(copied, False, ((2, 20), (4, 24), (2, 32))) if family == "gemma3" else (copied, True, None),
+    engines = [(copied, False, ((2, 20), (4, 24), (2, 32))) if family != "mistral_window" else (copied, True, None),
                (sharded, True, ((4, 4), (2, 8), (2, 12)))]
     for sampler, shared, tiers in engines:
         engine, groups = _run_engine(sampler, cfg, key, prompts, slots=8, chunk=3, share_prompt_cache=shared,

@@ -61,6 +61,10 @@ CLASSIFIERS = {
     "gemma3": ("gemma3_text", dict(hidden_size=48, intermediate_size=64, num_attention_heads=4,
                                    num_key_value_heads=2, head_dim=12, sliding_window=3, num_labels=1,
                                    layer_types=["full_attention", "sliding_attention"])),
+    # the scores soft-capped, the score head not (only the LM head's logits are)
+    "gemma2": ("gemma2", dict(hidden_size=48, intermediate_size=64, num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=12, sliding_window=3, num_labels=1,
+                              attn_logit_softcapping=0.5, final_logit_softcapping=0.1)),
 }
 
 
@@ -512,8 +516,8 @@ def test_hand_built_config_exports_and_is_checked(tmp_path):
 
 
 # SwiGLU + tied head; GELU + untied; OLMo 2's norms over whole projections and after each sublayer;
-# Phi-3's fused projections and partial rotary
-@pytest.mark.parametrize("name", ["qwen2_tied", "neox_parallel", "olmo2", "phi3", "gemma3"])
+# Phi-3's fused projections and partial rotary; Gemma 2's soft-capped scores and logits
+@pytest.mark.parametrize("name", ["qwen2_tied", "neox_parallel", "olmo2", "phi3", "gemma2", "gemma3"])
 def test_logprob_gradients_match_torch(ckpt, tiny_checkpoint, name):
     """The trainer's scoring path (`sequence_logprobs`: the hand-written VJPs of the vocabulary
     projection + tempered log-softmax, of every MLP matmul and of SwiGLU) against torch autograd,
@@ -524,7 +528,7 @@ def test_logprob_gradients_match_torch(ckpt, tiny_checkpoint, name):
     from tbajax.models.hf import hf_tensors
     from tbajax.training import sequence_logprobs
 
-    directory = tiny_checkpoint(name) if name in ("qwen2_tied", "olmo2", "phi3", "gemma3") else ckpt(name)
+    directory = tiny_checkpoint(name) if name in ("qwen2_tied", "olmo2", "phi3", "gemma2", "gemma3") else ckpt(name)
     temperature = 0.7
     ids, mask = _batch(3)
     scored = mask * np.pad(mask[:, :-1], ((0, 0), (1, 0)))  # a real token after a real one

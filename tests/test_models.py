@@ -31,8 +31,8 @@ from tbajax.models import (
 from tbajax.models import layers as L
 from tbajax.models.serving import ServingParams
 
-FAMILIES = ["llama", "llama_tied_rope3", "qwen2", "qwen2_tied", "qwen3", "mistral", "olmo2", "phi3", "gemma3",
-            "qwen2_window"]
+FAMILIES = ["llama", "llama_tied_rope3", "qwen2", "qwen2_tied", "qwen3", "mistral", "olmo2", "phi3", "gemma2",
+            "gemma3", "qwen2_window"]
 
 
 def _batch(seed: int = 0, b: int = 4, t: int = 11, vocab: int = 101):
@@ -139,6 +139,51 @@ def test_the_published_gemma3_1b_config_reads_as_transformers_reads_it():
         theirs.layer_types, theirs.rope_parameters, 256, 512)
 
 
+# google/gemma-2-2b-it's config.json fields (transformers 4.42 layout: no layer_types, no
+# rope_parameters), written out here from the model card's config (no network to fetch it)
+GEMMA2_2B = {
+    "architectures": ["Gemma2ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "attn_logit_softcapping": 50.0, "bos_token_id": 2, "cache_implementation": "hybrid",
+    "eos_token_id": [1, 107], "final_logit_softcapping": 30.0, "head_dim": 256,
+    "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 2304,
+    "initializer_range": 0.02, "intermediate_size": 9216, "max_position_embeddings": 8192,
+    "model_type": "gemma2", "num_attention_heads": 8, "num_hidden_layers": 26, "num_key_value_heads": 4,
+    "pad_token_id": 0, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_theta": 10000.0,
+    "sliding_window": 4096, "torch_dtype": "float32", "transformers_version": "4.42.4", "use_cache": True,
+    "vocab_size": 256000,
+}
+
+
+def test_a_gemma2_2b_config_reads_as_transformers_reads_it():
+    """Gemma 2 2B's layer kinds (even layers slide), caps and size as transformers builds them from
+    the config, and from the one we write back."""
+    from transformers import AutoConfig
+
+    cfg = ModelConfig.from_hf(GEMMA2_2B)
+    ignored = ("architectures", "transformers_version", "torch_dtype")
+    theirs = AutoConfig.for_model(**{k: v for k, v in GEMMA2_2B.items() if k not in ignored})
+    with torch.device("meta"):
+        size = sum(p.numel() for p in AutoModelForCausalLM.from_config(theirs).parameters())
+    assert cfg.num_params() == size == 2_614_341_888
+    assert list(cfg.layer_types) == theirs.layer_types and cfg.layer_types[:2] == ("sliding_attention",
+                                                                                    "full_attention")
+    assert (cfg.attn_logit_softcapping, cfg.final_logit_softcapping, cfg.sliding_window) == (50.0, 30.0, 4096)
+    assert cfg.local_rope_theta is None and not cfg.qk_norm and cfg.eos_token_ids == (1, 107)
+    ours = AutoConfig.for_model(**{k: v for k, v in cfg.to_hf().items() if k != "architectures"})
+    for field in ("layer_types", "rope_parameters", "query_pre_attn_scalar", "sliding_window",
+                  "attn_logit_softcapping", "final_logit_softcapping", "head_dim"):
+        assert getattr(ours, field) == getattr(theirs, field), field
+    assert ModelConfig.from_hf(cfg.to_hf()) == cfg
+    with pytest.raises(ValueError, match="attention='cudnn' has no score soft-capping"):
+        dataclasses.replace(cfg, dtype="bfloat16", attention="cudnn")
+    with pytest.raises(ValueError, match="final_logit_softcapping=0.0 must be a number > 0"):
+        dataclasses.replace(cfg, final_logit_softcapping=0.0)
+    llama = ModelConfig(model_type="llama", vocab_size=10, hidden_size=8, intermediate_size=16, num_layers=1,
+                        num_heads=2, num_kv_heads=2, head_dim=4)
+    with pytest.raises(UnsupportedModelError, match="attn_logit_softcapping is read and written for"):
+        dataclasses.replace(llama, attn_logit_softcapping=50.0)
+
+
 def test_phi3_variants_it_cannot_compute_exactly_are_refused(tiny_checkpoint):
     """Phi-3.5 / Phi-4-mini's longrope."""
     hf = json.loads((tiny_checkpoint("phi3") / "config.json").read_text())
@@ -152,7 +197,7 @@ def test_phi3_variants_it_cannot_compute_exactly_are_refused(tiny_checkpoint):
 @pytest.mark.parametrize(
     "family, weight_first",
     [("llama", True), ("qwen2", True), ("qwen3", True), ("olmo2", True), ("phi3", True), ("qwen2", False),
-     ("mistral_window", True), ("gemma3", True)],
+     ("mistral_window", True), ("gemma2", True), ("gemma3", True)],
 )
 def test_kv_cache_decode_matches_full_forward(tiny_checkpoint, family, weight_first, monkeypatch):
     """Prefill a left-padded prompt, then decode token by token: same logits as one forward.
@@ -238,8 +283,8 @@ def test_bf16_compute_and_remat(tiny_checkpoint):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2_tied", "qwen3", "mistral", "olmo2", "phi3", "gemma3",
-                                    "qwen2_window"])
+@pytest.mark.parametrize("family", ["llama", "qwen2_tied", "qwen3", "mistral", "olmo2", "phi3", "gemma2",
+                                    "gemma3", "qwen2_window"])
 def test_export_round_trip_loads_in_torch(tiny_checkpoint, tmp_path, family):
     directory = tiny_checkpoint(family)
     model = load_model(directory)
@@ -484,6 +529,32 @@ def test_chunked_head_logprobs_equal_the_whole_projection(chunk, dtype):
     for got, want in zip(grads, want_grads):
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
                                    rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("chunk", [None, 6])
+def test_soft_capped_head_logprobs_match_the_plain_formula(chunk):
+    """Gemma 2's soft-capped logits, log_softmax(cap tanh((h @ W) / cap) / T) (the cap before the
+    temperature), all at once and 2 positions a chunk: the log-probs and the gradients of h, W
+    and T equal autodiff of the plain formula, with logits well beyond the cap."""
+    from tbajax.batch import head_logprobs
+
+    h, w, targets, g = _head_inputs(3, 13, 8, 37)
+    w, cap, t = w * 4, 1.5, jnp.float32(0.7)
+
+    def plain(h, w, t):
+        z = cap * jnp.tanh(jnp.einsum("rld,dv->rlv", h, w) / cap) / t
+        return jnp.take_along_axis(jax.nn.log_softmax(z, -1), targets[..., None], -1)[..., 0]
+
+    def ours(h, w, t):
+        return head_logprobs(h, w, targets, t, chunk, softcap=cap)
+
+    assert np.abs(np.asarray(jnp.einsum("rld,dv->rlv", h, w))).max() > 3 * cap
+    np.testing.assert_allclose(jax.jit(ours)(h, w, t), plain(h, w, t), rtol=1e-5, atol=1e-5)
+    weighted = lambda f: lambda h, w, t: (f(h, w, t) * g).sum()  # noqa: E731
+    got = jax.jit(jax.grad(weighted(ours), argnums=(0, 1, 2)))(h, w, t)
+    want = jax.grad(weighted(plain), argnums=(0, 1, 2))(h, w, t)
+    for a, b, what in zip(got, want, ("hidden", "head", "temperature")):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5, err_msg=what)
 
 
 def test_head_chunk_steps_by_hand():
@@ -810,12 +881,14 @@ def test_rows_per_step_takes_the_batch_when_its_scores_fit_else_a_divisor_within
     assert rows_per_step(4, 100, budget=0) == 1
 
 
+@pytest.mark.parametrize("softcap", [None, 0.7])
 @pytest.mark.parametrize("h,kv", [(6, 2), (4, 4)])
-def test_attention_after_a_shared_prompt_equals_attention_over_copied_prompts(h, kv):
+def test_attention_after_a_shared_prompt_equals_attention_over_copied_prompts(h, kv, softcap):
     """One new token per row over its prompt's keys held once per prompt plus its own row's
     cache equals `cached_attention` over each row's prompt copied in front of its own slots:
     grouped queries and multi-head (g = 1), left padding, an all-padding prompt, masked slots
-    holding NaN-free garbage."""
+    holding NaN-free garbage; plain and soft-capped scores. The latter, one token's
+    multiply-reduce attention, equals a plain softmax."""
     from tbajax.models.layers import PromptKV, attention_after_prompt, cached_attention
 
     r = np.random.default_rng(1)
@@ -826,21 +899,30 @@ def test_attention_after_a_shared_prompt_equals_attention_over_copied_prompts(h,
     kt, v = (jnp.asarray(r.normal(size=shape), jnp.float32) for shape in ((b, kv, d, s), (b, kv, s, d)))
     pvalid = np.arange(p)[None, :] >= np.array([0, 2, p])[:, None]  # left padding; prompt 2: padding only
     valid = np.arange(s)[None, :] < r.integers(1, s + 1, b)[:, None]  # each row's own tokens
-    got = jax.jit(attention_after_prompt)(q, kt, v, jnp.asarray(valid[:, None]),
-                                          PromptKV(pk, pv, jnp.asarray(pvalid)))
+    got = jax.jit(attention_after_prompt, static_argnums=5)(q, kt, v, jnp.asarray(valid[:, None]),
+                                                            PromptKV(pk, pv, jnp.asarray(pvalid)), softcap)
     rep = functools.partial(jnp.repeat, repeats=k, axis=0)
     full_valid = np.concatenate([np.repeat(pvalid, k, 0), valid], 1)[:, None]
-    want = cached_attention(q, jnp.concatenate([rep(pk), kt], 3), jnp.concatenate([rep(pv), v], 2),
-                            jnp.asarray(full_valid))
+    keys, values = jnp.concatenate([rep(pk), kt], 3), jnp.concatenate([rep(pv), v], 2)
+    want = cached_attention(q, keys, values, jnp.asarray(full_valid), softcap)
     assert got.shape == (b, 1, h, d)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
+    heads = np.repeat(np.arange(kv), h // kv)  # query head -> its kv head
+    scores = np.einsum("bhd,bhds->bhs", np.asarray(q[:, 0], np.float64), np.asarray(keys, np.float64)[:, heads])
+    scores = scores * d**-0.5 if softcap is None else softcap * np.tanh(scores * d**-0.5 / softcap)
+    scores = np.where(full_valid, scores, -np.inf)  # [b, 1, s] over the heads
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    plain = np.einsum("bhs,bhsd->bhd", probs / probs.sum(-1, keepdims=True), np.asarray(values)[:, heads])
+    live = full_valid[:, 0].any(-1)  # a row that sees no key is a uniform average here, not there
+    np.testing.assert_allclose(np.asarray(want)[live, 0], plain[live], atol=1e-5)
     with pytest.raises(ValueError, match="one token per row"):
         attention_after_prompt(jnp.concatenate([q, q], 1), kt, v, jnp.asarray(valid[:, None]),
                                PromptKV(pk, pv, jnp.asarray(pvalid)))
 
 
+@pytest.mark.parametrize("softcap", [None, 0.7])
 @pytest.mark.parametrize("h,kv", [(4, 2), (4, 4)], ids=["gqa", "mha"])
-def test_attention_after_a_pooled_prompt_equals_attention_over_copied_prompts(h, kv):
+def test_attention_after_a_pooled_prompt_equals_attention_over_copied_prompts(h, kv, softcap):
     """A pool of prompts (continuous batching): rows in any order, each the sample j of the pool
     entry its table names, equal to `cached_attention` over its prompt copied in front of its own
     slots. Also: an entry with no live sample, a table entry left pointing at a row that now
@@ -859,13 +941,13 @@ def test_attention_after_a_pooled_prompt_equals_attention_over_copied_prompts(h,
     samples = np.array([[4, 0, b], [2, 5, 1], [5, b, 6], [b, b, b]])
     owner = {4: (0, 0), 0: (0, 1), 2: (1, 0), 5: (1, 1), 1: (1, 2), 6: (2, 2)}
     entry = np.array([owner[i][0] * k + owner[i][1] if i in owner else 0 for i in range(b)])
-    got = jax.jit(attention_after_prompt)(q, kt, v, jnp.asarray(valid[:, None]), PromptKV(
-        pk, pv, jnp.asarray(pvalid), jnp.asarray(samples, jnp.int32), jnp.asarray(entry, jnp.int32)))
+    got = jax.jit(attention_after_prompt, static_argnums=5)(q, kt, v, jnp.asarray(valid[:, None]), PromptKV(
+        pk, pv, jnp.asarray(pvalid), jnp.asarray(samples, jnp.int32), jnp.asarray(entry, jnp.int32)), softcap)
     assert got.shape == (b, 1, h, d) and np.isfinite(np.asarray(got)).all()
     of = np.array([owner[i][0] if i in owner else 0 for i in range(b)])
     full_valid = np.concatenate([pvalid[of], valid], 1)[:, None]
     want = cached_attention(q, jnp.concatenate([pk[of], kt], 3), jnp.concatenate([pv[of], v], 2),
-                            jnp.asarray(full_valid))
+                            jnp.asarray(full_valid), softcap)
     live = sorted(owner)
     np.testing.assert_allclose(np.asarray(got)[live], np.asarray(want)[live], atol=1e-5)
 
@@ -906,15 +988,17 @@ def test_causal_blocks_after_shared_keys_match_a_plain_softmax():
         np.testing.assert_allclose(np.asarray(a), np.asarray(w), atol=1e-4, rtol=1e-5, err_msg=f"d{what}")
 
 
-@pytest.mark.parametrize("dtype,t,budget", [
-    (jnp.float32, 6, None), (jnp.bfloat16, 6, None), (jnp.float32, 128, None),
-    (jnp.float32, 6, 0), (jnp.float32, 6, 3000), (jnp.float32, 128, 0),
+@pytest.mark.parametrize("dtype,t,budget,softcap", [
+    (jnp.float32, 6, None, None), (jnp.bfloat16, 6, None, None), (jnp.float32, 128, None, None),
+    (jnp.float32, 6, 0, None), (jnp.float32, 6, 3000, None), (jnp.float32, 128, 0, None),
+    (jnp.float32, 6, 3000, 0.7), (jnp.float32, 128, None, 0.7),
 ])
-def test_attention_and_its_vjp_match_a_plain_softmax(dtype, t, budget, monkeypatch):
+def test_attention_and_its_vjp_match_a_plain_softmax(dtype, t, budget, softcap, monkeypatch):
     """The row-looped attention (and its flash-style VJP) against a plain einsum softmax, for
     grouped queries, right padding, a query row that sees no key, both key layouts and (t = 128)
     the causal query blocks that skip the keys above the diagonal; with all rows in one loop
-    step (the default budget here), one row a step (budget 0) and two rows in each of 3 steps."""
+    step (the default budget here), one row a step (budget 0) and two rows in each of 3 steps;
+    and with the scores soft-capped (Gemma 2's cap * tanh(score / cap), a cap below the scores)."""
     from tbajax.models import layers
     from tbajax.models.layers import _MASK_VALUE, attention, cached_attention, causal_blocks
 
@@ -937,13 +1021,15 @@ def test_attention_and_its_vjp_match_a_plain_softmax(dtype, t, budget, monkeypat
         kh = jnp.repeat(k, h // kv, axis=1).astype(jnp.float32)  # [b, h, s, d]
         vh = jnp.repeat(v, h // kv, axis=1).astype(jnp.float32)
         scores = jnp.einsum("bthd,bhsd->bhts", q.astype(jnp.float32), kh) * d**-0.5
+        if softcap is not None:
+            scores = softcap * jnp.tanh(scores / softcap)
         probs = jax.nn.softmax(jnp.where(mask[:, None], scores, _MASK_VALUE), axis=-1)
         return jnp.einsum("bhts,bhsd->bthd", probs, vh)
 
     variants = {
-        "heads-major keys": lambda q, k, v: attention(q, k, v, mask),
-        "d-major keys": lambda q, k, v: cached_attention(q, k.swapaxes(2, 3), v, mask),
-        "causal blocks": lambda q, k, v: attention(q, k, v, mask, causal=True),
+        "heads-major keys": lambda q, k, v: attention(q, k, v, mask, softcap=softcap),
+        "d-major keys": lambda q, k, v: cached_attention(q, k.swapaxes(2, 3), v, mask, softcap),
+        "causal blocks": lambda q, k, v: attention(q, k, v, mask, causal=True, softcap=softcap),
     }
     # the causal blocks average a blind query's values over its own block's keys, not all keys
     # (padding output that no real position reads): compare the queries that see a key

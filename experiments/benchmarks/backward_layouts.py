@@ -49,11 +49,14 @@ Array = jax.Array
 # ----------------------------------------------------------------------------- earlier forms
 
 
-def earlier_row_grads(keys_d_major: bool, xs: tuple[Array, ...]) -> tuple[Array, Array, Array]:
-    """`layers._row_grads` as it was: dk and dv contract the query rows of p / ds and q / g."""
+def earlier_row_grads(keys_d_major: bool, softcap: float | None, xs: tuple[Array, ...]
+                      ) -> tuple[Array, Array, Array]:
+    """`layers._row_grads` as it was: dk and dv contract the query rows of p / ds and q / g (no
+    soft-capping: the benchmark's models take none)."""
+    assert softcap is None
     qi, ki, vi, mi, oi, top, total, gi = xs
     rows, kv, gt, d = qi.shape
-    p = jnp.exp(L._row_scores(qi, ki, mi, keys_d_major) - top) / total
+    p = jnp.exp(L._row_scores(qi, ki, mi, keys_d_major, None)[0] - top) / total
     gf = gi.astype(jnp.float32)
     dv = L._bdot(p.reshape(rows, kv, gt, -1), gf.reshape(rows, kv, gt, d), 2, 2)  # [rows, kv, s, d]
     dp = L._bdot(gf.reshape(rows, kv, gt, d), vi.astype(jnp.float32), 3, 3).reshape(p.shape)
@@ -82,8 +85,9 @@ def earlier_linear_bwd(residuals: tuple[Array, Array], g: Array) -> tuple[Array,
     return dx, dw.astype(w.dtype)
 
 
-def earlier_head_bwd(residuals, g: Array):
-    """`batch.head_logprobs`'s VJP as it was: d W = (dz^T (h / T))^T."""
+def earlier_head_bwd(softcap: float | None, residuals, g: Array):
+    """`batch.head_logprobs`'s VJP as it was: d W = (dz^T (h / T))^T (no soft-capping)."""
+    assert softcap is None
     b = batch_module
     scaled, head, targets, temperature, z, logz = residuals
     dz, dtemp_unit = b._cotangents(z, targets, b._UNIT_TEMPERATURE, logz, g)

@@ -107,6 +107,27 @@ def make_gemma3_checkpoint(size: str, directory: str | None = None, window: int 
     return directory
 
 
+def make_gemma2_checkpoint(size: str, directory: str | None = None, window: int = 128) -> Path:
+    """A random-init Gemma 2 checkpoint shaped like SIZES[size]: every other layer (the even ones)
+    attends within `window` positions, the rest to all, with Gemma 2's soft-caps (scores at 50,
+    logits at 30). torch transformers runs Gemma 2's attention eagerly (its SDPA path takes no
+    soft-capping), as it would for a user."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    s = SIZES[size]
+    directory = Path(directory or tempfile.mkdtemp(prefix=f"bench-gemma2-{size}-"))
+    head_dim = s["hidden_size"] // s["num_attention_heads"]
+    cfg = AutoConfig.for_model(
+        "gemma2", **s, head_dim=head_dim, query_pre_attn_scalar=head_dim, sliding_window=window,
+        attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+        max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=PAD,
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).float().save_pretrained(directory)
+    return directory
+
+
 def timed_in_turns(ours: Callable[[], Any], theirs: Callable[[], Any], repeats: int) -> dict[str, Any]:
     """Time two blocking calls in alternating rounds (ours, theirs, ours, ...) after one untimed
     call each (compile / warm-up), so a shared machine's speed drift hits both sides of a round

@@ -79,6 +79,12 @@ SIZES: dict[str, dict[str, int]] = {
                    "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
                    "query_pre_attn_scalar": 64, "sliding_window": 128, "vocab_size": 8192,
                    "tie_word_embeddings": True},
+    # the same as Gemma 2: every other layer windowed to 128 positions, scores and logits soft-capped
+    # (torch's Gemma 2 attends eagerly: its SDPA path takes no soft-capping)
+    "gemma2-10M": {"model_type": "gemma2", "hidden_size": 256, "intermediate_size": 704,
+                   "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+                   "query_pre_attn_scalar": 64, "sliding_window": 128, "vocab_size": 8192,
+                   "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "tie_word_embeddings": True},
     # Pythia-410M's shapes (GPT-NeoX: fused q/k/v, GELU MLP, partial rotary, parallel residual)
     "pythia-410M": {"model_type": "gpt_neox", "hidden_size": 1024, "intermediate_size": 4096,
                     "num_hidden_layers": 24, "num_attention_heads": 16, "vocab_size": 50304,
@@ -186,8 +192,8 @@ def decode_matmul_chain(model: Any, batch: int) -> Callable[[], None]:
     each reads the last one's output, on [batch, hidden] rows. The weights total more than the
     CPU's caches, so each product reads its weights from memory as it does in a real step."""
     cfg = model.config
-    if model.family.name not in ("llama", "gemma3", "gpt_neox"):
-        raise ValueError("the matmul bound follows the Llama (and Gemma 3) and GPT-NeoX decode layouts")
+    if model.family.name not in ("llama", "gemma2", "gemma3", "gpt_neox"):
+        raise ValueError("the matmul bound follows the Llama (and Gemma) and GPT-NeoX decode layouts")
     params = nnx.jit(ServingParams.of)(model)
     layers, head = params.layers, params.head_matrix(cfg)
     q, d, f = cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
@@ -492,7 +498,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help="10M only, batch 32, short sequences (< 1 min)")
     ap.add_argument("--json", type=Path, help="write the figures here")
     ap.add_argument("--models", nargs="+",
-                    help="subset of 10M 50M smollm2 smollm2-135M 0.5B pythia-410M gemma3-10M "
+                    help="subset of 10M 50M smollm2 smollm2-135M 0.5B pythia-410M gemma2-10M gemma3-10M "
                          "(default: 10M 50M smollm2)")
     ap.add_argument("--batch", type=int, nargs="+", help="batch sizes (default 32 128; --quick: 32)")
     ap.add_argument("--prompt-len", type=int, help="prompt tokens (default 64; --quick: 16)")

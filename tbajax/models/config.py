@@ -15,10 +15,11 @@ from typing import Any, Literal
 import jax.numpy as jnp
 import numpy as np
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3", "gemma3_text", "gpt_neox",
-                         "gpt2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3", "gemma2", "gemma3_text",
+                         "gpt_neox", "gpt2")
 LAYER_TYPES = ("full_attention", "sliding_attention")
-WINDOWED_MODEL_TYPES = ("mistral", "phi3", "gemma3_text", "qwen2", "qwen3")  # with a sliding_window
+WINDOWED_MODEL_TYPES = ("mistral", "phi3", "gemma2", "gemma3_text", "qwen2", "qwen3")  # with a sliding_window
+SOFT_CAPPED_MODEL_TYPES = ("gemma2", "gemma3_text")  # with attn_ / final_logit_softcapping
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn")
@@ -65,8 +66,8 @@ class ModelConfig:
     """Architecture (from the checkpoint) plus runtime choices (dtypes, remat, scan_layers, attention,
     head_chunk_tokens)."""
 
-    model_type: Literal["llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3", "gemma3_text", "gpt_neox",
-                        "gpt2"]
+    model_type: Literal["llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3", "gemma2", "gemma3_text",
+                        "gpt_neox", "gpt2"]
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -86,16 +87,20 @@ class ModelConfig:
     parallel_residual: bool = False  # GPT-NeoX: x + attn(ln1(x)) + mlp(ln2(x))
     hidden_act: str = "silu"  # "silu" (Llama/Qwen), "gelu" (erf), "gelu_new" / "gelu_pytorch_tanh" (tanh)
     max_position_embeddings: int = 2048
-    # Mistral / Phi-3 / Gemma 3: each query attends to itself and the sliding_window - 1 positions
+    # Mistral / Phi-3 / Gemma: each query attends to itself and the sliding_window - 1 positions
     # before it (None: every earlier position): by position without a cache, by ring distance over
     # one and by position over its shared prompt part (`serving.cached_pass`).
     sliding_window: int | None = None
-    # Gemma 3: which layers ("sliding_attention", "full_attention") take the window, and those
+    # Gemma 2 / 3: which layers ("sliding_attention", "full_attention") take the window, and those
     # layers' RoPE base (they take no RoPE scaling); None: every layer alike (`layer_kinds`)
     layer_types: tuple[str, ...] | None = None
     local_rope_theta: float | None = None
     # Gemma: attention scores scaled by query_pre_attn_scalar ** -0.5 rather than head_dim's
     query_pre_attn_scalar: float | None = None
+    # Gemma 2: attention scores, and the LM head's logits, soft-capped at these values (cap *
+    # tanh(x / cap), `layers.soft_capped`) in every pass: training, scoring, sampling
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
     initializer_range: float = 0.02
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
@@ -171,6 +176,18 @@ class ModelConfig:
             if "sliding_attention" in self.layer_types and self.sliding_window is None:
                 raise UnsupportedModelError("layer_types has sliding_attention layers and sliding_window is "
                                             "None")
+        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+            cap = getattr(self, name)
+            if cap is None:
+                continue
+            if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0:
+                raise ValueError(f"{name}={cap!r} must be a number > 0 or None")
+            if self.model_type not in SOFT_CAPPED_MODEL_TYPES:
+                raise UnsupportedModelError(f"{name} is read and written for {SOFT_CAPPED_MODEL_TYPES} "
+                                            f"checkpoints, not {self.model_type}")
+        if self.attention == "cudnn" and self.attn_logit_softcapping is not None:
+            raise ValueError(f"attention='cudnn' has no score soft-capping, and this model soft-caps its scores "
+                             f"(attn_logit_softcapping={self.attn_logit_softcapping}): keep attention='xla'")
         if self.num_labels is not None and self.num_labels < 1:
             raise ValueError(f"num_labels={self.num_labels} must be >= 1")
         from tbajax.models.families import family_for

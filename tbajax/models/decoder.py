@@ -22,7 +22,7 @@ from tbajax import op_scopes as S
 from tbajax.models.config import ModelConfig, rope_inv_freq
 from tbajax.models.families import Family, ParamSpec, family_for
 from tbajax.models.layers import CausalMask, StridedGroups, apply_rope, attention, rms_norm  # noqa: F401
-from tbajax.models.layers import windowed
+from tbajax.models.layers import soft_capped, windowed
 from tbajax.models.layers import rope_tables as _rope_tables
 from tbajax.models.layers import scan_layers
 from tbajax.models.serving import KVCache, ServingParams, cached_pass, unstack
@@ -196,9 +196,16 @@ class CausalLM(nnx.Module):
 
     @scoped(S.LM_HEAD)
     def logits(self, hidden: Array) -> Array:
-        """fp32 logits for hidden states of any leading shape."""
+        """fp32 logits for hidden states of any leading shape (soft-capped as `logit_softcap` says)."""
         out = jnp.einsum("...d,dv->...v", hidden, self.head_weight(), preferred_element_type=jnp.float32)
+        out = soft_capped(out, self.logit_softcap)
         return constrain(out, ("batch", "length", "act_vocab")) if out.ndim == 3 else out
+
+    @property
+    def logit_softcap(self) -> float | None:
+        """The LM head's soft-cap (Gemma 2's `final_logit_softcapping`): every path from hidden
+        states to log-probs applies it (`batch.head_logprobs(softcap=...)`). A score head has none."""
+        return None if self.score is not None else self.config.final_logit_softcapping
 
     def head_weight(self) -> Array:
         """The output projection as [hidden, vocab or labels] in the compute dtype: the `score`

@@ -19,6 +19,17 @@ from tbajax.sharding import batch_shards, devices_in_context, shard_rows, within
 Array = jax.Array
 _MASK_VALUE = -1e30
 
+
+def soft_capped(scores: Array, cap: float | None) -> Array:
+    """Gemma 2's logit soft-capping, cap * tanh(scores / cap): scores squashed smoothly into
+    (-cap, cap), so no single one dominates a softmax (unchanged for cap None)."""
+    return scores if cap is None else cap * jnp.tanh(scores / cap)
+
+
+def _scaled(products: Array, d: int, softcap: float | None) -> Array:
+    """Attention scores from query-key products of head dim d: scaled by 1/sqrt(d), then soft-capped."""
+    return soft_capped(products * d**-0.5, softcap)
+
 # one layer's cache buffers (keys d-major [b,kv,d,s], values [b,kv,s,d]) and the write slot
 
 
@@ -510,6 +521,7 @@ def join_tier_rows(parts: Sequence[Array], shards: int) -> Array:
 def self_attention(
     q: Array, k: Array, v: Array, mask: Array | CausalMask | tuple[Array, ...],
     cache: LayerCache | EmitKV | RingTiers | None, dtype: Any, implementation: str = "xla",
+    softcap: float | None = None,
 ) -> tuple[Array, Any]:
     """Attention of this step's queries q [b,t,h,d] over its keys/values [b,t,kv,d], or, with a
     layer cache, over the whole cache after writing this step's keys/values into it at the write
@@ -519,20 +531,22 @@ def self_attention(
 
     implementation (`ModelConfig.attention`): "xla", our own attention; "cudnn", cuDNN's fused
     attention (`cudnn_attention`) for the passes without a cache to read (training, scoring,
-    prompt passes). Decode steps over a cache always take ours."""
+    prompt passes). Decode steps over a cache always take ours. softcap: the scores soft-capped
+    at that value (`soft_capped`, Gemma 2's `attn_logit_softcapping`) before the mask, in every path."""
     if isinstance(cache, RingTiers):
-        return tiered_ring_attention(q, k, v, mask, cache, dtype)
+        return tiered_ring_attention(q, k, v, mask, cache, dtype, softcap)
     if isinstance(mask, StridedGroups):
         if cache is not None:
             raise TypeError("strided prompt groups are scored without a KV cache")
-        return strided_group_attention(q, k, v, mask, implementation), None
+        return strided_group_attention(q, k, v, mask, implementation, softcap), None
     if cache is None or isinstance(cache, EmitKV):
         causal = isinstance(mask, CausalMask)
         dense = mask.mask if causal else mask
         if implementation == "cudnn":
-            out = cudnn_attention(q, k, v, dense, causal)
+            out = cudnn_attention(q, k, v, dense, causal, softcap)
         else:
-            out = attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), dense, causal=causal)
+            out = attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), dense, causal=causal,
+                            softcap=softcap)
         return out, None if cache is None else (k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3))
     if isinstance(mask, CausalMask):
         raise TypeError("a KV-cache step takes its mask over cache slots, not a CausalMask")
@@ -545,8 +559,8 @@ def self_attention(
     # the attention reads the cache in its own dtype (it computes in fp32 either way): an fp32
     # cache of a bf16 model is not rounded through bf16 and back at every read
     if prompt:
-        return attention_after_prompt(q, kt, cv, mask, prompt[0]).astype(dtype), (kt, cv)
-    return cached_attention(q, kt, cv, mask).astype(dtype), (kt, cv)
+        return attention_after_prompt(q, kt, cv, mask, prompt[0], softcap).astype(dtype), (kt, cv)
+    return cached_attention(q, kt, cv, mask, softcap).astype(dtype), (kt, cv)
 
 
 def cache_values(x: Array, dtype: Any) -> Array:
@@ -561,8 +575,9 @@ def cache_values(x: Array, dtype: Any) -> Array:
     return x.astype(dtype)
 
 
-def attention(q: Array, k: Array, v: Array, mask: Array, causal: bool = False) -> Array:
-    """Grouped-query attention scaled by 1/sqrt(head_dim).
+def attention(q: Array, k: Array, v: Array, mask: Array, causal: bool = False,
+              softcap: float | None = None) -> Array:
+    """Grouped-query attention scaled by 1/sqrt(head_dim) (and soft-capped at `softcap`).
     q [b,t,h,d]; k,v heads-major [b,kv,s,d]; mask [b,t,s] -> [b,t,h,d].
 
     Both matmuls are batched over kv heads with the query group folded into the rows, a few
@@ -571,16 +586,21 @@ def attention(q: Array, k: Array, v: Array, mask: Array, causal: bool = False) -
     the blocks above the diagonal are skipped.
     """
     blocks = causal_blocks(q.shape[1]) if causal else 1
-    return _attend_rows(_group_queries(q, k.shape[1]), k, v, mask, keys_d_major=False, blocks=blocks)
+    return _attend_rows(_group_queries(q, k.shape[1]), k, v, mask, keys_d_major=False, blocks=blocks,
+                        softcap=softcap)
 
 
-def cudnn_attention(q: Array, k: Array, v: Array, mask: Array, causal: bool) -> Array:
+def cudnn_attention(q: Array, k: Array, v: Array, mask: Array, causal: bool,
+                    softcap: float | None = None) -> Array:
     """cuDNN's fused (flash) attention, `ModelConfig.attention="cudnn"`: q [b,t,h,d], keys and
     values [b,s,kv,d], mask [b,t,s] -> [b,t,h,d]. The mask goes in as an additive bias, so every
     layout (rows, packed or strided groups) keeps its exact mask; `causal` (which the mask already
     holds) also lets cuDNN skip the blocks above the diagonal where t == s (its causal mask is
     aligned top-left). cuDNN needs an NVIDIA GPU and bf16/fp16 inputs; where it cannot run, this
-    fails while tracing, with cuDNN's reason and what to set instead."""
+    fails while tracing, with cuDNN's reason and what to set instead. cuDNN's kernel takes no
+    soft-capping (`ModelConfig` refuses the pair first)."""
+    if softcap is not None:
+        raise ValueError("cuDNN's fused attention has no score soft-capping; set model.attention=xla")
     try:
         return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], implementation="cudnn",
                                             is_causal=causal and q.shape[1] == k.shape[1])
@@ -591,8 +611,8 @@ def cudnn_attention(q: Array, k: Array, v: Array, mask: Array, causal: bool) -> 
             "to use tbajax's own attention") from e
 
 
-def strided_group_attention(q: Array, k: Array, v: Array, mask: StridedGroups, implementation: str = "xla"
-                            ) -> Array:
+def strided_group_attention(q: Array, k: Array, v: Array, mask: StridedGroups, implementation: str = "xla",
+                            softcap: float | None = None) -> Array:
     """Attention of rows laid out as `StridedGroups`: q [b, P + K R, h, d], k and v
     [b, P + K R, kv, d] -> [b, P + K R, h, d]. The prompt part is causal attention over its own
     keys; the K responses become K rows of R queries over the prompt's keys (repeated per
@@ -607,8 +627,8 @@ def strided_group_attention(q: Array, k: Array, v: Array, mask: StridedGroups, i
 
     def attend(q: Array, k: Array, v: Array, sees: Array) -> Array:  # k, v [rows, s, kv, d]
         if implementation == "cudnn":
-            return cudnn_attention(q, k, v, sees, causal=True)
-        return attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), sees, causal=True)
+            return cudnn_attention(q, k, v, sees, causal=True, softcap=softcap)
+        return attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), sees, causal=True, softcap=softcap)
 
     def responses(x: Array) -> Array:  # [b, P + K R, ...] -> [b K, R, ...]
         return x[:, p:].reshape(b * n, r, *x.shape[2:])
@@ -637,7 +657,7 @@ def strided_group_attention(q: Array, k: Array, v: Array, mask: StridedGroups, i
     return jnp.concatenate([out_p, out_r.reshape(b, n * r, h, d)], axis=1)
 
 
-def cached_attention(q: Array, kt: Array, v: Array, mask: Array) -> Array:
+def cached_attention(q: Array, kt: Array, v: Array, mask: Array, softcap: float | None = None) -> Array:
     """`attention` over a layer's cache: keys d-major kt [b,kv,d,s], values [b,kv,s,d].
 
     One decode token (t = 1) is a batch of tiny matrix-vector products, which XLA's CPU dot
@@ -654,17 +674,17 @@ def cached_attention(q: Array, kt: Array, v: Array, mask: Array) -> Array:
     g = h // kv
     if t > 1:  # batched products of one dtype (a wider cache holds q's dtype's values exactly)
         return _attend_rows(_group_queries(q, kv), kt.astype(q.dtype), v.astype(q.dtype), mask,
-                            keys_d_major=True)
+                            keys_d_major=True, softcap=softcap)
     if g == 1:  # one query per kv head (MHA): without a size-1 group axis, with which XLA:CPU
         # ran Pythia-410M's decode attention 20x slower (`sampler_pythia410M*.json`)
         qh = q.reshape(b, kv, d, 1).astype(jnp.float32)
-        scores = (qh * kt.astype(jnp.float32)).sum(2) * (d**-0.5)  # [b, kv, s]
+        scores = _scaled((qh * kt.astype(jnp.float32)).sum(2), d, softcap)  # [b, kv, s]
         scores = jnp.where(mask[:, :1], scores, _MASK_VALUE)  # mask [b, 1, s]
         weights = jnp.exp(scores - scores.max(-1, keepdims=True))
         out = (weights[..., None] * v.astype(jnp.float32)).sum(2)  # [b, kv, d]
         return (out / weights.sum(-1)[..., None]).reshape(b, 1, h, d).astype(v.dtype)
     qg = q.reshape(b, kv, g, d, 1).astype(jnp.float32)
-    scores = (qg * kt[:, :, None].astype(jnp.float32)).sum(3) * (d**-0.5)  # [b, kv, g, s]
+    scores = _scaled((qg * kt[:, :, None].astype(jnp.float32)).sum(3), d, softcap)  # [b, kv, g, s]
     scores = jnp.where(mask[:, :1, None], scores, _MASK_VALUE)  # mask [b, 1, s]
     # normalised after the values' sum, not before: XLA:CPU then reads the values at a higher
     # rate (`experiments/benchmarks/sampler.py`, its attn ms column)
@@ -674,7 +694,8 @@ def cached_attention(q: Array, kt: Array, v: Array, mask: Array) -> Array:
     return out.reshape(b, 1, h, d).astype(v.dtype)
 
 
-def attention_after_prompt(q: Array, kt: Array, v: Array, mask: Array, prompt: PromptKV) -> Array:
+def attention_after_prompt(q: Array, kt: Array, v: Array, mask: Array, prompt: PromptKV,
+                           softcap: float | None = None) -> Array:
     """`cached_attention` of one new token per row (q [b,1,h,d]) over its prompt's keys, held once
     per prompt (`prompt`), and over its row's own cache (kt [b,kv,d,s], v [b,kv,s,d], mask [b,1,s]).
 
@@ -685,14 +706,13 @@ def attention_after_prompt(q: Array, kt: Array, v: Array, mask: Array, prompt: P
     and one sum over both, the values of both added before the division. Rows are prompt-major.
     """
     if prompt.samples is not None:
-        return _attention_after_pooled_prompt(q, kt, v, mask, prompt)
+        return _attention_after_pooled_prompt(q, kt, v, mask, prompt, softcap)
     b, t, h, d = q.shape
     kv, n = kt.shape[1], prompt.k.shape[0]
     g, k = h // kv, b // n
     if t != 1 or b != n * k:
         raise ValueError(f"attention after a shared prompt takes one token per row and K rows per prompt; "
                          f"got q {q.shape} for {n} prompts")
-    scale = d**-0.5
 
     def rows(x: Array) -> Array:  # [n, kv, k*g, ...] -> [b, kv, g, ...]
         return x.reshape(n, kv, k, g, *x.shape[3:]).swapaxes(1, 2).reshape(b, kv, g, *x.shape[3:])
@@ -702,18 +722,18 @@ def attention_after_prompt(q: Array, kt: Array, v: Array, mask: Array, prompt: P
 
     qf = q.reshape(b, kv, g, d).astype(jnp.float32)
     qp = qf.reshape(n, k, kv, g, d).swapaxes(1, 2).reshape(n, kv, k * g, d)
-    sp = jnp.einsum("nhqd,nhds->nhqs", qp, prompt.k.astype(jnp.float32)) * scale
+    sp = _scaled(jnp.einsum("nhqd,nhds->nhqs", qp, prompt.k.astype(jnp.float32)), d, softcap)
     positions = None if prompt.positions is None else prompt.positions.reshape(n, k)
     sp = jnp.where(prompt_seen(prompt.valid, positions, prompt.window, g), sp, _MASK_VALUE)
     if g == 1:  # no size-1 group axis in the row part's products (see `cached_attention`)
-        sr = (qf.reshape(b, kv, d, 1) * kt.astype(jnp.float32)).sum(2) * scale  # [b, kv, s]
+        sr = _scaled((qf.reshape(b, kv, d, 1) * kt.astype(jnp.float32)).sum(2), d, softcap)  # [b, kv, s]
         sr = jnp.where(mask[:, :1], sr, _MASK_VALUE)
         top = jnp.maximum(rows(sp.max(-1)).reshape(b, kv), sr.max(-1))
         er = jnp.exp(sr - top[..., None])
         out_r = (er[..., None] * v.astype(jnp.float32)).sum(2).reshape(b, kv, 1, d)
         top = top.reshape(b, kv, 1)
     else:
-        sr = (qf[..., None] * kt[:, :, None].astype(jnp.float32)).sum(3) * scale  # [b, kv, g, s]
+        sr = _scaled((qf[..., None] * kt[:, :, None].astype(jnp.float32)).sum(3), d, softcap)  # [b, kv, g, s]
         sr = jnp.where(mask[:, :1, None], sr, _MASK_VALUE)
         top = jnp.maximum(rows(sp.max(-1)), sr.max(-1))
         er = jnp.exp(sr - top[..., None])
@@ -724,7 +744,8 @@ def attention_after_prompt(q: Array, kt: Array, v: Array, mask: Array, prompt: P
     return ((out_p + out_r) / total[..., None]).reshape(b, 1, h, d).astype(v.dtype)
 
 
-def _attention_after_pooled_prompt(q: Array, kt: Array, v: Array, mask: Array, prompt: PromptKV) -> Array:
+def _attention_after_pooled_prompt(q: Array, kt: Array, v: Array, mask: Array, prompt: PromptKV,
+                                   softcap: float | None) -> Array:
     """`attention_after_prompt` where any row may continue any prompt of the pool (`PromptKV`'s
     tables): each prompt's K queries are gathered from their rows (a few KB), its keys and values
     read once, and its rows' results gathered back. The two parts keep their own max and sum and
@@ -734,7 +755,7 @@ def _attention_after_pooled_prompt(q: Array, kt: Array, v: Array, mask: Array, p
     if t != 1:
         raise ValueError(f"attention after a pooled prompt takes one token per row, got q {q.shape}")
     qf = q.reshape(b, kt.shape[1], h // kt.shape[1], d).astype(jnp.float32)
-    out = _merged(_pooled_prompt_part(qf, prompt), _ring_part(qf, kt, v, mask))
+    out = _merged(_pooled_prompt_part(qf, prompt, softcap), _ring_part(qf, kt, v, mask, softcap))
     return out.reshape(b, 1, h, d).astype(v.dtype)
 
 
@@ -743,7 +764,7 @@ def _attention_after_pooled_prompt(q: Array, kt: Array, v: Array, mask: Array, p
 Part = tuple[Array, Array, Array]
 
 
-def _pooled_prompt_part(qf: Array, prompt: PromptKV) -> Part:
+def _pooled_prompt_part(qf: Array, prompt: PromptKV, softcap: float | None) -> Part:
     """The pool's part for every row (qf [b, kv, g, d] fp32): each prompt's K queries gathered
     from their rows, its keys and values read once, the results gathered back to the rows.
 
@@ -754,7 +775,7 @@ def _pooled_prompt_part(qf: Array, prompt: PromptKV) -> Part:
     device, at every layer of every decode step."""
     positions = jnp.zeros(qf.shape[:1], jnp.int32) if prompt.positions is None else prompt.positions
     return within_batch_shards(
-        functools.partial(_pool_part_of_shard, prompt.window),
+        functools.partial(_pool_part_of_shard, prompt.window, softcap),
         [(qf, ("batch", "kv_heads", None, None)), (prompt.k, ("batch", "kv_heads", "head_dim", "length")),
          (prompt.v, ("batch", "kv_heads", "length", "head_dim")), (prompt.valid, ("batch", "length")),
          (prompt.samples, ("batch", None)), (prompt.entry, ("batch",)), (positions, ("batch",))],
@@ -762,14 +783,14 @@ def _pooled_prompt_part(qf: Array, prompt: PromptKV) -> Part:
     )
 
 
-def _pool_part_of_shard(window: int | None, shard: Array | int, qf: Array, pk: Array, pv: Array, valid: Array,
-                        samples: Array, entry: Array, positions: Array) -> Part:
+def _pool_part_of_shard(window: int | None, softcap: float | None, shard: Array | int, qf: Array, pk: Array,
+                        pv: Array, valid: Array, samples: Array, entry: Array, positions: Array) -> Part:
     b, kv, g, d = qf.shape
     n, k = samples.shape
     rows = shard_rows(samples, shard, b)
     qe = jnp.take(qf, rows.reshape(-1), axis=0, mode="fill", fill_value=0)  # [n*k, kv, g, d]
     qp = qe.reshape(n, k, kv, g, d).swapaxes(1, 2).reshape(n, kv, k * g, d)
-    sp = jnp.einsum("nhqd,nhds->nhqs", qp, pk.astype(jnp.float32)) * d**-0.5
+    sp = _scaled(jnp.einsum("nhqd,nhds->nhqs", qp, pk.astype(jnp.float32)), d, softcap)
     query_positions = jnp.take(positions, rows, mode="fill", fill_value=0)  # [n, k]
     sp = jnp.where(prompt_seen(valid, query_positions, window, g), sp, _MASK_VALUE)
     top_p = sp.max(-1)
@@ -787,18 +808,18 @@ def _pool_part_of_shard(window: int | None, shard: Array | int, qf: Array, pk: A
     return to_rows(top_p), to_rows(ep.sum(-1)), to_rows(out_p)
 
 
-def _ring_part(qf: Array, kt: Array, v: Array, mask: Array) -> Part:
+def _ring_part(qf: Array, kt: Array, v: Array, mask: Array, softcap: float | None) -> Part:
     """Each row's part over its own cache (qf [b, kv, g, d] fp32; kt [b, kv, d, s], v [b, kv, s, d],
     mask [b, 1, s]), as multiply-reduces (see `cached_attention`)."""
     b, kv, g, d = qf.shape
     if g == 1:  # no size-1 group axis in the products (see `cached_attention`)
-        sr = (qf.reshape(b, kv, d, 1) * kt.astype(jnp.float32)).sum(2) * d**-0.5  # [b, kv, s]
+        sr = _scaled((qf.reshape(b, kv, d, 1) * kt.astype(jnp.float32)).sum(2), d, softcap)  # [b, kv, s]
         sr = jnp.where(mask[:, :1], sr, _MASK_VALUE)
         top_r = sr.max(-1)
         er = jnp.exp(sr - top_r[..., None])
         out_r = (er[..., None] * v.astype(jnp.float32)).sum(2).reshape(b, kv, 1, d)
         return top_r[..., None], er.sum(-1)[..., None], out_r
-    sr = (qf[..., None] * kt[:, :, None].astype(jnp.float32)).sum(3) * d**-0.5  # [b, kv, g, s]
+    sr = _scaled((qf[..., None] * kt[:, :, None].astype(jnp.float32)).sum(3), d, softcap)  # [b, kv, g, s]
     sr = jnp.where(mask[:, :1, None], sr, _MASK_VALUE)
     top_r = sr.max(-1)
     er = jnp.exp(sr - top_r[..., None])
@@ -816,7 +837,8 @@ def _merged(first: Part, second: Part) -> Array:
 
 
 def tiered_ring_attention(q: Array, k: Array, v: Array, masks: tuple[Array, ...], cache: RingTiers,
-                          dtype: Any) -> tuple[Array, tuple[tuple[Array, ...], tuple[Array, ...]]]:
+                          dtype: Any, softcap: float | None = None
+                          ) -> tuple[Array, tuple[tuple[Array, ...], tuple[Array, ...]]]:
     """`self_attention` of one token per row (q [b,1,h,d], k/v [b,1,kv,d]) over a `RingTiers`
     cache: each tier's rows write their keys/values at the tier's slot (rows that do not write
     keep what was there) and attend over their own tier's ring, then over the pool's prompt if
@@ -846,13 +868,13 @@ def tiered_ring_attention(q: Array, k: Array, v: Array, masks: tuple[Array, ...]
     start = 0
     for kt, cv, mask in zip(keys, values, masks):
         n = kt.shape[0]
-        parts.append(_ring_part(tier_rows(qf, start, n, shards), kt, cv, mask))
+        parts.append(_ring_part(tier_rows(qf, start, n, shards), kt, cv, mask, softcap))
         start += n
     ring = tuple(join_tier_rows(x, shards) for x in zip(*parts))
     if cache.prompt is None:
         out = ring[2] / ring[1][..., None]
     else:
-        out = _merged(_pooled_prompt_part(qf, cache.prompt), ring)  # type: ignore[arg-type]
+        out = _merged(_pooled_prompt_part(qf, cache.prompt, softcap), ring)  # type: ignore[arg-type]
     return out.reshape(b, 1, h, d).astype(dtype), (tuple(keys), tuple(values))
 
 
@@ -862,8 +884,9 @@ def _group_queries(q: Array, kv: int) -> Array:
     return q.reshape(b, t, kv, h // kv, d).transpose(0, 2, 3, 1, 4).reshape(b, kv, (h // kv) * t, d)
 
 
-def _attend_rows(q: Array, k: Array, v: Array, mask: Array, keys_d_major: bool, blocks: int = 1) -> Array:
-    """Scaled, masked softmax attention of grouped queries q [b,kv,g*t,d] over k ([b,kv,s,d], or
+def _attend_rows(q: Array, k: Array, v: Array, mask: Array, keys_d_major: bool, blocks: int = 1,
+                 softcap: float | None = None) -> Array:
+    """Scaled (soft-capped), masked softmax attention of grouped queries q [b,kv,g*t,d] over k ([b,kv,s,d], or
     d-major [b,kv,d,s]) and v [b,kv,s,d], mask [b,t,s] -> [b,t,g*kv,d].
 
     A loop over batch rows (`_looped_attention`), `rows_per_step` of them a step (a step's scores
@@ -884,7 +907,7 @@ def _attend_rows(q: Array, k: Array, v: Array, mask: Array, keys_d_major: bool, 
             x = x.reshape(shards, steps, rows, *x.shape[1:]).swapaxes(0, 1)
             return x.reshape(steps, shards * rows, *x.shape[3:])
 
-        out = _looped_attention(keys_d_major, blocks, *(loop_major(x) for x in (q, k, v, mask)))
+        out = _looped_attention(keys_d_major, blocks, softcap, *(loop_major(x) for x in (q, k, v, mask)))
         out = out.reshape(steps, shards, rows, *out.shape[2:]).swapaxes(0, 1).reshape(b, kv, gt // t, t, d)
         return out.transpose(0, 3, 1, 2, 4).reshape(b, t, gt * kv // t, d)
 
@@ -923,19 +946,23 @@ def _bdot(x: Array, y: Array, x_contract: int, y_contract: int) -> Array:
                                preferred_element_type=jnp.float32)
 
 
-def _row_scores(qi: Array, ki: Array, mi: Array, keys_d_major: bool) -> Array:
-    """Scaled, masked scores [rows, kv, g, t, s] of one loop step (qi [rows, kv, g*t, d])."""
+def _row_scores(qi: Array, ki: Array, mi: Array, keys_d_major: bool, softcap: float | None
+                ) -> tuple[Array, Array | None]:
+    """Scaled, soft-capped, masked scores [rows, kv, g, t, s] of one loop step (qi [rows, kv, g*t, d]),
+    and the cap's slope d capped / d uncapped, 1 - (capped / cap)^2 (None without a cap)."""
     rows, kv, gt, d = qi.shape
     t, s = mi.shape[1], mi.shape[2]
-    scores = _bdot(qi, ki, 3, 2 if keys_d_major else 3).reshape(rows, kv, gt // t, t, s) * (d**-0.5)
-    return jnp.where(mi[:, None, None], scores, _MASK_VALUE)
+    scores = _scaled(_bdot(qi, ki, 3, 2 if keys_d_major else 3).reshape(rows, kv, gt // t, t, s), d, softcap)
+    slope = None if softcap is None else 1.0 - jnp.square(scores / softcap)
+    return jnp.where(mi[:, None, None], scores, _MASK_VALUE), slope
 
 
-def _row_attention(keys_d_major: bool, xs: tuple[Array, ...]) -> tuple[Array, Array, Array]:
+def _row_attention(keys_d_major: bool, softcap: float | None, xs: tuple[Array, ...]
+                   ) -> tuple[Array, Array, Array]:
     """One loop step: (output [rows, kv, g, t, d], row max, row sum of the exponentials)."""
     qi, ki, vi, mi = xs
     rows, kv, gt, d = qi.shape
-    scores = _row_scores(qi, ki, mi, keys_d_major)
+    scores, _ = _row_scores(qi, ki, mi, keys_d_major, softcap)
     top = scores.max(-1, keepdims=True)
     e = jnp.exp(scores - top)
     total = e.sum(-1, keepdims=True)
@@ -943,15 +970,19 @@ def _row_attention(keys_d_major: bool, xs: tuple[Array, ...]) -> tuple[Array, Ar
     return (out / total).astype(vi.dtype), top, total
 
 
-def _row_grads(keys_d_major: bool, xs: tuple[Array, ...]) -> tuple[Array, Array, Array]:
+def _row_grads(keys_d_major: bool, softcap: float | None, xs: tuple[Array, ...]) -> tuple[Array, Array, Array]:
     """One loop step of the VJP: the scores recomputed from q and k, then (dq, dk, dv)."""
     qi, ki, vi, mi, oi, top, total, gi = xs
     rows, kv, gt, d = qi.shape
-    p = jnp.exp(_row_scores(qi, ki, mi, keys_d_major) - top) / total  # [rows, kv, g, t, s]
+    scores, slope = _row_scores(qi, ki, mi, keys_d_major, softcap)
+    p = jnp.exp(scores - top) / total  # [rows, kv, g, t, s]
     gf = gi.astype(jnp.float32).reshape(rows, kv, gt, d)
     dp = _bdot(gf, vi.astype(jnp.float32), 3, 3).reshape(p.shape)
     delta = (gf.reshape(oi.shape) * oi.astype(jnp.float32)).sum(-1, keepdims=True)
-    ds = jnp.where(mi[:, None, None], p * (dp - delta), 0.0).reshape(rows, kv, gt, -1) * (d**-0.5)
+    ds = jnp.where(mi[:, None, None], p * (dp - delta), 0.0)
+    if slope is not None:
+        ds = ds * slope
+    ds = ds.reshape(rows, kv, gt, -1) * (d**-0.5)
     dq = _bdot(ds, ki.astype(jnp.float32), 3, 3 if keys_d_major else 2)  # [rows, kv, g*t, d]
     # dk and dv contract the query rows of both operands: XLA:CPU ran that batched product with
     # its generic dot emitter, not its library kernels (`experiments/benchmarks/backward_layouts.py`
@@ -973,7 +1004,7 @@ def _query_blocks(q: Array, t: int, blocks: int) -> list[Array]:
     return [q5[:, :, :, i * tb:(i + 1) * tb].reshape(rows, kv, -1, d) for i in range(blocks)]
 
 
-def _causal_row_attention(keys_d_major: bool, blocks: int, xs: tuple[Array, ...]
+def _causal_row_attention(keys_d_major: bool, blocks: int, softcap: float | None, xs: tuple[Array, ...]
                           ) -> tuple[Array, Array, Array]:
     """`_row_attention` for a mask that sees no later position, in `blocks` query blocks: block i
     attends to the first (i + 1) / blocks of the keys only (the rest are masked anyway). With
@@ -981,24 +1012,25 @@ def _causal_row_attention(keys_d_major: bool, blocks: int, xs: tuple[Array, ...]
     span, as a response after a shared prompt (`strided_group_attention`); block i then attends
     to the first o + (i + 1) t / blocks keys."""
     if blocks == 1:
-        return _row_attention(keys_d_major, xs)
+        return _row_attention(keys_d_major, softcap, xs)
     qi, ki, vi, mi = xs
     t, s = mi.shape[1], mi.shape[2]
     tb = t // blocks
     parts = [
-        _row_attention(keys_d_major, (qb, _first_keys(ki, s - t + (i + 1) * tb, keys_d_major),
-                                      vi[:, :, :s - t + (i + 1) * tb],
-                                      mi[:, i * tb:(i + 1) * tb, :s - t + (i + 1) * tb]))
+        _row_attention(keys_d_major, softcap, (qb, _first_keys(ki, s - t + (i + 1) * tb, keys_d_major),
+                                               vi[:, :, :s - t + (i + 1) * tb],
+                                               mi[:, i * tb:(i + 1) * tb, :s - t + (i + 1) * tb]))
         for i, qb in enumerate(_query_blocks(qi, t, blocks))
     ]
     return tuple(jnp.concatenate(x, axis=3) for x in zip(*parts))  # type: ignore[return-value]
 
 
-def _causal_row_grads(keys_d_major: bool, blocks: int, xs: tuple[Array, ...]) -> tuple[Array, Array, Array]:
+def _causal_row_grads(keys_d_major: bool, blocks: int, softcap: float | None, xs: tuple[Array, ...]
+                      ) -> tuple[Array, Array, Array]:
     """`_row_grads` in the query blocks of `_causal_row_attention`; key and value gradients add up
     over the blocks that read them."""
     if blocks == 1:
-        return _row_grads(keys_d_major, xs)
+        return _row_grads(keys_d_major, softcap, xs)
     qi, ki, vi, mi, oi, top, total, gi = xs
     rows, kv, gt, d = qi.shape
     t, s = mi.shape[1], mi.shape[2]
@@ -1006,7 +1038,7 @@ def _causal_row_grads(keys_d_major: bool, blocks: int, xs: tuple[Array, ...]) ->
     dqs, dk, dv = [], jnp.zeros(ki.shape, jnp.float32), jnp.zeros(vi.shape, jnp.float32)
     for i, qb in enumerate(_query_blocks(qi, t, blocks)):
         n, rows_t = s - t + (i + 1) * tb, slice(i * tb, (i + 1) * tb)
-        dq_b, dk_b, dv_b = _row_grads(keys_d_major, (
+        dq_b, dk_b, dv_b = _row_grads(keys_d_major, softcap, (
             qb, _first_keys(ki, n, keys_d_major), vi[:, :, :n], mi[:, rows_t, :n],
             oi[:, :, :, rows_t], top[:, :, :, rows_t], total[:, :, :, rows_t], gi[:, :, :, rows_t]))
         dqs.append(dq_b.reshape(rows, kv, -1, tb, d))
@@ -1031,8 +1063,9 @@ def causal_blocks(t: int) -> int:
     return 1
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _looped_attention(keys_d_major: bool, blocks: int, q: Array, k: Array, v: Array, mask: Array) -> Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _looped_attention(keys_d_major: bool, blocks: int, softcap: float | None, q: Array, k: Array, v: Array,
+                      mask: Array) -> Array:
     """Attention with a leading loop axis ([n, rows, ...] inputs -> [n, rows, kv, g, t, d]);
     blocks > 1 promises a causal mask (`_causal_row_attention`).
 
@@ -1043,21 +1076,21 @@ def _looped_attention(keys_d_major: bool, blocks: int, q: Array, k: Array, v: Ar
     is flash-attention's: it keeps only each row's max and sum and recomputes the scores a row at
     a time, instead of storing every probability (no [b,kv,g*t,s] residual).
     """
-    return _looped_attention_fwd(keys_d_major, blocks, q, k, v, mask)[0]
+    return _looped_attention_fwd(keys_d_major, blocks, softcap, q, k, v, mask)[0]
 
 
-def _looped_attention_fwd(keys_d_major: bool, blocks: int, q: Array, k: Array, v: Array, mask: Array
-                          ) -> tuple[Array, Any]:
-    step = functools.partial(_causal_row_attention, keys_d_major, blocks)
+def _looped_attention_fwd(keys_d_major: bool, blocks: int, softcap: float | None, q: Array, k: Array,
+                          v: Array, mask: Array) -> tuple[Array, Any]:
+    step = functools.partial(_causal_row_attention, keys_d_major, blocks, softcap)
     out, top, total = jax.lax.map(step, (q, k, v, mask))
     return out, (q, k, v, mask, out, top, total)
 
 
 @scoped(S.ATTENTION)
-def _looped_attention_bwd(keys_d_major: bool, blocks: int, residuals: Any, g_out: Array
+def _looped_attention_bwd(keys_d_major: bool, blocks: int, softcap: float | None, residuals: Any, g_out: Array
                           ) -> tuple[Array, Array, Array, None]:
     q, k, v, mask, out, top, total = residuals
-    dq, dk, dv = jax.lax.map(functools.partial(_causal_row_grads, keys_d_major, blocks),
+    dq, dk, dv = jax.lax.map(functools.partial(_causal_row_grads, keys_d_major, blocks, softcap),
                              (q, k, v, mask, out, top, total, g_out))
     return dq, dk, dv, None
 

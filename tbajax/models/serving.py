@@ -239,8 +239,9 @@ def stacked_params(cfg: ModelConfig, params: ServingParams) -> dict[str, Any]:
 
 @scoped(S.LM_HEAD)
 def logits(cfg: ModelConfig, params: ServingParams, hidden: Array) -> Array:
-    """fp32 logits [..., vocab] of final hidden states."""
-    out = L.out_major_product(hidden, params.head_matrix(cfg), out_dtype=jnp.float32)
+    """fp32 logits [..., vocab] of final hidden states (soft-capped at `final_logit_softcapping`)."""
+    out = L.soft_capped(L.out_major_product(hidden, params.head_matrix(cfg), out_dtype=jnp.float32),
+                        cfg.final_logit_softcapping)
     return constrain(out, ("batch", "act_vocab")) if out.ndim == 2 else out
 
 

@@ -335,7 +335,7 @@ class PriorScorer:
 
             model = nnx.merge(graphdef, state)
             hidden, _ = model.hidden_states(ids, positions_from_mask(mask), mask)
-            lp = window_logprobs(hidden, model.head_weight(), ids, slots, 1.0)
+            lp = window_logprobs(hidden, model.head_weight(), ids, slots, 1.0, softcap=model.logit_softcap)
             return jnp.where(inside, lp, 0.0).sum(-1)
 
         self._fn = jax.jit(fn)

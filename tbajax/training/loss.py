@@ -18,12 +18,11 @@ from flax import nnx
 from tbajax import op_scopes as S
 from tbajax.batch import (
     Batch,
-    HeadChunk,
     hidden_token_logprobs,
     packed_hidden_logprobs,
     windowed_hidden_logprobs,
 )
-from tbajax.models.decoder import packed_mask
+from tbajax.models.decoder import CausalLM, packed_mask
 from tbajax.models.layers import StridedGroups
 from tbajax.objectives.base import Metrics
 from tbajax.objectives.registry import EVERYTHING, ObjectiveInputs, ObjectiveSpec, aux_for_loss
@@ -45,15 +44,16 @@ def sequence_logprobs(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, t
                 else StridedGroups(pk.prompt_real, pk.response_real))
         hidden, _ = model.hidden_states(pk.tokens, pk.positions, mask)
         return packed_hidden_logprobs(hidden, model.head_weight(), batch, temperature,
-                                      model.config.head_chunk_tokens)
+                                      model.config.head_chunk_tokens, model.logit_softcap)
     hidden, _ = model.hidden_states(batch.tokens, attention_mask=batch.attention_mask)
-    return _row_logprobs(hidden, model.head_weight(), batch, temperature, model.config.head_chunk_tokens)
+    return _row_logprobs(hidden, model, batch, temperature)
 
 
-def _row_logprobs(hidden: Array, head: Array, batch: Batch, temperature: float, chunk: HeadChunk) -> Array:
+def _row_logprobs(hidden: Array, model: CausalLM, batch: Batch, temperature: float) -> Array:
+    head, chunk, softcap = model.head_weight(), model.config.head_chunk_tokens, model.logit_softcap
     if batch.scored is not None:
-        return windowed_hidden_logprobs(hidden, head, batch, temperature, chunk)
-    return hidden_token_logprobs(hidden, head, batch.tokens, temperature, chunk)
+        return windowed_hidden_logprobs(hidden, head, batch, temperature, chunk, softcap)
+    return hidden_token_logprobs(hidden, head, batch.tokens, temperature, chunk, softcap)
 
 
 def logprobs_and_prompt_features(
@@ -66,7 +66,7 @@ def logprobs_and_prompt_features(
                          "set train.trainer.pack_groups=false")
     model = nnx.merge(graphdef, params)
     hidden, _ = model.hidden_states(batch.tokens, attention_mask=batch.attention_mask)
-    logprobs = _row_logprobs(hidden, model.head_weight(), batch, temperature, model.config.head_chunk_tokens)
+    logprobs = _row_logprobs(hidden, model, batch, temperature)
     prompt = batch.attention_mask.astype(bool) & (jnp.cumsum(batch.loss_mask.astype(jnp.int32), axis=-1) == 0)
     weights = prompt.astype(jnp.float32)
     pooled = jnp.einsum("bt,btd->bd", weights, hidden.astype(jnp.float32))

@@ -6,8 +6,9 @@ attention and the MLP) and per-head q/k norms; a GeGLU MLP (tanh GELU); embeddin
 sqrt(hidden_size); attention scaled by query_pre_attn_scalar ** -0.5; tied embeddings. Its
 layers are of two kinds (`ModelConfig.layer_types`): most attend within a sliding window and take
 RoPE of base `rope_local_base_freq`, every sixth (by default) attends to everything with the
-global base and scaling (`ModelConfig.layer_kinds`). Gemma 2's logit soft-capping and the
-multimodal Gemma 3 checkpoints (4B and up, `gemma3`) are refused naming the field.
+global base and scaling (`ModelConfig.layer_kinds`). Soft-capping of the scores and logits
+(null in the published configs) is read and applied as Gemma 2's (`gemma2`, which reuses this
+module's math). The multimodal Gemma 3 checkpoints (4B and up, `gemma3`) are refused with a hint.
 """
 
 from __future__ import annotations
@@ -33,18 +34,26 @@ ACTIVATION = "gelu_pytorch_tanh"
 # ----------------------------------------------------------------------------- config
 
 
-def parse_hf(hf: dict[str, Any]) -> dict[str, Any]:
-    for field in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if hf.get(field) is not None:
-            raise UnsupportedModelError(f"{field}={hf[field]} is not supported for gemma3_text (only null)")
+def check_hf(hf: dict[str, Any]) -> None:
+    """What Gemma 2 and 3 checkpoints may set that we do not compute: refused naming the field."""
+    model_type = hf.get("model_type")
     if hf.get("use_bidirectional_attention"):
-        raise UnsupportedModelError("use_bidirectional_attention=true is not supported for gemma3_text")
+        raise UnsupportedModelError(f"use_bidirectional_attention=true is not supported for {model_type}")
     if hf.get("attention_bias"):
-        raise UnsupportedModelError("attention_bias=true is not supported for gemma3_text")
+        raise UnsupportedModelError(f"attention_bias=true is not supported for {model_type}")
     act = hf.get("hidden_activation") or hf.get("hidden_act") or ACTIVATION
     if act != ACTIVATION:
-        raise UnsupportedModelError(f"hidden_activation={act!r} is not supported for gemma3_text "
+        raise UnsupportedModelError(f"hidden_activation={act!r} is not supported for {model_type} "
                                     f"(only {ACTIVATION!r})")
+
+
+def soft_caps(hf: dict[str, Any]) -> dict[str, float | None]:
+    return {field: None if hf.get(field) is None else float(hf[field])
+            for field in ("attn_logit_softcapping", "final_logit_softcapping")}
+
+
+def parse_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    check_hf(hf)
     layers = int(hf["num_hidden_layers"])
     pattern = int(hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or 6)
     layer_types = hf.get("layer_types") or [
@@ -81,6 +90,7 @@ def parse_hf(hf: dict[str, Any]) -> dict[str, Any]:
         layer_types=tuple(layer_types),
         local_rope_theta=float(local.get("rope_theta", 10000.0)),
         query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar") or head_dim),
+        **soft_caps(hf),
     )
 
 
@@ -105,8 +115,8 @@ def to_hf(cfg: ModelConfig) -> dict[str, Any]:
         "query_pre_attn_scalar": _number(cfg.query_pre_attn_scalar),
         "sliding_window": cfg.sliding_window,
         "layer_types": list(cfg.layer_types or ["full_attention"] * cfg.num_layers),
-        "final_logit_softcapping": None,
-        "attn_logit_softcapping": None,
+        "final_logit_softcapping": cfg.final_logit_softcapping,
+        "attn_logit_softcapping": cfg.attn_logit_softcapping,
         "use_bidirectional_attention": False,
         "rope_parameters": {"full_attention": full, "sliding_attention": {"rope_type": "default",
                                                                           "rope_theta": local}},
@@ -120,8 +130,8 @@ def _number(x: float | None) -> float | int | None:
 
 def validate(cfg: ModelConfig) -> None:
     if cfg.query_pre_attn_scalar is None:
-        raise UnsupportedModelError("gemma3_text needs query_pre_attn_scalar (ModelConfig.from_hf reads it "
-                                    "from config.json)")
+        raise UnsupportedModelError(f"{cfg.model_type} needs query_pre_attn_scalar (ModelConfig.from_hf reads "
+                                    "it from config.json)")
 
 
 # ----------------------------------------------------------------------------- parameters
@@ -139,13 +149,13 @@ NORMS = ("input_norm", "post_attention_norm", "pre_feedforward_norm", "post_feed
 
 def layer_params(cfg: ModelConfig) -> dict[str, ParamSpec]:
     d, h, kv, hd, f = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+    qk_norms = {name: ParamSpec(("head_dim",), (hd,), "zeros") for name in ("q_norm", "k_norm")}
     return {
         **{name: ParamSpec(("norm",), (d,), "zeros") for name in NORMS},
         "q_proj": ParamSpec(("embed", "q_heads", "head_dim"), (d, h, hd)),
         "k_proj": ParamSpec(("embed", "kv_heads", "head_dim"), (d, kv, hd)),
         "v_proj": ParamSpec(("embed", "kv_heads", "head_dim"), (d, kv, hd)),
-        "q_norm": ParamSpec(("head_dim",), (hd,), "zeros"),
-        "k_norm": ParamSpec(("head_dim",), (hd,), "zeros"),
+        **(qk_norms if cfg.qk_norm else {}),
         "o_proj": ParamSpec(("q_heads", "head_dim", "embed"), (h, hd, d)),
         "gate_proj": ParamSpec(("embed", "mlp"), (d, f)),
         "up_proj": ParamSpec(("embed", "mlp"), (d, f)),
@@ -200,13 +210,14 @@ def block(
     w = {k: v.astype(dt) for k, v in p.items()}
     eps = cfg.rms_norm_eps
     q, k, v = llama.query_key_value(cfg, w, rms_norm(x, w["input_norm"], eps))
-    q, k = rms_norm(q, w["q_norm"], eps), rms_norm(k, w["k_norm"], eps)
+    if cfg.qk_norm:  # Gemma 3's; Gemma 2 has none
+        q, k = rms_norm(q, w["q_norm"], eps), rms_norm(k, w["k_norm"], eps)
     q, k = L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin)
     assert cfg.query_pre_attn_scalar is not None
     if cfg.query_pre_attn_scalar != cfg.head_dim:  # attention scales by head_dim ** -0.5
         q = q * jnp.asarray((cfg.head_dim / cfg.query_pre_attn_scalar) ** 0.5, dt)
     q = constrain(q, ("batch", "length", "act_heads", None))
-    o, new_cache = L.self_attention(q, k, v, mask, cache, dt, cfg.attention)
+    o, new_cache = L.self_attention(q, k, v, mask, cache, dt, cfg.attention, cfg.attn_logit_softcapping)
     o = L.decode_matrix_product(o, w, "o_proj", in_axes=2)
     x = x + rms_norm(o, w["post_attention_norm"], eps)
     h = llama.gated_mlp(w, rms_norm(x, w["pre_feedforward_norm"], eps), geglu)
