@@ -169,7 +169,8 @@ def hidden_token_logprobs(hidden: Array, head: Array, tokens: Array, temperature
     """`token_logprobs` of `hidden @ head` ([B, T, D] hidden, [D, V] head) without going through
     autodiff of the vocabulary projection: `head_logprobs` computes the [B, T, V] logit gradient
     once and feeds both weight-gradient matmuls from it."""
-    return _aligned(head_logprobs(hidden, head, _next_tokens(tokens), jnp.float32(temperature), chunk, softcap))
+    targets = _next_tokens(tokens)
+    return _aligned(head_logprobs(hidden, head, targets, jnp.float32(temperature), chunk, softcap))
 
 
 # `head_logprobs(chunk=...)`: tokens per chunk of the vocabulary projection, "auto" (as many as

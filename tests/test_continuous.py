@@ -166,7 +166,8 @@ def test_a_sliding_window_samples_alike_in_every_engine(tiny_checkpoint, family)
     mesh = make_mesh(MeshConfig(data=2), devices=jax.devices()[:2])
     sharded = Sampler(load_model(tiny_checkpoint(family), mesh=mesh), mesh=mesh, max_cache_length=32)
     # the engines split between the two models (each run compiles its own programs)
-    engines = [(copied, False, ((2, 20), (4, 24), (2, 32))) if family != "mistral_window" else (copied, True, None),
+    tiered = (copied, False, ((2, 20), (4, 24), (2, 32)))
+    engines = [(copied, True, None) if family == "mistral_window" else tiered,
                (sharded, True, ((4, 4), (2, 8), (2, 12)))]
     for sampler, shared, tiers in engines:
         engine, groups = _run_engine(sampler, cfg, key, prompts, slots=8, chunk=3, share_prompt_cache=shared,

@@ -528,7 +528,8 @@ def test_logprob_gradients_match_torch(ckpt, tiny_checkpoint, name):
     from tbajax.models.hf import hf_tensors
     from tbajax.training import sequence_logprobs
 
-    directory = tiny_checkpoint(name) if name in ("qwen2_tied", "olmo2", "phi3", "gemma2", "gemma3") else ckpt(name)
+    tiny = ("qwen2_tied", "olmo2", "phi3", "gemma2", "gemma3")
+    directory = tiny_checkpoint(name) if name in tiny else ckpt(name)
     temperature = 0.7
     ids, mask = _batch(3)
     scored = mask * np.pad(mask[:, :-1], ((0, 0), (1, 0)))  # a real token after a real one

@@ -908,7 +908,8 @@ def test_attention_after_a_shared_prompt_equals_attention_over_copied_prompts(h,
     assert got.shape == (b, 1, h, d)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
     heads = np.repeat(np.arange(kv), h // kv)  # query head -> its kv head
-    scores = np.einsum("bhd,bhds->bhs", np.asarray(q[:, 0], np.float64), np.asarray(keys, np.float64)[:, heads])
+    scores = np.einsum("bhd,bhds->bhs", np.asarray(q[:, 0], np.float64),
+                       np.asarray(keys, np.float64)[:, heads])
     scores = scores * d**-0.5 if softcap is None else softcap * np.tanh(scores * d**-0.5 / softcap)
     scores = np.where(full_valid, scores, -np.inf)  # [b, 1, s] over the heads
     probs = np.exp(scores - scores.max(-1, keepdims=True))

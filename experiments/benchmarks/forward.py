@@ -8,11 +8,11 @@ residual) causal LM, and a GPT-NeoX reward model (`*ForSequenceClassification`, 
 at each row's last real token of a right-padded batch (`load_scorer(...).score` vs the torch
 model's pooled logits); `gemma3`, a Gemma 3 text model (five layers of six windowed to 128
 positions, `common.make_gemma3_checkpoint`) and `gemma2`, a Gemma 2 (every other layer windowed,
-scores and logits soft-capped, `common.make_gemma2_checkpoint`), not run by default. Both sides hold and compute in
-fp32 (or both in bf16 with `--dtype bfloat16`)
-on this machine's CPU; compile time is reported separately
-from steady state. The two sides take turns call by call (`common.timed_in_turns`): the ratio is
-the median over rounds of torch's / tbajax's time, tok/s come from each side's best call.
+scores and logits soft-capped, `common.make_gemma2_checkpoint`), not run by default. Both sides
+hold and compute in fp32 (or both in bf16 with `--dtype bfloat16`) on this machine's CPU; compile
+time is reported separately from steady state. The two sides take turns call by call
+(`common.timed_in_turns`): the ratio is the median over rounds of torch's / tbajax's time, tok/s
+come from each side's best call.
 
 `--compare NAME` times the causal-LM rows it applies to once more against the same forward with
 one piece of tbajax replaced by what it was before (`COMPARISONS`), the two arms taking turns

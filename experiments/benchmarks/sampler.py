@@ -84,7 +84,8 @@ SIZES: dict[str, dict[str, int]] = {
     "gemma2-10M": {"model_type": "gemma2", "hidden_size": 256, "intermediate_size": 704,
                    "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
                    "query_pre_attn_scalar": 64, "sliding_window": 128, "vocab_size": 8192,
-                   "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "tie_word_embeddings": True},
+                   "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+                   "tie_word_embeddings": True},
     # Pythia-410M's shapes (GPT-NeoX: fused q/k/v, GELU MLP, partial rotary, parallel residual)
     "pythia-410M": {"model_type": "gpt_neox", "hidden_size": 1024, "intermediate_size": 4096,
                     "num_hidden_layers": 24, "num_attention_heads": 16, "vocab_size": 50304,

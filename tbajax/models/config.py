@@ -186,8 +186,9 @@ class ModelConfig:
                 raise UnsupportedModelError(f"{name} is read and written for {SOFT_CAPPED_MODEL_TYPES} "
                                             f"checkpoints, not {self.model_type}")
         if self.attention == "cudnn" and self.attn_logit_softcapping is not None:
-            raise ValueError(f"attention='cudnn' has no score soft-capping, and this model soft-caps its scores "
-                             f"(attn_logit_softcapping={self.attn_logit_softcapping}): keep attention='xla'")
+            raise ValueError(f"attention='cudnn' has no score soft-capping, and this model soft-caps its "
+                             f"scores (attn_logit_softcapping={self.attn_logit_softcapping}): keep "
+                             "attention='xla'")
         if self.num_labels is not None and self.num_labels < 1:
             raise ValueError(f"num_labels={self.num_labels} must be >= 1")
         from tbajax.models.families import family_for

@@ -628,7 +628,8 @@ def strided_group_attention(q: Array, k: Array, v: Array, mask: StridedGroups, i
     def attend(q: Array, k: Array, v: Array, sees: Array) -> Array:  # k, v [rows, s, kv, d]
         if implementation == "cudnn":
             return cudnn_attention(q, k, v, sees, causal=True, softcap=softcap)
-        return attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), sees, causal=True, softcap=softcap)
+        return attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), sees, causal=True,
+                         softcap=softcap)
 
     def responses(x: Array) -> Array:  # [b, P + K R, ...] -> [b K, R, ...]
         return x[:, p:].reshape(b * n, r, *x.shape[2:])
@@ -970,7 +971,8 @@ def _row_attention(keys_d_major: bool, softcap: float | None, xs: tuple[Array, .
     return (out / total).astype(vi.dtype), top, total
 
 
-def _row_grads(keys_d_major: bool, softcap: float | None, xs: tuple[Array, ...]) -> tuple[Array, Array, Array]:
+def _row_grads(keys_d_major: bool, softcap: float | None, xs: tuple[Array, ...]
+               ) -> tuple[Array, Array, Array]:
     """One loop step of the VJP: the scores recomputed from q and k, then (dq, dk, dv)."""
     qi, ki, vi, mi, oi, top, total, gi = xs
     rows, kv, gt, d = qi.shape

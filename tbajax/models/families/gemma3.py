@@ -130,8 +130,8 @@ def _number(x: float | None) -> float | int | None:
 
 def validate(cfg: ModelConfig) -> None:
     if cfg.query_pre_attn_scalar is None:
-        raise UnsupportedModelError(f"{cfg.model_type} needs query_pre_attn_scalar (ModelConfig.from_hf reads "
-                                    "it from config.json)")
+        raise UnsupportedModelError(f"{cfg.model_type} needs query_pre_attn_scalar (ModelConfig.from_hf "
+                                    "reads it from config.json)")
 
 
 # ----------------------------------------------------------------------------- parameters
