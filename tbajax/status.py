@@ -102,8 +102,11 @@ def run_state(run_dir: str | os.PathLike[str], now: float | None = None) -> RunS
         state = "stopped"
     else:
         state = "not started"
-    evals = [(int(r["step"]), float(r["eval_score"])) for r in eval_records(run_dir)]
-    metric = summary.get("eval_metric") if summary else None
+    records = eval_records(run_dir)
+    evals = [(int(r["step"]), float(r["eval_score"])) for r in records]
+    # the task's headline metric: every evaluation record names it (the summary too, at the end)
+    metric = next((r["eval_metric"] for r in reversed(records) if "eval_metric" in r),
+                  summary.get("eval_metric") if summary else None)
     return RunState(str(run_dir), config.name, config.train.objective, config.system.mode,
                     config.system.num_searchers, config.train.steps, state, step,
                     rundir.stop_requested(run_dir), launcher, roles, evals, metric,

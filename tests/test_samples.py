@@ -96,15 +96,16 @@ def test_status_of_a_run_from_its_files(tmp_path, capsys):
     rundir.write_status(run, "trainer", {"phase": "training", "step": 4})  # this (live) process
     rundir.write_status(run, "searcher-0", {"version": 2, "samples": 96, "tokens_per_s": 812.4})
     metrics = MetricsWriter(run, "trainer", tensorboard=False)
-    metrics.write(0, {"eval_score": 0.25})
-    metrics.write(4, {"eval_score": 0.5})
+    metrics.write(0, {"eval_score": 0.25, "eval_metric": "accuracy"})  # as the trainer writes them
+    metrics.write(4, {"eval_score": 0.5, "eval_metric": "accuracy"})
     metrics.close()
     (run / "checkpoints" / "4").mkdir(parents=True)
     state = run_state(run)
     assert (state.state, state.step, state.checkpoints) == ("running", 4, [4])
     assert state.evals == [(0, 0.25), (4, 0.5)]
     text = describe(state)
-    assert "running: trainer step 4 of 10 (40%)" in text and "0.250 (step 0) → 0.500 (step 4)" in text
+    assert "running: trainer step 4 of 10 (40%)" in text
+    assert "accuracy: 0.250 (step 0) → 0.500 (step 4)" in text  # the task's metric, named while it runs
     assert re.search(r"searcher-0 +- +- +2 +96 +812 +\d+ s ago", text), text
     # its processes have exited: stopped, and how to continue it
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,

@@ -20,7 +20,7 @@ import pytest
 from tests.conftest import ROLE_XLA_FLAGS
 
 from tbajax.stores import ParamReader, TrajectoryReader, discover_searcher_stores, param_store_url
-from tbajax.system.metrics import read_metrics
+from tbajax.system.metrics import eval_records, read_metrics
 from tbajax.trajectory import RewardStatus
 
 pytestmark = pytest.mark.processes
@@ -173,6 +173,8 @@ def test_sync_mode_uses_the_same_trainer_and_user_objective(tmp_path):
     # the scorer's rewards and per-sample extras are what the store holds; eval uses the task's metrics
     assert summary["eval_metric"] == "odd_share" and 0.0 <= summary["eval_score_end"] <= 1.0
     assert summary["eval_end"]["eval_mean_length"] >= 1.0
+    evals = eval_records(run)  # each names its metric (`python -m tbajax.status` shows it while running)
+    assert evals and all(r["eval_metric"] == "odd_share" for r in evals)
     reader = TrajectoryReader(discover_searcher_stores(str(run))[0])
     rows = reader.read(0, reader.committed_rows())
     assert rows and all(r.extras["length"] == len(r.response_tokens) for r in rows)

@@ -233,7 +233,8 @@ def run_trainer(run_dir: Path, *, resume: bool = False, store_url: str | None = 
         summary_start = {"eval_score_start": acc["eval_score"], "eval_start": acc}
         if "eval_accuracy" in acc:
             summary_start["eval_accuracy_start"] = acc["eval_accuracy"]
-        metrics.write(learner.step, {**acc, "version": version, "elapsed_s": counters.elapsed()})
+        metrics.write(learner.step, {**acc, "eval_metric": evaluator.metric, "version": version,
+                                     "elapsed_s": counters.elapsed()})
         write_status(run_dir, "trainer", {"step": learner.step, "phase": "waiting for data", **acc})
     # checkpoints written before eval_score existed hold only eval_accuracy_start
     last = {"eval_score": summary_start.get("eval_score_start", summary_start.get("eval_accuracy_start"))}
@@ -259,7 +260,7 @@ def run_trainer(run_dir: Path, *, resume: bool = False, store_url: str | None = 
         paused after it (`pauses_after`: evaluation and checkpoint steps)."""
         nonlocal last
         if evaluator is not None and is_eval_step(config, step):
-            record.update(evaluator.run(learner.trainer.policy()))
+            record.update(evaluator.run(learner.trainer.policy()), eval_metric=evaluator.metric)
             log.info("step %d: eval %s %.3f", step, evaluator.metric, record["eval_score"])
         if step % 10 == 0 and primary:
             log.info("step %d: loss %.4g reward %.3f lag %.1f buffer %d rows (%.2fs/step)", step, record.get("loss", float("nan")),
@@ -335,7 +336,7 @@ def run_trainer(run_dir: Path, *, resume: bool = False, store_url: str | None = 
     else:
         metric = evaluator.metric
         log.info("final eval %s %.3f after %d steps", metric, final["eval_score"], learner.step)
-        metrics.write(learner.step, {**final, "version": version, "elapsed_s": wall})
+        metrics.write(learner.step, {**final, "eval_metric": metric, "version": version, "elapsed_s": wall})
     lags = [(r["policy_lag_mean"], r["policy_lag_max"]) for r in read_metrics(run_dir, "trainer") if "policy_lag_mean" in r]
     summary = {
         "experiment": config.name,
