@@ -3,6 +3,7 @@
 import dataclasses
 import functools
 import json
+import math
 import re
 import shutil
 from pathlib import Path
@@ -184,14 +185,99 @@ def test_a_gemma2_2b_config_reads_as_transformers_reads_it():
         dataclasses.replace(llama, attn_logit_softcapping=50.0)
 
 
-def test_phi3_variants_it_cannot_compute_exactly_are_refused(tiny_checkpoint):
-    """Phi-3.5 / Phi-4-mini's longrope."""
-    hf = json.loads((tiny_checkpoint("phi3") / "config.json").read_text())
-    assert ModelConfig.from_hf(hf).rotary_dim == 6
-    longrope = {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 3,
-                "long_factor": [2.0] * 3, "original_max_position_embeddings": 64, "partial_rotary_factor": 0.5}
-    with pytest.raises(UnsupportedModelError, match="longrope"):
-        ModelConfig.from_hf({**hf, "rope_parameters": longrope, "rope_scaling": None})
+def _longrope_phi3(directory: Path) -> Path:
+    """A tiny Phi-3 with LongRoPE, as Phi-3.5-mini / Phi-4-mini: 3 short and 3 long factors for its
+    6 rotary dims, pretrained on 16 positions of 128 (attention factor sqrt(1 + ln 8 / ln 16))."""
+    from tests.conftest import TINY_FAMILIES, build_tiny_hf_checkpoint
+
+    spec = {**TINY_FAMILIES["phi3"], "max_position_embeddings": 128, "original_max_position_embeddings": 16,
+            "rope_scaling": {"type": "longrope", "short_factor": [1.6, 1.3, 1.05],
+                             "long_factor": [2.1, 5.3, 5.7]}}
+    return build_tiny_hf_checkpoint(directory, spec.pop("model_type"), **spec)
+
+
+def test_phi3_longrope_matches_torch_transformers(tmp_path):
+    """LongRoPE: a call whose longest position is within the pretraining length (16) takes the
+    short factors, a longer one the long factors at all its positions, as transformers chooses;
+    cos / sin scaled by the attention factor. The config round-trips, transformers reads ours, and
+    factors that do not fit the rotary dims are refused."""
+    from transformers import AutoConfig
+
+    model = load_model(_longrope_phi3(tmp_path))
+    s = model.config.rope_scaling
+    assert (s.rope_type, s.original_max_position_embeddings, s.factor) == ("longrope", 16, 8.0)
+    assert s.attention_factor == pytest.approx(math.sqrt(1 + math.log(8) / math.log(16)))
+    shorter = dataclasses.replace(s, original_max_position_embeddings=64)  # never the long factors
+    as_short = nnx.merge(*nnx.split(CausalLM(dataclasses.replace(model.config, rope_scaling=shorter),
+                                             rngs=nnx.Rngs(0)))[:1], nnx.state(model))
+    for t in (11, 24):  # positions up to 10: the short factors; up to 23: the long ones
+        ids, mask = _batch(t=t)
+        ref, real = _torch_logits(tmp_path, ids, mask), mask.astype(bool)
+        assert np.abs(logits_of(model, ids, mask) - ref)[real].max() <= 1e-4, t
+        gap = np.abs(logits_of(as_short, ids, mask) - ref)[real].max()
+        assert gap <= 1e-4 if t == 11 else gap > 1e-2, (t, gap)
+    hf = model.config.to_hf()
+    assert ModelConfig.from_hf(hf) == model.config
+    theirs = AutoConfig.for_model(**{k: v for k, v in hf.items() if k != "architectures"}).rope_parameters
+    assert (theirs["rope_type"], theirs["original_max_position_embeddings"]) == ("longrope", 16)
+    assert (theirs["short_factor"], theirs["long_factor"]) == ([1.6, 1.3, 1.05], [2.1, 5.3, 5.7])
+    with pytest.raises(UnsupportedModelError, match="6 rotary dims need 3 of each"):
+        dataclasses.replace(model.config, rope_scaling=dataclasses.replace(s, short_factor=(1.0, 1.0)))
+
+
+@pytest.mark.parametrize("family, scaling", [
+    ("qwen3", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}),
+    # DeepSeek's form: the attention factor from mscale / mscale_all_dim, a narrower ramp
+    ("llama", {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16, "mscale": 0.707,
+               "mscale_all_dim": 1.0, "beta_fast": 16}),
+], ids=["qwen3", "llama_mscale"])
+def test_yarn_rope_matches_torch_transformers(tmp_path, family, scaling):
+    """YaRN (Qwen2.5 / Qwen3 past 32k, DeepSeek): frequencies ramped between kept and divided by
+    the factor, cos / sin times the attention factor: transformers' logits, a config that
+    round-trips, and logits that differ without the scaling (it is in force)."""
+    from tests.conftest import TINY_FAMILIES, build_tiny_hf_checkpoint
+
+    spec = {**TINY_FAMILIES[family], "rope_scaling": scaling}
+    model = load_model(build_tiny_hf_checkpoint(tmp_path, spec.pop("model_type"), **spec))
+    assert model.config.rope_scaling.rope_type == "yarn"
+    assert ModelConfig.from_hf(model.config.to_hf()) == model.config
+    ids, mask = _batch(t=20)
+    ref, real = _torch_logits(tmp_path, ids, mask), mask.astype(bool)
+    assert np.abs(logits_of(model, ids, mask) - ref)[real].max() <= 1e-4
+    plain = nnx.merge(*nnx.split(CausalLM(dataclasses.replace(model.config, rope_scaling=None),
+                                          rngs=nnx.Rngs(0)))[:1], nnx.state(model))
+    assert np.abs(logits_of(plain, ids, mask) - ref)[real].max() > 1e-2
+
+
+def test_phi3_longrope_decode_past_the_pretraining_length_matches_transformers(tmp_path):
+    """One token a step with a KV cache, from a 12-token prompt to position 21: transformers takes
+    the long factors for the steps past position 15 and keeps the keys cached before in their
+    short rotation; our cached pass gives the same logits step for step (teacher-forced)."""
+    directory = _longrope_phi3(tmp_path)
+    model = load_model(directory)
+    torch_model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    b, prompt, total = 2, 12, 22
+    ids = np.random.RandomState(2).randint(3, 101, (b, total))
+    ref = []
+    with torch.no_grad():
+        out = torch_model(input_ids=torch.tensor(ids[:, :prompt]), use_cache=True)
+        ref.append(out.logits[:, -1].numpy())
+        for t in range(prompt, total - 1):
+            out = torch_model(input_ids=torch.tensor(ids[:, t:t + 1]), past_key_values=out.past_key_values,
+                              use_cache=True)
+            ref.append(out.logits[:, -1].numpy())
+    step = nnx.jit(lambda m, ids, pos, mask, cache: m(ids, pos, mask, cache))
+    pos, mask = jnp.broadcast_to(jnp.arange(total), (b, total)), jnp.ones((b, total), bool)
+    ids = jnp.asarray(ids)
+    cache = KVCache.init(model.config, b, total + 2)
+    logits, cache = step(model, ids[:, :prompt], pos[:, :prompt], mask[:, :prompt], cache)
+    ours = [logits[:, -1]]
+    for t in range(prompt, total - 1):
+        logits, cache = step(model, ids[:, t:t + 1], pos[:, t:t + 1], mask[:, t:t + 1], cache)
+        ours.append(logits[:, -1])
+    np.testing.assert_allclose(np.stack(ours, 1), np.stack(ref, 1), atol=1e-4)
+    full = logits_of(model, np.asarray(ids), np.ones((b, total)))  # one call: long factors everywhere
+    assert np.abs(full[:, total - 2] - ref[-1]).max() > 1e-3  # so the steps past 15 are not a full pass
 
 
 @pytest.mark.parametrize(
@@ -345,7 +431,7 @@ def _edit_config(directory: Path, **changes) -> None:
     [
         ({"model_type": "mamba"}, "model_type='mamba'"),
         ({"model_type": "gemma3"}, "the multimodal Gemma 3.*are gemma3_text"),
-        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "'yarn'"),
+        ({"rope_parameters": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e4}}, "'dynamic'"),
         ({"hidden_act": "gelu"}, "hidden_act"),
     ],
 )

@@ -20,7 +20,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3", 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 WINDOWED_MODEL_TYPES = ("mistral", "phi3", "gemma2", "gemma3_text", "qwen2", "qwen3")  # with a sliding_window
 SOFT_CAPPED_MODEL_TYPES = ("gemma2", "gemma3_text")  # with attn_ / final_logit_softcapping
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn")
 
@@ -31,11 +31,40 @@ class UnsupportedModelError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    rope_type: Literal["linear", "llama3"]
+    """RoPE scaling: "linear", "llama3" (Llama 3.x), "longrope" (Phi-3.5 / Phi-4-mini: each
+    frequency divided by its short or long factor, the long ones for a call whose longest position
+    passes original_max_position_embeddings) or "yarn" (Qwen2.5 / Qwen3 long contexts: frequencies
+    between beta_fast and beta_slow rotations over the pretraining length ramp from kept to divided
+    by factor); for the last two, cos / sin times attention_factor."""
+
+    rope_type: Literal["linear", "llama3", "longrope", "yarn"]
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+
+    def to_hf(self) -> dict[str, Any]:
+        """The config.json `rope_scaling` / `rope_parameters` entries of this type (without rope_theta)."""
+        if self.rope_type == "linear":
+            return {"rope_type": "linear", "factor": self.factor}
+        if self.rope_type == "llama3":
+            return {"rope_type": "llama3", "factor": self.factor, "low_freq_factor": self.low_freq_factor,
+                    "high_freq_factor": self.high_freq_factor,
+                    "original_max_position_embeddings": self.original_max_position_embeddings}
+        if self.rope_type == "yarn":
+            return {"rope_type": "yarn", "factor": self.factor, "beta_fast": self.beta_fast,
+                    "beta_slow": self.beta_slow, "truncate": self.truncate,
+                    "attention_factor": self.attention_factor,
+                    "original_max_position_embeddings": self.original_max_position_embeddings}
+        return {"rope_type": "longrope", "factor": self.factor, "short_factor": list(self.short_factor),
+                "long_factor": list(self.long_factor), "attention_factor": self.attention_factor,
+                "original_max_position_embeddings": self.original_max_position_embeddings}
 
 
 
@@ -189,6 +218,12 @@ class ModelConfig:
             raise ValueError(f"attention='cudnn' has no score soft-capping, and this model soft-caps its "
                              f"scores (attn_logit_softcapping={self.attn_logit_softcapping}): keep "
                              "attention='xla'")
+        s = self.rope_scaling
+        if s is not None and s.rope_type == "longrope":
+            if not len(s.short_factor) == len(s.long_factor) == self.rotary_dim // 2:
+                raise UnsupportedModelError(
+                    f"longrope has {len(s.short_factor)} short and {len(s.long_factor)} long factors; "
+                    f"{self.rotary_dim} rotary dims need {self.rotary_dim // 2} of each")
         if self.num_labels is not None and self.num_labels < 1:
             raise ValueError(f"num_labels={self.num_labels} must be >= 1")
         from tbajax.models.families import family_for
@@ -342,6 +377,10 @@ def _parse_rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
         return theta, None
     if rope_type == "linear":
         return theta, RopeScaling("linear", float(scaling["factor"]))
+    if rope_type == "longrope":
+        return theta, _longrope(hf, scaling)
+    if rope_type == "yarn":
+        return theta, _yarn(hf, scaling)
     return theta, RopeScaling(
         "llama3",
         float(scaling["factor"]),
@@ -351,8 +390,65 @@ def _parse_rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     )
 
 
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """Inverse RoPE frequencies (float64 numpy, then used as constants) incl. Llama-3 scaling."""
+def _lengths(hf: dict[str, Any], scaling: dict[str, Any]) -> tuple[int, float]:
+    """(the pretraining length, the factor) of a LongRoPE or YaRN config as transformers reads them:
+    the length from the top level first (Phi-3 keeps it there), then the scaling dict; the factor,
+    unless given, max_position_embeddings / that length."""
+    original = int(hf.get("original_max_position_embeddings")
+                   or scaling.get("original_max_position_embeddings") or hf["max_position_embeddings"])
+    return original, float(scaling.get("factor") or int(hf["max_position_embeddings"]) / original)
+
+
+def _longrope(hf: dict[str, Any], scaling: dict[str, Any]) -> RopeScaling:
+    """LongRoPE as transformers reads it; attention_factor, unless given, from the factor."""
+    original, factor = _lengths(hf, scaling)
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return RopeScaling("longrope", factor, original_max_position_embeddings=original,
+                       short_factor=tuple(float(x) for x in scaling["short_factor"]),
+                       long_factor=tuple(float(x) for x in scaling["long_factor"]),
+                       attention_factor=float(attention))
+
+
+def _yarn(hf: dict[str, Any], scaling: dict[str, Any]) -> RopeScaling:
+    """YaRN as transformers reads it (DeepSeek's mscale / mscale_all_dim into the attention factor)."""
+    original, factor = _lengths(hf, scaling)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    return RopeScaling("yarn", factor, original_max_position_embeddings=original,
+                       attention_factor=float(attention), beta_fast=float(scaling.get("beta_fast") or 32),
+                       beta_slow=float(scaling.get("beta_slow") or 1),
+                       truncate=bool(scaling.get("truncate", True)))
+
+
+def _yarn_inv_freq(inv: np.ndarray, s: RopeScaling, dim: int, base: float) -> np.ndarray:
+    """YaRN's blend: frequencies that turn more than beta_fast times over the pretraining length
+    are kept, fewer than beta_slow times divided by the factor, a linear ramp between."""
+    def correction_dim(rotations: float) -> float:
+        turns = s.original_max_position_embeddings / (rotations * 2 * math.pi)
+        return dim * math.log(turns) / (2 * math.log(base))
+
+    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+    kept = 1 - ramp
+    return inv / s.factor * (1 - kept) + inv * kept
+
+
+def rope_inv_freq(cfg: ModelConfig, long: bool = False) -> np.ndarray:
+    """Inverse RoPE frequencies (float64 numpy, then used as constants) incl. Llama-3 scaling, and
+    LongRoPE's with its short factors (or `long` ones)."""
     hd = cfg.rotary_dim
     inv = 1.0 / (cfg.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
     s = cfg.rope_scaling
@@ -360,6 +456,10 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
         return inv
     if s.rope_type == "linear":
         return inv / s.factor
+    if s.rope_type == "longrope":
+        return inv / np.asarray(s.long_factor if long else s.short_factor, np.float64)
+    if s.rope_type == "yarn":
+        return _yarn_inv_freq(inv, s, hd, cfg.rope_theta)
     # Llama 3.x: long wavelengths are slowed by `factor`, short ones kept, the band between
     # is interpolated smoothly in 1/wavelength.
     wavelen = 2 * math.pi / inv

@@ -19,11 +19,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tbajax import op_scopes as S
-from tbajax.models.config import ModelConfig, rope_inv_freq
+from tbajax.models.config import ModelConfig
 from tbajax.models.families import Family, ParamSpec, family_for
 from tbajax.models.layers import CausalMask, StridedGroups, apply_rope, attention, rms_norm  # noqa: F401
 from tbajax.models.layers import soft_capped, windowed
-from tbajax.models.layers import rope_tables as _rope_tables
 from tbajax.models.layers import scan_layers
 from tbajax.models.serving import KVCache, ServingParams, cached_pass, unstack
 from tbajax.op_scopes import scoped
@@ -256,8 +255,3 @@ def packed_mask(segments: Array) -> Array | CausalMask:
     faster at TL;DR's ~1400."""
     mask = packed_attention_mask(segments)
     return CausalMask(mask) if segments.shape[-1] >= PACKED_CAUSAL_BLOCKS_MIN else mask
-
-
-def rope_tables(cfg: ModelConfig, positions: Array) -> tuple[Array, Array]:
-    """cos/sin [batch, seq, rotary_dim] for a RoPE family."""
-    return _rope_tables(rope_inv_freq(cfg), positions)

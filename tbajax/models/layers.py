@@ -393,16 +393,18 @@ def _swiglu_bwd(residuals: tuple[Array, Array], g: Array) -> tuple[Array, Array]
 swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
-def rope_tables(inv_freq: Any, positions: Array) -> tuple[Array, Array]:
+def rope_tables(inv_freq: Any, positions: Array, scale: float = 1.0) -> tuple[Array, Array]:
     """cos/sin [batch, seq, rotary_dim] for the rotate-half convention, each computed once by a
     kernel of its own (`own_kernel`): XLA:CPU fused the cos / sin into every loop that reads them
     (the rotation of q and of k, each causal attention block's slice of those, their VJPs) and
     evaluated them there per head and per element, a 3-5% of the train step
-    (`experiments/benchmarks/train_step.py`)."""
+    (`experiments/benchmarks/train_step.py`). Both times `scale` (LongRoPE's attention factor)."""
     inv = jnp.asarray(inv_freq, jnp.float32)
     ang = positions.astype(jnp.float32)[..., None] * inv
     ang = jnp.concatenate([ang, ang], axis=-1)
-    return own_kernel(jnp.cos(ang)), own_kernel(jnp.sin(ang))
+    if scale == 1.0:
+        return own_kernel(jnp.cos(ang)), own_kernel(jnp.sin(ang))
+    return own_kernel(jnp.cos(ang) * scale), own_kernel(jnp.sin(ang) * scale)
 
 
 @scoped(S.ROPE)

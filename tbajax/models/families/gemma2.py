@@ -50,7 +50,7 @@ def parse_hf(hf: dict[str, Any]) -> dict[str, Any]:
 
 def to_hf(cfg: ModelConfig) -> dict[str, Any]:
     out = gemma3.to_hf(cfg)
-    scaling = dataclasses.asdict(cfg.rope_scaling) if cfg.rope_scaling else {"rope_type": "default"}
+    scaling = cfg.rope_scaling.to_hf() if cfg.rope_scaling else {"rope_type": "default"}
     return {**out, "rope_parameters": {**scaling, "rope_theta": cfg.rope_theta}}
 
 

@@ -95,7 +95,7 @@ def parse_hf(hf: dict[str, Any]) -> dict[str, Any]:
 
 
 def to_hf(cfg: ModelConfig) -> dict[str, Any]:
-    scaling = dataclasses.asdict(cfg.rope_scaling) if cfg.rope_scaling else None
+    scaling = cfg.rope_scaling.to_hf() if cfg.rope_scaling else None
     full = {"rope_type": "default", "rope_theta": cfg.rope_theta} if scaling is None else {
         **scaling, "rope_theta": cfg.rope_theta}
     local = cfg.local_rope_theta if cfg.local_rope_theta is not None else cfg.rope_theta

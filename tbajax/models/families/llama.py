@@ -99,7 +99,7 @@ def to_hf(cfg: ModelConfig) -> dict[str, Any]:
         "hidden_act": "silu",
         "rms_norm_eps": cfg.rms_norm_eps,
         "rope_theta": cfg.rope_theta,
-        "rope_scaling": dataclasses.asdict(cfg.rope_scaling) if cfg.rope_scaling else None,
+        "rope_scaling": cfg.rope_scaling.to_hf() if cfg.rope_scaling else None,
         "tie_word_embeddings": cfg.tie_word_embeddings,
         "max_position_embeddings": cfg.max_position_embeddings,
     }
@@ -216,7 +216,18 @@ def embed(cfg: ModelConfig, params: dict[str, Array], tokens: Array, positions: 
 
 
 def position_tables(cfg: ModelConfig, positions: Array) -> tuple[Array, Array]:
-    return L.rope_tables(rope_inv_freq(cfg), positions)
+    s = cfg.rope_scaling
+    if s is None or s.rope_type not in ("longrope", "yarn"):
+        return L.rope_tables(rope_inv_freq(cfg), positions)
+    if s.rope_type == "yarn":
+        return L.rope_tables(rope_inv_freq(cfg), positions, scale=s.attention_factor)
+    # LongRoPE as transformers applies it: one set of factors for the whole call, the long one when
+    # its longest position passes the pretraining length (in a decode step, that of the step's
+    # tokens: keys cached before keep the rotation they were written with), cos / sin scaled
+    long = jnp.max(positions) + 1 > s.original_max_position_embeddings
+    inv = jnp.where(long, rope_inv_freq(cfg, long=True).astype(np.float32),
+                    rope_inv_freq(cfg).astype(np.float32))
+    return L.rope_tables(inv, positions, scale=s.attention_factor)
 
 
 def final_norm(cfg: ModelConfig, params: dict[str, Array], x: Array) -> Array:

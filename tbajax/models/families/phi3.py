@@ -3,8 +3,8 @@ into one weight (all query heads, then the key heads, then the value heads) and 
 projections fused into another, and rotary embeddings on the first `partial_rotary_factor` of
 each head's dims. The fused weights stay fused here as in the checkpoint (and in PEFT's target
 names: qkv_proj, gate_up_proj). A sliding window shorter than the context (Phi-3-mini-4k's 2047)
-is `ModelConfig.sliding_window`; "longrope" scaling (Phi-3.5-mini, Phi-4-mini) is refused naming
-the field."""
+is `ModelConfig.sliding_window`; LongRoPE scaling (Phi-3.5-mini, Phi-4-mini: 128k contexts) is a
+`RopeScaling` of type "longrope", applied as transformers does (`llama.position_tables`)."""
 
 from __future__ import annotations
 
@@ -30,8 +30,12 @@ def parse_hf(hf: dict[str, Any]) -> dict[str, Any]:
 
 
 def to_hf(cfg: ModelConfig) -> dict[str, Any]:
-    return {**llama.to_hf(cfg), "partial_rotary_factor": cfg.rotary_pct, "sliding_window": cfg.sliding_window,
-            "attention_bias": False}
+    out = {**llama.to_hf(cfg), "partial_rotary_factor": cfg.rotary_pct, "sliding_window": cfg.sliding_window,
+           "attention_bias": False}
+    if cfg.rope_scaling is not None and cfg.rope_scaling.rope_type == "longrope":
+        # Phi-3 keeps the pretraining length at the top level, and transformers reads it there first
+        out["original_max_position_embeddings"] = cfg.rope_scaling.original_max_position_embeddings
+    return out
 
 
 def layer_params(cfg: ModelConfig) -> dict[str, ParamSpec]:
