@@ -140,6 +140,54 @@ def test_the_published_gemma3_1b_config_reads_as_transformers_reads_it():
         theirs.layer_types, theirs.rope_parameters, 256, 512)
 
 
+def test_a_multimodal_gemma3_checkpoint_loads_its_text_model(tmp_path):
+    """Gemma 3 4B and up are Gemma3ForConditionalGeneration checkpoints (model_type gemma3): their
+    text model loads (the text_config, its defaults filled in as transformers fills them; the
+    tensors under language_model.model., as transformers writes them, or under
+    model.language_model.), the vision tower is not read, and text-only logits are the whole
+    model's. The export is the text model (gemma3_text), which transformers loads alike."""
+    from safetensors.numpy import load_file, save_file
+    from transformers import AutoConfig, Gemma3ForConditionalGeneration
+
+    text = dict(hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=12, vocab_size=101, max_position_embeddings=128,
+                sliding_window=4, query_pre_attn_scalar=16,
+                layer_types=["sliding_attention", "full_attention"])
+    vision = dict(model_type="siglip_vision_model", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=16, patch_size=8)
+    config = AutoConfig.for_model("gemma3", text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                  image_token_index=100, boi_token_index=98, eoi_token_index=99,
+                                  eos_token_id=[1, 2], pad_token_id=0)
+    torch.manual_seed(0)
+    whole = Gemma3ForConditionalGeneration(config).float().eval()
+    with torch.no_grad():
+        for p in whole.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    whole.save_pretrained(tmp_path / "v4")
+    ids, mask = _batch()
+    ids = np.minimum(ids, 97)  # text tokens only
+    with torch.no_grad():
+        ref = whole(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
+                    position_ids=torch.tensor(np.maximum(np.cumsum(mask, -1) - 1, 0))).logits.numpy()
+    tensors = load_file(tmp_path / "v4" / "model.safetensors")
+    assert any(k.startswith("language_model.model.") for k in tensors)
+    assert any(k.startswith("vision_tower.") for k in tensors)
+    (tmp_path / "v5").mkdir()
+    shutil.copy(tmp_path / "v4" / "config.json", tmp_path / "v5" / "config.json")
+    save_file({re.sub(r"^language_model\.model\.", "model.language_model.",
+                      re.sub(r"^(vision_tower|multi_modal_projector)\.", r"model.\1.", k)): v
+               for k, v in tensors.items()}, tmp_path / "v5" / "model.safetensors")
+    real = mask.astype(bool)
+    for layout in ("v4", "v5"):
+        model = load_model(tmp_path / layout)
+        assert model.config.model_type == "gemma3_text" and model.config.eos_token_ids == (1, 2)
+        assert model.config.local_rope_theta == 1e4 and model.config.rope_theta == 1e6  # filled in
+        assert np.abs(logits_of(model, ids, mask) - ref)[real].max() <= 1e-4, layout
+    out = save_model(model, tmp_path / "export")
+    assert json.loads((out / "config.json").read_text())["model_type"] == "gemma3_text"
+    assert np.abs(_torch_logits(out, ids, mask) - ref)[real].max() <= 1e-5
+
+
 # google/gemma-2-2b-it's config.json fields (transformers 4.42 layout: no layer_types, no
 # rope_parameters), written out here from the model card's config (no network to fetch it)
 GEMMA2_2B = {
@@ -430,7 +478,7 @@ def _edit_config(directory: Path, **changes) -> None:
     "changes, message",
     [
         ({"model_type": "mamba"}, "model_type='mamba'"),
-        ({"model_type": "gemma3"}, "the multimodal Gemma 3.*are gemma3_text"),
+        ({"model_type": "gemma3"}, "a gemma3 config.json without a text_config"),
         ({"rope_parameters": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e4}}, "'dynamic'"),
         ({"hidden_act": "gelu"}, "hidden_act"),
     ],

@@ -29,6 +29,29 @@ class UnsupportedModelError(ValueError):
     """The checkpoint asks for architecture features this decoder does not implement."""
 
 
+# Multimodal checkpoints whose text model loads on its own (the vision tower is not read, and an
+# export is the text model): their model_type -> their text_config's. Gemma 3 4B, 12B and 27B are
+# Gemma3ForConditionalGeneration checkpoints.
+MULTIMODAL_TEXT_MODELS = {"gemma3": "gemma3_text"}
+
+
+def text_model_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """The config.json of a multimodal checkpoint's text model: its `text_config` with the defaults
+    filled in as transformers fills them (published text_configs leave them out), and the token
+    ids of the whole model (its top level) where it sets them."""
+    from transformers import AutoConfig
+
+    text = dict(hf.get("text_config") or {})
+    if not text:
+        raise UnsupportedModelError(f"a {hf['model_type']} config.json without a text_config: no text model "
+                                    "to load")
+    text.pop("model_type", None)
+    out = AutoConfig.for_model(MULTIMODAL_TEXT_MODELS[hf["model_type"]], **text).to_dict()
+    out.update({k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if hf.get(k) is not None})
+    out["architectures"] = []  # a causal LM, whatever the whole model's class
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
     """RoPE scaling: "linear", "llama3" (Llama 3.x), "longrope" (Phi-3.5 / Phi-4-mini: each
@@ -309,16 +332,14 @@ class ModelConfig:
         """
         from tbajax.models.families import family_for, supported_model_types
 
+        if hf.get("model_type") in MULTIMODAL_TEXT_MODELS:
+            hf = text_model_config(hf)
         model_type = hf.get("model_type")
         try:
             family = family_for(model_type)
         except KeyError:
-            hint = ""
-            if model_type == "gemma3":
-                hint = (" (the multimodal Gemma 3, Gemma3ForConditionalGeneration: 4B and up; its text-only "
-                        "checkpoints, 270M and 1B, are gemma3_text)")
             raise UnsupportedModelError(
-                f"config.json has model_type={model_type!r}{hint}; tbajax supports {supported_model_types()}"
+                f"config.json has model_type={model_type!r}; tbajax supports {supported_model_types()}"
             ) from None
         fields = family.parse_hf(hf)
         archs = hf.get("architectures") or []

@@ -44,20 +44,43 @@ def _mappings(cfg: ModelConfig) -> dict[str, Mapping]:
     return {k: v for k, v in table.items() if k in wanted}
 
 
+# Where a multimodal checkpoint (`config.MULTIMODAL_TEXT_MODELS`) keeps its text model: transformers
+# v5 saves it under model.language_model., earlier versions (the published Gemma 3 files) under
+# language_model.model. with its head as language_model.lm_head.; the text model's names are
+# rewritten to those, and the vision tower and projector are not read.
+_NESTED_TEXT = {
+    "model.language_model.": {"model.": "model.language_model."},
+    "language_model.model.": {"model.": "language_model.model.", "lm_head.": "language_model.lm_head."},
+}
+
+
 class _Names:
     """Resolves the HF names a mapping asks for to the names this checkpoint uses: the first of
-    hf_name/aliases present, and bare backbone names for checkpoints saved from the base model
-    (e.g. the original `gpt2` files: "h.0.attn.c_attn.weight", no "transformer." prefix)."""
+    hf_name/aliases present, bare backbone names for checkpoints saved from the base model
+    (e.g. the original `gpt2` files: "h.0.attn.c_attn.weight", no "transformer." prefix), and the
+    text model's names inside a multimodal checkpoint (`_NESTED_TEXT`)."""
 
     def __init__(self, reader: SafetensorsReader, cfg: ModelConfig):
         prefix = family_for(cfg.model_type).base_prefix
         keys = reader.keys()
         self.reader = reader
-        self.strip = bool(keys) and not any(k.startswith(prefix) for k in keys)
+        self.nested = next((renames for outer, renames in _NESTED_TEXT.items()
+                            if any(k.startswith(outer) for k in keys)), None)
+        self.strip = bool(keys) and self.nested is None and not any(k.startswith(prefix) for k in keys)
         self.prefix = prefix
 
+    def nest(self, name: str) -> str:
+        """`name` as the multimodal checkpoint holding this text model spells it (as is otherwise)."""
+        for old, new in (self.nested or {}).items():
+            if name.startswith(old):
+                return new + name[len(old):]
+        return name
+
+    def in_text_model(self, name: str) -> bool:
+        return self.nested is None or name.startswith(tuple(self.nested.values()))
+
     def _candidates(self, m: Mapping, i: int | None) -> list[str]:
-        names = [n.format(i=i) for n in (m.hf_name, *m.aliases)]
+        names = [self.nest(n.format(i=i)) for n in (m.hf_name, *m.aliases)]
         if self.strip:
             names = [n[len(self.prefix) :] if n.startswith(self.prefix) else n for n in names]
         return names
@@ -173,13 +196,19 @@ def _check_unused(
         else:
             expected.add(names.resolve(m, None))
     ignored = family_for(cfg.model_type).ignored_suffixes
+    tied_heads = ("lm_head.weight", "embed_out.weight", names.nest("lm_head.weight"))
     extra = [
         k
         for k in reader.keys()
         if k not in expected
+        and names.in_text_model(k)  # a multimodal checkpoint's vision tower is not read
         and not k.endswith(ignored)
-        and not (k in ("lm_head.weight", "embed_out.weight") and cfg.tie_word_embeddings)
+        and not (k in tied_heads and cfg.tie_word_embeddings)
     ]
+    if names.nested is not None:
+        skipped = sum(not names.in_text_model(k) for k in reader.keys())
+        log.info("%s: the text model of a multimodal checkpoint (%d other tensors, its vision tower and "
+                 "projector, not read)", reader.directory, skipped)
     if extra:
         hint = ""
         if cfg.num_labels is None and any(k.startswith("score.") for k in extra):

@@ -8,7 +8,8 @@ layers are of two kinds (`ModelConfig.layer_types`): most attend within a slidin
 RoPE of base `rope_local_base_freq`, every sixth (by default) attends to everything with the
 global base and scaling (`ModelConfig.layer_kinds`). Soft-capping of the scores and logits
 (null in the published configs) is read and applied as Gemma 2's (`gemma2`, which reuses this
-module's math). The multimodal Gemma 3 checkpoints (4B and up, `gemma3`) are refused with a hint.
+module's math). The multimodal Gemma 3 checkpoints (4B, 12B, 27B: `gemma3`) load as their text
+model (`config.MULTIMODAL_TEXT_MODELS`; the vision tower is not read).
 """
 
 from __future__ import annotations
