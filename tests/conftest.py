@@ -103,6 +103,11 @@ TINY_FAMILIES: dict[str, dict[str, Any]] = {
     # the tiny model's scores and logits (of up to ~1.3) visibly
     "gemma2": dict(model_type="gemma2", head_dim=12, sliding_window=4, query_pre_attn_scalar=16,
                    attn_logit_softcapping=0.5, final_logit_softcapping=1.0),
+    # NoPE on every second layer (the second of two; SmolLM3 3B: every fourth), tied embeddings
+    "smollm3": dict(model_type="smollm3", no_rope_layer_interval=2, tie_word_embeddings=True),
+    # and its window on the NoPE layers (use_sliding_window: each NoPE layer windowed to 4 positions)
+    "smollm3_window": dict(model_type="smollm3", no_rope_layer_interval=2, use_sliding_window=True,
+                           sliding_window=4),
     "olmo2": dict(model_type="olmo2", rms_norm_eps=1e-6),
     # fused q/k/v and gate/up weights; 6 of each head's 12 dims rotate
     "phi3": dict(model_type="phi3", partial_rotary_factor=0.5, pad_token_id=0),

@@ -33,7 +33,7 @@ from tbajax.models import layers as L
 from tbajax.models.serving import ServingParams
 
 FAMILIES = ["llama", "llama_tied_rope3", "qwen2", "qwen2_tied", "qwen3", "mistral", "olmo2", "phi3", "gemma2",
-            "gemma3", "qwen2_window"]
+            "gemma3", "qwen2_window", "smollm3", "smollm3_window"]
 
 
 def _batch(seed: int = 0, b: int = 4, t: int = 11, vocab: int = 101):
@@ -104,6 +104,28 @@ def test_a_sliding_window_is_read_where_it_changes_attention(tiny_checkpoint):
     assert windowed.sliding_window == 8
     assert windowed.layer_types == ("full_attention", "sliding_attention", "sliding_attention")
     assert ModelConfig.from_hf(windowed.to_hf()) == windowed
+
+
+def test_smollm3_nope_layers_are_read_and_in_force(tiny_checkpoint):
+    """SmolLM3's NoPE layers (`no_rope_layers`: 0 for a layer without RoPE) and its window on them
+    (`use_sliding_window`) read from config.json, written back, and in force: with RoPE on every
+    layer the logits are not transformers'. Layers without RoPE are refused for other families."""
+    for name, types in (("smollm3", None), ("smollm3_window", ("full_attention", "sliding_attention"))):
+        model = load_model(tiny_checkpoint(name))
+        cfg = model.config
+        assert (cfg.rope_layers, cfg.layer_types) == ((True, False), types)
+        assert ModelConfig.from_hf(cfg.to_hf()) == cfg
+        kinds, kind_of = cfg.layer_kinds()
+        assert [k.without_rope for k in kinds] == [False, True] and kind_of == (0, 1)
+        ids, mask = _batch()
+        ref, real = _torch_logits(tiny_checkpoint(name), ids, mask), mask.astype(bool)
+        roped = nnx.merge(*nnx.split(CausalLM(dataclasses.replace(cfg, rope_layers=None, layer_types=None),
+                                              rngs=nnx.Rngs(0)))[:1], nnx.state(model))
+        assert np.abs(logits_of(roped, ids, mask) - ref)[real].max() > 1e-2
+    llama = ModelConfig(model_type="llama", vocab_size=10, hidden_size=8, intermediate_size=16, num_layers=2,
+                        num_heads=2, num_kv_heads=2, head_dim=4)
+    with pytest.raises(UnsupportedModelError, match="rope_layers .* not llama"):
+        dataclasses.replace(llama, rope_layers=(True, False))
 
 
 # google/gemma-3-1b-it's config.json as published (transformers 4.50 layout: no layer_types, the
@@ -331,7 +353,7 @@ def test_phi3_longrope_decode_past_the_pretraining_length_matches_transformers(t
 @pytest.mark.parametrize(
     "family, weight_first",
     [("llama", True), ("qwen2", True), ("qwen3", True), ("olmo2", True), ("phi3", True), ("qwen2", False),
-     ("mistral_window", True), ("gemma2", True), ("gemma3", True)],
+     ("mistral_window", True), ("gemma2", True), ("gemma3", True), ("smollm3_window", True)],
 )
 def test_kv_cache_decode_matches_full_forward(tiny_checkpoint, family, weight_first, monkeypatch):
     """Prefill a left-padded prompt, then decode token by token: same logits as one forward.
@@ -418,7 +440,7 @@ def test_bf16_compute_and_remat(tiny_checkpoint):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2_tied", "qwen3", "mistral", "olmo2", "phi3", "gemma2",
-                                    "gemma3", "qwen2_window"])
+                                    "gemma3", "qwen2_window", "smollm3_window"])
 def test_export_round_trip_loads_in_torch(tiny_checkpoint, tmp_path, family):
     directory = tiny_checkpoint(family)
     model = load_model(directory)

@@ -15,10 +15,12 @@ from typing import Any, Literal
 import jax.numpy as jnp
 import numpy as np
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3", "gemma2", "gemma3_text",
-                         "gpt_neox", "gpt2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo2", "phi3", "gemma2",
+                         "gemma3_text", "gpt_neox", "gpt2")
 LAYER_TYPES = ("full_attention", "sliding_attention")
-WINDOWED_MODEL_TYPES = ("mistral", "phi3", "gemma2", "gemma3_text", "qwen2", "qwen3")  # with a sliding_window
+# with a sliding_window
+WINDOWED_MODEL_TYPES = ("mistral", "phi3", "gemma2", "gemma3_text", "qwen2", "qwen3", "smollm3")
+NOPE_MODEL_TYPES = ("smollm3",)  # with layers that take no RoPE (`rope_layers`)
 SOFT_CAPPED_MODEL_TYPES = ("gemma2", "gemma3_text")  # with attn_ / final_logit_softcapping
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -118,8 +120,8 @@ class ModelConfig:
     """Architecture (from the checkpoint) plus runtime choices (dtypes, remat, scan_layers, attention,
     head_chunk_tokens)."""
 
-    model_type: Literal["llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3", "gemma2", "gemma3_text",
-                        "gpt_neox", "gpt2"]
+    model_type: Literal["llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo2", "phi3", "gemma2",
+                        "gemma3_text", "gpt_neox", "gpt2"]
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -147,6 +149,9 @@ class ModelConfig:
     # layers' RoPE base (they take no RoPE scaling); None: every layer alike (`layer_kinds`)
     layer_types: tuple[str, ...] | None = None
     local_rope_theta: float | None = None
+    # SmolLM3: which layers rotate their queries and keys (the others, every fourth, take no
+    # position signal at all: NoPE); None: every layer (`layer_kinds`)
+    rope_layers: tuple[bool, ...] | None = None
     # Gemma: attention scores scaled by query_pre_attn_scalar ** -0.5 rather than head_dim's
     query_pre_attn_scalar: float | None = None
     # Gemma 2: attention scores, and the LM head's logits, soft-capped at these values (cap *
@@ -241,6 +246,13 @@ class ModelConfig:
             raise ValueError(f"attention='cudnn' has no score soft-capping, and this model soft-caps its "
                              f"scores (attn_logit_softcapping={self.attn_logit_softcapping}): keep "
                              "attention='xla'")
+        if self.rope_layers is not None:
+            if len(self.rope_layers) != self.num_layers:
+                raise UnsupportedModelError(f"rope_layers has {len(self.rope_layers)} entries for "
+                                            f"{self.num_layers} layers")
+            if self.model_type not in NOPE_MODEL_TYPES:
+                raise UnsupportedModelError(f"rope_layers (layers without RoPE) is read and written for "
+                                            f"{NOPE_MODEL_TYPES} checkpoints, not {self.model_type}")
         s = self.rope_scaling
         if s is not None and s.rope_type == "longrope":
             if not len(s.short_factor) == len(s.long_factor) == self.rotary_dim // 2:
@@ -277,17 +289,29 @@ class ModelConfig:
     def layer_kinds(self) -> tuple[tuple["ModelConfig", ...], tuple[int, ...]]:
         """The configs the layers differ by, and each layer's index into them: one for a model
         whose layers are alike; with `layer_types`, one for the full-attention layers (no window)
-        and one for the sliding ones (the window, and `local_rope_theta` unscaled if set). A
-        family's block and position tables take its layer's config."""
-        if self.layer_types is None:
-            return (self,), (0,) * self.num_layers
-        full = dataclasses.replace(self, layer_types=None, sliding_window=None, local_rope_theta=None)
-        sliding = dataclasses.replace(self, layer_types=None, local_rope_theta=None)
-        if self.local_rope_theta is not None:
-            sliding = dataclasses.replace(sliding, rope_theta=self.local_rope_theta, rope_scaling=None)
-        kinds = tuple(k for k in LAYER_TYPES if k in self.layer_types)
-        configs = {"full_attention": full, "sliding_attention": sliding}
-        return tuple(configs[k] for k in kinds), tuple(kinds.index(t) for t in self.layer_types)
+        and one for the sliding ones (the window, and `local_rope_theta` unscaled if set); with
+        `rope_layers`, the NoPE layers' apart (`without_rope`). A family's block and position
+        tables take its layer's config."""
+        n = self.num_layers
+        if self.layer_types is None and self.rope_layers is None:
+            return (self,), (0,) * n
+        layers = list(zip(self.layer_types or ("full_attention",) * n, self.rope_layers or (True,) * n))
+        keys = sorted(set(layers), key=lambda k: (LAYER_TYPES.index(k[0]), not k[1]))
+        configs = []
+        for layer_type, rope in keys:
+            kind = dataclasses.replace(self, layer_types=None, local_rope_theta=None,
+                                       rope_layers=None if rope else (False,) * n)
+            if layer_type == "full_attention":
+                kind = dataclasses.replace(kind, sliding_window=None)
+            elif self.local_rope_theta is not None:
+                kind = dataclasses.replace(kind, rope_theta=self.local_rope_theta, rope_scaling=None)
+            configs.append(kind)
+        return tuple(configs), tuple(keys.index(k) for k in layers)
+
+    @property
+    def without_rope(self) -> bool:
+        """No layer of this config rotates its queries and keys (a NoPE kind of `layer_kinds`)."""
+        return self.rope_layers is not None and not any(self.rope_layers)
 
     def fits_window(self, length: int) -> bool:
         """Whether a sequence of `length` tokens is within the sliding window (always without one)."""

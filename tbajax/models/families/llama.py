@@ -1,6 +1,7 @@
 """Llama (2, 3.x), Mistral (with its sliding window: `ModelConfig.sliding_window`), Qwen2/2.5 (q/k/v
-bias; use_sliding_window windows its later layers) and Qwen3 (q/k RMSNorm): pre-norm RMSNorm
-blocks, full RoPE, grouped-query attention, SwiGLU MLP, optionally tied embeddings."""
+bias; use_sliding_window windows its later layers), Qwen3 (q/k RMSNorm) and SmolLM3 (every fourth
+layer without RoPE: `ModelConfig.rope_layers`): pre-norm RMSNorm blocks, full RoPE, grouped-query
+attention, SwiGLU MLP, optionally tied embeddings."""
 
 from __future__ import annotations
 
@@ -57,7 +58,21 @@ def parse_hf(hf: dict[str, Any]) -> dict[str, Any]:
         max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
         sliding_window=window,
         layer_types=layer_types,
+        rope_layers=_rope_layers(hf),
     )
+
+
+def _rope_layers(hf: dict[str, Any]) -> tuple[bool, ...] | None:
+    """SmolLM3's NoPE layers: `no_rope_layers` holds 1 for each layer that takes RoPE (by default
+    all but every `no_rope_layer_interval`-th); None where every layer does."""
+    if hf["model_type"] != "smollm3":
+        return None
+    layers = int(hf["num_hidden_layers"])
+    flags = hf.get("no_rope_layers")
+    if flags is None:
+        interval = int(hf.get("no_rope_layer_interval", 4))
+        flags = [int((i + 1) % interval != 0) for i in range(layers)]
+    return None if all(flags) else tuple(bool(f) for f in flags)
 
 
 def _windows(hf: dict[str, Any]) -> tuple[int | None, tuple[str, ...] | None]:
@@ -67,9 +82,12 @@ def _windows(hf: dict[str, Any]) -> tuple[int | None, tuple[str, ...] | None]:
     them out as layer_types)."""
     model_type, window = hf["model_type"], hf.get("sliding_window")
     layer_types = hf.get("layer_types")
-    if model_type in ("qwen2", "qwen3"):
+    if model_type in ("qwen2", "qwen3", "smollm3"):
         if not hf.get("use_sliding_window") or window is None:
             return None, None
+        if model_type == "smollm3" and not layer_types:  # the window on the NoPE layers only
+            rope = _rope_layers(hf) or (True,) * int(hf["num_hidden_layers"])
+            layer_types = ["full_attention" if r else "sliding_attention" for r in rope]
         if not layer_types:
             first = int(hf.get("max_window_layers", 0))
             layer_types = ["sliding_attention" if i >= first else "full_attention"
@@ -117,6 +135,12 @@ def to_hf(cfg: ModelConfig) -> dict[str, Any]:
             out["layer_types"] = list(cfg.layer_types or ())
     if cfg.model_type == "mistral":
         out["sliding_window"] = cfg.sliding_window
+    if cfg.model_type == "smollm3":
+        sliding = "sliding_attention" in (cfg.layer_types or ())
+        out.update(no_rope_layers=[int(r) for r in cfg.rope_layers or (True,) * cfg.num_layers],
+                   use_sliding_window=sliding, sliding_window=cfg.sliding_window if sliding else None,
+                   layer_types=list(cfg.layer_types or ("full_attention",) * cfg.num_layers),
+                   attention_bias=cfg.qkv_bias, mlp_bias=False)
     return out
 
 
@@ -215,7 +239,9 @@ def embed(cfg: ModelConfig, params: dict[str, Array], tokens: Array, positions: 
     return params["embed_tokens"].astype(cfg.jnp_dtype)[tokens]
 
 
-def position_tables(cfg: ModelConfig, positions: Array) -> tuple[Array, Array]:
+def position_tables(cfg: ModelConfig, positions: Array) -> tuple[Array, Array] | None:
+    if cfg.without_rope:  # SmolLM3's NoPE layers: no rotation at all
+        return None
     s = cfg.rope_scaling
     if s is None or s.rope_type not in ("longrope", "yarn"):
         return L.rope_tables(rope_inv_freq(cfg), positions)
@@ -238,12 +264,11 @@ def block(
     cfg: ModelConfig,
     p: dict[str, Array],
     x: Array,
-    tables: tuple[Array, Array],
+    tables: tuple[Array, Array] | None,
     mask: Array,
     cache: L.LayerCache | L.EmitKV | None,
 ) -> tuple[Array, tuple[Array, Array] | None]:
     dt = cfg.jnp_dtype
-    cos, sin = tables
     w = {k: v.astype(dt) for k, v in p.items()}
     h = L.rms_norm(x, w["input_norm"], cfg.rms_norm_eps)
     q, k, v = query_key_value(cfg, w, h)
@@ -252,7 +277,9 @@ def block(
     if cfg.qk_norm:
         q = L.rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
         k = L.rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
-    q, k = L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin)
+    if tables is not None:  # None: a NoPE layer (`position_tables`)
+        cos, sin = tables
+        q, k = L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin)
     q = constrain(q, ("batch", "length", "act_heads", None))
     o, new_cache = L.self_attention(q, k, v, mask, cache, dt, cfg.attention)
     o = L.decode_matrix_product(o, w, "o_proj", in_axes=2)
@@ -328,12 +355,13 @@ def undo_decode_layout(cfg: ModelConfig, p: dict[str, Array]) -> dict[str, Array
 
 FAMILY = Family(
     name="llama",
-    model_types=("llama", "mistral", "qwen2", "qwen3"),
+    model_types=("llama", "mistral", "qwen2", "qwen3", "smollm3"),
     architectures={
         "llama": ("LlamaForCausalLM", "LlamaForSequenceClassification"),
         "mistral": ("MistralForCausalLM", "MistralForSequenceClassification"),
         "qwen2": ("Qwen2ForCausalLM", "Qwen2ForSequenceClassification"),
         "qwen3": ("Qwen3ForCausalLM", "Qwen3ForSequenceClassification"),
+        "smollm3": ("SmolLM3ForCausalLM", "SmolLM3ForSequenceClassification"),
     },
     base_prefix="model.",
     parse_hf=parse_hf,
