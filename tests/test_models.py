@@ -128,6 +128,25 @@ def test_smollm3_nope_layers_are_read_and_in_force(tiny_checkpoint):
         dataclasses.replace(llama, rope_layers=(True, False))
 
 
+def test_a_smollm3_3b_config_reads_as_transformers_reads_it():
+    """SmolLM3-3B's shapes (36 layers, every fourth without RoPE, tied embeddings; its config.json
+    written out here without the hub): the NoPE layers and the size as transformers builds them."""
+    from transformers import AutoConfig
+
+    hf = {"model_type": "smollm3", "hidden_size": 2048, "intermediate_size": 11008, "num_hidden_layers": 36,
+          "num_attention_heads": 16, "num_key_value_heads": 4, "vocab_size": 128256, "rope_theta": 5e6,
+          "max_position_embeddings": 65536, "tie_word_embeddings": True, "no_rope_layer_interval": 4,
+          "use_sliding_window": False, "sliding_window": None, "rms_norm_eps": 1e-6}
+    cfg = ModelConfig.from_hf(hf)
+    theirs = AutoConfig.for_model(**hf)
+    with torch.device("meta"):
+        size = sum(p.numel() for p in AutoModelForCausalLM.from_config(theirs).parameters())
+    assert cfg.num_params() == size
+    assert [int(r) for r in cfg.rope_layers] == theirs.no_rope_layers and cfg.rope_layers.count(False) == 9
+    assert cfg.layer_types is None and cfg.sliding_window is None
+    assert ModelConfig.from_hf(cfg.to_hf()) == cfg
+
+
 # google/gemma-3-1b-it's config.json as published (transformers 4.50 layout: no layer_types, the
 # local RoPE base beside the global one)
 GEMMA3_1B = {
