@@ -108,6 +108,9 @@ TINY_FAMILIES: dict[str, dict[str, Any]] = {
     # and its window on the NoPE layers (use_sliding_window: each NoPE layer windowed to 4 positions)
     "smollm3_window": dict(model_type="smollm3", no_rope_layer_interval=2, use_sliding_window=True,
                            sliding_window=4),
+    # Granite's multipliers, far from one so each shows
+    "granite": dict(model_type="granite", embedding_multiplier=6.0, residual_multiplier=0.3,
+                    attention_multiplier=0.05, logits_scaling=4.0, tie_word_embeddings=True),
     "olmo2": dict(model_type="olmo2", rms_norm_eps=1e-6),
     # fused q/k/v and gate/up weights; 6 of each head's 12 dims rotate
     "phi3": dict(model_type="phi3", partial_rotary_factor=0.5, pad_token_id=0),

@@ -33,7 +33,7 @@ from tbajax.models import layers as L
 from tbajax.models.serving import ServingParams
 
 FAMILIES = ["llama", "llama_tied_rope3", "qwen2", "qwen2_tied", "qwen3", "mistral", "olmo2", "phi3", "gemma2",
-            "gemma3", "qwen2_window", "smollm3", "smollm3_window"]
+            "gemma3", "qwen2_window", "smollm3", "smollm3_window", "granite"]
 
 
 def _batch(seed: int = 0, b: int = 4, t: int = 11, vocab: int = 101):
@@ -126,6 +126,28 @@ def test_smollm3_nope_layers_are_read_and_in_force(tiny_checkpoint):
                         num_heads=2, num_kv_heads=2, head_dim=4)
     with pytest.raises(UnsupportedModelError, match="rope_layers .* not llama"):
         dataclasses.replace(llama, rope_layers=(True, False))
+
+
+def test_granite_multipliers_are_read_and_in_force(tiny_checkpoint):
+    """Granite's four scales read, written back, and each in force: with any one of them at its
+    plain value the logits are not transformers'. Other families refuse them."""
+    model = load_model(tiny_checkpoint("granite"))
+    cfg = model.config
+    plain = {"embedding_multiplier": 1.0, "residual_multiplier": 1.0, "attention_multiplier": None,
+             "logits_scaling": 1.0}
+    assert [getattr(cfg, k) for k in plain] == [6.0, 0.3, 0.05, 4.0]
+    assert ModelConfig.from_hf(cfg.to_hf()) == cfg
+    ids, mask = _batch()
+    ref, real = _torch_logits(tiny_checkpoint("granite"), ids, mask), mask.astype(bool)
+    assert np.abs(logits_of(model, ids, mask) - ref)[real].max() <= 1e-4
+    for name, value in plain.items():
+        off = nnx.merge(*nnx.split(CausalLM(dataclasses.replace(cfg, **{name: value}), rngs=nnx.Rngs(0)))[:1],
+                        nnx.state(model))
+        assert np.abs(logits_of(off, ids, mask) - ref)[real].max() > 1e-3, name  # ours match to ~1e-6
+    llama = ModelConfig(model_type="llama", vocab_size=10, hidden_size=8, intermediate_size=16, num_layers=2,
+                        num_heads=2, num_kv_heads=2, head_dim=4)
+    with pytest.raises(UnsupportedModelError, match="logits_scaling read and written for"):
+        dataclasses.replace(llama, logits_scaling=2.0)
 
 
 def test_a_smollm3_3b_config_reads_as_transformers_reads_it():
@@ -372,7 +394,8 @@ def test_phi3_longrope_decode_past_the_pretraining_length_matches_transformers(t
 @pytest.mark.parametrize(
     "family, weight_first",
     [("llama", True), ("qwen2", True), ("qwen3", True), ("olmo2", True), ("phi3", True), ("qwen2", False),
-     ("mistral_window", True), ("gemma2", True), ("gemma3", True), ("smollm3_window", True)],
+     ("mistral_window", True), ("gemma2", True), ("gemma3", True), ("smollm3_window", True),
+     ("granite", True)],
 )
 def test_kv_cache_decode_matches_full_forward(tiny_checkpoint, family, weight_first, monkeypatch):
     """Prefill a left-padded prompt, then decode token by token: same logits as one forward.
@@ -459,7 +482,7 @@ def test_bf16_compute_and_remat(tiny_checkpoint):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2_tied", "qwen3", "mistral", "olmo2", "phi3", "gemma2",
-                                    "gemma3", "qwen2_window", "smollm3_window"])
+                                    "gemma3", "qwen2_window", "smollm3_window", "granite"])
 def test_export_round_trip_loads_in_torch(tiny_checkpoint, tmp_path, family):
     directory = tiny_checkpoint(family)
     model = load_model(directory)

@@ -15,12 +15,13 @@ from typing import Any, Literal
 import jax.numpy as jnp
 import numpy as np
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo2", "phi3", "gemma2",
-                         "gemma3_text", "gpt_neox", "gpt2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "granite", "olmo2", "phi3",
+                         "gemma2", "gemma3_text", "gpt_neox", "gpt2")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # with a sliding_window
 WINDOWED_MODEL_TYPES = ("mistral", "phi3", "gemma2", "gemma3_text", "qwen2", "qwen3", "smollm3")
 NOPE_MODEL_TYPES = ("smollm3",)  # with layers that take no RoPE (`rope_layers`)
+SCALED_MODEL_TYPES = ("granite",)  # with embedding / residual / attention multipliers and logits_scaling
 SOFT_CAPPED_MODEL_TYPES = ("gemma2", "gemma3_text")  # with attn_ / final_logit_softcapping
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -120,7 +121,7 @@ class ModelConfig:
     """Architecture (from the checkpoint) plus runtime choices (dtypes, remat, scan_layers, attention,
     head_chunk_tokens)."""
 
-    model_type: Literal["llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo2", "phi3", "gemma2",
+    model_type: Literal["llama", "mistral", "qwen2", "qwen3", "smollm3", "granite", "olmo2", "phi3", "gemma2",
                         "gemma3_text", "gpt_neox", "gpt2"]
     vocab_size: int
     hidden_size: int
@@ -158,6 +159,13 @@ class ModelConfig:
     # tanh(x / cap), `layers.soft_capped`) in every pass: training, scoring, sampling
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+    # Granite: embeddings times embedding_multiplier, each sublayer's output times
+    # residual_multiplier before it joins the residual stream, scores scaled by attention_multiplier
+    # (None: head_dim ** -0.5), logits divided by logits_scaling
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
     initializer_range: float = 0.02
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
@@ -246,6 +254,14 @@ class ModelConfig:
             raise ValueError(f"attention='cudnn' has no score soft-capping, and this model soft-caps its "
                              f"scores (attn_logit_softcapping={self.attn_logit_softcapping}): keep "
                              "attention='xla'")
+        scales = {"embedding_multiplier": 1.0, "residual_multiplier": 1.0, "attention_multiplier": None,
+                  "logits_scaling": 1.0}
+        changed = [name for name, plain in scales.items() if getattr(self, name) != plain]
+        if changed and self.model_type not in SCALED_MODEL_TYPES:
+            raise UnsupportedModelError(f"{', '.join(changed)} read and written for {SCALED_MODEL_TYPES} "
+                                        f"checkpoints, not {self.model_type}")
+        if self.logits_scaling == 0:
+            raise ValueError("logits_scaling=0: the logits are divided by it")
         if self.rope_layers is not None:
             if len(self.rope_layers) != self.num_layers:
                 raise UnsupportedModelError(f"rope_layers has {len(self.rope_layers)} entries for "

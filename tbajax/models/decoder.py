@@ -22,7 +22,7 @@ from tbajax import op_scopes as S
 from tbajax.models.config import ModelConfig
 from tbajax.models.families import Family, ParamSpec, family_for
 from tbajax.models.layers import CausalMask, StridedGroups, apply_rope, attention, rms_norm  # noqa: F401
-from tbajax.models.layers import soft_capped, windowed
+from tbajax.models.layers import lm_head_scaled, soft_capped, windowed
 from tbajax.models.layers import scan_layers
 from tbajax.models.serving import KVCache, ServingParams, cached_pass, unstack
 from tbajax.op_scopes import scoped
@@ -208,14 +208,12 @@ class CausalLM(nnx.Module):
 
     def head_weight(self) -> Array:
         """The output projection as [hidden, vocab or labels] in the compute dtype: the `score`
-        head, the LM head, or the tied embedding's transpose."""
+        head, the LM head, or the tied embedding's transpose; an LM head divided by Granite's
+        `logits_scaling`, so every path from hidden states to logits divides them."""
         if self.score is not None:
-            w = self.score[...]
-        elif self.lm_head is not None:
-            w = self.lm_head[...]
-        else:
-            w = self.embed_tokens[...].T
-        return w.astype(self.config.jnp_dtype)
+            return self.score[...].astype(self.config.jnp_dtype)
+        w = self.embed_tokens[...].T if self.lm_head is None else self.lm_head[...]
+        return lm_head_scaled(w.astype(self.config.jnp_dtype), self.config.logits_scaling)
 
 
 # ---------------------------------------------------------------------------- pure pieces

@@ -26,6 +26,12 @@ def soft_capped(scores: Array, cap: float | None) -> Array:
     return scores if cap is None else cap * jnp.tanh(scores / cap)
 
 
+def lm_head_scaled(head: Array, logits_scaling: float) -> Array:
+    """An LM head (either orientation) divided by Granite's `logits_scaling`, so that every path
+    from hidden states to logits divides them (the head unchanged where it is 1)."""
+    return head if logits_scaling == 1.0 else head / jnp.asarray(logits_scaling, head.dtype)
+
+
 def _scaled(products: Array, d: int, softcap: float | None) -> Array:
     """Attention scores from query-key products of head dim d: scaled by 1/sqrt(d), then soft-capped."""
     return soft_capped(products * d**-0.5, softcap)

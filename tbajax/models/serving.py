@@ -214,8 +214,9 @@ class ServingParams:
         return cls(top=top, layers=layers, head=head)
 
     def head_matrix(self, cfg: ModelConfig) -> Array:
-        """The LM head as [vocab, hidden] in the compute dtype."""
-        return self.top["embed_tokens"].astype(cfg.jnp_dtype) if self.head is None else self.head
+        """The LM head as [vocab, hidden] in the compute dtype (divided by `logits_scaling`)."""
+        head = self.top["embed_tokens"].astype(cfg.jnp_dtype) if self.head is None else self.head
+        return L.lm_head_scaled(head, cfg.logits_scaling)
 
 
 def unstack(params: dict[str, Array], num_layers: int) -> tuple[dict[str, Array], ...]:

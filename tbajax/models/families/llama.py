@@ -1,7 +1,8 @@
 """Llama (2, 3.x), Mistral (with its sliding window: `ModelConfig.sliding_window`), Qwen2/2.5 (q/k/v
-bias; use_sliding_window windows its later layers), Qwen3 (q/k RMSNorm) and SmolLM3 (every fourth
-layer without RoPE: `ModelConfig.rope_layers`): pre-norm RMSNorm blocks, full RoPE, grouped-query
-attention, SwiGLU MLP, optionally tied embeddings."""
+bias; use_sliding_window windows its later layers), Qwen3 (q/k RMSNorm), SmolLM3 (every fourth
+layer without RoPE: `ModelConfig.rope_layers`) and Granite (multipliers of the embeddings, the
+sublayers' outputs and the scores, logits divided by logits_scaling): pre-norm RMSNorm blocks, full
+RoPE, grouped-query attention, SwiGLU MLP, optionally tied embeddings."""
 
 from __future__ import annotations
 
@@ -59,7 +60,17 @@ def parse_hf(hf: dict[str, Any]) -> dict[str, Any]:
         sliding_window=window,
         layer_types=layer_types,
         rope_layers=_rope_layers(hf),
+        **_granite_scales(hf),
     )
+
+
+def _granite_scales(hf: dict[str, Any]) -> dict[str, Any]:
+    if hf["model_type"] != "granite":
+        return {}
+    return dict(embedding_multiplier=float(hf.get("embedding_multiplier", 1.0)),
+                residual_multiplier=float(hf.get("residual_multiplier", 1.0)),
+                attention_multiplier=float(hf.get("attention_multiplier", 1.0)),
+                logits_scaling=float(hf.get("logits_scaling", 1.0)))
 
 
 def _rope_layers(hf: dict[str, Any]) -> tuple[bool, ...] | None:
@@ -121,10 +132,13 @@ def to_hf(cfg: ModelConfig) -> dict[str, Any]:
         "tie_word_embeddings": cfg.tie_word_embeddings,
         "max_position_embeddings": cfg.max_position_embeddings,
     }
-    if cfg.model_type in ("llama", "qwen3"):
+    if cfg.model_type in ("llama", "qwen3", "granite"):
         out["attention_bias"] = cfg.qkv_bias
-    if cfg.model_type == "llama":
+    if cfg.model_type in ("llama", "granite"):
         out["mlp_bias"] = False
+    if cfg.model_type == "granite":
+        out.update(embedding_multiplier=cfg.embedding_multiplier, residual_multiplier=cfg.residual_multiplier,
+                   attention_multiplier=cfg.attention_multiplier, logits_scaling=cfg.logits_scaling)
     if cfg.model_type in ("qwen2", "qwen3"):
         sliding = [i for i, t in enumerate(cfg.layer_types or ()) if t == "sliding_attention"]
         out["use_sliding_window"] = bool(sliding)
@@ -235,8 +249,10 @@ def hf_mappings(cfg: ModelConfig) -> dict[str, Mapping]:
 
 
 def embed(cfg: ModelConfig, params: dict[str, Array], tokens: Array, positions: Array) -> Array:
-    """Token embeddings only: positions enter through RoPE (shared by the rotary families)."""
-    return params["embed_tokens"].astype(cfg.jnp_dtype)[tokens]
+    """Token embeddings only: positions enter through RoPE (shared by the rotary families); Granite
+    scales them (`embedding_multiplier`)."""
+    x = params["embed_tokens"].astype(cfg.jnp_dtype)[tokens]
+    return x if cfg.embedding_multiplier == 1.0 else x * jnp.asarray(cfg.embedding_multiplier, x.dtype)
 
 
 def position_tables(cfg: ModelConfig, positions: Array) -> tuple[Array, Array] | None:
@@ -280,14 +296,21 @@ def block(
     if tables is not None:  # None: a NoPE layer (`position_tables`)
         cos, sin = tables
         q, k = L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin)
+    if cfg.attention_multiplier is not None:  # Granite: scores times it (attention scales by head_dim**-0.5)
+        q = q * jnp.asarray(cfg.attention_multiplier * cfg.head_dim**0.5, q.dtype)
     q = constrain(q, ("batch", "length", "act_heads", None))
     o, new_cache = L.self_attention(q, k, v, mask, cache, dt, cfg.attention)
     o = L.decode_matrix_product(o, w, "o_proj", in_axes=2)
     if cfg.o_bias:
         o = o + w["o_bias"]
-    x = x + o
-    x = x + swiglu_mlp(w, L.rms_norm(x, w["post_attention_norm"], cfg.rms_norm_eps))
+    x = x + _residual(cfg, o)
+    x = x + _residual(cfg, swiglu_mlp(w, L.rms_norm(x, w["post_attention_norm"], cfg.rms_norm_eps)))
     return constrain(x, ("batch", "length", "act_embed")), new_cache
+
+
+def _residual(cfg: ModelConfig, out: Array) -> Array:
+    """A sublayer's output as it joins the residual stream (Granite: times residual_multiplier)."""
+    return out if cfg.residual_multiplier == 1.0 else out * jnp.asarray(cfg.residual_multiplier, out.dtype)
 
 
 def query_key_value(cfg: ModelConfig, w: dict[str, Array], h: Array) -> tuple[Array, Array, Array]:
@@ -355,13 +378,15 @@ def undo_decode_layout(cfg: ModelConfig, p: dict[str, Array]) -> dict[str, Array
 
 FAMILY = Family(
     name="llama",
-    model_types=("llama", "mistral", "qwen2", "qwen3", "smollm3"),
+    model_types=("llama", "mistral", "qwen2", "qwen3", "smollm3", "granite"),
     architectures={
         "llama": ("LlamaForCausalLM", "LlamaForSequenceClassification"),
         "mistral": ("MistralForCausalLM", "MistralForSequenceClassification"),
         "qwen2": ("Qwen2ForCausalLM", "Qwen2ForSequenceClassification"),
         "qwen3": ("Qwen3ForCausalLM", "Qwen3ForSequenceClassification"),
         "smollm3": ("SmolLM3ForCausalLM", "SmolLM3ForSequenceClassification"),
+        # transformers has no Granite classifier class: a score-head Granite exports under this name
+        "granite": ("GraniteForCausalLM", "GraniteForSequenceClassification"),
     },
     base_prefix="model.",
     parse_hf=parse_hf,
