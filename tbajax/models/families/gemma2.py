@@ -18,34 +18,11 @@ from tbajax.models.families import gemma3
 
 
 def parse_hf(hf: dict[str, Any]) -> dict[str, Any]:
-    gemma3.check_hf(hf)
     layers = int(hf["num_hidden_layers"])
     # transformers' default: the even layers (0, 2, ...) slide, the odd ones see everything
     layer_types = hf.get("layer_types") or [
         "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
-    theta, scaling = _parse_rope(hf)
-    num_heads = int(hf["num_attention_heads"])
-    head_dim = int(hf.get("head_dim") or hf["hidden_size"] // num_heads)
-    window = hf.get("sliding_window", 4096)
-    return dict(
-        vocab_size=int(hf["vocab_size"]),
-        hidden_size=int(hf["hidden_size"]),
-        intermediate_size=int(hf["intermediate_size"]),
-        num_layers=layers,
-        num_heads=num_heads,
-        num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
-        head_dim=head_dim,
-        rope_theta=theta,
-        rope_scaling=scaling,
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
-        hidden_act=gemma3.ACTIVATION,
-        max_position_embeddings=int(hf.get("max_position_embeddings", 8192)),
-        sliding_window=None if window is None else int(window),
-        layer_types=tuple(layer_types),
-        query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar") or head_dim),
-        **gemma3.soft_caps(hf),
-    )
+    return gemma3.shared_fields(hf, layer_types, _parse_rope(hf), hf.get("sliding_window", 4096), context=8192)
 
 
 def to_hf(cfg: ModelConfig) -> dict[str, Any]:

@@ -54,29 +54,37 @@ def soft_caps(hf: dict[str, Any]) -> dict[str, float | None]:
 
 
 def parse_hf(hf: dict[str, Any]) -> dict[str, Any]:
-    check_hf(hf)
     layers = int(hf["num_hidden_layers"])
     pattern = int(hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or 6)
     layer_types = hf.get("layer_types") or [
         "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
     params = hf.get("rope_parameters") or {}
     if "full_attention" in params:  # transformers v5: RoPE per layer type
-        theta, scaling = _parse_rope({"rope_parameters": params["full_attention"]})
+        rope = _parse_rope({"rope_parameters": params["full_attention"]})
         local = params.get("sliding_attention") or {}
     else:  # v4: the global RoPE as Llama's, the local base beside it
-        theta, scaling = _parse_rope({"rope_theta": hf.get("rope_theta", 1e6),
-                                      "rope_scaling": hf.get("rope_scaling")})
+        rope = _parse_rope({"rope_theta": hf.get("rope_theta", 1e6), "rope_scaling": hf.get("rope_scaling")})
         local = {"rope_theta": hf.get("rope_local_base_freq", 10000.0)}
     if local.get("rope_type", "default") != "default":
         raise UnsupportedModelError(f"sliding_attention rope_type={local['rope_type']!r} is not supported "
                                     "for gemma3_text (only 'default')")
+    return {**shared_fields(hf, layer_types, rope, hf.get("sliding_window"), context=32768),
+            "qk_norm": True, "local_rope_theta": float(local.get("rope_theta", 10000.0))}
+
+
+def shared_fields(hf: dict[str, Any], layer_types: list[str], rope: tuple[float, Any], window: int | None,
+                  context: int) -> dict[str, Any]:
+    """The fields Gemma 2 and Gemma 3 read alike, given each one's layer kinds, RoPE, window and
+    default context length (after `check_hf`)."""
+    check_hf(hf)
     num_heads = int(hf["num_attention_heads"])
     head_dim = int(hf.get("head_dim") or hf["hidden_size"] // num_heads)
+    theta, scaling = rope
     return dict(
         vocab_size=int(hf["vocab_size"]),
         hidden_size=int(hf["hidden_size"]),
         intermediate_size=int(hf["intermediate_size"]),
-        num_layers=layers,
+        num_layers=len(layer_types),
         num_heads=num_heads,
         num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
         head_dim=head_dim,
@@ -84,12 +92,10 @@ def parse_hf(hf: dict[str, Any]) -> dict[str, Any]:
         rope_scaling=scaling,
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
-        qk_norm=True,
         hidden_act=ACTIVATION,
-        max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
-        sliding_window=None if hf.get("sliding_window") is None else int(hf["sliding_window"]),
+        max_position_embeddings=int(hf.get("max_position_embeddings", context)),
+        sliding_window=None if window is None else int(window),
         layer_types=tuple(layer_types),
-        local_rope_theta=float(local.get("rope_theta", 10000.0)),
         query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar") or head_dim),
         **soft_caps(hf),
     )
