@@ -22,7 +22,8 @@ def parse_hf(hf: dict[str, Any]) -> dict[str, Any]:
     # transformers' default: the even layers (0, 2, ...) slide, the odd ones see everything
     layer_types = hf.get("layer_types") or [
         "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
-    return gemma3.shared_fields(hf, layer_types, _parse_rope(hf), hf.get("sliding_window", 4096), context=8192)
+    window = hf.get("sliding_window", 4096)
+    return gemma3.shared_fields(hf, layer_types, _parse_rope(hf), window, context=8192)
 
 
 def to_hf(cfg: ModelConfig) -> dict[str, Any]:
