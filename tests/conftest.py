@@ -99,6 +99,8 @@ TINY_FAMILIES: dict[str, dict[str, Any]] = {
                    layer_types=["sliding_attention", "full_attention"],
                    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
                                     "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}),
+    # Gemma 1: Llama's layout with Gemma's norms, GeGLU and scaled embeddings; the legacy "gelu"
+    "gemma": dict(model_type="gemma", head_dim=12, hidden_act="gelu"),
     # Gemma 3's layer kinds with one RoPE base, no q/k norms, and soft-capping: caps this low squash
     # the tiny model's scores and logits (of up to ~1.3) visibly
     "gemma2": dict(model_type="gemma2", head_dim=12, sliding_window=4, query_pre_attn_scalar=16,

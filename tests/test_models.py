@@ -33,7 +33,7 @@ from tbajax.models import layers as L
 from tbajax.models.serving import ServingParams
 
 FAMILIES = ["llama", "llama_tied_rope3", "qwen2", "qwen2_tied", "qwen3", "mistral", "olmo2", "phi3", "gemma2",
-            "gemma3", "qwen2_window", "smollm3", "smollm3_window", "granite"]
+            "gemma3", "qwen2_window", "smollm3", "smollm3_window", "granite", "gemma"]
 
 
 def _batch(seed: int = 0, b: int = 4, t: int = 11, vocab: int = 101):
@@ -148,6 +148,15 @@ def test_granite_multipliers_are_read_and_in_force(tiny_checkpoint):
                         num_heads=2, num_kv_heads=2, head_dim=4)
     with pytest.raises(UnsupportedModelError, match="logits_scaling read and written for"):
         dataclasses.replace(llama, logits_scaling=2.0)
+
+
+def test_gemma_reads_the_legacy_gelu_as_transformers_does(tiny_checkpoint):
+    """Gemma 1's released configs say hidden_act "gelu" and mean the tanh approximation."""
+    hf = json.loads((tiny_checkpoint("gemma") / "config.json").read_text())
+    assert ModelConfig.from_hf({**hf, "hidden_act": "gelu"}).hidden_act == "gelu_pytorch_tanh"
+    assert ModelConfig.from_hf(hf).to_hf()["hidden_act"] == "gelu_pytorch_tanh"
+    with pytest.raises(UnsupportedModelError, match="hidden_activation='silu'"):
+        ModelConfig.from_hf({**hf, "hidden_act": "silu"})
 
 
 def test_a_smollm3_3b_config_reads_as_transformers_reads_it():
@@ -395,7 +404,7 @@ def test_phi3_longrope_decode_past_the_pretraining_length_matches_transformers(t
     "family, weight_first",
     [("llama", True), ("qwen2", True), ("qwen3", True), ("olmo2", True), ("phi3", True), ("qwen2", False),
      ("mistral_window", True), ("gemma2", True), ("gemma3", True), ("smollm3_window", True),
-     ("granite", True)],
+     ("granite", True), ("gemma", True)],
 )
 def test_kv_cache_decode_matches_full_forward(tiny_checkpoint, family, weight_first, monkeypatch):
     """Prefill a left-padded prompt, then decode token by token: same logits as one forward.
@@ -482,7 +491,7 @@ def test_bf16_compute_and_remat(tiny_checkpoint):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2_tied", "qwen3", "mistral", "olmo2", "phi3", "gemma2",
-                                    "gemma3", "qwen2_window", "smollm3_window", "granite"])
+                                    "gemma3", "qwen2_window", "smollm3_window", "granite", "gemma"])
 def test_export_round_trip_loads_in_torch(tiny_checkpoint, tmp_path, family):
     directory = tiny_checkpoint(family)
     model = load_model(directory)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "granite", "olmo2", "phi3",
-                         "gemma2", "gemma3_text", "gpt_neox", "gpt2")
+                         "gemma", "gemma2", "gemma3_text", "gpt_neox", "gpt2")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # with a sliding_window
 WINDOWED_MODEL_TYPES = ("mistral", "phi3", "gemma2", "gemma3_text", "qwen2", "qwen3", "smollm3")
@@ -121,8 +121,8 @@ class ModelConfig:
     """Architecture (from the checkpoint) plus runtime choices (dtypes, remat, scan_layers, attention,
     head_chunk_tokens)."""
 
-    model_type: Literal["llama", "mistral", "qwen2", "qwen3", "smollm3", "granite", "olmo2", "phi3", "gemma2",
-                        "gemma3_text", "gpt_neox", "gpt2"]
+    model_type: Literal["llama", "mistral", "qwen2", "qwen3", "smollm3", "granite", "olmo2", "phi3", "gemma",
+                        "gemma2", "gemma3_text", "gpt_neox", "gpt2"]
     vocab_size: int
     hidden_size: int
     intermediate_size: int

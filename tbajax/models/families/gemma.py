@@ -1,0 +1,91 @@
+"""Gemma (model_type gemma: Gemma 1 and 1.1, 2B and 7B, CodeGemma): Llama's layout, a norm before
+the attention and one before the MLP and RoPE on every layer, with Gemma 3's pieces (`gemma3`):
+RMSNorm weights as offsets from one (in fp32), a GeGLU MLP, embeddings scaled by sqrt(hidden_size),
+tied embeddings. The released configs' hidden_act "gelu" means the tanh approximation, as
+transformers reads it."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+
+from tbajax.models import layers as L
+from tbajax.models.config import ModelConfig, UnsupportedModelError, _parse_rope
+from tbajax.models.families import ParamSpec, gemma3, llama
+from tbajax.sharding import constrain
+
+Array = jax.Array
+
+
+def parse_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or gemma3.ACTIVATION
+    if act == "gelu":  # the legacy value of the official releases, meant as the tanh GELU
+        act = gemma3.ACTIVATION
+    if hf.get("attention_bias"):
+        raise UnsupportedModelError("attention_bias=true is not supported for gemma")
+    layers = int(hf["num_hidden_layers"])
+    fields = gemma3.shared_fields({**hf, "hidden_activation": act}, ["full_attention"] * layers,
+                                  _parse_rope(hf), None, context=8192)
+    return {**fields, "layer_types": None}
+
+
+def to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    return {
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": gemma3.ACTIVATION,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": cfg.rope_scaling.to_hf() if cfg.rope_scaling else None,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "attention_bias": False,
+    }
+
+
+def layer_params(cfg: ModelConfig) -> dict[str, ParamSpec]:
+    return {k: v for k, v in gemma3.layer_params(cfg).items()
+            if k not in ("pre_feedforward_norm", "post_feedforward_norm")}
+
+
+def block(
+    cfg: ModelConfig,
+    p: dict[str, Array],
+    x: Array,
+    tables: tuple[Array, Array],
+    mask: Array,
+    cache: L.LayerCache | L.EmitKV | None,
+) -> tuple[Array, tuple[Array, Array] | None]:
+    dt = cfg.jnp_dtype
+    cos, sin = tables
+    w = {k: v.astype(dt) for k, v in p.items()}
+    eps = cfg.rms_norm_eps
+    q, k, v = llama.query_key_value(cfg, w, gemma3.rms_norm(x, w["input_norm"], eps))
+    q, k = L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin)
+    q = constrain(q, ("batch", "length", "act_heads", None))
+    o, new_cache = L.self_attention(q, k, v, mask, cache, dt, cfg.attention)
+    x = x + L.decode_matrix_product(o, w, "o_proj", in_axes=2)
+    x = x + llama.gated_mlp(w, gemma3.rms_norm(x, w["post_attention_norm"], eps), gemma3.geglu)
+    return constrain(x, ("batch", "length", "act_embed")), new_cache
+
+
+# Gemma 3's where not said otherwise: embeddings, final norm, parameter names, the sampler's layout
+FAMILY = dataclasses.replace(
+    gemma3.FAMILY,
+    name="gemma",
+    model_types=("gemma",),
+    architectures={"gemma": ("GemmaForCausalLM", "GemmaForSequenceClassification")},
+    parse_hf=parse_hf,
+    to_hf=to_hf,
+    layer_params=layer_params,
+    block=block,
+    fixed={**gemma3.FAMILY.fixed, "qk_norm": (False,), "local_rope_theta": (None,), "layer_types": (None,),
+           "attn_logit_softcapping": (None,), "final_logit_softcapping": (None,)},
+)
