@@ -32,22 +32,7 @@ def parse_hf(hf: dict[str, Any]) -> dict[str, Any]:
 
 
 def to_hf(cfg: ModelConfig) -> dict[str, Any]:
-    return {
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.head_dim,
-        "hidden_act": gemma3.ACTIVATION,
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_scaling": cfg.rope_scaling.to_hf() if cfg.rope_scaling else None,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "tie_word_embeddings": cfg.tie_word_embeddings,
-        "attention_bias": False,
-    }
+    return {**llama.to_hf(cfg), "hidden_act": gemma3.ACTIVATION, "attention_bias": False}
 
 
 def layer_params(cfg: ModelConfig) -> dict[str, ParamSpec]:
