@@ -212,6 +212,12 @@ def test_adapters_on_fused_projections_export_as_peft_adapters_of_fused_modules(
         ).logits.numpy()
     real = MASK.astype(bool)
     np.testing.assert_allclose(peft_logits[real], ours[real], atol=1e-4)
+    # qkv_proj is held per KV head here: its adapter's rows go out in HF's order and come back
+    again_cfg, again = load_peft_adapter(peft_dir, model)
+    assert (again_cfg.rank, sorted(again_cfg.targets)) == (4, ["layers.gate_up_proj", "layers.qkv_proj"])
+    for name, pair in adapters.items():
+        for k in ("a", "b"):
+            np.testing.assert_array_equal(np.asarray(again[name][k][...]), np.asarray(pair[k][...]))
 
 
 def test_peft_trained_adapter_loads_into_our_model(tiny_checkpoint, tmp_path):

@@ -290,6 +290,26 @@ def test_sharded_load_matches_single_device(ckpt, name):
     np.testing.assert_allclose(sharded, single, atol=1e-4)
 
 
+def test_phi3_fused_qkv_splits_by_kv_head_over_a_tensor_mesh(tiny_checkpoint):
+    """Phi-3's fused qkv_proj, held per KV head, splits over the tensor axis by KV head (each
+    device its own query group, key and value) like o_proj by query head, and the forward gives
+    the single-device logits."""
+    from jax.sharding import PartitionSpec as P
+
+    directory = tiny_checkpoint("phi3")  # 6 query heads over 2 KV heads
+    ids, mask = _batch(5)
+    single = _ours(load_model(directory), ids, mask)
+    mesh = make_mesh(MeshConfig(data=2, fsdp=1, tensor=2), devices=jax.devices()[:4])
+    model = load_model(directory, mesh=mesh)
+    params = nnx.state(model, nnx.Param)["layers"]
+    assert params["qkv_proj"][...].sharding.spec == P(None, None, "tensor", None, None)
+    assert params["o_proj"][...].sharding.spec == P(None, "tensor", None, None)
+    with jax.set_mesh(mesh):
+        forward = jax.jit(lambda t, m: model(t, attention_mask=m)[0])
+        sharded = np.asarray(forward(jnp.asarray(ids), jnp.asarray(mask)))
+    np.testing.assert_allclose(sharded, single, atol=1e-4)
+
+
 def test_gpt2_checkpoint_without_transformer_prefix(ckpt, tmp_path):
     """The original `gpt2` files name tensors from the base model ("h.0.attn...", no prefix)
     and carry causal-mask buffers: both load."""

@@ -304,6 +304,21 @@ def _hf_modules(model: nnx.Module) -> tuple[str, dict[str, tuple[str, Any]]]:
     return "CAUSAL_LM", {n: (m.hf_name, m.to_hf) for n, m in hf._mappings(model.config).items()}
 
 
+def _hf_row_order(to_hf: Any, spec: LoraSpec, config: Any) -> np.ndarray:
+    """Where each row of the HF [out, in] weight comes from among our flattened outputs: HF row r
+    is our output order[r] (the identity for a plain Linear; Phi-3's qkv_proj, held per KV head,
+    reorders them). A layout that moves inputs too cannot carry a LoRA pair and is refused."""
+    fan_in, fan_out = spec.fan_in, spec.fan_out
+    # probe value i * fan_out + o: our input i, output o
+    probe = np.arange(fan_in * fan_out, dtype=np.float64).reshape(spec.shape[len(spec.batch_shape):])
+    hf = np.asarray(to_hf(probe, config))
+    order = (hf[:, 0] % fan_out).astype(np.int64) if hf.shape == (fan_out, fan_in) else None
+    if order is None or not np.array_equal(hf, order[:, None] + fan_out * np.arange(fan_in)[None, :]):
+        raise NotImplementedError(f"{spec.name}: its HF layout moves its inputs, not only its output rows; "
+                                  "PEFT export unsupported")
+    return order
+
+
 def peft_tensors(
     model: nnx.Module, adapters: Adapters, config: LoraConfig
 ) -> tuple[str, dict[str, np.ndarray], list[str]]:
@@ -317,14 +332,9 @@ def peft_tensors(
         hf_name, to_hf = table[name]
         if not hf_name.endswith(".weight"):
             raise NotImplementedError(f"{name} maps to {hf_name!r}, not a Linear weight PEFT can adapt")
-        # PEFT's layout is HF's [out, in] = our weight flattened to [in, out] and transposed;
-        # refuse families whose HF layout permutes elements (e.g. fused or interleaved weights)
-        probe = np.arange(math.prod(s.shape[len(s.batch_shape) :]), dtype=np.float64)
-        probe = probe.reshape(s.shape[len(s.batch_shape) :])
-        if not np.array_equal(np.asarray(to_hf(probe, model.config)), probe.reshape(s.fan_in, s.fan_out).T):
-            raise NotImplementedError(
-                f"{name}: its HF layout is not a plain [out, in] Linear; PEFT export unsupported"
-            )
+        # PEFT's layout is HF's [out, in]: our weight flattened to [in, out], transposed, its rows in
+        # HF's order (lora_B's rows follow them; lora_A's columns are the inputs, in order)
+        order = _hf_row_order(to_hf, s, model.config)
         a = np.asarray(jax.device_get(pair["a"][...]), np.float32).reshape(*s.batch_shape, s.fan_in, -1)
         b = np.asarray(jax.device_get(pair["b"][...]), np.float32).reshape(*s.batch_shape, -1, s.fan_out)
         module = hf_name[: -len(".weight")]
@@ -333,7 +343,7 @@ def peft_tensors(
             path = module.format(i=i)
             ai, bi = (a[i], b[i]) if i is not None else (a, b)
             tensors[f"{PEFT_PREFIX}{path}.lora_A.weight"] = np.ascontiguousarray(ai.T)
-            tensors[f"{PEFT_PREFIX}{path}.lora_B.weight"] = np.ascontiguousarray(bi.T)
+            tensors[f"{PEFT_PREFIX}{path}.lora_B.weight"] = np.ascontiguousarray(bi.T[order])
         # PEFT matches target_modules as key suffixes: use the module path after the layer index
         modules.add(module.split("{i}.", 1)[-1])
     return task, tensors, sorted(modules)
@@ -429,6 +439,7 @@ def load_peft_adapter(
     used: set[str] = set()
     for name, module in found.items():
         s = specs[name]
+        ours = np.argsort(_hf_row_order(table[name][1], s, model.config))  # our output j is HF row ours[j]
         layers = range(s.batch_shape[0]) if s.batch_shape else [None]
         a_list, b_list = [], []
         for i in layers:
@@ -441,7 +452,7 @@ def load_peft_adapter(
                 )
             used |= {path + ".lora_A.weight", path + ".lora_B.weight"}
             a_list.append(a.T.reshape(*s.in_shape, rank))
-            b_list.append(b.T.reshape(rank, *s.out_shape))
+            b_list.append(b[ours].T.reshape(rank, *s.out_shape))
         a_host = np.stack(a_list) if s.batch_shape else a_list[0]
         b_host = np.stack(b_list) if s.batch_shape else b_list[0]
         pair = {}

@@ -1,10 +1,13 @@
 """Phi-3 / Phi-4 (model_type phi3): Llama's block with the query, key and value projections fused
-into one weight (all query heads, then the key heads, then the value heads) and the gate and up
-projections fused into another, and rotary embeddings on the first `partial_rotary_factor` of
-each head's dims. The fused weights stay fused here as in the checkpoint (and in PEFT's target
-names: qkv_proj, gate_up_proj). A sliding window shorter than the context (Phi-3-mini-4k's 2047)
-is `ModelConfig.sliding_window`; LongRoPE scaling (Phi-3.5-mini, Phi-4-mini: 128k contexts) is a
-`RopeScaling` of type "longrope", applied as transformers does (`llama.position_tables`)."""
+into one weight (in the checkpoint all query heads, then the key heads, then the value heads) and
+the gate and up projections fused into another, and rotary embeddings on the first
+`partial_rotary_factor` of each head's dims. The fused weights stay fused here as in PEFT's target
+names (qkv_proj, gate_up_proj); qkv_proj is held per KV head ([embed, kv, g + 2, head_dim]: its
+group's g query heads, its key, its value), so a tensor-parallel mesh gives each device whole KV
+groups (`hf_mappings` reorders it, and the PEFT export its adapters' rows). A sliding window
+shorter than the context (Phi-3-mini-4k's 2047) is `ModelConfig.sliding_window`; LongRoPE scaling
+(Phi-3.5-mini, Phi-4-mini: 128k contexts) is a `RopeScaling` of type "longrope", applied as
+transformers does (`llama.position_tables`)."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import dataclasses
 from typing import Any
 
 import jax
+import numpy as np
 
 from tbajax.models import layers as L
 from tbajax.models.config import ModelConfig, UnsupportedModelError
@@ -42,7 +46,7 @@ def layer_params(cfg: ModelConfig) -> dict[str, ParamSpec]:
     d, h, kv, hd, f = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
     return {
         "input_norm": ParamSpec(("norm",), (d,), "ones"),
-        "qkv_proj": ParamSpec(("embed", None, "head_dim"), (d, h + 2 * kv, hd)),
+        "qkv_proj": ParamSpec(("embed", "kv_heads", None, "head_dim"), (d, kv, h // kv + 2, hd)),
         "o_proj": ParamSpec(("q_heads", "head_dim", "embed"), (h, hd, d)),
         "post_attention_norm": ParamSpec(("norm",), (d,), "ones"),
         "gate_up_proj": ParamSpec(("embed", None, "mlp"), (d, 2, f)),
@@ -58,10 +62,8 @@ def hf_mappings(cfg: ModelConfig) -> dict[str, Mapping]:
         "lm_head": transposed("lm_head.weight"),
         "layers.input_norm": same(pre + "input_layernorm.weight"),
         "layers.post_attention_norm": same(pre + "post_attention_layernorm.weight"),
-        # HF Linear [(h + 2 kv) * head_dim, d] <-> ours [d, h + 2 kv, head_dim]
-        "layers.qkv_proj": Mapping(pre + "self_attn.qkv_proj.weight",
-                                   lambda a, c: a.T.reshape(a.shape[1], -1, c.head_dim),
-                                   lambda a, c: a.reshape(a.shape[0], -1).T),
+        # HF Linear [(h + 2 kv) * head_dim, d] <-> ours [d, kv, g + 2, head_dim]
+        "layers.qkv_proj": Mapping(pre + "self_attn.qkv_proj.weight", _qkv_to_ours, _qkv_to_hf),
         "layers.o_proj": llama.heads_out(pre + "self_attn.o_proj.weight"),
         # HF Linear [2 f, d] (gate rows, then up rows) <-> ours [d, 2, f]
         "layers.gate_up_proj": Mapping(pre + "mlp.gate_up_proj.weight",
@@ -69,6 +71,22 @@ def hf_mappings(cfg: ModelConfig) -> dict[str, Mapping]:
                                        lambda a, c: a.reshape(a.shape[0], -1).T),
         "layers.down_proj": transposed(pre + "mlp.down_proj.weight"),
     }
+
+
+def _qkv_to_ours(a: np.ndarray, c: ModelConfig) -> np.ndarray:
+    """HF's [q | k | v] rows ([(h + 2 kv) hd, n]) -> [n, kv, g + 2, hd], per KV head (n: the input
+    width, or a LoRA rank)."""
+    h, kv, hd = c.num_heads, c.num_kv_heads, c.head_dim
+    w = a.T.reshape(a.shape[1], h + 2 * kv, hd)
+    q = w[:, :h].reshape(-1, kv, h // kv, hd)
+    return np.concatenate([q, w[:, h:h + kv, None], w[:, h + kv:, None]], axis=2)
+
+
+def _qkv_to_hf(a: np.ndarray, c: ModelConfig) -> np.ndarray:
+    """The inverse of `_qkv_to_ours`."""
+    g = c.num_heads // c.num_kv_heads
+    q = a[:, :, :g].reshape(a.shape[0], c.num_heads, c.head_dim)
+    return np.concatenate([q, a[:, :, g], a[:, :, g + 1]], axis=1).reshape(a.shape[0], -1).T
 
 
 def block(
@@ -83,9 +101,11 @@ def block(
     cos, sin = tables
     w = {k: v.astype(dt) for k, v in p.items()}
     h, kv = cfg.num_heads, cfg.num_kv_heads
+    g = h // kv
     qkv = L.decode_matrix_product(L.rms_norm(x, w["input_norm"], cfg.rms_norm_eps), w, "qkv_proj",
-                                  out_shape=(h + 2 * kv,))
-    q, k, v = qkv[..., :h, :], qkv[..., h:h + kv, :], qkv[..., h + kv:, :]
+                                  out_shape=(kv, g + 2))  # [..., kv, g + 2, hd] in either layout
+    q = qkv[..., :g, :].reshape(*qkv.shape[:-3], h, qkv.shape[-1])
+    k, v = qkv[..., g, :], qkv[..., g + 1, :]
     q, k = L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin)
     q = constrain(q, ("batch", "length", "act_heads", None))
     o, new_cache = L.self_attention(q, k, v, mask, cache, dt, cfg.attention)
