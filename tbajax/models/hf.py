@@ -44,10 +44,11 @@ def _mappings(cfg: ModelConfig) -> dict[str, Mapping]:
     return {k: v for k, v in table.items() if k in wanted}
 
 
-# Where a multimodal checkpoint (`config.MULTIMODAL_TEXT_MODELS`) keeps its text model: transformers
-# v5 saves it under model.language_model., earlier versions (the published Gemma 3 files) under
-# language_model.model. with its head as language_model.lm_head.; the text model's names are
-# rewritten to those, and the vision tower and projector are not read.
+# Where a multimodal checkpoint (`config.MULTIMODAL_TEXT_MODELS`) keeps its text model: under
+# language_model.model. with its head as language_model.lm_head. (transformers 4.5x, and 5.25's
+# save_pretrained of Gemma3ForConditionalGeneration), or under model.language_model. (v5's module
+# names); the text model's names are rewritten to those, and the vision tower and projector are
+# not read.
 _NESTED_TEXT = {
     "model.language_model.": {"model.": "model.language_model."},
     "language_model.model.": {"model.": "language_model.model.", "lm_head.": "language_model.lm_head."},
