@@ -114,6 +114,10 @@ TINY_FAMILIES: dict[str, dict[str, Any]] = {
     "granite": dict(model_type="granite", embedding_multiplier=6.0, residual_multiplier=0.3,
                     attention_multiplier=0.05, logits_scaling=4.0, tie_word_embeddings=True),
     "olmo2": dict(model_type="olmo2", rms_norm_eps=1e-6),
+    # a windowed layer (plain RoPE) and a full one with YaRN (pretrained on 16 positions)
+    "olmo3": dict(model_type="olmo3", rms_norm_eps=1e-6, sliding_window=4,
+                  layer_types=["sliding_attention", "full_attention"],
+                  rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}),
     # fused q/k/v and gate/up weights; 6 of each head's 12 dims rotate
     "phi3": dict(model_type="phi3", partial_rotary_factor=0.5, pad_token_id=0),
 }

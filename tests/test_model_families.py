@@ -539,7 +539,7 @@ def test_hand_built_config_exports_and_is_checked(tmp_path):
 # Phi-3's fused projections and partial rotary; Gemma 2's soft-capped scores and logits; SmolLM3's NoPE
 # layer (windowed); Granite's multipliers
 @pytest.mark.parametrize("name", ["qwen2_tied", "neox_parallel", "olmo2", "phi3", "gemma2", "gemma3",
-                                  "smollm3_window", "granite", "gemma"])
+                                  "smollm3_window", "granite", "gemma", "olmo3"])
 def test_logprob_gradients_match_torch(ckpt, tiny_checkpoint, name):
     """The trainer's scoring path (`sequence_logprobs`: the hand-written VJPs of the vocabulary
     projection + tempered log-softmax, of every MLP matmul and of SwiGLU) against torch autograd,
@@ -550,7 +550,7 @@ def test_logprob_gradients_match_torch(ckpt, tiny_checkpoint, name):
     from tbajax.models.hf import hf_tensors
     from tbajax.training import sequence_logprobs
 
-    tiny = ("qwen2_tied", "olmo2", "phi3", "gemma2", "gemma3", "smollm3_window", "granite", "gemma")
+    tiny = ("qwen2_tied", "olmo2", "phi3", "gemma2", "gemma3", "smollm3_window", "granite", "gemma", "olmo3")
     directory = tiny_checkpoint(name) if name in tiny else ckpt(name)
     temperature = 0.7
     ids, mask = _batch(3)

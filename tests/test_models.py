@@ -33,7 +33,7 @@ from tbajax.models import layers as L
 from tbajax.models.serving import ServingParams
 
 FAMILIES = ["llama", "llama_tied_rope3", "qwen2", "qwen2_tied", "qwen3", "mistral", "olmo2", "phi3", "gemma2",
-            "gemma3", "qwen2_window", "smollm3", "smollm3_window", "granite", "gemma"]
+            "gemma3", "qwen2_window", "smollm3", "smollm3_window", "granite", "gemma", "olmo3"]
 
 
 def _batch(seed: int = 0, b: int = 4, t: int = 11, vocab: int = 101):
@@ -157,6 +157,26 @@ def test_gemma_reads_the_legacy_gelu_as_transformers_does(tiny_checkpoint):
     assert ModelConfig.from_hf(hf).to_hf()["hidden_act"] == "gelu_pytorch_tanh"
     with pytest.raises(UnsupportedModelError, match="hidden_activation='silu'"):
         ModelConfig.from_hf({**hf, "hidden_act": "silu"})
+
+
+def test_olmo3_scales_rope_on_its_full_attention_layers_only(tiny_checkpoint):
+    """OLMo 3's YaRN is on its full-attention layers: the windowed ones rotate plainly (their own
+    base, `local_rope_theta`); with YaRN on both kinds the logits are not transformers'. Read from
+    transformers v5's RoPE per layer type and from a v4 `rope_scaling`, written back."""
+    model = load_model(tiny_checkpoint("olmo3"))
+    cfg = model.config
+    assert (cfg.layer_types, cfg.sliding_window, cfg.local_rope_theta) == (
+        ("sliding_attention", "full_attention"), 4, cfg.rope_theta)
+    assert cfg.rope_scaling.rope_type == "yarn" and ModelConfig.from_hf(cfg.to_hf()) == cfg
+    v4 = {k: v for k, v in cfg.to_hf().items() if k != "rope_parameters"}
+    v4.update(rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling.to_hf())
+    assert ModelConfig.from_hf(v4) == cfg
+    ids, mask = _batch(t=20)
+    ref, real = _torch_logits(tiny_checkpoint("olmo3"), ids, mask), mask.astype(bool)
+    assert np.abs(logits_of(model, ids, mask) - ref)[real].max() <= 1e-4
+    everywhere = nnx.merge(*nnx.split(CausalLM(dataclasses.replace(cfg, local_rope_theta=None),
+                                               rngs=nnx.Rngs(0)))[:1], nnx.state(model))
+    assert np.abs(logits_of(everywhere, ids, mask) - ref)[real].max() > 1e-3
 
 
 def test_a_smollm3_3b_config_reads_as_transformers_reads_it():
@@ -404,7 +424,7 @@ def test_phi3_longrope_decode_past_the_pretraining_length_matches_transformers(t
     "family, weight_first",
     [("llama", True), ("qwen2", True), ("qwen3", True), ("olmo2", True), ("phi3", True), ("qwen2", False),
      ("mistral_window", True), ("gemma2", True), ("gemma3", True), ("smollm3_window", True),
-     ("granite", True), ("gemma", True)],
+     ("granite", True), ("gemma", True), ("olmo3", True)],
 )
 def test_kv_cache_decode_matches_full_forward(tiny_checkpoint, family, weight_first, monkeypatch):
     """Prefill a left-padded prompt, then decode token by token: same logits as one forward.
@@ -491,7 +511,8 @@ def test_bf16_compute_and_remat(tiny_checkpoint):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2_tied", "qwen3", "mistral", "olmo2", "phi3", "gemma2",
-                                    "gemma3", "qwen2_window", "smollm3_window", "granite", "gemma"])
+                                    "gemma3", "qwen2_window", "smollm3_window", "granite", "gemma",
+                                    "olmo3"])
 def test_export_round_trip_loads_in_torch(tiny_checkpoint, tmp_path, family):
     directory = tiny_checkpoint(family)
     model = load_model(directory)

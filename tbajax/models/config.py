@@ -15,11 +15,11 @@ from typing import Any, Literal
 import jax.numpy as jnp
 import numpy as np
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "granite", "olmo2", "phi3",
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "granite", "olmo2", "olmo3", "phi3",
                          "gemma", "gemma2", "gemma3_text", "gpt_neox", "gpt2")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # with a sliding_window
-WINDOWED_MODEL_TYPES = ("mistral", "phi3", "gemma2", "gemma3_text", "qwen2", "qwen3", "smollm3")
+WINDOWED_MODEL_TYPES = ("mistral", "phi3", "gemma2", "gemma3_text", "qwen2", "qwen3", "smollm3", "olmo3")
 NOPE_MODEL_TYPES = ("smollm3",)  # with layers that take no RoPE (`rope_layers`)
 SCALED_MODEL_TYPES = ("granite",)  # with embedding / residual / attention multipliers and logits_scaling
 SOFT_CAPPED_MODEL_TYPES = ("gemma2", "gemma3_text")  # with attn_ / final_logit_softcapping
@@ -121,8 +121,8 @@ class ModelConfig:
     """Architecture (from the checkpoint) plus runtime choices (dtypes, remat, scan_layers, attention,
     head_chunk_tokens)."""
 
-    model_type: Literal["llama", "mistral", "qwen2", "qwen3", "smollm3", "granite", "olmo2", "phi3", "gemma",
-                        "gemma2", "gemma3_text", "gpt_neox", "gpt2"]
+    model_type: Literal["llama", "mistral", "qwen2", "qwen3", "smollm3", "granite", "olmo2", "olmo3", "phi3",
+                        "gemma", "gemma2", "gemma3_text", "gpt_neox", "gpt2"]
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -146,8 +146,8 @@ class ModelConfig:
     # before it (None: every earlier position): by position without a cache, by ring distance over
     # one and by position over its shared prompt part (`serving.cached_pass`).
     sliding_window: int | None = None
-    # Gemma 2 / 3: which layers ("sliding_attention", "full_attention") take the window, and those
-    # layers' RoPE base (they take no RoPE scaling); None: every layer alike (`layer_kinds`)
+    # Gemma 2 / 3, OLMo 3: which layers ("sliding_attention", "full_attention") take the window, and
+    # those layers' RoPE base (they take no RoPE scaling); None: every layer alike (`layer_kinds`)
     layer_types: tuple[str, ...] | None = None
     local_rope_theta: float | None = None
     # SmolLM3: which layers rotate their queries and keys (the others, every fourth, take no

@@ -1,7 +1,8 @@
-"""OLMo 2 (AllenAI): Llama's projections, RoPE and SwiGLU MLP with the norms moved. No norm on a
-block's input; RMSNorm on the attention output and on the MLP output before each joins the
-residual; RMSNorm on the whole query and key projections (over all heads at once, where Qwen3
-normalises each head) before RoPE."""
+"""OLMo 2 and OLMo 3 (AllenAI): Llama's projections, RoPE and SwiGLU MLP with the norms moved. No
+norm on a block's input; RMSNorm on the attention output and on the MLP output before each joins
+the residual; RMSNorm on the whole query and key projections (over all heads at once, where Qwen3
+normalises each head) before RoPE. OLMo 3 windows three layers of four (`layer_types`), and its
+RoPE scaling (YaRN for long contexts) is on the full-attention layers only (`local_rope_theta`)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import jax.numpy as jnp
 
 from tbajax import op_scopes as S
 from tbajax.models import layers as L
-from tbajax.models.config import ModelConfig, UnsupportedModelError
+from tbajax.models.config import ModelConfig, UnsupportedModelError, _parse_rope
 from tbajax.models.families import Mapping, ParamSpec, llama, same
 from tbajax.sharding import constrain
 
@@ -22,12 +23,50 @@ Array = jax.Array
 
 def parse_hf(hf: dict[str, Any]) -> dict[str, Any]:
     if hf.get("attention_bias"):
-        raise UnsupportedModelError("attention_bias=true is not supported for olmo2")
-    return {**llama.parse_hf(hf), "qk_norm": True}
+        raise UnsupportedModelError(f"attention_bias=true is not supported for {hf['model_type']}")
+    if hf["model_type"] == "olmo2":
+        return {**llama.parse_hf(hf), "qk_norm": True}
+    return _parse_olmo3(hf)
+
+
+def _parse_olmo3(hf: dict[str, Any]) -> dict[str, Any]:
+    """OLMo 3's layer kinds (transformers' default: every fourth layer full, the others windowed)
+    and RoPE per kind: the scaling on the full-attention layers (v5: `rope_parameters` per layer
+    type; v4: `rope_scaling`), the windowed ones plain."""
+    layers = int(hf["num_hidden_layers"])
+    layer_types = hf.get("layer_types") or [
+        "sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(layers)]
+    params = hf.get("rope_parameters") or {}
+    lengths = {k: hf[k] for k in ("max_position_embeddings", "original_max_position_embeddings") if k in hf}
+    if "full_attention" in params:
+        rope = _parse_rope({**lengths, "rope_parameters": params["full_attention"]})
+        local = params.get("sliding_attention") or {}
+    else:
+        rope = _parse_rope(hf)
+        local = {"rope_theta": rope[0]}
+    if local.get("rope_type", "default") != "default":
+        raise UnsupportedModelError(f"sliding_attention rope_type={local['rope_type']!r} is not supported "
+                                    "for olmo3 (only 'default')")
+    plain = {k: v for k, v in hf.items() if k not in ("layer_types", "rope_parameters", "rope_scaling")}
+    fields = {**llama.parse_hf({**plain, "sliding_window": None}), "qk_norm": True,
+              "rope_theta": rope[0], "rope_scaling": rope[1]}
+    if "sliding_attention" not in layer_types or hf.get("sliding_window") is None:
+        return fields
+    return {**fields, "sliding_window": int(hf["sliding_window"]), "layer_types": tuple(layer_types),
+            "local_rope_theta": float(local.get("rope_theta", rope[0]))}
 
 
 def to_hf(cfg: ModelConfig) -> dict[str, Any]:
-    return {**llama.to_hf(cfg), "attention_bias": False}
+    out = {**llama.to_hf(cfg), "attention_bias": False}
+    if cfg.model_type == "olmo3":
+        full = {"rope_type": "default", **(cfg.rope_scaling.to_hf() if cfg.rope_scaling else {}),
+                "rope_theta": cfg.rope_theta}
+        local = cfg.local_rope_theta if cfg.local_rope_theta is not None else cfg.rope_theta
+        out.update(layer_types=list(cfg.layer_types or ("full_attention",) * cfg.num_layers),
+                   sliding_window=cfg.sliding_window, rope_scaling=None,
+                   rope_parameters={"full_attention": full,
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": local}})
+    return out
 
 
 def layer_params(cfg: ModelConfig) -> dict[str, ParamSpec]:
@@ -100,8 +139,9 @@ def block(
 FAMILY = dataclasses.replace(
     llama.FAMILY,
     name="olmo2",
-    model_types=("olmo2",),
-    architectures={"olmo2": ("Olmo2ForCausalLM", "Olmo2ForSequenceClassification")},
+    model_types=("olmo2", "olmo3"),
+    architectures={"olmo2": ("Olmo2ForCausalLM", "Olmo2ForSequenceClassification"),
+                   "olmo3": ("Olmo3ForCausalLM", "Olmo3ForSequenceClassification")},
     parse_hf=parse_hf,
     to_hf=to_hf,
     layer_params=layer_params,
