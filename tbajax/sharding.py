@@ -35,6 +35,7 @@ LOGICAL_RULES: dict[str, tuple[str, ...] | None] = {
     "q_heads": ("tensor",),
     "kv_heads": ("tensor",),
     "mlp": ("tensor",),
+    "experts": None,  # a mixture-of-experts layer's experts: each device holds all (no expert parallelism)
     "head_dim": None,
     "layers": None,
     "norm": None,

@@ -114,6 +114,10 @@ TINY_FAMILIES: dict[str, dict[str, Any]] = {
     "granite": dict(model_type="granite", embedding_multiplier=6.0, residual_multiplier=0.3,
                     attention_multiplier=0.05, logits_scaling=4.0, tie_word_embeddings=True),
     "olmo2": dict(model_type="olmo2", rms_norm_eps=1e-6),
+    # 4 experts of 32 (Qwen3-MoE) / 96 (Mixtral) a layer, each token through 2 of them
+    "qwen3_moe": dict(model_type="qwen3_moe", head_dim=24, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=32, norm_topk_prob=True),
+    "mixtral": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2, rope_theta=1e6),
     # a windowed layer (plain RoPE) and a full one with YaRN (pretrained on 16 positions)
     "olmo3": dict(model_type="olmo3", rms_norm_eps=1e-6, sliding_window=4,
                   layer_types=["sliding_attention", "full_attention"],

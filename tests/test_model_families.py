@@ -3,6 +3,7 @@ family: parity with torch transformers on tiny random checkpoints, KV-cache deco
 sampling, export round trips, sharded loading and clear errors for unsupported variants."""
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -536,10 +537,35 @@ def test_hand_built_config_exports_and_is_checked(tmp_path):
 
 
 # SwiGLU + tied head; GELU + untied; OLMo 2's norms over whole projections and after each sublayer;
+def _per_expert(grads: dict, model_type: str) -> dict:
+    """transformers v5 holds a mixture-of-experts layer's experts fused (mlp.experts.gate_up_proj
+    [E, 2f, d], down_proj [E, d, f]); checkpoints, and our export, name them one per expert
+    (Mixtral's under block_sparse_moe as w1 / w3 / w2)."""
+    moe, (gate, up, down) = ((".block_sparse_moe.", ("w1", "w3", "w2")) if model_type == "mixtral"
+                             else (".mlp.", ("gate_proj", "up_proj", "down_proj")))
+    out = {}
+    for name, g in grads.items():
+        m = re.fullmatch(r"(model\.layers\.\d+)\.mlp\.(experts\.gate_up_proj|experts\.down_proj"
+                         r"|gate\.weight)", name)
+        if m is None:
+            out[name] = g
+        elif m.group(2) == "gate.weight":
+            out[m.group(1) + moe + "gate.weight"] = g
+        elif m.group(2) == "experts.gate_up_proj":
+            f = g.shape[1] // 2
+            for j in range(g.shape[0]):
+                out[f"{m.group(1)}{moe}experts.{j}.{gate}.weight"] = g[j, :f]
+                out[f"{m.group(1)}{moe}experts.{j}.{up}.weight"] = g[j, f:]
+        else:
+            for j in range(g.shape[0]):
+                out[f"{m.group(1)}{moe}experts.{j}.{down}.weight"] = g[j]
+    return out
+
+
 # Phi-3's fused projections and partial rotary; Gemma 2's soft-capped scores and logits; SmolLM3's NoPE
 # layer (windowed); Granite's multipliers
 @pytest.mark.parametrize("name", ["qwen2_tied", "neox_parallel", "olmo2", "phi3", "gemma2", "gemma3",
-                                  "smollm3_window", "granite", "gemma", "olmo3"])
+                                  "smollm3_window", "granite", "gemma", "olmo3", "qwen3_moe", "mixtral"])
 def test_logprob_gradients_match_torch(ckpt, tiny_checkpoint, name):
     """The trainer's scoring path (`sequence_logprobs`: the hand-written VJPs of the vocabulary
     projection + tempered log-softmax, of every MLP matmul and of SwiGLU) against torch autograd,
@@ -550,7 +576,8 @@ def test_logprob_gradients_match_torch(ckpt, tiny_checkpoint, name):
     from tbajax.models.hf import hf_tensors
     from tbajax.training import sequence_logprobs
 
-    tiny = ("qwen2_tied", "olmo2", "phi3", "gemma2", "gemma3", "smollm3_window", "granite", "gemma", "olmo3")
+    tiny = ("qwen2_tied", "olmo2", "phi3", "gemma2", "gemma3", "smollm3_window", "granite", "gemma", "olmo3",
+            "qwen3_moe", "mixtral")
     directory = tiny_checkpoint(name) if name in tiny else ckpt(name)
     temperature = 0.7
     ids, mask = _batch(3)
@@ -563,7 +590,8 @@ def test_logprob_gradients_match_torch(ckpt, tiny_checkpoint, name):
     logits = torch_model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), position_ids=pos).logits
     lp = torch.log_softmax(logits[:, :-1] / temperature, -1).gather(-1, torch.tensor(ids[:, 1:, None]))[..., 0]
     (lp * torch.tensor(weights[:, 1:])).sum().backward()
-    want = {n: p.grad.numpy() for n, p in torch_model.named_parameters()}
+    want = _per_expert({n: p.grad.numpy() for n, p in torch_model.named_parameters()},
+                       torch_model.config.model_type)
 
     zeros = np.zeros(ids.shape, np.float32)
     rows = ids.shape[0]

@@ -33,7 +33,8 @@ from tbajax.models import layers as L
 from tbajax.models.serving import ServingParams
 
 FAMILIES = ["llama", "llama_tied_rope3", "qwen2", "qwen2_tied", "qwen3", "mistral", "olmo2", "phi3", "gemma2",
-            "gemma3", "qwen2_window", "smollm3", "smollm3_window", "granite", "gemma", "olmo3"]
+            "gemma3", "qwen2_window", "smollm3", "smollm3_window", "granite", "gemma", "olmo3", "qwen3_moe",
+            "mixtral"]
 
 
 def _batch(seed: int = 0, b: int = 4, t: int = 11, vocab: int = 101):
@@ -424,7 +425,7 @@ def test_phi3_longrope_decode_past_the_pretraining_length_matches_transformers(t
     "family, weight_first",
     [("llama", True), ("qwen2", True), ("qwen3", True), ("olmo2", True), ("phi3", True), ("qwen2", False),
      ("mistral_window", True), ("gemma2", True), ("gemma3", True), ("smollm3_window", True),
-     ("granite", True), ("gemma", True), ("olmo3", True)],
+     ("granite", True), ("gemma", True), ("olmo3", True), ("qwen3_moe", True), ("mixtral", True)],
 )
 def test_kv_cache_decode_matches_full_forward(tiny_checkpoint, family, weight_first, monkeypatch):
     """Prefill a left-padded prompt, then decode token by token: same logits as one forward.
@@ -458,7 +459,9 @@ def test_kv_cache_decode_matches_full_forward(tiny_checkpoint, family, weight_fi
     # the sampler's layout (llama: per-layer weights with q/k/v and gate/up fused, o_proj a
     # matrix, the head vocab-major) is a copy of the same weights: it converts back exactly
     params = nnx.jit(ServingParams.of)(model)
-    fused = {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+    # (a mixture-of-experts MLP keeps its experts as they are)
+    moe = model.config.num_experts is not None
+    fused = {"qkv_proj", "o_proj"} if moe else {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
     assert {name + L.OUT_MAJOR for name in fused} <= params.layers[0].keys()  # all four [out, in]
     assert not fused & params.layers[0].keys() and "q_proj" not in params.layers[0]
     assert_serving_layout_converts_back(model, params)
@@ -512,7 +515,7 @@ def test_bf16_compute_and_remat(tiny_checkpoint):
 
 @pytest.mark.parametrize("family", ["llama", "qwen2_tied", "qwen3", "mistral", "olmo2", "phi3", "gemma2",
                                     "gemma3", "qwen2_window", "smollm3_window", "granite", "gemma",
-                                    "olmo3"])
+                                    "olmo3", "qwen3_moe", "mixtral"])
 def test_export_round_trip_loads_in_torch(tiny_checkpoint, tmp_path, family):
     directory = tiny_checkpoint(family)
     model = load_model(directory)

@@ -15,13 +15,15 @@ from typing import Any, Literal
 import jax.numpy as jnp
 import numpy as np
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "granite", "olmo2", "olmo3", "phi3",
-                         "gemma", "gemma2", "gemma3_text", "gpt_neox", "gpt2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "smollm3", "granite",
+                         "olmo2", "olmo3", "phi3", "gemma", "gemma2", "gemma3_text", "gpt_neox", "gpt2")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # with a sliding_window
-WINDOWED_MODEL_TYPES = ("mistral", "phi3", "gemma2", "gemma3_text", "qwen2", "qwen3", "smollm3", "olmo3")
+WINDOWED_MODEL_TYPES = ("mistral", "mixtral", "phi3", "gemma2", "gemma3_text", "qwen2", "qwen3", "smollm3",
+                        "olmo3")
 NOPE_MODEL_TYPES = ("smollm3",)  # with layers that take no RoPE (`rope_layers`)
 SCALED_MODEL_TYPES = ("granite",)  # with embedding / residual / attention multipliers and logits_scaling
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")  # with a mixture-of-experts MLP (`num_experts`)
 SOFT_CAPPED_MODEL_TYPES = ("gemma2", "gemma3_text")  # with attn_ / final_logit_softcapping
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -121,8 +123,8 @@ class ModelConfig:
     """Architecture (from the checkpoint) plus runtime choices (dtypes, remat, scan_layers, attention,
     head_chunk_tokens)."""
 
-    model_type: Literal["llama", "mistral", "qwen2", "qwen3", "smollm3", "granite", "olmo2", "olmo3", "phi3",
-                        "gemma", "gemma2", "gemma3_text", "gpt_neox", "gpt2"]
+    model_type: Literal["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "smollm3", "granite",
+                        "olmo2", "olmo3", "phi3", "gemma", "gemma2", "gemma3_text", "gpt_neox", "gpt2"]
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -166,6 +168,13 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
+    # Qwen3-MoE / Mixtral: every layer's MLP is `num_experts` SwiGLU experts of width
+    # expert_intermediate_size, each token through the top num_experts_per_tok by the router's
+    # softmax, renormalised where norm_topk_prob (`tbajax.models.moe`); None: a dense MLP
+    num_experts: int | None = None
+    num_experts_per_tok: int = 0
+    expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
     initializer_range: float = 0.02
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
@@ -262,6 +271,14 @@ class ModelConfig:
                                         f"checkpoints, not {self.model_type}")
         if self.logits_scaling == 0:
             raise ValueError("logits_scaling=0: the logits are divided by it")
+        if self.num_experts is not None:
+            if self.model_type not in MOE_MODEL_TYPES:
+                raise UnsupportedModelError(f"num_experts (a mixture-of-experts MLP) is read and written for "
+                                            f"{MOE_MODEL_TYPES} checkpoints, not {self.model_type}")
+            if not 1 <= self.num_experts_per_tok <= self.num_experts or self.expert_intermediate_size < 1:
+                raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} of num_experts="
+                                 f"{self.num_experts} experts of width {self.expert_intermediate_size}: give "
+                                 "1 <= k <= experts and a width >= 1")
         if self.rope_layers is not None:
             if len(self.rope_layers) != self.num_layers:
                 raise UnsupportedModelError(f"rope_layers has {len(self.rope_layers)} entries for "

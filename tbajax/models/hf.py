@@ -80,15 +80,21 @@ class _Names:
     def in_text_model(self, name: str) -> bool:
         return self.nested is None or name.startswith(tuple(self.nested.values()))
 
-    def _candidates(self, m: Mapping, i: int | None) -> list[str]:
-        names = [self.nest(n.format(i=i)) for n in (m.hf_name, *m.aliases)]
+    def _candidates(self, m: Mapping, i: int | None, j: int | None = None) -> list[str]:
+        names = [self.nest(n.format(i=i, j=j)) for n in (m.hf_name, *m.aliases)]
         if self.strip:
             names = [n[len(self.prefix) :] if n.startswith(self.prefix) else n for n in names]
         return names
 
-    def resolve(self, m: Mapping, i: int | None) -> str:
-        names = self._candidates(m, i)
+    def resolve(self, m: Mapping, i: int | None, j: int | None = None) -> str:
+        names = self._candidates(m, i, j)
         return next((n for n in names if n in self.reader), names[0])
+
+    def all(self, m: Mapping, i: int | None, experts: int | None) -> list[str]:
+        """The tensor names of one layer's weight: one, or one per expert ({j}) stacked."""
+        if "{j}" not in m.hf_name:
+            return [self.resolve(m, i)]
+        return [self.resolve(m, i, j) for j in range(experts or 0)]
 
 
 # ----------------------------------------------------------------------------- locating
@@ -153,20 +159,26 @@ def load_weights(directory: str | os.PathLike[str], cfg: ModelConfig, mesh: Mesh
         layered = name.startswith("layers.")
         expected = var.shape[1:] if layered else var.shape
 
-        def tensor(i: int | None) -> np.ndarray:
-            hf_name = names.resolve(m, i)
+        per_expert = "{j}" in m.hf_name  # one HF tensor per expert, stacked on our leading axis
+        each = expected[1:] if per_expert else expected
+
+        def one(hf_name: str) -> np.ndarray:
             raw = reader.get(hf_name)
             try:
                 out = m.to_ours(raw, cfg)
             except ValueError:
                 out = None
-            if out is None or out.shape != expected:
+            if out is None or out.shape != each:
                 raise CheckpointError(
                     f"tensor {hf_name!r} has shape {raw.shape} but config.json implies "
-                    f"{tuple(m.to_hf(np.empty(expected, np.float32), cfg).shape)} "
+                    f"{tuple(m.to_hf(np.empty(each, np.float32), cfg).shape)} "
                     f"(in {reader.directory})"
                 )
             return out
+
+        def tensor(i: int | None) -> np.ndarray:
+            parts = [one(n) for n in names.all(m, i, cfg.num_experts)]
+            return np.stack(parts) if per_expert else parts[0]
 
         for i in range(cfg.num_layers) if layered else [None]:
             tensor(i)  # validate every shape before any device transfer
@@ -192,10 +204,8 @@ def _check_unused(
 ) -> None:
     expected = set()
     for name, m in mappings.items():
-        if name.startswith("layers."):
-            expected |= {names.resolve(m, i) for i in range(cfg.num_layers)}
-        else:
-            expected.add(names.resolve(m, None))
+        for i in range(cfg.num_layers) if name.startswith("layers.") else [None]:
+            expected |= set(names.all(m, i, cfg.num_experts))
     ignored = family_for(cfg.model_type).ignored_suffixes
     tied_heads = ("lm_head.weight", "embed_out.weight", names.nest("lm_head.weight"))
     extra = [
@@ -234,7 +244,12 @@ def hf_tensors(model: CausalLM, dtype: str | None = None) -> Iterator[tuple[str,
         name = ".".join(str(getattr(k, "key", k)) for k in path)
         m = mappings[name]
         host = np.asarray(jax.device_get(var[...]))
-        if name.startswith("layers."):
+        if name.startswith("layers.") and "{j}" in m.hf_name:  # one tensor per expert
+            for i in range(cfg.num_layers):
+                for j in range(host.shape[1]):
+                    yield (m.hf_name.format(i=i, j=j),
+                           np.ascontiguousarray(m.to_hf(host[i, j], cfg)).astype(np_dtype))
+        elif name.startswith("layers."):
             for i in range(cfg.num_layers):
                 yield m.hf_name.format(i=i), np.ascontiguousarray(m.to_hf(host[i], cfg)).astype(np_dtype)
         else:

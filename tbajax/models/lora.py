@@ -85,6 +85,10 @@ def split_axes(name: str, logical_axes: tuple[str | None, ...]) -> tuple[tuple[s
     and the output when it comes last (o_proj [heads, head_dim, embed], down_proj [mlp, embed]).
     """
     axes = tuple(logical_axes)
+    if "experts" in axes:
+        raise ValueError(f"LoRA target {name!r} is a mixture-of-experts weight {axes}: adapters on experts "
+                         "are not implemented; target the attention projections (q_proj, k_proj, v_proj, "
+                         "o_proj)")
     batch = tuple(a for a in axes[:1] if a == "layers")
     rest = axes[len(batch) :]
     if len(rest) < 2:

@@ -1,8 +1,10 @@
 """Llama (2, 3.x), Mistral (with its sliding window: `ModelConfig.sliding_window`), Qwen2/2.5 (q/k/v
 bias; use_sliding_window windows its later layers), Qwen3 (q/k RMSNorm), SmolLM3 (every fourth
-layer without RoPE: `ModelConfig.rope_layers`) and Granite (multipliers of the embeddings, the
-sublayers' outputs and the scores, logits divided by logits_scaling): pre-norm RMSNorm blocks, full
-RoPE, grouped-query attention, SwiGLU MLP, optionally tied embeddings."""
+layer without RoPE: `ModelConfig.rope_layers`), Granite (multipliers of the embeddings, the
+sublayers' outputs and the scores, logits divided by logits_scaling), and the mixture-of-experts
+Qwen3-MoE (Qwen3's attention) and Mixtral (Mistral's), whose MLPs are routed experts
+(`tbajax.models.moe`): pre-norm RMSNorm blocks, full RoPE, grouped-query attention, SwiGLU MLP,
+optionally tied embeddings."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tbajax.models import layers as L
+from tbajax.models.moe import moe_swiglu
 from tbajax.models.config import ModelConfig, UnsupportedModelError, _parse_rope, rope_inv_freq
 from tbajax.models.families import Family, Mapping, ParamSpec, same, transposed
 from tbajax.sharding import constrain
@@ -55,13 +58,34 @@ def parse_hf(hf: dict[str, Any]) -> dict[str, Any]:
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=qkv_bias,
         o_bias=o_bias,
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
         max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
         sliding_window=window,
         layer_types=layer_types,
         rope_layers=_rope_layers(hf),
         **_granite_scales(hf),
+        **_experts(hf),
     )
+
+
+def _experts(hf: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3-MoE's and Mixtral's experts: every layer sparse (Qwen3-MoE's decoder_sparse_step 1, no
+    mlp_only_layers; other layouts are refused naming the field)."""
+    model_type = hf["model_type"]
+    if model_type == "qwen3_moe":
+        if int(hf.get("decoder_sparse_step", 1)) != 1 or hf.get("mlp_only_layers"):
+            raise UnsupportedModelError(
+                f"qwen3_moe with dense layers (decoder_sparse_step={hf.get('decoder_sparse_step')}, "
+                f"mlp_only_layers={hf.get('mlp_only_layers')}) is not supported: every layer must be sparse")
+        experts = hf.get("num_experts") or hf["num_local_experts"]  # transformers v5 names it the latter
+        return dict(num_experts=int(experts), num_experts_per_tok=int(hf["num_experts_per_tok"]),
+                    expert_intermediate_size=int(hf["moe_intermediate_size"]),
+                    norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
+    if model_type == "mixtral":
+        return dict(num_experts=int(hf.get("num_local_experts") or hf["num_experts"]),
+                    num_experts_per_tok=int(hf["num_experts_per_tok"]),
+                    expert_intermediate_size=int(hf["intermediate_size"]), norm_topk_prob=True)
+    return {}
 
 
 def _granite_scales(hf: dict[str, Any]) -> dict[str, Any]:
@@ -93,7 +117,7 @@ def _windows(hf: dict[str, Any]) -> tuple[int | None, tuple[str, ...] | None]:
     them out as layer_types)."""
     model_type, window = hf["model_type"], hf.get("sliding_window")
     layer_types = hf.get("layer_types")
-    if model_type in ("qwen2", "qwen3", "smollm3"):
+    if model_type in ("qwen2", "qwen3", "qwen3_moe", "smollm3"):
         if not hf.get("use_sliding_window") or window is None:
             return None, None
         if model_type == "smollm3" and not layer_types:  # the window on the NoPE layers only
@@ -111,7 +135,7 @@ def _windows(hf: dict[str, Any]) -> tuple[int | None, tuple[str, ...] | None]:
             f"layer_types {sorted(set(layer_types))} are not supported for {model_type} (only full_attention)"
         )
     context = int(hf.get("max_position_embeddings", 0))
-    if model_type in ("mistral", "phi3") and window is not None and int(window) < context:
+    if model_type in ("mistral", "mixtral", "phi3") and window is not None and int(window) < context:
         return int(window), None
     return None, None
 
@@ -132,8 +156,15 @@ def to_hf(cfg: ModelConfig) -> dict[str, Any]:
         "tie_word_embeddings": cfg.tie_word_embeddings,
         "max_position_embeddings": cfg.max_position_embeddings,
     }
-    if cfg.model_type in ("llama", "qwen3", "granite"):
+    if cfg.model_type in ("llama", "qwen3", "granite", "qwen3_moe"):
         out["attention_bias"] = cfg.qkv_bias
+    if cfg.model_type == "qwen3_moe":
+        out.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+                   moe_intermediate_size=cfg.expert_intermediate_size, norm_topk_prob=cfg.norm_topk_prob,
+                   decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False, sliding_window=None)
+    if cfg.model_type == "mixtral":
+        out.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+                   sliding_window=cfg.sliding_window)
     if cfg.model_type in ("llama", "granite"):
         out["mlp_bias"] = False
     if cfg.model_type == "granite":
@@ -194,6 +225,13 @@ def layer_params(cfg: ModelConfig) -> dict[str, ParamSpec]:
         skip.add("o_bias")
     if not cfg.qk_norm:
         skip |= {"q_norm", "k_norm"}
+    if cfg.num_experts is not None:  # the MLP is routed experts
+        skip |= {"gate_proj", "up_proj", "down_proj"}
+        e, fe = cfg.num_experts, cfg.expert_intermediate_size
+        out.update(router=ParamSpec(("embed", None), (d, e)),
+                   expert_gate=ParamSpec(("experts", "embed", "mlp"), (e, d, fe)),
+                   expert_up=ParamSpec(("experts", "embed", "mlp"), (e, d, fe)),
+                   expert_down=ParamSpec(("experts", "mlp", "embed"), (e, fe, d)))
     return {k: v for k, v in out.items() if k not in skip}
 
 
@@ -242,6 +280,25 @@ def hf_mappings(cfg: ModelConfig) -> dict[str, Mapping]:
         "layers.gate_proj": transposed(pre + "mlp.gate_proj.weight"),
         "layers.up_proj": transposed(pre + "mlp.up_proj.weight"),
         "layers.down_proj": transposed(pre + "mlp.down_proj.weight"),
+        **_expert_mappings(cfg),
+    }
+
+
+def _expert_mappings(cfg: ModelConfig) -> dict[str, Mapping]:
+    """The router and each expert's projections: one HF tensor per expert ({j}), stacked here."""
+    if cfg.num_experts is None:
+        return {}
+    pre = "model.layers.{i}."
+    if cfg.model_type == "mixtral":
+        moe = pre + "block_sparse_moe."
+        names = ("w1", "w3", "w2")
+    else:
+        moe = pre + "mlp."
+        names = ("gate_proj", "up_proj", "down_proj")
+    return {
+        "layers.router": transposed(moe + "gate.weight"),
+        **{f"layers.expert_{ours}": transposed(f"{moe}experts.{{j}}.{theirs}.weight")
+           for ours, theirs in zip(("gate", "up", "down"), names)},
     }
 
 
@@ -304,7 +361,13 @@ def block(
     if cfg.o_bias:
         o = o + w["o_bias"]
     x = x + _residual(cfg, o)
-    x = x + _residual(cfg, swiglu_mlp(w, L.rms_norm(x, w["post_attention_norm"], cfg.rms_norm_eps)))
+    h = L.rms_norm(x, w["post_attention_norm"], cfg.rms_norm_eps)
+    if cfg.num_experts is not None:
+        mlp = moe_swiglu(h, w["router"], w["expert_gate"], w["expert_up"], w["expert_down"],
+                         cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    else:
+        mlp = swiglu_mlp(w, h)
+    x = x + _residual(cfg, mlp)
     return constrain(x, ("batch", "length", "act_embed")), new_cache
 
 
@@ -356,9 +419,11 @@ def decode_layout(cfg: ModelConfig, p: dict[str, Array]) -> dict[str, Array]:
     q = p.pop("q_proj").reshape(d, kv, -1, hd)  # [d, kv, g, hd]: query head j * g + i uses KV head j
     qkv = jnp.concatenate([q, p.pop("k_proj")[:, :, None], p.pop("v_proj")[:, :, None]], axis=2)
     p["qkv_proj"] = constrain(qkv, ("embed", "kv_heads", None, "head_dim")).reshape(d, -1)
+    p["o_proj"] = p["o_proj"].reshape(-1, d)
+    if cfg.num_experts is not None:  # routed experts: their tiles' products as in training
+        return L.orient_for_decode(p, ("qkv_proj", "o_proj"))
     gate_up = jnp.stack([p.pop("gate_proj"), p.pop("up_proj")], axis=-1)  # [d, f, 2]
     p["gate_up_proj"] = constrain(gate_up, ("embed", "mlp", None)).reshape(d, -1)
-    p["o_proj"] = p["o_proj"].reshape(-1, d)
     return L.orient_for_decode(p, ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
 
 
@@ -370,6 +435,9 @@ def undo_decode_layout(cfg: ModelConfig, p: dict[str, Array]) -> dict[str, Array
     qkv = p.pop("qkv_proj").reshape(d, kv, g + 2, hd)
     p["q_proj"] = qkv[:, :, :g].reshape(d, cfg.num_heads, hd)
     p["k_proj"], p["v_proj"] = qkv[:, :, g], qkv[:, :, g + 1]
+    if cfg.num_experts is not None:
+        p["o_proj"] = p["o_proj"].reshape(cfg.num_heads, hd, d)
+        return p
     gate_up = p.pop("gate_up_proj").reshape(d, -1, 2)
     p["gate_proj"], p["up_proj"] = gate_up[..., 0], gate_up[..., 1]
     p["o_proj"] = p["o_proj"].reshape(cfg.num_heads, hd, d)
@@ -378,13 +446,15 @@ def undo_decode_layout(cfg: ModelConfig, p: dict[str, Array]) -> dict[str, Array
 
 FAMILY = Family(
     name="llama",
-    model_types=("llama", "mistral", "qwen2", "qwen3", "smollm3", "granite"),
+    model_types=("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "smollm3", "granite"),
     architectures={
         "llama": ("LlamaForCausalLM", "LlamaForSequenceClassification"),
         "mistral": ("MistralForCausalLM", "MistralForSequenceClassification"),
         "qwen2": ("Qwen2ForCausalLM", "Qwen2ForSequenceClassification"),
         "qwen3": ("Qwen3ForCausalLM", "Qwen3ForSequenceClassification"),
         "smollm3": ("SmolLM3ForCausalLM", "SmolLM3ForSequenceClassification"),
+        "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeForSequenceClassification"),
+        "mixtral": ("MixtralForCausalLM", "MixtralForSequenceClassification"),
         # transformers has no Granite classifier class: a score-head Granite exports under this name
         "granite": ("GraniteForCausalLM", "GraniteForSequenceClassification"),
     },

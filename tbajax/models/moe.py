@@ -1,0 +1,140 @@
+"""Mixture-of-experts MLPs (Qwen3-MoE, Mixtral): a router picks each token's top-k experts and
+each expert's tokens go through its own SwiGLU MLP, the outputs weighted by the router.
+
+Exact, as transformers computes it: no capacity, so no token is ever dropped, and without running
+every expert on every token (E / k times the work). The (token, expert) assignments are sorted by
+expert, each expert's run padded to whole tiles (`dispatch`), and one product per tile reads that
+tile's expert weights (`grouped_matmul`). `jax.lax.ragged_dot` would say the same in one op, but
+XLA:CPU lowers it to a dense product over every expert.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tbajax import op_scopes as S
+from tbajax.op_scopes import scoped
+
+Array = jax.Array
+
+
+def route(x: Array, router: Array, k: int, normalize: bool) -> tuple[Array, Array]:
+    """(weights [N, k] in x's dtype, experts [N, k] int32) of tokens x [N, d] under a router
+    [d, E]: softmax in fp32 over the router's logits, the top k, renormalised to sum to one where
+    `normalize` (Mixtral always; Qwen3-MoE's norm_topk_prob)."""
+    probs = jax.nn.softmax(jnp.dot(x, router.astype(x.dtype)).astype(jnp.float32), axis=-1)
+    top, experts = jax.lax.top_k(probs, k)
+    if normalize:
+        top = top / top.sum(-1, keepdims=True)
+    return top.astype(x.dtype), experts.astype(jnp.int32)
+
+
+class Dispatch(NamedTuple):
+    """Where the assignments go: `slot` [N k] each assignment's row in the padded, expert-sorted
+    buffer; `rows` [P] the token each buffer row holds (N: none, a zero row); `tile_expert`
+    [P / tile] the expert of each tile of `tile` rows."""
+
+    slot: Array
+    rows: Array
+    tile_expert: Array
+    tile: int
+
+
+def tile_rows(assignments: int, experts: int) -> int:
+    """Rows per tile: about one expert's share of the assignments (a power of two between 8 and
+    128), so that padding each expert's run to whole tiles costs at most one tile per expert."""
+    share = max(1, assignments // max(experts, 1))
+    return int(min(128, max(8, 2 ** math.ceil(math.log2(share)))))
+
+
+def dispatch(experts: Array, num_experts: int) -> Dispatch:
+    """Sort the assignments [N, k] by expert (stable: by token within an expert) into a buffer of
+    P = (ceil(N k / tile) + E) tiles' rows, each expert's run starting on a tile boundary."""
+    n, k = experts.shape
+    flat = experts.reshape(-1)
+    assignments = n * k
+    tile = tile_rows(assignments, num_experts)
+    order = jnp.argsort(flat, stable=True)
+    sorted_experts = flat[order]
+    counts = jnp.zeros(num_experts, jnp.int32).at[flat].add(1)
+    padded = (counts + tile - 1) // tile * tile
+    run_start = jnp.cumsum(counts) - counts
+    padded_end = jnp.cumsum(padded)
+    rank = jnp.arange(assignments, dtype=jnp.int32) - run_start[sorted_experts]
+    dest = (padded_end - padded)[sorted_experts] + rank
+    slot = jnp.zeros(assignments, jnp.int32).at[order].set(dest)
+    size = (-(-assignments // tile) + num_experts) * tile
+    rows = jnp.full(size, n, jnp.int32).at[dest].set((order // k).astype(jnp.int32))
+    tiles = jnp.arange(size // tile, dtype=jnp.int32) * tile
+    tile_expert = jnp.minimum(jnp.searchsorted(padded_end, tiles, side="right"), num_experts - 1)
+    return Dispatch(slot, rows, tile_expert.astype(jnp.int32), tile)
+
+
+@jax.custom_vjp
+def grouped_matmul(xs: Array, w: Array, tile_expert: Array) -> Array:
+    """xs [P, din] in tiles of P / len(tile_expert) rows, tile t times w[tile_expert[t]] ([E, din,
+    dout]) -> [P, dout] (fp32 accumulation, xs's dtype).
+
+    Its own VJP: autodiff of the tiles' dynamic reads of w would add a whole [E, din, dout] zero
+    gradient per tile; here each tile adds its [din, dout] product into its expert's slot."""
+    return _grouped_forward(xs, w, tile_expert)
+
+
+def _tiles(x: Array, count: int) -> Array:
+    return x.reshape(count, x.shape[0] // count, *x.shape[1:])
+
+
+def _grouped_forward(xs: Array, w: Array, tile_expert: Array) -> Array:
+    count = tile_expert.shape[0]
+
+    def one(args: tuple[Array, Array]) -> Array:
+        x, e = args
+        return jnp.dot(x, w[e].astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+
+    return jax.lax.map(one, (_tiles(xs, count), tile_expert)).reshape(xs.shape[0], w.shape[-1])
+
+
+def _grouped_fwd(xs: Array, w: Array, tile_expert: Array) -> tuple[Array, tuple[Array, Array, Array]]:
+    return _grouped_forward(xs, w, tile_expert), (xs, w, tile_expert)
+
+
+def _grouped_bwd(residuals: tuple[Array, Array, Array], g: Array) -> tuple[Array, Array, np.ndarray]:
+    xs, w, tile_expert = residuals
+    count = tile_expert.shape[0]
+    x_tiles, g_tiles = _tiles(xs, count), _tiles(g, count)
+
+    def dx_one(args: tuple[Array, Array]) -> Array:
+        gt, e = args
+        return jnp.dot(gt, w[e].astype(gt.dtype).T, preferred_element_type=jnp.float32).astype(xs.dtype)
+
+    def dw_add(t: Array, dw: Array) -> Array:
+        e = tile_expert[t]
+        part = jnp.dot(x_tiles[t].T, g_tiles[t], preferred_element_type=jnp.float32)
+        return jax.lax.dynamic_update_index_in_dim(dw, dw[e] + part, e, axis=0)
+
+    dxs = jax.lax.map(dx_one, (g_tiles, tile_expert)).reshape(xs.shape)
+    dw = jax.lax.fori_loop(0, count, dw_add, jnp.zeros(w.shape, jnp.float32))
+    return dxs, dw.astype(w.dtype), np.zeros(tile_expert.shape, jax.dtypes.float0)
+
+
+grouped_matmul.defvjp(_grouped_fwd, _grouped_bwd)
+
+
+@scoped(S.MATMUL)
+def moe_swiglu(x: Array, router: Array, gate: Array, up: Array, down: Array, k: int,
+               normalize: bool) -> Array:
+    """The MoE MLP of tokens x [..., d]: router [d, E], experts' gate / up [E, d, f] and down
+    [E, f, d] -> [..., d], each token the router-weighted sum of its k experts' SwiGLU MLPs."""
+    lead, d = x.shape[:-1], x.shape[-1]
+    flat = x.reshape(-1, d)
+    weights, experts = route(flat, router, k, normalize)
+    plan = dispatch(experts, router.shape[-1])
+    xs = jnp.concatenate([flat, jnp.zeros((1, d), flat.dtype)])[plan.rows]  # empty rows read zeros
+    h = jax.nn.silu(grouped_matmul(xs, gate, plan.tile_expert)) * grouped_matmul(xs, up, plan.tile_expert)
+    out = grouped_matmul(h, down, plan.tile_expert)[plan.slot].reshape(-1, k, d)
+    return (out * weights[..., None]).sum(1).reshape(*lead, d)
