@@ -128,6 +128,25 @@ def make_gemma2_checkpoint(size: str, directory: str | None = None, window: int 
     return directory
 
 
+def make_qwen3_moe_checkpoint(size: str, directory: str | None = None) -> Path:
+    """A random-init Qwen3-MoE checkpoint with SIZES[size]'s attention and 8 experts a layer, each
+    token through 2 of them, each expert a quarter of the dense MLP's width (so a token's expert
+    work is half the dense model's, its expert weights twice the dense model's)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    s = SIZES[size]
+    directory = Path(directory or tempfile.mkdtemp(prefix=f"bench-qwen3moe-{size}-"))
+    cfg = AutoConfig.for_model(
+        "qwen3_moe", **s, head_dim=s["hidden_size"] // s["num_attention_heads"], num_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=s["intermediate_size"] // 4, norm_topk_prob=True,
+        max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=PAD,
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).float().save_pretrained(directory)
+    return directory
+
+
 def timed_in_turns(ours: Callable[[], Any], theirs: Callable[[], Any], repeats: int) -> dict[str, Any]:
     """Time two blocking calls in alternating rounds (ours, theirs, ours, ...) after one untimed
     call each (compile / warm-up), so a shared machine's speed drift hits both sides of a round

@@ -8,7 +8,8 @@ residual) causal LM, and a GPT-NeoX reward model (`*ForSequenceClassification`, 
 at each row's last real token of a right-padded batch (`load_scorer(...).score` vs the torch
 model's pooled logits); `gemma3`, a Gemma 3 text model (five layers of six windowed to 128
 positions, `common.make_gemma3_checkpoint`) and `gemma2`, a Gemma 2 (every other layer windowed,
-scores and logits soft-capped, `common.make_gemma2_checkpoint`), not run by default. Both sides
+scores and logits soft-capped, `common.make_gemma2_checkpoint`) and `qwen3_moe`, a Qwen3-MoE (8
+experts a layer, 2 a token, `common.make_qwen3_moe_checkpoint`), not run by default. Both sides
 hold and compute in fp32 (or both in bf16 with `--dtype bfloat16`) on this machine's CPU; compile
 time is reported separately from steady state. The two sides take turns call by call
 (`common.timed_in_turns`): the ratio is the median over rounds of torch's / tbajax's time, tok/s
@@ -50,7 +51,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from common import (  # noqa: E402
     PAD, SIZES, keep_freed_memory, machine, machine_line, make_gemma2_checkpoint, make_gemma3_checkpoint,
-    make_llama_checkpoint, make_neox_checkpoint,
+    make_llama_checkpoint, make_neox_checkpoint, make_qwen3_moe_checkpoint,
     median_seconds_in_turns, peak_rss_mb, print_table, timed_in_turns, write_json,
 )
 from flax import nnx  # noqa: E402
@@ -80,7 +81,7 @@ COMPARISONS = {
 }
 
 
-MODELS = ("llama", "neox", "neox_rm", "gemma2", "gemma3")
+MODELS = ("llama", "neox", "neox_rm", "gemma2", "gemma3", "qwen3_moe")
 STUB_ORIGINAL = layers.self_attention
 
 
@@ -129,6 +130,8 @@ def bench(model_name: str, size: str, batch: int, seq: int, repeats: int, dtype:
         directory = make_gemma3_checkpoint(size)
     elif model_name == "gemma2":
         directory = make_gemma2_checkpoint(size)
+    elif model_name == "qwen3_moe":
+        directory = make_qwen3_moe_checkpoint(size)
     else:
         directory = make_neox_checkpoint(size, reward_model=model_name == "neox_rm")
     if model_name == "neox_rm":  # right-padded prompt + response rows of different lengths
