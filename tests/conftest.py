@@ -118,6 +118,9 @@ TINY_FAMILIES: dict[str, dict[str, Any]] = {
     "qwen3_moe": dict(model_type="qwen3_moe", head_dim=24, num_experts=4, num_experts_per_tok=2,
                       moe_intermediate_size=32, norm_topk_prob=True),
     "mixtral": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2, rope_theta=1e6),
+    # OLMoE: norms over whole q / k projections, 4 experts of 32, top 2 not renormalised
+    "olmoe": dict(model_type="olmoe", num_experts=4, num_experts_per_tok=2, intermediate_size=32,
+                  rms_norm_eps=1e-6, eos_token_id=2),
     # a windowed layer (plain RoPE) and a full one with YaRN (pretrained on 16 positions)
     "olmo3": dict(model_type="olmo3", rms_norm_eps=1e-6, sliding_window=4,
                   layer_types=["sliding_attention", "full_attention"],

@@ -16,14 +16,15 @@ import jax.numpy as jnp
 import numpy as np
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "smollm3", "granite",
-                         "olmo2", "olmo3", "phi3", "gemma", "gemma2", "gemma3_text", "gpt_neox", "gpt2")
+                         "olmo2", "olmo3", "olmoe", "phi3", "gemma", "gemma2", "gemma3_text", "gpt_neox",
+                         "gpt2")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # with a sliding_window
 WINDOWED_MODEL_TYPES = ("mistral", "mixtral", "phi3", "gemma2", "gemma3_text", "qwen2", "qwen3", "smollm3",
                         "olmo3")
 NOPE_MODEL_TYPES = ("smollm3",)  # with layers that take no RoPE (`rope_layers`)
 SCALED_MODEL_TYPES = ("granite",)  # with embedding / residual / attention multipliers and logits_scaling
-MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")  # with a mixture-of-experts MLP (`num_experts`)
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "olmoe")  # with a mixture-of-experts MLP (`num_experts`)
 SOFT_CAPPED_MODEL_TYPES = ("gemma2", "gemma3_text")  # with attn_ / final_logit_softcapping
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -124,7 +125,8 @@ class ModelConfig:
     head_chunk_tokens)."""
 
     model_type: Literal["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "smollm3", "granite",
-                        "olmo2", "olmo3", "phi3", "gemma", "gemma2", "gemma3_text", "gpt_neox", "gpt2"]
+                        "olmo2", "olmo3", "olmoe", "phi3", "gemma", "gemma2", "gemma3_text", "gpt_neox",
+                        "gpt2"]
     vocab_size: int
     hidden_size: int
     intermediate_size: int

@@ -1,4 +1,4 @@
-"""Mixture-of-experts MLPs (Qwen3-MoE, Mixtral): a router picks each token's top-k experts and
+"""Mixture-of-experts MLPs (Qwen3-MoE, Mixtral, OLMoE): a router picks each token's top-k experts and
 each expert's tokens go through its own SwiGLU MLP, the outputs weighted by the router.
 
 Exact, as transformers computes it: no capacity, so no token is ever dropped, and without running

@@ -81,6 +81,11 @@ def _experts(hf: dict[str, Any]) -> dict[str, Any]:
         return dict(num_experts=int(experts), num_experts_per_tok=int(hf["num_experts_per_tok"]),
                     expert_intermediate_size=int(hf["moe_intermediate_size"]),
                     norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
+    if model_type == "olmoe":
+        return dict(num_experts=int(hf.get("num_experts") or hf["num_local_experts"]),
+                    num_experts_per_tok=int(hf["num_experts_per_tok"]),
+                    expert_intermediate_size=int(hf["intermediate_size"]),
+                    norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
     if model_type == "mixtral":
         return dict(num_experts=int(hf.get("num_local_experts") or hf["num_experts"]),
                     num_experts_per_tok=int(hf["num_experts_per_tok"]),

@@ -104,7 +104,7 @@ def hf_mappings(cfg: ModelConfig) -> dict[str, Mapping]:
     }
 
 
-def _norm_over_heads(x: Array, w: Array, eps: float) -> Array:
+def norm_over_heads(x: Array, w: Array, eps: float) -> Array:
     """RMSNorm of x [..., heads, head_dim] over its last two axes (the whole projection)."""
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=(-2, -1), keepdims=True) + eps)
@@ -125,7 +125,7 @@ def block(
     eps = cfg.rms_norm_eps
     q, k, v = llama.query_key_value(cfg, w, x)
     with jax.named_scope(S.NORM):
-        q, k = _norm_over_heads(q, w["q_norm"], eps), _norm_over_heads(k, w["k_norm"], eps)
+        q, k = norm_over_heads(q, w["q_norm"], eps), norm_over_heads(k, w["k_norm"], eps)
     q, k = L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin)
     q = constrain(q, ("batch", "length", "act_heads", None))
     o, new_cache = L.self_attention(q, k, v, mask, cache, dt, cfg.attention)
