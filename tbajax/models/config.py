@@ -344,6 +344,17 @@ class ModelConfig:
         return tuple(configs), tuple(keys.index(k) for k in layers)
 
     @property
+    def query_scale(self) -> float | None:
+        """What the queries are multiplied by so that attention's head_dim ** -0.5 scales the scores
+        as this model does (Granite's attention_multiplier, Gemma's query_pre_attn_scalar ** -0.5);
+        None where the model's scale is head_dim ** -0.5."""
+        if self.attention_multiplier is not None:
+            return self.attention_multiplier * self.head_dim**0.5
+        if self.query_pre_attn_scalar is not None and self.query_pre_attn_scalar != self.head_dim:
+            return (self.head_dim / self.query_pre_attn_scalar) ** 0.5
+        return None
+
+    @property
     def without_rope(self) -> bool:
         """No layer of this config rotates its queries and keys (a NoPE kind of `layer_kinds`)."""
         return self.rope_layers is not None and not any(self.rope_layers)

@@ -27,8 +27,9 @@ def soft_capped(scores: Array, cap: float | None) -> Array:
 
 
 def lm_head_scaled(head: Array, logits_scaling: float) -> Array:
-    """An LM head (either orientation) divided by Granite's `logits_scaling`, so that every path
-    from hidden states to logits divides them (the head unchanged where it is 1)."""
+    """An LM head (either orientation) divided by Granite's `logits_scaling`, so that the model's
+    and the trainer's paths from hidden states to logits divide them (the head unchanged where it
+    is 1; a sampler's few rows divide their logits instead, `serving.logits`)."""
     return head if logits_scaling == 1.0 else head / jnp.asarray(logits_scaling, head.dtype)
 
 

@@ -214,9 +214,8 @@ class ServingParams:
         return cls(top=top, layers=layers, head=head)
 
     def head_matrix(self, cfg: ModelConfig) -> Array:
-        """The LM head as [vocab, hidden] in the compute dtype (divided by `logits_scaling`)."""
-        head = self.top["embed_tokens"].astype(cfg.jnp_dtype) if self.head is None else self.head
-        return L.lm_head_scaled(head, cfg.logits_scaling)
+        """The LM head as [vocab, hidden] in the compute dtype."""
+        return self.top["embed_tokens"].astype(cfg.jnp_dtype) if self.head is None else self.head
 
 
 def unstack(params: dict[str, Array], num_layers: int) -> tuple[dict[str, Array], ...]:
@@ -240,9 +239,13 @@ def stacked_params(cfg: ModelConfig, params: ServingParams) -> dict[str, Any]:
 
 @scoped(S.LM_HEAD)
 def logits(cfg: ModelConfig, params: ServingParams, hidden: Array) -> Array:
-    """fp32 logits [..., vocab] of final hidden states (soft-capped at `final_logit_softcapping`)."""
-    out = L.soft_capped(L.out_major_product(hidden, params.head_matrix(cfg), out_dtype=jnp.float32),
-                        cfg.final_logit_softcapping)
+    """fp32 logits [..., vocab] of final hidden states, divided by `logits_scaling` (Granite; the few
+    rows' logits here, where the trainer divides its head: `layers.lm_head_scaled`) and soft-capped at
+    `final_logit_softcapping` (Gemma 2)."""
+    out = L.out_major_product(hidden, params.head_matrix(cfg), out_dtype=jnp.float32)
+    if cfg.logits_scaling != 1.0:
+        out = out / cfg.logits_scaling
+    out = L.soft_capped(out, cfg.final_logit_softcapping)
     return constrain(out, ("batch", "act_vocab")) if out.ndim == 2 else out
 
 

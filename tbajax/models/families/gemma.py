@@ -48,15 +48,11 @@ def block(
     mask: Array,
     cache: L.LayerCache | L.EmitKV | None,
 ) -> tuple[Array, tuple[Array, Array] | None]:
-    dt = cfg.jnp_dtype
-    cos, sin = tables
-    w = {k: v.astype(dt) for k, v in p.items()}
+    w = {k: v.astype(cfg.jnp_dtype) for k, v in p.items()}
     eps = cfg.rms_norm_eps
     q, k, v = llama.query_key_value(cfg, w, gemma3.rms_norm(x, w["input_norm"], eps))
-    q, k = L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin)
-    q = constrain(q, ("batch", "length", "act_heads", None))
-    o, new_cache = L.self_attention(q, k, v, mask, cache, dt, cfg.attention)
-    x = x + L.decode_matrix_product(o, w, "o_proj", in_axes=2)
+    o, new_cache = llama.attention_sublayer(cfg, w, q, k, v, tables, mask, cache)
+    x = x + o
     x = x + llama.gated_mlp(w, gemma3.rms_norm(x, w["post_attention_norm"], eps), gemma3.geglu)
     return constrain(x, ("batch", "length", "act_embed")), new_cache
 

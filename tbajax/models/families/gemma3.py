@@ -212,20 +212,12 @@ def block(
     mask: Array,
     cache: L.LayerCache | L.EmitKV | None,
 ) -> tuple[Array, tuple[Array, Array] | None]:
-    dt = cfg.jnp_dtype
-    cos, sin = tables
-    w = {k: v.astype(dt) for k, v in p.items()}
+    w = {k: v.astype(cfg.jnp_dtype) for k, v in p.items()}
     eps = cfg.rms_norm_eps
     q, k, v = llama.query_key_value(cfg, w, rms_norm(x, w["input_norm"], eps))
     if cfg.qk_norm:  # Gemma 3's; Gemma 2 has none
         q, k = rms_norm(q, w["q_norm"], eps), rms_norm(k, w["k_norm"], eps)
-    q, k = L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin)
-    assert cfg.query_pre_attn_scalar is not None
-    if cfg.query_pre_attn_scalar != cfg.head_dim:  # attention scales by head_dim ** -0.5
-        q = q * jnp.asarray((cfg.head_dim / cfg.query_pre_attn_scalar) ** 0.5, dt)
-    q = constrain(q, ("batch", "length", "act_heads", None))
-    o, new_cache = L.self_attention(q, k, v, mask, cache, dt, cfg.attention, cfg.attn_logit_softcapping)
-    o = L.decode_matrix_product(o, w, "o_proj", in_axes=2)
+    o, new_cache = llama.attention_sublayer(cfg, w, q, k, v, tables, mask, cache)  # soft-capped, query scaled
     x = x + rms_norm(o, w["post_attention_norm"], eps)
     h = llama.gated_mlp(w, rms_norm(x, w["pre_feedforward_norm"], eps), geglu)
     x = x + rms_norm(h, w["post_feedforward_norm"], eps)

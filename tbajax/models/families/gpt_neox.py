@@ -12,7 +12,8 @@ import jax.numpy as jnp
 from tbajax.models import layers as L
 from tbajax.models.config import ModelConfig, UnsupportedModelError
 from tbajax.models.families import Family, Mapping, ParamSpec, matrix_decode_layout, same, transposed
-from tbajax.models.families.llama import embed, heads_out, position_tables  # rotary: as Llama
+from tbajax.models.families.llama import (  # rotary: as Llama
+    attention_sublayer, embed, heads_out, position_tables)
 from tbajax.sharding import constrain
 
 Array = jax.Array
@@ -178,7 +179,6 @@ def block(
     cache: L.LayerCache | L.EmitKV | None,
 ) -> tuple[Array, tuple[Array, Array] | None]:
     dt = cfg.jnp_dtype
-    cos, sin = tables
     w = {k: v.astype(dt) for k, v in p.items()}
     h = L.layer_norm(x, w["input_norm"], w["input_norm_bias"], cfg.layer_norm_eps)
     qkv = L.decode_matrix_product(h, w, "qkv_proj", out_shape=(cfg.num_heads, 3))
@@ -186,10 +186,7 @@ def block(
         # a training forward's bias is a slice of the stacked params (`layers.own_kernel`)
         qkv = qkv + (L.own_kernel(w["qkv_bias"]) if cache is None else w["qkv_bias"])
     q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
-    q, k = L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin)
-    q = constrain(q, ("batch", "length", "act_heads", None))
-    o, new_cache = L.self_attention(q, k, v, mask, cache, dt, cfg.attention)
-    o = L.decode_matrix_product(o, w, "o_proj", in_axes=2)
+    o, new_cache = attention_sublayer(cfg, w, q, k, v, tables, mask, cache)
     if cfg.qkv_bias:
         o = o + w["o_bias"]
 

@@ -8,7 +8,6 @@ optionally tied embeddings."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -355,25 +354,39 @@ def block(
     if cfg.qk_norm:
         q = L.rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
         k = L.rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
-    if tables is not None:  # None: a NoPE layer (`position_tables`)
-        cos, sin = tables
-        q, k = L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin)
-    if cfg.attention_multiplier is not None:  # Granite: scores times it (attention scales by head_dim**-0.5)
-        q = q * jnp.asarray(cfg.attention_multiplier * cfg.head_dim**0.5, q.dtype)
-    q = constrain(q, ("batch", "length", "act_heads", None))
-    o, new_cache = L.self_attention(q, k, v, mask, cache, dt, cfg.attention)
-    o = L.decode_matrix_product(o, w, "o_proj", in_axes=2)
+    o, new_cache = attention_sublayer(cfg, w, q, k, v, tables, mask, cache)
     if cfg.o_bias:
         o = o + w["o_bias"]
     x = x + _residual(cfg, o)
-    h = L.rms_norm(x, w["post_attention_norm"], cfg.rms_norm_eps)
-    if cfg.num_experts is not None:
-        mlp = moe_swiglu(h, w["router"], w["expert_gate"], w["expert_up"], w["expert_down"],
-                         cfg.num_experts_per_tok, cfg.norm_topk_prob)
-    else:
-        mlp = swiglu_mlp(w, h)
-    x = x + _residual(cfg, mlp)
+    x = x + _residual(cfg, mlp(cfg, w, L.rms_norm(x, w["post_attention_norm"], cfg.rms_norm_eps)))
     return constrain(x, ("batch", "length", "act_embed")), new_cache
+
+
+def attention_sublayer(
+    cfg: ModelConfig, w: dict[str, Array], q: Array, k: Array, v: Array, tables: tuple[Array, Array] | None,
+    mask: Any, cache: Any,
+) -> tuple[Array, Any]:
+    """The attention sublayer from its queries, keys and values on, as every RoPE family runs it:
+    RoPE (none on a NoPE layer: `tables` None), the queries scaled where the model scales its scores
+    otherwise (`ModelConfig.query_scale`), attention over `mask` / `cache` with the model's score
+    cap, and the output projection. Returns (its output, the updated cache)."""
+    if tables is not None:
+        cos, sin = tables
+        q, k = L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin)
+    if cfg.query_scale is not None:
+        q = q * jnp.asarray(cfg.query_scale, q.dtype)
+    q = constrain(q, ("batch", "length", "act_heads", None))
+    o, new_cache = L.self_attention(q, k, v, mask, cache, cfg.jnp_dtype, cfg.attention,
+                                    cfg.attn_logit_softcapping)
+    return L.decode_matrix_product(o, w, "o_proj", in_axes=2), new_cache
+
+
+def mlp(cfg: ModelConfig, w: dict[str, Array], h: Array) -> Array:
+    """The SwiGLU MLP, or the mixture of SwiGLU experts (`tbajax.models.moe`) of a model that has them."""
+    if cfg.num_experts is None:
+        return swiglu_mlp(w, h)
+    return moe_swiglu(h, w["router"], w["expert_gate"], w["expert_up"], w["expert_down"],
+                      cfg.num_experts_per_tok, cfg.norm_topk_prob)
 
 
 def _residual(cfg: ModelConfig, out: Array) -> Array:

@@ -119,17 +119,12 @@ def block(
     mask: Array,
     cache: L.LayerCache | L.EmitKV | None,
 ) -> tuple[Array, tuple[Array, Array] | None]:
-    dt = cfg.jnp_dtype
-    cos, sin = tables
-    w = {k: v.astype(dt) for k, v in p.items()}
+    w = {k: v.astype(cfg.jnp_dtype) for k, v in p.items()}
     eps = cfg.rms_norm_eps
     q, k, v = llama.query_key_value(cfg, w, x)
     with jax.named_scope(S.NORM):
         q, k = norm_over_heads(q, w["q_norm"], eps), norm_over_heads(k, w["k_norm"], eps)
-    q, k = L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin)
-    q = constrain(q, ("batch", "length", "act_heads", None))
-    o, new_cache = L.self_attention(q, k, v, mask, cache, dt, cfg.attention)
-    o = L.decode_matrix_product(o, w, "o_proj", in_axes=2)
+    o, new_cache = llama.attention_sublayer(cfg, w, q, k, v, tables, mask, cache)
     x = x + L.rms_norm(o, w["post_attention_norm"], eps)
     x = x + L.rms_norm(llama.swiglu_mlp(w, x), w["post_feedforward_norm"], eps)
     return constrain(x, ("batch", "length", "act_embed")), new_cache

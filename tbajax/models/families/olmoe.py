@@ -14,7 +14,6 @@ from tbajax import op_scopes as S
 from tbajax.models import layers as L
 from tbajax.models.config import ModelConfig, UnsupportedModelError
 from tbajax.models.families import Mapping, ParamSpec, llama, olmo2
-from tbajax.models.moe import moe_swiglu
 from tbajax.sharding import constrain
 
 Array = jax.Array
@@ -55,20 +54,14 @@ def block(
     mask: Array,
     cache: L.LayerCache | L.EmitKV | None,
 ) -> tuple[Array, tuple[Array, Array] | None]:
-    dt = cfg.jnp_dtype
-    cos, sin = tables
-    w = {k: v.astype(dt) for k, v in p.items()}
+    w = {k: v.astype(cfg.jnp_dtype) for k, v in p.items()}
     eps = cfg.rms_norm_eps
     q, k, v = llama.query_key_value(cfg, w, L.rms_norm(x, w["input_norm"], eps))
     with jax.named_scope(S.NORM):
         q, k = olmo2.norm_over_heads(q, w["q_norm"], eps), olmo2.norm_over_heads(k, w["k_norm"], eps)
-    q, k = L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin)
-    q = constrain(q, ("batch", "length", "act_heads", None))
-    o, new_cache = L.self_attention(q, k, v, mask, cache, dt, cfg.attention)
-    x = x + L.decode_matrix_product(o, w, "o_proj", in_axes=2)
-    h = L.rms_norm(x, w["post_attention_norm"], eps)
-    x = x + moe_swiglu(h, w["router"], w["expert_gate"], w["expert_up"], w["expert_down"],
-                       cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    o, new_cache = llama.attention_sublayer(cfg, w, q, k, v, tables, mask, cache)
+    x = x + o
+    x = x + llama.mlp(cfg, w, L.rms_norm(x, w["post_attention_norm"], eps))
     return constrain(x, ("batch", "length", "act_embed")), new_cache
 
 

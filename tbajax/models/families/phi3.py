@@ -97,19 +97,15 @@ def block(
     mask: Array,
     cache: L.LayerCache | L.EmitKV | None,
 ) -> tuple[Array, tuple[Array, Array] | None]:
-    dt = cfg.jnp_dtype
-    cos, sin = tables
-    w = {k: v.astype(dt) for k, v in p.items()}
+    w = {k: v.astype(cfg.jnp_dtype) for k, v in p.items()}
     h, kv = cfg.num_heads, cfg.num_kv_heads
     g = h // kv
     qkv = L.decode_matrix_product(L.rms_norm(x, w["input_norm"], cfg.rms_norm_eps), w, "qkv_proj",
                                   out_shape=(kv, g + 2))  # [..., kv, g + 2, hd] in either layout
     q = qkv[..., :g, :].reshape(*qkv.shape[:-3], h, qkv.shape[-1])
     k, v = qkv[..., g, :], qkv[..., g + 1, :]
-    q, k = L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin)
-    q = constrain(q, ("batch", "length", "act_heads", None))
-    o, new_cache = L.self_attention(q, k, v, mask, cache, dt, cfg.attention)
-    x = x + L.decode_matrix_product(o, w, "o_proj", in_axes=2)
+    o, new_cache = llama.attention_sublayer(cfg, w, q, k, v, tables, mask, cache)
+    x = x + o
     gate_up = L.decode_matrix_product(L.rms_norm(x, w["post_attention_norm"], cfg.rms_norm_eps), w,
                                       "gate_up_proj", out_shape=(2,))
     x = x + L.decode_product(L.swiglu(gate_up[..., 0, :], gate_up[..., 1, :]), w, "down_proj")
