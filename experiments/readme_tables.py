@@ -106,6 +106,7 @@ TABLES["sampler_cpu_devices"] = {"rows": ["model", "batch", "prompt_len", "new_t
                                           "roofline_frac", "torch_tok_s", "torch_threads", "ratio", "mesh_devices",
                                           "mesh_s", "mesh_speedup", "mesh_ratio", "mesh_roofline_frac"]}
 TABLES["sampler_cpu_devices_with_torch"] = TABLES["sampler_cpu_devices"]
+TABLES["sampler_amd_epyc_avx512_cpu_devices"] = TABLES["sampler_cpu_devices"]
 TABLES["backward_layouts_bf16"] = TABLES["backward_layouts"]
 TABLES.update({name: TABLES["forward"] for name in ("forward_bf16", "forward_bf16_before_fp32_accumulation",
                                                     "forward_amd_epyc", "forward_amd_epyc_avx512")})

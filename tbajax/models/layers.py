@@ -670,10 +670,11 @@ def strided_group_attention(q: Array, k: Array, v: Array, mask: StridedGroups, i
 def cached_attention(q: Array, kt: Array, v: Array, mask: Array, softcap: float | None = None) -> Array:
     """`attention` over a layer's cache: keys d-major kt [b,kv,d,s], values [b,kv,s,d].
 
-    One decode token (t = 1) is a batch of tiny matrix-vector products, which XLA's CPU dot
-    kernels run at ~1 GFLOP/s (2-3 ms a layer for 10M at batch 32, plus a copy of the layer's
+    One decode token (t = 1) is a batch of tiny matrix-vector products, which XLA's older CPU dot
+    kernels ran at ~1 GFLOP/s (2-3 ms a layer for 10M at batch 32, plus a copy of the layer's
     cache). As a multiply-reduce over d, vectorised along the slots (why keys are stored d-major),
-    then over the slots, vectorised along d, it reads the cache once, in place (~3x faster).
+    then over the slots, vectorised along d, it reads the cache once, in place (~3x faster then;
+    jax 0.10's YNNPACK dots run as fast as it, not faster: benchmarks/README.md).
     It reads the whole cache, empty tail included: attending to a static prefix of one cache
     was tried and lost (XLA:CPU copies the sliced cache every step). The sampler's decode loop
     instead runs over caches that grow (`sampling.core.phase_slots`), each copied once.
