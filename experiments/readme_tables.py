@@ -101,7 +101,7 @@ TABLES.update({name: TABLES["sampler"] for name in (
     "sampler_0.5B", "sampler_0.5B_before_out_major", "sampler_pythia410M", "sampler_pythia410M_before_out_major",
     "sampler_pythia410M_before_mha_attention", "sampler_before_decode_phases", "sampler_long",
     "sampler_long_one_cache", "sampler_bf16", "sampler_bf16_before_fp32_accumulation", "sampler_amd_epyc",
-    "sampler_amd_epyc_before_weight_first", "sampler_gemma2", "sampler_gemma3", "sampler_amd_epyc_avx512")})
+    "sampler_amd_epyc_before_weight_first", "sampler_gemma2", "sampler_gemma3", "sampler_amd_epyc_avx512", "sampler_qwen3_moe")})
 TABLES["sampler_cpu_devices"] = {"rows": ["model", "batch", "prompt_len", "new_tokens", "ours_tok_s", "ours_step_ms",
                                           "roofline_frac", "torch_tok_s", "torch_threads", "ratio", "mesh_devices",
                                           "mesh_s", "mesh_speedup", "mesh_ratio", "mesh_roofline_frac"]}

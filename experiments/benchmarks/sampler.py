@@ -50,6 +50,7 @@ from common import best_seconds, keep_freed_memory, machine_line, timed_in_turns
 from flax import nnx  # noqa: E402
 
 from tbajax.models import ModelConfig, load_model  # noqa: E402
+from tbajax.models.families import llama  # noqa: E402
 from tbajax.models.layers import decode_product, out_major_product  # noqa: E402
 from tbajax.models.serving import ServingParams  # noqa: E402
 from tbajax.sampling import Sampler, SamplingConfig  # noqa: E402
@@ -86,6 +87,12 @@ SIZES: dict[str, dict[str, int]] = {
                    "query_pre_attn_scalar": 64, "sliding_window": 128, "vocab_size": 8192,
                    "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
                    "tie_word_embeddings": True},
+    # the 10M's attention with a Qwen3-MoE MLP: 8 experts a layer, 2 a token, each a quarter of the
+    # dense MLP's width (as `common.make_qwen3_moe_checkpoint`; torch runs the experts a batch hits)
+    "qwen3-moe-10M": {"model_type": "qwen3_moe", "hidden_size": 256, "intermediate_size": 704,
+                      "moe_intermediate_size": 176, "num_experts": 8, "num_experts_per_tok": 2,
+                      "norm_topk_prob": True, "num_hidden_layers": 6, "num_attention_heads": 4,
+                      "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 8192},
     # Pythia-410M's shapes (GPT-NeoX: fused q/k/v, GELU MLP, partial rotary, parallel residual)
     "pythia-410M": {"model_type": "gpt_neox", "hidden_size": 1024, "intermediate_size": 4096,
                     "num_hidden_layers": 24, "num_attention_heads": 16, "vocab_size": 50304,
@@ -181,6 +188,8 @@ def flops_per_token(cfg: ModelConfig, context: float) -> float:
     d, f, l = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     mlp = (2 if cfg.model_type in ("gpt_neox", "gpt2") else 3) * d * f  # gated or not
+    if cfg.num_experts is not None:  # the router, and each token's k experts
+        mlp = d * cfg.num_experts + cfg.num_experts_per_tok * 3 * d * cfg.expert_intermediate_size
     weights = l * (d * (q + 2 * kv) + q * d + mlp) + d * cfg.vocab_size
     kinds, kind_of = cfg.layer_kinds()  # a windowed layer attends to at most its window
     attention = sum(2 * q * min(context, kinds[k].sliding_window or context) for k in kind_of)
@@ -191,7 +200,8 @@ def decode_matmul_chain(model: Any, batch: int) -> Callable[[], None]:
     """A blocking call running one decode step's weight matmuls alone: each layer's q/k/v, o,
     gate/up and down products (in the sampler's decode layout) and the LM head, chained so that
     each reads the last one's output, on [batch, hidden] rows. The weights total more than the
-    CPU's caches, so each product reads its weights from memory as it does in a real step."""
+    CPU's caches, so each product reads its weights from memory as it does in a real step.
+    A mixture-of-experts MLP runs whole, routing included (`llama.mlp`)."""
     cfg = model.config
     if model.family.name not in ("llama", "gemma2", "gemma3", "gpt_neox"):
         raise ValueError("the matmul bound follows the Llama (and Gemma) and GPT-NeoX decode layouts")
@@ -205,7 +215,10 @@ def decode_matmul_chain(model: Any, batch: int) -> Callable[[], None]:
         for p in layers:  # each weight in the orientation the sampler holds it
             qkv = decode_product(x, p, "qkv_proj")
             x = x + decode_product(qkv[:, :q], p, "o_proj")
-            x = x + decode_product(decode_product(x, p, up)[:, :f], p, "down_proj")
+            if cfg.num_experts is not None:
+                x = x + llama.mlp(cfg, p, x)
+            else:
+                x = x + decode_product(decode_product(x, p, up)[:, :f], p, "down_proj")
         return out_major_product(x, head, out_dtype=jnp.float32)  # as `serving.logits`
 
     x = jnp.asarray(np.random.default_rng(0).standard_normal((batch, d)), cfg.jnp_dtype) * 0.01
@@ -265,6 +278,10 @@ def torch_decode_matmul_chain(model: Any, batch: int, threads: int) -> Callable[
                 F.linear(x, a.k_proj.weight)  # computed and unused, as keys and values are here
                 F.linear(x, a.v_proj.weight)
                 x = x + F.linear(q, a.o_proj.weight)
+                if not hasattr(m, "gate_proj"):  # a mixture of experts: its block, routing included
+                    out = m(x[:, None])
+                    x = x + (out[0] if isinstance(out, tuple) else out)[:, 0]
+                    continue
                 gated = F.linear(x, m.gate_proj.weight) * F.linear(x, m.up_proj.weight)
                 x = x + F.linear(gated, m.down_proj.weight)
             F.linear(x, model.lm_head.weight)
@@ -499,7 +516,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help="10M only, batch 32, short sequences (< 1 min)")
     ap.add_argument("--json", type=Path, help="write the figures here")
     ap.add_argument("--models", nargs="+",
-                    help="subset of 10M 50M smollm2 smollm2-135M 0.5B pythia-410M gemma2-10M gemma3-10M "
+                    help="subset of 10M 50M smollm2 smollm2-135M 0.5B pythia-410M gemma2-10M gemma3-10M qwen3-moe-10M "
                          "(default: 10M 50M smollm2)")
     ap.add_argument("--batch", type=int, nargs="+", help="batch sizes (default 32 128; --quick: 32)")
     ap.add_argument("--prompt-len", type=int, help="prompt tokens (default 64; --quick: 16)")
