@@ -93,3 +93,137 @@ def test_lora_on_experts_is_refused(tiny_checkpoint):
     init_lora(params, LoraConfig(rank=2, targets=("q_proj", "v_proj")), jax.random.key(0))  # attention: fine
     with pytest.raises(ValueError, match="adapters on experts are not implemented"):
         init_lora(params, LoraConfig(rank=2, targets=("expert_gate",)), jax.random.key(0))
+
+
+def test_routing_counts_and_load_balancing_loss_by_hand():
+    from tbajax.models.moe import RoutingCounts, load_balancing_loss, routing_counts
+
+    # three tokens, the third padding; two experts, one a token
+    probs = jnp.asarray([[0.75, 0.25], [0.5, 0.5], [0.1, 0.9]])
+    counts = routing_counts(probs, jnp.asarray([[0], [0], [1]]), jnp.asarray([1, 1, 0]))
+    np.testing.assert_allclose(counts.picked, [2.0, 0.0])
+    np.testing.assert_allclose(counts.probability, [1.25, 0.75])
+    # E x sum_e f_e P_e = 2 x (2/2 x 1.25/2 + 0 x 0.75/2)
+    stacked = RoutingCounts(counts.picked[None], counts.probability[None])
+    assert float(load_balancing_loss(stacked, 2)) == pytest.approx(1.25)
+    # routing spread evenly: k, whatever the layers and tokens
+    even = RoutingCounts(jnp.full((3, 4), 5.0), jnp.full((3, 4), 2.5))  # 10 tokens, k = 2 of E = 4
+    assert float(load_balancing_loss(even, 10)) == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "olmoe"])
+def test_load_balancing_loss_and_its_gradient_match_transformers(tiny_checkpoint, model_type):
+    """moe.load_balancing_loss over a forward's routing counts (padding left out) against
+    transformers' aux_loss (output_router_logits=True), and its gradient in every router and the
+    first layer's attention (the routers read the hidden states) against torch autograd."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tbajax.models import load_model
+    from tbajax.models.moe import CountRouting, load_balancing_loss
+
+    directory = tiny_checkpoint(model_type)
+    r = np.random.default_rng(1)
+    tokens = r.integers(3, 100, size=(3, 9))
+    mask = np.ones((3, 9), bool)
+    mask[1, 6:], mask[2, 4:] = False, False
+    theirs = AutoModelForCausalLM.from_pretrained(directory).float().eval()
+    out = theirs(input_ids=torch.tensor(tokens), attention_mask=torch.tensor(mask.astype(np.int64)),
+                 output_router_logits=True)
+    out.aux_loss.backward()
+
+    model = load_model(directory)
+    graphdef, params = nnx.split(model)
+
+    def aux(params):
+        m = nnx.merge(graphdef, params)
+        _, counts = m.hidden_states(jnp.asarray(tokens), attention_mask=jnp.asarray(mask),
+                                    cache=CountRouting(jnp.asarray(mask)))
+        return load_balancing_loss(counts, mask.sum())
+
+    value, grads = jax.value_and_grad(aux)(params)
+    assert float(value) == pytest.approx(out.aux_loss.item(), rel=1e-5)
+    layers = theirs.model.layers
+    for i, layer in enumerate(layers):
+        block = layer.mlp if hasattr(layer, "mlp") else layer.block_sparse_moe  # Mixtral's name in v4
+        router_grad = block.gate.weight.grad.numpy().T  # [d, E] as ours holds it
+        np.testing.assert_allclose(np.asarray(grads["layers"]["router"][...][i]), router_grad,
+                                   rtol=1e-4, atol=1e-7)
+    q_grad = np.asarray(grads["layers"]["q_proj"][...][0]).reshape(layers[0].self_attn.q_proj.weight.shape[1], -1)
+    np.testing.assert_allclose(q_grad, layers[0].self_attn.q_proj.weight.grad.numpy().T, rtol=1e-4, atol=1e-7)
+
+
+MOE_MODEL = dict(model_type="qwen3_moe", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                 num_heads=4, num_kv_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                 expert_intermediate_size=16)
+
+
+def _loss_parts(model_config, trainer_config):
+    from tbajax.models import ModelConfig
+    from tbajax.training.loss import microbatch_loss
+    from tests.conftest import numpy_model_parts
+    from tests.test_training import make_batch, vargrad_tb
+
+    graphdef, params = numpy_model_parts(ModelConfig(**model_config))
+    params = jax.tree.map(jnp.asarray, params)
+    batch = jax.tree.map(jnp.asarray, make_batch(0))
+    total, (count, metrics, _) = microbatch_loss((params, None), params, batch, graphdef=graphdef,
+                                                 objective=vargrad_tb, objective_config=None,
+                                                 config=trainer_config)
+    return graphdef, params, batch, total, count, metrics
+
+
+def test_router_aux_loss_joins_the_training_loss_as_configured():
+    """None follows the checkpoint (output_router_logits), a number overrides it, 0 turns it off;
+    the loss sum gains coef x aux x the micro-batch's loss count, logged as router_aux_loss."""
+    from tbajax.models.moe import CountRouting, load_balancing_loss
+    from tbajax.training import TrainerConfig
+
+    plain = TrainerConfig(compute_dtype="float32")
+    *_, total0, count0, metrics0 = _loss_parts(MOE_MODEL, plain)
+    assert "router_aux_loss" not in metrics0  # the checkpoint does not ask for it
+    asked = {**MOE_MODEL, "output_router_logits": True, "router_aux_loss_coef": 0.25}
+    graphdef, params, batch, total, count, metrics = _loss_parts(asked, plain)
+    _, counts = nnx.merge(graphdef, params).hidden_states(batch.tokens, attention_mask=batch.attention_mask,
+                                                          cache=CountRouting(batch.attention_mask))
+    aux = float(load_balancing_loss(counts, batch.attention_mask.sum()))
+    assert aux > 2.0  # above a perfect balance's k
+    assert float(metrics["router_aux_loss"].value) == pytest.approx(aux, rel=1e-6)
+    assert float(total) == pytest.approx(float(total0) + 0.25 * aux * float(count0), rel=1e-6)
+    *_, total_off, _, metrics_off = _loss_parts(asked, TrainerConfig(compute_dtype="float32", router_aux_loss_coef=0.0))
+    assert "router_aux_loss" not in metrics_off and float(total_off) == pytest.approx(float(total0), rel=1e-6)
+    *_, total_own, _, _ = _loss_parts(MOE_MODEL, TrainerConfig(compute_dtype="float32", router_aux_loss_coef=0.5))
+    assert float(total_own) == pytest.approx(float(total0) + 0.5 * aux * float(count0), rel=1e-6)
+
+
+def test_router_aux_loss_for_a_dense_model_is_refused():
+    from tbajax.training import TrainerConfig
+
+    dense = {k: v for k, v in MOE_MODEL.items() if not k.startswith(("num_experts", "expert_"))}
+    with pytest.raises(ValueError, match="has no router"):
+        _loss_parts({**dense, "model_type": "qwen3"}, TrainerConfig(router_aux_loss_coef=0.01))
+    with pytest.raises(ValueError, match="router_aux_loss_coef must be >= 0"):
+        TrainerConfig(router_aux_loss_coef=-1.0)
+
+
+def test_router_loss_fields_are_read_and_written_back(tiny_checkpoint):
+    import json
+
+    from tbajax.models import ModelConfig
+
+    hf = json.loads((tiny_checkpoint("olmoe") / "config.json").read_text())
+    cfg = ModelConfig.from_hf(hf)
+    assert (cfg.output_router_logits, cfg.router_aux_loss_coef) == (False, hf["router_aux_loss_coef"])
+    asked = ModelConfig.from_hf({**hf, "output_router_logits": True, "router_aux_loss_coef": 0.02})
+    assert (asked.output_router_logits, asked.router_aux_loss_coef) == (True, 0.02)
+    assert ModelConfig.from_hf(asked.to_hf()) == asked
+
+
+def test_policy_updater_refuses_a_router_loss_for_a_dense_model_before_compiling():
+    from tbajax.models import CausalLM, ModelConfig
+    from tbajax.training import PolicyUpdater, TrainerConfig
+
+    dense = {k: v for k, v in MOE_MODEL.items() if not k.startswith(("num_experts", "expert_"))}
+    model = nnx.eval_shape(lambda: CausalLM(ModelConfig(**{**dense, "model_type": "qwen3"}), rngs=nnx.Rngs(0)))
+    with pytest.raises(ValueError, match="has no router"):
+        PolicyUpdater(model, TrainerConfig(router_aux_loss_coef=0.01), "tb")

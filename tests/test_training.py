@@ -463,13 +463,13 @@ def test_reference_forward_only_when_the_objective_reads_it(
     import tbajax.training.loss as loss_module
 
     calls = []
-    real = loss_module.sequence_logprobs
+    real = loss_module._score  # every forward of the loss: the policy's, and the reference's
 
     def counted(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(loss_module, "sequence_logprobs", counted)
+    monkeypatch.setattr(loss_module, "_score", counted)
     config = dataclasses.replace(ACCUM_CONFIG, compute_reference_logprobs=compute_reference)
     graphdef, state = init_train_state(fresh_model(), config)
     spec, objective_config = resolve_objective(objective, overrides=overrides)

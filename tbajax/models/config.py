@@ -177,6 +177,11 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     expert_intermediate_size: int = 0
     norm_topk_prob: bool = True
+    # the router's load-balancing loss as the checkpoint's config sets it: transformers adds
+    # router_aux_loss_coef x that loss to the training loss where output_router_logits is true
+    # (`TrainerConfig.router_aux_loss_coef` None follows it; `moe.load_balancing_loss`)
+    output_router_logits: bool = False
+    router_aux_loss_coef: float = 0.0
     initializer_range: float = 0.02
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None

@@ -24,6 +24,7 @@ from tbajax.models.families import Family, ParamSpec, family_for
 from tbajax.models.layers import CausalMask, StridedGroups, apply_rope, attention, rms_norm  # noqa: F401
 from tbajax.models.layers import lm_head_scaled, soft_capped, windowed
 from tbajax.models.layers import scan_layers
+from tbajax.models.moe import CountRouting, RoutingCounts
 from tbajax.models.serving import KVCache, ServingParams, cached_pass, unstack
 from tbajax.op_scopes import scoped
 from tbajax.sharding import constrain
@@ -104,9 +105,10 @@ class CausalLM(nnx.Module):
         tokens: Array,
         positions: Array | None = None,
         attention_mask: Array | CausalMask | None = None,
-        cache: KVCache | None = None,
-    ) -> tuple[Array, KVCache | None]:
-        """Final-norm hidden states [batch, seq, hidden] (compute dtype).
+        cache: KVCache | CountRouting | None = None,
+    ) -> tuple[Array, Any]:
+        """Final-norm hidden states [batch, seq, hidden] (compute dtype), and the cache (None
+        without one).
 
         attention_mask: [batch, seq], 1 for real tokens. positions default to
         cumsum(mask) - 1, which is right for left and right padding alike.
@@ -120,13 +122,23 @@ class CausalLM(nnx.Module):
         builds that layout once per params version and calls the pass itself).
         A sliding window (`ModelConfig.sliding_window`) applies by position in every pass without
         a cache (`layers.windowed`), and by ring distance over one (`serving.cached_pass`).
+        A mixture-of-experts model takes `moe.CountRouting` in the cache's place: no cache, and
+        every layer's `moe.RoutingCounts` over its counted tokens handed back, stacked [L, E]
+        (what the router's load-balancing loss reads, `moe.load_balancing_loss`).
         """
         cfg = self.config
         b, t = tokens.shape
+        routing = cache if isinstance(cache, CountRouting) else None
+        if routing is not None:
+            if cfg.num_experts is None:
+                raise ValueError(f"routing counts asked of a {cfg.model_type} model, which has no router")
+            if routing.tokens.shape != tokens.shape:
+                raise ValueError(f"CountRouting.tokens is {routing.tokens.shape}; the tokens are {tokens.shape}")
+            cache = None
         if isinstance(attention_mask, StridedGroups):
             if cache is not None or positions is None:
                 raise ValueError("strided prompt groups need explicit positions and no cache")
-            return self._layers_over(tokens, positions, attention_mask), None
+            return self._layers_over(tokens, positions, attention_mask, routing)
         promised_causal = isinstance(attention_mask, CausalMask)
         if promised_causal:
             attention_mask = attention_mask.mask
@@ -150,12 +162,13 @@ class CausalLM(nnx.Module):
         else:
             slots = jnp.arange(t)
             mask = CausalMask((slots[None, :] <= slots[:, None])[None] & attention_mask[:, None, :])
-        return self._layers_over(tokens, positions, mask), None
+        return self._layers_over(tokens, positions, mask, routing)
 
-    def _layers_over(self, tokens: Array, positions: Array,
-                     mask: Array | CausalMask | StridedGroups) -> Array:
+    def _layers_over(self, tokens: Array, positions: Array, mask: Array | CausalMask | StridedGroups,
+                     routing: CountRouting | None = None) -> tuple[Array, RoutingCounts | None]:
         """Embed, every layer with `mask` as `layers.self_attention` takes it (within the layer's
-        sliding window, if any, by position), final norm."""
+        sliding window, if any, by position), final norm; with `routing`, each layer's routing
+        counts stacked (else None)."""
         cfg = self.config
         family = self.family
         top = {name: getattr(self, name)[...] for name in family.top_params(cfg)}
@@ -176,22 +189,25 @@ class CausalLM(nnx.Module):
                 layer = jax.checkpoint(layer, policy=policy)
             tables = family.position_tables(kind, positions)
             layers.append(functools.partial(_layer_output, layer, tables=tables,
-                                            mask=windowed(mask, positions, kind.sliding_window)))
+                                            mask=windowed(mask, positions, kind.sliding_window), routing=routing))
 
-        def body(h: Array, p: dict[str, Array]) -> tuple[Array, None]:
+        def body(h: Array, p: dict[str, Array]) -> tuple[Array, RoutingCounts | None]:
             if len(layers) == 1:
-                return layers[0](p, h), None
+                return layers[0](p, h)
             p = dict(p)
-            return jax.lax.switch(p.pop(LAYER_KIND), layers, p, h), None
+            return jax.lax.switch(p.pop(LAYER_KIND), layers, p, h)
 
         if cfg.scan_layers:
             if len(layers) > 1:
                 params = {**params, LAYER_KIND: jnp.asarray(kind_of, jnp.int32)}
-            x, _ = scan_layers(body, x, params)
+            x, counts = scan_layers(body, x, params)
         else:
+            per_layer = []
             for p, kind in zip(unstack(params, cfg.num_layers), kind_of):
-                x = layers[kind](p, x)
-        return family.final_norm(cfg, top, x)
+                x, c = layers[kind](p, x)
+                per_layer.append(c)
+            counts = None if routing is None else jax.tree.map(lambda *c: jnp.stack(c), *per_layer)
+        return family.final_norm(cfg, top, x), counts
 
     @scoped(S.LM_HEAD)
     def logits(self, hidden: Array) -> Array:
@@ -221,8 +237,11 @@ class CausalLM(nnx.Module):
 LAYER_KIND = "layer_kind"  # a scanned stack's entry: each layer's index into `ModelConfig.layer_kinds`
 
 
-def _layer_output(layer: Any, p: dict[str, Array], h: Array, *, tables: Any, mask: Any) -> Array:
-    return layer(p, h, tables, mask, None)[0]
+def _layer_output(layer: Any, p: dict[str, Array], h: Array, *, tables: Any, mask: Any,
+                  routing: CountRouting | None) -> tuple[Array, RoutingCounts | None]:
+    """A layer's output without a cache, and its routing counts when `routing` asks for them."""
+    out, counts = layer(p, h, tables, mask, routing)
+    return out, counts if routing is not None else None
 
 
 def positions_from_mask(mask: Array) -> Array:

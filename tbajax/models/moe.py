@@ -6,12 +6,16 @@ every expert on every token (E / k times the work). The (token, expert) assignme
 expert, each expert's run padded to whole tiles (`dispatch`), and one product per tile reads that
 tile's expert weights (`grouped_matmul`). `jax.lax.ragged_dot` would say the same in one op, but
 XLA:CPU lowers it to a dense product over every expert.
+
+The router's load-balancing loss (`load_balancing_loss`) is transformers' own; a training forward
+asks each layer for its `RoutingCounts` with `CountRouting` in the cache's place
+(`CausalLM.hidden_states`), and `training.loss` adds it where the checkpoint or the trainer asks.
 """
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -23,15 +27,60 @@ from tbajax.op_scopes import scoped
 Array = jax.Array
 
 
+def router_probabilities(x: Array, router: Array) -> Array:
+    """[N, E] fp32: the router's softmax over its logits for tokens x [N, d] (router [d, E])."""
+    return jax.nn.softmax(jnp.dot(x, router.astype(x.dtype)).astype(jnp.float32), axis=-1)
+
+
 def route(x: Array, router: Array, k: int, normalize: bool) -> tuple[Array, Array]:
     """(weights [N, k] in x's dtype, experts [N, k] int32) of tokens x [N, d] under a router
     [d, E]: softmax in fp32 over the router's logits, the top k, renormalised to sum to one where
     `normalize` (Mixtral always; Qwen3-MoE's norm_topk_prob)."""
-    probs = jax.nn.softmax(jnp.dot(x, router.astype(x.dtype)).astype(jnp.float32), axis=-1)
+    return top_experts(router_probabilities(x, router), k, normalize, x.dtype)
+
+
+def top_experts(probs: Array, k: int, normalize: bool, dtype: Any) -> tuple[Array, Array]:
     top, experts = jax.lax.top_k(probs, k)
     if normalize:
         top = top / top.sum(-1, keepdims=True)
-    return top.astype(x.dtype), experts.astype(jnp.int32)
+    return top.astype(dtype), experts.astype(jnp.int32)
+
+
+class CountRouting(NamedTuple):
+    """The `cache` argument of a forward without a KV cache that also hands back every layer's
+    `RoutingCounts` over the tokens that count: `tokens` [b, t], 1 for real tokens, 0 for padding."""
+
+    tokens: Array
+
+
+class RoutingCounts(NamedTuple):
+    """What the router's load-balancing loss needs of a layer, summed over the counted tokens:
+    how often each expert was among a token's top k (`picked` [E]) and the router's probability
+    of each expert (`probability` [E], differentiable). A forward stacks them over layers: [L, E]."""
+
+    picked: Array
+    probability: Array
+
+
+def routing_counts(probs: Array, experts: Array, tokens: Array) -> RoutingCounts:
+    """`RoutingCounts` of a layer from its router probabilities [N, E], each token's top-k experts
+    [N, k] and which tokens count [N] (a scatter-add: no [N, k, E] one-hot)."""
+    weight = tokens.reshape(-1).astype(jnp.float32)
+    picked = jnp.zeros(probs.shape[-1], jnp.float32).at[experts.reshape(-1)].add(
+        jnp.repeat(weight, experts.shape[-1]))
+    return RoutingCounts(picked, (probs * weight[:, None]).sum(0))
+
+
+def load_balancing_loss(counts: RoutingCounts, tokens: Array) -> Array:
+    """The router's auxiliary loss as transformers' `load_balancing_loss_func` computes it (Switch
+    Transformer's, with every layer's tokens pooled): E x sum_e f_e P_e, where f_e is the share of
+    the pooled (token, layer) pairs that picked expert e (each of a token's k picks counting
+    once) and P_e the mean router probability of e over them. `counts` [L, E] from a forward
+    over `tokens` counted tokens. Uniform routing gives k; its gradient reaches the router only."""
+    layers, experts = counts.picked.shape
+    pairs = layers * jnp.maximum(jnp.asarray(tokens, jnp.float32), 1.0)
+    share = jax.lax.stop_gradient(counts.picked.sum(0)) / pairs
+    return experts * jnp.sum(share * counts.probability.sum(0) / pairs)
 
 
 class Dispatch(NamedTuple):
@@ -130,11 +179,25 @@ def moe_swiglu(x: Array, router: Array, gate: Array, up: Array, down: Array, k: 
                normalize: bool) -> Array:
     """The MoE MLP of tokens x [..., d]: router [d, E], experts' gate / up [E, d, f] and down
     [E, f, d] -> [..., d], each token the router-weighted sum of its k experts' SwiGLU MLPs."""
+    return _moe_swiglu(x, router, gate, up, down, k, normalize)[0]
+
+
+@scoped(S.MATMUL)
+def moe_swiglu_counted(x: Array, router: Array, gate: Array, up: Array, down: Array, k: int,
+                       normalize: bool, tokens: Array) -> tuple[Array, RoutingCounts]:
+    """`moe_swiglu` and its layer's `RoutingCounts` over `tokens` (x's leading shape, 1: counts)."""
+    out, probs, experts = _moe_swiglu(x, router, gate, up, down, k, normalize)
+    return out, routing_counts(probs, experts, tokens)
+
+
+def _moe_swiglu(x: Array, router: Array, gate: Array, up: Array, down: Array, k: int,
+                normalize: bool) -> tuple[Array, Array, Array]:
     lead, d = x.shape[:-1], x.shape[-1]
     flat = x.reshape(-1, d)
-    weights, experts = route(flat, router, k, normalize)
+    probs = router_probabilities(flat, router)
+    weights, experts = top_experts(probs, k, normalize, flat.dtype)
     plan = dispatch(experts, router.shape[-1])
     xs = jnp.concatenate([flat, jnp.zeros((1, d), flat.dtype)])[plan.rows]  # empty rows read zeros
     h = jax.nn.silu(grouped_matmul(xs, gate, plan.tile_expert)) * grouped_matmul(xs, up, plan.tile_expert)
     out = grouped_matmul(h, down, plan.tile_expert)[plan.slot].reshape(-1, k, d)
-    return (out * weights[..., None]).sum(1).reshape(*lead, d)
+    return (out * weights[..., None]).sum(1).reshape(*lead, d), probs, experts

@@ -156,6 +156,12 @@ class TrainerConfig:
       fastest at each of the three shapes `experiments/benchmarks/packed_groups.py` timed on 2 CPU
       cores (`packed_groups_*_shape.json`); so does any weight from 1 to 6 (`tests/test_layout.py`).
       Not measured on a GPU.
+    router_aux_loss_coef: for a mixture-of-experts policy, the weight of the router's
+      load-balancing loss added to the objective's (`moe.load_balancing_loss`, transformers'
+      `load_balancing_loss_func` over every real token the forward runs: a packed group's prompt
+      once). None = as the checkpoint's config says, as transformers and TRL add it: its
+      router_aux_loss_coef where output_router_logits is true, else none; 0 = none. Logged as
+      `router_aux_loss` whenever it is added. A value > 0 for a model without experts is an error.
     """
 
     optimizer: OptimizerConfig = OptimizerConfig()
@@ -172,8 +178,11 @@ class TrainerConfig:
     pack_groups: bool | Literal["auto"] = False
     pack_strided: bool = False
     layout_attention_weight: float = 2.0
+    router_aux_loss_coef: float | None = None
 
     def __post_init__(self) -> None:
+        if self.router_aux_loss_coef is not None and self.router_aux_loss_coef < 0:
+            raise ValueError(f"router_aux_loss_coef must be >= 0 or None, got {self.router_aux_loss_coef}")
         if self.pack_groups not in (True, False, "auto"):
             raise ValueError(f"pack_groups={self.pack_groups!r}; choose true, false or 'auto'")
         if self.pack_strided and self.pack_groups == "auto":

@@ -25,7 +25,7 @@ from tbajax.objectives.registry import resolve_objective
 from tbajax.sharding import LOGICAL_RULES
 from tbajax.training.config import TrainerConfig
 from tbajax.training.layout import batch_layout, configured_layouts
-from tbajax.training.loss import objective_inputs, scores_reference
+from tbajax.training.loss import objective_inputs, router_aux_loss_coef, scores_reference
 from tbajax.training.state import (
     LoraBase,
     TrainState,
@@ -72,6 +72,7 @@ class PolicyUpdater:
     ):
         self.config = config
         self.mesh = mesh
+        router_aux_loss_coef(model.config, config)  # a coefficient the model cannot take: refused now
         spec, objective_config = resolve_objective(objective, objective_config)
         self.objective, self.objective_config = spec, objective_config
         aux = spec.initial_aux(objective_config, config.aux_table_size, _hidden_size(model))

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tbajax.models import layers as L
-from tbajax.models.moe import moe_swiglu
+from tbajax.models.moe import CountRouting, RoutingCounts, moe_swiglu, moe_swiglu_counted
 from tbajax.models.config import ModelConfig, UnsupportedModelError, _parse_rope, rope_inv_freq
 from tbajax.models.families import Family, Mapping, ParamSpec, same, transposed
 from tbajax.sharding import constrain
@@ -67,9 +67,22 @@ def parse_hf(hf: dict[str, Any]) -> dict[str, Any]:
     )
 
 
+ROUTER_AUX_LOSS_COEF = {"qwen3_moe": 0.001, "mixtral": 0.001, "olmoe": 0.01}  # transformers' defaults
+
+
 def _experts(hf: dict[str, Any]) -> dict[str, Any]:
-    """Qwen3-MoE's and Mixtral's experts: every layer sparse (Qwen3-MoE's decoder_sparse_step 1, no
-    mlp_only_layers; other layouts are refused naming the field)."""
+    """Qwen3-MoE's, Mixtral's and OLMoE's experts, and their router's load-balancing loss."""
+    model_type = hf["model_type"]
+    experts = _expert_shapes(hf)
+    if experts:
+        experts.update(output_router_logits=bool(hf.get("output_router_logits", False)),
+                       router_aux_loss_coef=float(hf.get("router_aux_loss_coef", ROUTER_AUX_LOSS_COEF[model_type])))
+    return experts
+
+
+def _expert_shapes(hf: dict[str, Any]) -> dict[str, Any]:
+    """The experts: every layer sparse (Qwen3-MoE's decoder_sparse_step 1, no mlp_only_layers;
+    other layouts are refused naming the field)."""
     model_type = hf["model_type"]
     if model_type == "qwen3_moe":
         if int(hf.get("decoder_sparse_step", 1)) != 1 or hf.get("mlp_only_layers"):
@@ -169,6 +182,8 @@ def to_hf(cfg: ModelConfig) -> dict[str, Any]:
     if cfg.model_type == "mixtral":
         out.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
                    sliding_window=cfg.sliding_window)
+    if cfg.num_experts is not None:
+        out.update(output_router_logits=cfg.output_router_logits, router_aux_loss_coef=cfg.router_aux_loss_coef)
     if cfg.model_type in ("llama", "granite"):
         out["mlp_bias"] = False
     if cfg.model_type == "granite":
@@ -343,8 +358,8 @@ def block(
     x: Array,
     tables: tuple[Array, Array] | None,
     mask: Array,
-    cache: L.LayerCache | L.EmitKV | None,
-) -> tuple[Array, tuple[Array, Array] | None]:
+    cache: L.LayerCache | L.EmitKV | CountRouting | None,
+) -> tuple[Array, Any]:
     dt = cfg.jnp_dtype
     w = {k: v.astype(dt) for k, v in p.items()}
     h = L.rms_norm(x, w["input_norm"], cfg.rms_norm_eps)
@@ -354,12 +369,14 @@ def block(
     if cfg.qk_norm:
         q = L.rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
         k = L.rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
-    o, new_cache = attention_sublayer(cfg, w, q, k, v, tables, mask, cache)
+    routing = cache if isinstance(cache, CountRouting) else None
+    o, new_cache = attention_sublayer(cfg, w, q, k, v, tables, mask, None if routing is not None else cache)
     if cfg.o_bias:
         o = o + w["o_bias"]
     x = x + _residual(cfg, o)
-    x = x + _residual(cfg, mlp(cfg, w, L.rms_norm(x, w["post_attention_norm"], cfg.rms_norm_eps)))
-    return constrain(x, ("batch", "length", "act_embed")), new_cache
+    out, counts = mlp_counted(cfg, w, L.rms_norm(x, w["post_attention_norm"], cfg.rms_norm_eps), routing)
+    x = x + _residual(cfg, out)
+    return constrain(x, ("batch", "length", "act_embed")), counts if routing is not None else new_cache
 
 
 def attention_sublayer(
@@ -387,6 +404,18 @@ def mlp(cfg: ModelConfig, w: dict[str, Array], h: Array) -> Array:
         return swiglu_mlp(w, h)
     return moe_swiglu(h, w["router"], w["expert_gate"], w["expert_up"], w["expert_down"],
                       cfg.num_experts_per_tok, cfg.norm_topk_prob)
+
+
+def mlp_counted(cfg: ModelConfig, w: dict[str, Array], h: Array,
+                routing: CountRouting | None) -> tuple[Array, RoutingCounts | None]:
+    """`mlp`, and with `routing` (a block's `cache` argument asking for them) the layer's
+    `RoutingCounts` over its counted tokens."""
+    if routing is None:
+        return mlp(cfg, w, h), None
+    if cfg.num_experts is None:
+        raise ValueError(f"routing counts asked of a {cfg.model_type} model, which has no router")
+    return moe_swiglu_counted(h, w["router"], w["expert_gate"], w["expert_up"], w["expert_down"],
+                              cfg.num_experts_per_tok, cfg.norm_topk_prob, routing.tokens)
 
 
 def _residual(cfg: ModelConfig, out: Array) -> Array:

@@ -14,6 +14,7 @@ from tbajax import op_scopes as S
 from tbajax.models import layers as L
 from tbajax.models.config import ModelConfig, UnsupportedModelError
 from tbajax.models.families import Mapping, ParamSpec, llama, olmo2
+from tbajax.models.moe import CountRouting
 from tbajax.sharding import constrain
 
 Array = jax.Array
@@ -52,17 +53,19 @@ def block(
     x: Array,
     tables: tuple[Array, Array],
     mask: Array,
-    cache: L.LayerCache | L.EmitKV | None,
-) -> tuple[Array, tuple[Array, Array] | None]:
+    cache: L.LayerCache | L.EmitKV | CountRouting | None,
+) -> tuple[Array, Any]:
     w = {k: v.astype(cfg.jnp_dtype) for k, v in p.items()}
     eps = cfg.rms_norm_eps
     q, k, v = llama.query_key_value(cfg, w, L.rms_norm(x, w["input_norm"], eps))
     with jax.named_scope(S.NORM):
         q, k = olmo2.norm_over_heads(q, w["q_norm"], eps), olmo2.norm_over_heads(k, w["k_norm"], eps)
-    o, new_cache = llama.attention_sublayer(cfg, w, q, k, v, tables, mask, cache)
+    routing = cache if isinstance(cache, CountRouting) else None
+    o, new_cache = llama.attention_sublayer(cfg, w, q, k, v, tables, mask, None if routing is not None else cache)
     x = x + o
-    x = x + llama.mlp(cfg, w, L.rms_norm(x, w["post_attention_norm"], eps))
-    return constrain(x, ("batch", "length", "act_embed")), new_cache
+    out, counts = llama.mlp_counted(cfg, w, L.rms_norm(x, w["post_attention_norm"], eps), routing)
+    x = x + out
+    return constrain(x, ("batch", "length", "act_embed")), counts if routing is not None else new_cache
 
 
 def validate(cfg: ModelConfig) -> None:
