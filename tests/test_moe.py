@@ -149,8 +149,9 @@ def test_load_balancing_loss_and_its_gradient_match_transformers(tiny_checkpoint
         router_grad = block.gate.weight.grad.numpy().T  # [d, E] as ours holds it
         np.testing.assert_allclose(np.asarray(grads["layers"]["router"][...][i]), router_grad,
                                    rtol=1e-4, atol=1e-7)
-    q_grad = np.asarray(grads["layers"]["q_proj"][...][0]).reshape(layers[0].self_attn.q_proj.weight.shape[1], -1)
-    np.testing.assert_allclose(q_grad, layers[0].self_attn.q_proj.weight.grad.numpy().T, rtol=1e-4, atol=1e-7)
+    q_proj = layers[0].self_attn.q_proj.weight
+    q_grad = np.asarray(grads["layers"]["q_proj"][...][0]).reshape(q_proj.shape[1], -1)
+    np.testing.assert_allclose(q_grad, q_proj.grad.numpy().T, rtol=1e-4, atol=1e-7)
 
 
 MOE_MODEL = dict(model_type="qwen3_moe", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
@@ -190,9 +191,11 @@ def test_router_aux_loss_joins_the_training_loss_as_configured():
     assert aux > 2.0  # above a perfect balance's k
     assert float(metrics["router_aux_loss"].value) == pytest.approx(aux, rel=1e-6)
     assert float(total) == pytest.approx(float(total0) + 0.25 * aux * float(count0), rel=1e-6)
-    *_, total_off, _, metrics_off = _loss_parts(asked, TrainerConfig(compute_dtype="float32", router_aux_loss_coef=0.0))
+    off = TrainerConfig(compute_dtype="float32", router_aux_loss_coef=0.0)
+    *_, total_off, _, metrics_off = _loss_parts(asked, off)
     assert "router_aux_loss" not in metrics_off and float(total_off) == pytest.approx(float(total0), rel=1e-6)
-    *_, total_own, _, _ = _loss_parts(MOE_MODEL, TrainerConfig(compute_dtype="float32", router_aux_loss_coef=0.5))
+    own = TrainerConfig(compute_dtype="float32", router_aux_loss_coef=0.5)
+    *_, total_own, _, _ = _loss_parts(MOE_MODEL, own)
     assert float(total_own) == pytest.approx(float(total0) + 0.5 * aux * float(count0), rel=1e-6)
 
 
@@ -224,6 +227,7 @@ def test_policy_updater_refuses_a_router_loss_for_a_dense_model_before_compiling
     from tbajax.training import PolicyUpdater, TrainerConfig
 
     dense = {k: v for k, v in MOE_MODEL.items() if not k.startswith(("num_experts", "expert_"))}
-    model = nnx.eval_shape(lambda: CausalLM(ModelConfig(**{**dense, "model_type": "qwen3"}), rngs=nnx.Rngs(0)))
+    config = ModelConfig(**{**dense, "model_type": "qwen3"})
+    model = nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(0)))
     with pytest.raises(ValueError, match="has no router"):
         PolicyUpdater(model, TrainerConfig(router_aux_loss_coef=0.01), "tb")

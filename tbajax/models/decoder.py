@@ -133,7 +133,8 @@ class CausalLM(nnx.Module):
             if cfg.num_experts is None:
                 raise ValueError(f"routing counts asked of a {cfg.model_type} model, which has no router")
             if routing.tokens.shape != tokens.shape:
-                raise ValueError(f"CountRouting.tokens is {routing.tokens.shape}; the tokens are {tokens.shape}")
+                raise ValueError(f"CountRouting.tokens is {routing.tokens.shape}; "
+                                 f"the tokens are {tokens.shape}")
             cache = None
         if isinstance(attention_mask, StridedGroups):
             if cache is not None or positions is None:
@@ -188,8 +189,8 @@ class CausalLM(nnx.Module):
                 )
                 layer = jax.checkpoint(layer, policy=policy)
             tables = family.position_tables(kind, positions)
-            layers.append(functools.partial(_layer_output, layer, tables=tables,
-                                            mask=windowed(mask, positions, kind.sliding_window), routing=routing))
+            layers.append(functools.partial(_layer_output, layer, tables=tables, routing=routing,
+                                            mask=windowed(mask, positions, kind.sliding_window)))
 
         def body(h: Array, p: dict[str, Array]) -> tuple[Array, RoutingCounts | None]:
             if len(layers) == 1:

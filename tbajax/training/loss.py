@@ -64,7 +64,8 @@ def _score(model: CausalLM, batch: Batch, temperature: float, *, prompt_features
             mask, real = packed_mask(pk.segments), pk.segments >= 0
         else:
             mask = StridedGroups(pk.prompt_real, pk.response_real)
-            real = jnp.concatenate([pk.prompt_real, pk.response_real.reshape(pk.response_real.shape[0], -1)], 1)
+            responses = pk.response_real.reshape(pk.response_real.shape[0], -1)
+            real = jnp.concatenate([pk.prompt_real, responses], 1)
         routing = CountRouting(real) if router_balance else None
         hidden, counts = model.hidden_states(pk.tokens, pk.positions, mask, routing)
         logprobs = packed_hidden_logprobs(hidden, model.head_weight(), batch, temperature,
@@ -105,8 +106,8 @@ def router_aux_loss_coef(model_config: ModelConfig, config: TrainerConfig) -> fl
     if coef is None:
         return model_config.router_aux_loss_coef if model_config.output_router_logits else 0.0
     if coef > 0 and model_config.num_experts is None:
-        raise ValueError(f"train.trainer.router_aux_loss_coef={coef} for a {model_config.model_type} policy, "
-                         "which has no router (a mixture-of-experts model has): set it to null or 0")
+        raise ValueError(f"train.trainer.router_aux_loss_coef={coef} for a {model_config.model_type} "
+                         "policy, which has no router (a mixture-of-experts model has): set it to null or 0")
     return coef
 
 
@@ -182,6 +183,7 @@ def microbatch_loss(
     total = loss.total
     if scored.router_balance is not None:  # weighted by the micro-batch's share of the loss count
         total = total + balance_coef * scored.router_balance * jax.lax.stop_gradient(loss.count)
-        metrics = {**metrics, "router_aux_loss": Ratio(jax.lax.stop_gradient(scored.router_balance * loss.count),
-                                                      jax.lax.stop_gradient(loss.count))}
+        counted = jax.lax.stop_gradient(loss.count)
+        metrics = {**metrics, "router_aux_loss": Ratio(jax.lax.stop_gradient(scored.router_balance) * counted,
+                                                      counted)}
     return total, (jax.lax.stop_gradient(loss.count), metrics, row_ok)

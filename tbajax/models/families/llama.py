@@ -75,8 +75,9 @@ def _experts(hf: dict[str, Any]) -> dict[str, Any]:
     model_type = hf["model_type"]
     experts = _expert_shapes(hf)
     if experts:
+        coef = hf.get("router_aux_loss_coef", ROUTER_AUX_LOSS_COEF[model_type])
         experts.update(output_router_logits=bool(hf.get("output_router_logits", False)),
-                       router_aux_loss_coef=float(hf.get("router_aux_loss_coef", ROUTER_AUX_LOSS_COEF[model_type])))
+                       router_aux_loss_coef=float(coef))
     return experts
 
 
@@ -183,7 +184,8 @@ def to_hf(cfg: ModelConfig) -> dict[str, Any]:
         out.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
                    sliding_window=cfg.sliding_window)
     if cfg.num_experts is not None:
-        out.update(output_router_logits=cfg.output_router_logits, router_aux_loss_coef=cfg.router_aux_loss_coef)
+        out.update(output_router_logits=cfg.output_router_logits,
+                   router_aux_loss_coef=cfg.router_aux_loss_coef)
     if cfg.model_type in ("llama", "granite"):
         out["mlp_bias"] = False
     if cfg.model_type == "granite":

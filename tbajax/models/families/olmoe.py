@@ -61,7 +61,8 @@ def block(
     with jax.named_scope(S.NORM):
         q, k = olmo2.norm_over_heads(q, w["q_norm"], eps), olmo2.norm_over_heads(k, w["k_norm"], eps)
     routing = cache if isinstance(cache, CountRouting) else None
-    o, new_cache = llama.attention_sublayer(cfg, w, q, k, v, tables, mask, None if routing is not None else cache)
+    attend_over = None if routing is not None else cache
+    o, new_cache = llama.attention_sublayer(cfg, w, q, k, v, tables, mask, attend_over)
     x = x + o
     out, counts = llama.mlp_counted(cfg, w, L.rms_norm(x, w["post_attention_norm"], eps), routing)
     x = x + out
