@@ -175,8 +175,10 @@ def run_scenario(run_dir: Path, *, seed: int = 0, searcher_kills: int = 3, steps
             say(f"chaos: killed searcher ({kills[-1]['where']}), {monitor.rows()} rows committed")
             _wait(lambda: not _role_pids(run_dir, "searcher") or _role_pids(run_dir, "searcher") != [kills[-1]["pid"]],
                   60, "the killed searcher to go", proc)
-        # the trainer, once it has a checkpoint to resume from and steps still to go
-        _wait(lambda: _status(run_dir, "trainer").get("step", 0) >= 3, timeout_s, "trainer step 3", proc)
+        # the trainer, once it has a checkpoint to resume from (committed: a checkpoint is written in
+        # the background, so a step past it does not mean it is there) and steps still to go
+        _wait(lambda: _status(run_dir, "trainer").get("step", 0) >= 3 and _committed_steps(run_dir),
+              timeout_s, "trainer step 3 and a committed checkpoint", proc)
         time.sleep(rng.uniform(0.0, 1.0))
         pids = _role_pids(run_dir, "trainer")
         step = _status(run_dir, "trainer").get("step", 0)
@@ -220,13 +222,20 @@ def run_scenario(run_dir: Path, *, seed: int = 0, searcher_kills: int = 3, steps
     return figures
 
 
+def _committed_steps(run_dir: Path) -> list[int]:
+    """The steps of the trainer's checkpoints whose save has committed, oldest first."""
+    root = run_dir / "checkpoints"
+    if not root.is_dir():
+        return []
+    return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit() and (p / "commit_success.txt").exists())
+
+
 def _state_before_resume(run_dir: Path) -> dict[str, Any]:
     """What a resume must start from: the newest committed checkpoint (step and its extra
     metadata: buffer state, counters) and the newest published param version."""
     from tbajax.stores import ParamReader, param_store_url
 
-    steps = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir()
-                   if p.name.isdigit() and (p / "commit_success.txt").exists())
+    steps = _committed_steps(run_dir)
     extra = json.loads((run_dir / "checkpoints" / str(steps[-1]) / "extra" / "metadata").read_text()) if steps else None
     return {"checkpoint_step": steps[-1] if steps else None, "checkpoint_extra": extra,
             "latest_version": ParamReader(param_store_url(str(run_dir)), "chaos").latest_version()}
