@@ -141,7 +141,7 @@ def test_load_balancing_loss_and_its_gradient_match_transformers(tiny_checkpoint
                                     cache=CountRouting(jnp.asarray(mask)))
         return load_balancing_loss(counts, mask.sum())
 
-    value, grads = jax.value_and_grad(aux)(params)
+    value, grads = jax.jit(jax.value_and_grad(aux))(params)
     assert float(value) == pytest.approx(out.aux_loss.item(), rel=1e-5)
     layers = theirs.model.layers
     for i, layer in enumerate(layers):
@@ -159,54 +159,70 @@ MOE_MODEL = dict(model_type="qwen3_moe", vocab_size=64, hidden_size=32, intermed
                  expert_intermediate_size=16)
 
 
-def _loss_parts(model_config, trainer_config):
+def test_router_aux_loss_coefficient_follows_the_checkpoint_unless_the_trainer_sets_it():
     from tbajax.models import ModelConfig
+    from tbajax.training import TrainerConfig
+    from tbajax.training.loss import router_aux_loss_coef
+
+    quiet = ModelConfig(**MOE_MODEL, router_aux_loss_coef=0.25)  # output_router_logits false
+    asked = ModelConfig(**MOE_MODEL, output_router_logits=True, router_aux_loss_coef=0.25)
+    assert router_aux_loss_coef(quiet, TrainerConfig()) == 0.0
+    assert router_aux_loss_coef(asked, TrainerConfig()) == 0.25
+    assert router_aux_loss_coef(asked, TrainerConfig(router_aux_loss_coef=0.0)) == 0.0
+    assert router_aux_loss_coef(quiet, TrainerConfig(router_aux_loss_coef=0.5)) == 0.5
+    dense = {k: v for k, v in MOE_MODEL.items() if not k.startswith(("num_experts", "expert_"))}
+    dense_config = ModelConfig(**{**dense, "model_type": "qwen3"})
+    assert router_aux_loss_coef(dense_config, TrainerConfig()) == 0.0
+    with pytest.raises(ValueError, match="has no router"):
+        router_aux_loss_coef(dense_config, TrainerConfig(router_aux_loss_coef=0.01))
+    with pytest.raises(ValueError, match="router_aux_loss_coef must be >= 0"):
+        TrainerConfig(router_aux_loss_coef=-1.0)
+
+
+def test_router_aux_loss_joins_the_training_loss():
+    """The loss sum gains coef x aux x the micro-batch's loss count, logged as router_aux_loss;
+    with the coefficient 0 the loss is the objective's alone."""
+    import functools
+
+    from tbajax.models import ModelConfig
+    from tbajax.models.moe import CountRouting, load_balancing_loss
+    from tbajax.training import TrainerConfig
     from tbajax.training.loss import microbatch_loss
     from tests.conftest import numpy_model_parts
     from tests.test_training import make_batch, vargrad_tb
 
-    graphdef, params = numpy_model_parts(ModelConfig(**model_config))
+    graphdef, params = numpy_model_parts(ModelConfig(**MOE_MODEL, output_router_logits=True,
+                                                     router_aux_loss_coef=0.25))
     params = jax.tree.map(jnp.asarray, params)
     batch = jax.tree.map(jnp.asarray, make_batch(0))
-    total, (count, metrics, _) = microbatch_loss((params, None), params, batch, graphdef=graphdef,
-                                                 objective=vargrad_tb, objective_config=None,
-                                                 config=trainer_config)
-    return graphdef, params, batch, total, count, metrics
 
+    def loss_parts(config):
+        step = jax.jit(functools.partial(microbatch_loss, graphdef=graphdef, objective=vargrad_tb,
+                                         objective_config=None, config=config))
+        total, (count, metrics, _) = step((params, None), params, batch)
+        return float(total), float(count), metrics
 
-def test_router_aux_loss_joins_the_training_loss_as_configured():
-    """None follows the checkpoint (output_router_logits), a number overrides it, 0 turns it off;
-    the loss sum gains coef x aux x the micro-batch's loss count, logged as router_aux_loss."""
-    from tbajax.models.moe import CountRouting, load_balancing_loss
-    from tbajax.training import TrainerConfig
-
-    plain = TrainerConfig(compute_dtype="float32")
-    *_, total0, count0, metrics0 = _loss_parts(MOE_MODEL, plain)
-    assert "router_aux_loss" not in metrics0  # the checkpoint does not ask for it
-    asked = {**MOE_MODEL, "output_router_logits": True, "router_aux_loss_coef": 0.25}
-    graphdef, params, batch, total, count, metrics = _loss_parts(asked, plain)
-    _, counts = nnx.merge(graphdef, params).hidden_states(batch.tokens, attention_mask=batch.attention_mask,
-                                                          cache=CountRouting(batch.attention_mask))
+    total, count, metrics = loss_parts(TrainerConfig(compute_dtype="float32"))  # the checkpoint's 0.25
+    off = TrainerConfig(compute_dtype="float32", router_aux_loss_coef=0.0)
+    total_off, count_off, metrics_off = loss_parts(off)
+    _, counts = jax.jit(lambda p: nnx.merge(graphdef, p).hidden_states(
+        batch.tokens, attention_mask=batch.attention_mask, cache=CountRouting(batch.attention_mask)))(params)
     aux = float(load_balancing_loss(counts, batch.attention_mask.sum()))
     assert aux > 2.0  # above a perfect balance's k
+    assert "router_aux_loss" not in metrics_off and count == count_off
     assert float(metrics["router_aux_loss"].value) == pytest.approx(aux, rel=1e-6)
-    assert float(total) == pytest.approx(float(total0) + 0.25 * aux * float(count0), rel=1e-6)
-    off = TrainerConfig(compute_dtype="float32", router_aux_loss_coef=0.0)
-    *_, total_off, _, metrics_off = _loss_parts(asked, off)
-    assert "router_aux_loss" not in metrics_off and float(total_off) == pytest.approx(float(total0), rel=1e-6)
-    own = TrainerConfig(compute_dtype="float32", router_aux_loss_coef=0.5)
-    *_, total_own, _, _ = _loss_parts(MOE_MODEL, own)
-    assert float(total_own) == pytest.approx(float(total0) + 0.5 * aux * float(count0), rel=1e-6)
+    assert total == pytest.approx(total_off + 0.25 * aux * count, rel=1e-6)
 
 
-def test_router_aux_loss_for_a_dense_model_is_refused():
-    from tbajax.training import TrainerConfig
+def test_policy_updater_refuses_a_router_loss_for_a_dense_model_before_compiling():
+    from tbajax.models import CausalLM, ModelConfig
+    from tbajax.training import PolicyUpdater, TrainerConfig
 
     dense = {k: v for k, v in MOE_MODEL.items() if not k.startswith(("num_experts", "expert_"))}
+    config = ModelConfig(**{**dense, "model_type": "qwen3"})
+    model = nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(0)))
     with pytest.raises(ValueError, match="has no router"):
-        _loss_parts({**dense, "model_type": "qwen3"}, TrainerConfig(router_aux_loss_coef=0.01))
-    with pytest.raises(ValueError, match="router_aux_loss_coef must be >= 0"):
-        TrainerConfig(router_aux_loss_coef=-1.0)
+        PolicyUpdater(model, TrainerConfig(router_aux_loss_coef=0.01), "tb")
 
 
 def test_router_loss_fields_are_read_and_written_back(tiny_checkpoint):
@@ -221,13 +237,3 @@ def test_router_loss_fields_are_read_and_written_back(tiny_checkpoint):
     assert (asked.output_router_logits, asked.router_aux_loss_coef) == (True, 0.02)
     assert ModelConfig.from_hf(asked.to_hf()) == asked
 
-
-def test_policy_updater_refuses_a_router_loss_for_a_dense_model_before_compiling():
-    from tbajax.models import CausalLM, ModelConfig
-    from tbajax.training import PolicyUpdater, TrainerConfig
-
-    dense = {k: v for k, v in MOE_MODEL.items() if not k.startswith(("num_experts", "expert_"))}
-    config = ModelConfig(**{**dense, "model_type": "qwen3"})
-    model = nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(0)))
-    with pytest.raises(ValueError, match="has no router"):
-        PolicyUpdater(model, TrainerConfig(router_aux_loss_coef=0.01), "tb")
