@@ -117,6 +117,9 @@ TINY_FAMILIES: dict[str, dict[str, Any]] = {
     # 4 experts of 32 (Qwen3-MoE) / 96 (Mixtral) a layer, each token through 2 of them
     "qwen3_moe": dict(model_type="qwen3_moe", head_dim=24, num_experts=4, num_experts_per_tok=2,
                       moe_intermediate_size=32, norm_topk_prob=True),
+    # Qwen2-MoE: q/k/v biases, 4 routed experts of 32 (top 2, not renormalised) and a shared expert of 40
+    "qwen2_moe": dict(model_type="qwen2_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=40, norm_topk_prob=False),
     "mixtral": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2, rope_theta=1e6),
     # OLMoE: norms over whole q / k projections, 4 experts of 32, top 2 not renormalised
     "olmoe": dict(model_type="olmoe", num_experts=4, num_experts_per_tok=2, intermediate_size=32,

@@ -566,7 +566,7 @@ def _per_expert(grads: dict, model_type: str) -> dict:
 # layer (windowed); Granite's multipliers
 @pytest.mark.parametrize("name", ["qwen2_tied", "neox_parallel", "olmo2", "phi3", "gemma2", "gemma3",
                                   "smollm3_window", "granite", "gemma", "olmo3", "qwen3_moe", "mixtral",
-                                  "olmoe"])
+                                  "olmoe", "qwen2_moe"])
 def test_logprob_gradients_match_torch(ckpt, tiny_checkpoint, name):
     """The trainer's scoring path (`sequence_logprobs`: the hand-written VJPs of the vocabulary
     projection + tempered log-softmax, of every MLP matmul and of SwiGLU) against torch autograd,
@@ -578,7 +578,7 @@ def test_logprob_gradients_match_torch(ckpt, tiny_checkpoint, name):
     from tbajax.training import sequence_logprobs
 
     tiny = ("qwen2_tied", "olmo2", "phi3", "gemma2", "gemma3", "smollm3_window", "granite", "gemma", "olmo3",
-            "qwen3_moe", "mixtral", "olmoe")
+            "qwen3_moe", "mixtral", "olmoe", "qwen2_moe")
     directory = tiny_checkpoint(name) if name in tiny else ckpt(name)
     temperature = 0.7
     ids, mask = _batch(3)

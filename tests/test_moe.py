@@ -111,7 +111,7 @@ def test_routing_counts_and_load_balancing_loss_by_hand():
     assert float(load_balancing_loss(even, 10)) == pytest.approx(2.0)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "olmoe"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe"])
 def test_load_balancing_loss_and_its_gradient_match_transformers(tiny_checkpoint, model_type):
     """moe.load_balancing_loss over a forward's routing counts (padding left out) against
     transformers' aux_loss (output_router_logits=True), and its gradient in every router and the

@@ -1,4 +1,4 @@
-"""Flax NNX decoders (Llama, Mistral, Qwen2/2.5, Qwen3, Qwen3-MoE, Mixtral, SmolLM3, Granite,
+"""Flax NNX decoders (Llama, Mistral, Qwen2/2.5, Qwen3, Qwen2-MoE, Qwen3-MoE, Mixtral, SmolLM3, Granite,
 OLMo 2 / 3, OLMoE, Phi-3 / Phi-4, Gemma 1, 2 and 3, GPT-NeoX/Pythia, GPT-2), sequence-classification
 scorers on top of them, encoders (BERT, RoBERTa), LoRA, and Hugging Face checkpoint I/O."""
 

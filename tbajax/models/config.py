@@ -15,16 +15,17 @@ from typing import Any, Literal
 import jax.numpy as jnp
 import numpy as np
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "smollm3", "granite",
-                         "olmo2", "olmo3", "olmoe", "phi3", "gemma", "gemma2", "gemma3_text", "gpt_neox",
-                         "gpt2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "smollm3",
+                         "granite", "olmo2", "olmo3", "olmoe", "phi3", "gemma", "gemma2", "gemma3_text",
+                         "gpt_neox", "gpt2")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # with a sliding_window
 WINDOWED_MODEL_TYPES = ("mistral", "mixtral", "phi3", "gemma2", "gemma3_text", "qwen2", "qwen3", "smollm3",
                         "olmo3")
 NOPE_MODEL_TYPES = ("smollm3",)  # with layers that take no RoPE (`rope_layers`)
 SCALED_MODEL_TYPES = ("granite",)  # with embedding / residual / attention multipliers and logits_scaling
-MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "olmoe")  # with a mixture-of-experts MLP (`num_experts`)
+# with a mixture-of-experts MLP (`num_experts`)
+MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe")
 SOFT_CAPPED_MODEL_TYPES = ("gemma2", "gemma3_text")  # with attn_ / final_logit_softcapping
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -124,9 +125,9 @@ class ModelConfig:
     """Architecture (from the checkpoint) plus runtime choices (dtypes, remat, scan_layers, attention,
     head_chunk_tokens)."""
 
-    model_type: Literal["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "smollm3", "granite",
-                        "olmo2", "olmo3", "olmoe", "phi3", "gemma", "gemma2", "gemma3_text", "gpt_neox",
-                        "gpt2"]
+    model_type: Literal["llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "smollm3",
+                        "granite", "olmo2", "olmo3", "olmoe", "phi3", "gemma", "gemma2", "gemma3_text",
+                        "gpt_neox", "gpt2"]
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -177,6 +178,9 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     expert_intermediate_size: int = 0
     norm_topk_prob: bool = True
+    # Qwen2-MoE: a shared SwiGLU expert of this width that every token goes through beside its
+    # routed ones, its output gated by sigmoid(x . shared_expert_gate); 0: none
+    shared_expert_intermediate_size: int = 0
     # the router's load-balancing loss as the checkpoint's config sets it: transformers adds
     # router_aux_loss_coef x that loss to the training loss where output_router_logits is true
     # (`TrainerConfig.router_aux_loss_coef` None follows it; `moe.load_balancing_loss`)
@@ -282,6 +286,9 @@ class ModelConfig:
             if self.model_type not in MOE_MODEL_TYPES:
                 raise UnsupportedModelError(f"num_experts (a mixture-of-experts MLP) is read and written for "
                                             f"{MOE_MODEL_TYPES} checkpoints, not {self.model_type}")
+            if self.shared_expert_intermediate_size and self.model_type != "qwen2_moe":
+                raise UnsupportedModelError(f"a shared expert is read and written for qwen2_moe checkpoints, "
+                                            f"not {self.model_type}")
             if not 1 <= self.num_experts_per_tok <= self.num_experts or self.expert_intermediate_size < 1:
                 raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} of num_experts="
                                  f"{self.num_experts} experts of width {self.expert_intermediate_size}: give "

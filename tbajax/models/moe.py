@@ -1,5 +1,5 @@
-"""Mixture-of-experts MLPs (Qwen3-MoE, Mixtral, OLMoE): a router picks each token's top-k experts and
-each expert's tokens go through its own SwiGLU MLP, the outputs weighted by the router.
+"""Mixture-of-experts MLPs (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE): a router picks each token's
+top-k experts and each expert's tokens go through its own SwiGLU MLP, the outputs weighted by the router.
 
 Exact, as transformers computes it: no capacity, so no token is ever dropped, and without running
 every expert on every token (E / k times the work). The (token, expert) assignments are sorted by

@@ -2,7 +2,8 @@
 bias; use_sliding_window windows its later layers), Qwen3 (q/k RMSNorm), SmolLM3 (every fourth
 layer without RoPE: `ModelConfig.rope_layers`), Granite (multipliers of the embeddings, the
 sublayers' outputs and the scores, logits divided by logits_scaling), and the mixture-of-experts
-Qwen3-MoE (Qwen3's attention) and Mixtral (Mistral's), whose MLPs are routed experts
+Qwen3-MoE (Qwen3's attention), Qwen2-MoE (Qwen2's, and a shared expert beside the routed ones,
+gated per token) and Mixtral (Mistral's), whose MLPs are routed experts
 (`tbajax.models.moe`): pre-norm RMSNorm blocks, full RoPE, grouped-query attention, SwiGLU MLP,
 optionally tied embeddings."""
 
@@ -39,8 +40,8 @@ def parse_hf(hf: dict[str, Any]) -> dict[str, Any]:
     num_heads = int(hf["num_attention_heads"])
     head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
     attention_bias = bool(hf.get("attention_bias", False))
-    if model_type == "qwen2":
-        qkv_bias, o_bias = True, False
+    if model_type in ("qwen2", "qwen2_moe"):  # q/k/v biased (v5's qwen2_moe config says so: qkv_bias)
+        qkv_bias, o_bias = bool(hf.get("qkv_bias", True)), False
     else:
         qkv_bias = o_bias = attention_bias
     return dict(
@@ -67,7 +68,8 @@ def parse_hf(hf: dict[str, Any]) -> dict[str, Any]:
     )
 
 
-ROUTER_AUX_LOSS_COEF = {"qwen3_moe": 0.001, "mixtral": 0.001, "olmoe": 0.01}  # transformers' defaults
+# transformers' defaults
+ROUTER_AUX_LOSS_COEF = {"qwen2_moe": 0.001, "qwen3_moe": 0.001, "mixtral": 0.001, "olmoe": 0.01}
 
 
 def _experts(hf: dict[str, Any]) -> dict[str, Any]:
@@ -85,15 +87,17 @@ def _expert_shapes(hf: dict[str, Any]) -> dict[str, Any]:
     """The experts: every layer sparse (Qwen3-MoE's decoder_sparse_step 1, no mlp_only_layers;
     other layouts are refused naming the field)."""
     model_type = hf["model_type"]
-    if model_type == "qwen3_moe":
+    if model_type in ("qwen2_moe", "qwen3_moe"):
         if int(hf.get("decoder_sparse_step", 1)) != 1 or hf.get("mlp_only_layers"):
             raise UnsupportedModelError(
-                f"qwen3_moe with dense layers (decoder_sparse_step={hf.get('decoder_sparse_step')}, "
+                f"{model_type} with dense layers (decoder_sparse_step={hf.get('decoder_sparse_step')}, "
                 f"mlp_only_layers={hf.get('mlp_only_layers')}) is not supported: every layer must be sparse")
         experts = hf.get("num_experts") or hf["num_local_experts"]  # transformers v5 names it the latter
+        shared = int(hf.get("shared_expert_intermediate_size") or 0) if model_type == "qwen2_moe" else 0
         return dict(num_experts=int(experts), num_experts_per_tok=int(hf["num_experts_per_tok"]),
                     expert_intermediate_size=int(hf["moe_intermediate_size"]),
-                    norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
+                    norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                    shared_expert_intermediate_size=shared)
     if model_type == "olmoe":
         return dict(num_experts=int(hf.get("num_experts") or hf["num_local_experts"]),
                     num_experts_per_tok=int(hf["num_experts_per_tok"]),
@@ -135,7 +139,7 @@ def _windows(hf: dict[str, Any]) -> tuple[int | None, tuple[str, ...] | None]:
     them out as layer_types)."""
     model_type, window = hf["model_type"], hf.get("sliding_window")
     layer_types = hf.get("layer_types")
-    if model_type in ("qwen2", "qwen3", "qwen3_moe", "smollm3"):
+    if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "smollm3"):
         if not hf.get("use_sliding_window") or window is None:
             return None, None
         if model_type == "smollm3" and not layer_types:  # the window on the NoPE layers only
@@ -176,10 +180,12 @@ def to_hf(cfg: ModelConfig) -> dict[str, Any]:
     }
     if cfg.model_type in ("llama", "qwen3", "granite", "qwen3_moe"):
         out["attention_bias"] = cfg.qkv_bias
-    if cfg.model_type == "qwen3_moe":
+    if cfg.model_type in ("qwen2_moe", "qwen3_moe"):
         out.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
                    moe_intermediate_size=cfg.expert_intermediate_size, norm_topk_prob=cfg.norm_topk_prob,
                    decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False, sliding_window=None)
+    if cfg.model_type == "qwen2_moe":
+        out.update(qkv_bias=cfg.qkv_bias, shared_expert_intermediate_size=cfg.shared_expert_intermediate_size)
     if cfg.model_type == "mixtral":
         out.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
                    sliding_window=cfg.sliding_window)
@@ -253,6 +259,12 @@ def layer_params(cfg: ModelConfig) -> dict[str, ParamSpec]:
                    expert_gate=ParamSpec(("experts", "embed", "mlp"), (e, d, fe)),
                    expert_up=ParamSpec(("experts", "embed", "mlp"), (e, d, fe)),
                    expert_down=ParamSpec(("experts", "mlp", "embed"), (e, fe, d)))
+        fs = cfg.shared_expert_intermediate_size
+        if fs:  # Qwen2-MoE's shared expert and its gate
+            out.update(shared_gate_proj=ParamSpec(("embed", "mlp"), (d, fs)),
+                       shared_up_proj=ParamSpec(("embed", "mlp"), (d, fs)),
+                       shared_down_proj=ParamSpec(("mlp", "embed"), (fs, d)),
+                       shared_expert_gate=ParamSpec(("embed", None), (d, 1)))
     return {k: v for k, v in out.items() if k not in skip}
 
 
@@ -316,11 +328,16 @@ def _expert_mappings(cfg: ModelConfig) -> dict[str, Mapping]:
     else:
         moe = pre + "mlp."
         names = ("gate_proj", "up_proj", "down_proj")
-    return {
+    out = {
         "layers.router": transposed(moe + "gate.weight"),
         **{f"layers.expert_{ours}": transposed(f"{moe}experts.{{j}}.{theirs}.weight")
            for ours, theirs in zip(("gate", "up", "down"), names)},
     }
+    if cfg.shared_expert_intermediate_size:
+        out.update({f"layers.shared_{name}": transposed(f"{moe}shared_expert.{name}.weight")
+                    for name in ("gate_proj", "up_proj", "down_proj")})
+        out["layers.shared_expert_gate"] = transposed(moe + "shared_expert_gate.weight")
+    return out
 
 
 # ----------------------------------------------------------------------------- math
@@ -404,8 +421,18 @@ def mlp(cfg: ModelConfig, w: dict[str, Array], h: Array) -> Array:
     """The SwiGLU MLP, or the mixture of SwiGLU experts (`tbajax.models.moe`) of a model that has them."""
     if cfg.num_experts is None:
         return swiglu_mlp(w, h)
-    return moe_swiglu(h, w["router"], w["expert_gate"], w["expert_up"], w["expert_down"],
-                      cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    out = moe_swiglu(h, w["router"], w["expert_gate"], w["expert_up"], w["expert_down"],
+                     cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    return out + shared_expert(cfg, w, h)
+
+
+def shared_expert(cfg: ModelConfig, w: dict[str, Array], h: Array) -> Array | float:
+    """Qwen2-MoE's shared expert: a SwiGLU MLP on every token, gated by sigmoid(h . shared_expert_gate)
+    (0 for a model without one)."""
+    if not cfg.shared_expert_intermediate_size:
+        return 0.0
+    shared = {name: w["shared_" + name] for name in ("gate_proj", "up_proj", "down_proj")}
+    return jax.nn.sigmoid(L.linear(h, w["shared_expert_gate"])) * swiglu_mlp(shared, h)
 
 
 def mlp_counted(cfg: ModelConfig, w: dict[str, Array], h: Array,
@@ -416,8 +443,9 @@ def mlp_counted(cfg: ModelConfig, w: dict[str, Array], h: Array,
         return mlp(cfg, w, h), None
     if cfg.num_experts is None:
         raise ValueError(f"routing counts asked of a {cfg.model_type} model, which has no router")
-    return moe_swiglu_counted(h, w["router"], w["expert_gate"], w["expert_up"], w["expert_down"],
-                              cfg.num_experts_per_tok, cfg.norm_topk_prob, routing.tokens)
+    out, counts = moe_swiglu_counted(h, w["router"], w["expert_gate"], w["expert_up"], w["expert_down"],
+                                     cfg.num_experts_per_tok, cfg.norm_topk_prob, routing.tokens)
+    return out + shared_expert(cfg, w, h), counts
 
 
 def _residual(cfg: ModelConfig, out: Array) -> Array:
@@ -495,13 +523,15 @@ def undo_decode_layout(cfg: ModelConfig, p: dict[str, Array]) -> dict[str, Array
 
 FAMILY = Family(
     name="llama",
-    model_types=("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "smollm3", "granite"),
+    model_types=("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "smollm3",
+                 "granite"),
     architectures={
         "llama": ("LlamaForCausalLM", "LlamaForSequenceClassification"),
         "mistral": ("MistralForCausalLM", "MistralForSequenceClassification"),
         "qwen2": ("Qwen2ForCausalLM", "Qwen2ForSequenceClassification"),
         "qwen3": ("Qwen3ForCausalLM", "Qwen3ForSequenceClassification"),
         "smollm3": ("SmolLM3ForCausalLM", "SmolLM3ForSequenceClassification"),
+        "qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2MoeForSequenceClassification"),
         "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeForSequenceClassification"),
         "mixtral": ("MixtralForCausalLM", "MixtralForSequenceClassification"),
         # transformers has no Granite classifier class: a score-head Granite exports under this name
