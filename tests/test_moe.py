@@ -1,6 +1,8 @@
 """The mixture-of-experts MLP's pieces (`tbajax.models.moe`) against plain formulas; the models
-that use it (Qwen3-MoE, Mixtral) are checked against transformers in test_models and
+that use it (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE) are checked against transformers in test_models and
 test_model_families."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -237,3 +239,27 @@ def test_router_loss_fields_are_read_and_written_back(tiny_checkpoint):
     assert (asked.output_router_logits, asked.router_aux_loss_coef) == (True, 0.02)
     assert ModelConfig.from_hf(asked.to_hf()) == asked
 
+
+
+def test_router_loss_counts_each_real_token_the_forward_runs_in_every_layout():
+    """Packed and strided groups run each prompt once and each response once: the same tokens
+    with the same hidden states, so the same load-balancing loss; the row layout runs a group's
+    prompt once per response, and counts it so (as transformers does, a row at a time)."""
+    from tbajax.models import ModelConfig
+    from tbajax.training.collate import collate
+    from tbajax.training.loss import _score
+    from tests.conftest import numpy_model_parts
+    from tests.test_training import _random_groups
+
+    graphdef, params = numpy_model_parts(ModelConfig(**MOE_MODEL))
+    groups = _random_groups(3, (9, 12), (5, 11, 7))
+    layouts = {name: collate(groups, beta=0.5, pack_microbatches=m, pack_strided=s)
+               for name, m, s in (("rows", None, False), ("packed", 1, False), ("strided", 1, True))}
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def balance(graphdef, params, batch):
+        return _score(nnx.merge(graphdef, params), batch, 1.0, router_balance=True).router_balance
+
+    got = {name: float(balance(graphdef, params, batch)) for name, batch in layouts.items()}
+    assert got["packed"] == pytest.approx(got["strided"], rel=1e-5)
+    assert abs(got["rows"] - got["packed"]) > 1e-4 * got["packed"]
