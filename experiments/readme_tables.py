@@ -113,7 +113,7 @@ TABLES.update({name: TABLES["forward"] for name in ("forward_bf16", "forward_bf1
 TABLES.update({name: TABLES["train_step"] for name in (
     "train_step_bf16", "train_step_bf16_before_fp32_accumulation",
     "train_step_bf16_before_row_major_transpose", "train_step_amd_epyc",
-    "train_step_amd_epyc_earlier", "train_step_amd_epyc_avx512")})
+    "train_step_amd_epyc_earlier", "train_step_amd_epyc_avx512", "train_step_qwen3_moe")})
 TABLES["shared_prompt"] = {"rows": ["model", "shape", "prompts_x_k", "tokens", "shared_tok_s", "copied_tok_s",
                                      "speedup", "shared_kv_mb", "copied_kv_mb", "same_rows", "torch_tok_s",
                                      "shared_vs_torch", "copied_vs_torch"]}

@@ -48,7 +48,8 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(ROOT)]
 
 import numpy as np  # noqa: E402
 from common import (  # noqa: E402
-    keep_freed_memory, machine, machine_line, make_llama_checkpoint, peak_rss_mb, print_table, write_json,
+    keep_freed_memory, machine, machine_line, make_llama_checkpoint, make_qwen3_moe_checkpoint, peak_rss_mb,
+    print_table, write_json,
 )
 
 GROUP = 4  # K samples per prompt
@@ -416,6 +417,9 @@ def main() -> None:
     ap.add_argument("--layers", choices=("auto", "scanned", "unrolled"), help=argparse.SUPPRESS)
     ap.add_argument("--prompt", type=int, default=PROMPT,
                     help=f"prompt tokens of each row (default {PROMPT}); the rest is the scored response")
+    ap.add_argument("--model", choices=("llama", "qwen3_moe"), default="llama",
+                    help="llama (default), or qwen3_moe: the same attention, 8 experts a layer, 2 a token "
+                         "(`common.make_qwen3_moe_checkpoint`)")
     ap.set_defaults(layers="auto")
     ap.add_argument("--worker", choices=("jax", "torch"), help=argparse.SUPPRESS)
     ap.add_argument("--ckpt", help=argparse.SUPPRESS)
@@ -431,13 +435,14 @@ def main() -> None:
     rows, details = [], []
     for size, n, seq, repeats in cases:
         with tempfile.TemporaryDirectory(prefix=f"bench-train-{size}-") as d:
-            ckpt = make_llama_checkpoint(size, d)
+            ckpt = (make_qwen3_moe_checkpoint(size, d) if args.model == "qwen3_moe"
+                    else make_llama_checkpoint(size, d))
             params = _num_params(ckpt)
             ours, theirs = run_pair(ckpt, n, seq, repeats, args.precision, args.layers, args.prompt)
         tokens = n * seq
         paired = [t / o for o, t in zip(ours["step_times"], theirs["step_times"])]
         rows.append({
-            "size": size, "params_M": params / 1e6, "batch": f"{n}x{seq}", "prompt": args.prompt,
+            "size": size, "model": args.model, "params_M": params / 1e6, "batch": f"{n}x{seq}", "prompt": args.prompt,
             "tbajax_tok_s": tokens / ours["step_s"], "torch_tok_s": tokens / theirs["step_s"],
             "ratio": float(np.median(paired)), "ratio_min": min(paired), "ratio_max": max(paired),
             "rounds": len(paired), "scan_layers": ours["scan_layers"],
@@ -471,7 +476,7 @@ def main() -> None:
           f"layers {args.layers} ({how_applied}), "
           f"{info['cpu_count']} CPU cores, load avg {info['load_avg'][0]:.1f}")
     print(machine_line(info))
-    print_table(rows, ["size", "params_M", "batch", "tbajax_tok_s", "torch_tok_s", "ratio", "ratio_min", "ratio_max",
+    print_table(rows, ["size", "model", "params_M", "batch", "tbajax_tok_s", "torch_tok_s", "ratio", "ratio_min", "ratio_max",
                        "compile_s", "torch_first_s", "tbajax_rss_MB", "torch_rss_MB"])
     print("ratio = median over rounds of torch step time / tbajax step time, the sides taking turns round by "
           "round (>1: tbajax faster); tok/s from each side's median step; rss = peak of each side's process")
