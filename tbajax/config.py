@@ -290,8 +290,8 @@ class SystemSpec:
       are split over them. XLA:CPU runs a decode step's attention on one core: with a device per
       core, a 2-core machine ran the 10M model's generate 1.15-1.3x faster and the 50M model's
       0.97-1.06x (`experiments/results/benchmarks/sampler_cpu_devices.json`). For a searcher
-      with cores of its own (not measured in a run sharing them with the trainer); None = leave
-      XLA_FLAGS as it is.
+      with cores of its own: in the default run, whose trainer shares the two cores, it took 1.22x
+      the wall time (`default_engines_searcher_devices.json`); None = leave XLA_FLAGS as it is.
     compile_cache: the directory where every role the launchers start keeps the programs XLA
       compiled (JAX's persistent compilation cache), so that a restarted searcher or trainer, a
       resumed run and the next run of the same experiment load them instead of compiling again.

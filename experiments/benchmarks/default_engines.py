@@ -10,6 +10,10 @@ start and the end (the run must still reach its target). The continuous engine r
 slot as soon as its sample ends and swaps in new params between chunks; the static one decodes
 each call's batch until its longest sample ends, and loads new params between calls.
 
+`--searcher-devices N` adds a third run: the static engine with N host devices for the searcher
+(`system.cpu_devices_per_searcher=N`: its batches split over a data mesh of one device per core),
+with its ratios over the one-device static run (`devices_over_static`).
+
 `--baseline REV` first runs the static engine with the code of git revision REV (exported with
 `git archive` into a temporary directory and run from there), so that a change's effect on the
 default run is measured on the same machine in the same session; the ratios are this
@@ -42,8 +46,10 @@ def export_revision(rev: str, into: Path) -> Path:
     return into
 
 
-def run(engine: str, run_dir: Path, args: argparse.Namespace, source: Path = REPO) -> dict:
-    """One run of the experiment with the code under `source` (this checkout, or a baseline's tree)."""
+def run(engine: str, run_dir: Path, args: argparse.Namespace, source: Path = REPO,
+        extra: tuple[str, ...] = ()) -> dict:
+    """One run of the experiment with the code under `source` (this checkout, or a baseline's tree),
+    with the `--set` overrides `extra` on top of the command line's."""
     env = dict(os.environ)
     if source != REPO:  # the baseline's tbajax, not the installed (editable) one
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(source), env.get("PYTHONPATH")]))
@@ -53,7 +59,7 @@ def run(engine: str, run_dir: Path, args: argparse.Namespace, source: Path = REP
         cmd += ["--set", f"train.steps={args.steps}"]
     if engine == "continuous":
         cmd += ["--set", f"rollout.decode_slots={args.slots}", "--set", f"rollout.decode_chunk={args.chunk}"]
-    for item in args.set:
+    for item in (*args.set, *extra):
         cmd += ["--set", item]
     load_before = os.getloadavg()[0]
     t0 = time.time()
@@ -61,6 +67,7 @@ def run(engine: str, run_dir: Path, args: argparse.Namespace, source: Path = REP
     s = json.loads((run_dir / "summary.json").read_text())
     return {
         "engine": engine,
+        "overrides": list(extra),
         "launcher_wall_s": time.time() - t0,
         "trainer_wall_s": s["wall_time_s"],
         "trainer_wait_s": s["trainer_wait_s"],
@@ -83,6 +90,8 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=3, help="rollout.decode_chunk of the continuous run")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="for both runs")
     ap.add_argument("--baseline", metavar="REV", help="also run the static engine with the code of this git revision")
+    ap.add_argument("--searcher-devices", type=int, default=0, metavar="N",
+                    help="also run the static engine with system.cpu_devices_per_searcher=N")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args()
     info = machine()
@@ -99,13 +108,26 @@ def main() -> None:
         for engine in ("static", "continuous"):
             rows.append(run(engine, Path(tmp) / engine, args))
             print(f"{engine}: {rows[-1]['trainer_wall_s']:.1f} s, waited {rows[-1]['trainer_wait_s']:.1f} s", flush=True)
+        devices = None
+        if args.searcher_devices:
+            devices = run("static", Path(tmp) / "devices", args,
+                          extra=(f"system.cpu_devices_per_searcher={args.searcher_devices}",))
+            print(f"static, {args.searcher_devices} searcher devices: {devices['trainer_wall_s']:.1f} s, "
+                  f"waited {devices['trainer_wait_s']:.1f} s", flush=True)
     static, cont = rows
+    keys = ("trainer_wait_s", "samples_generated", "trainer_wall_s")
+    devices_ratios = ({k: devices[k] / max(static[k], 1e-9) for k in keys} if devices is not None else None)
     ratios = {"trainer_wait_s": cont["trainer_wait_s"] / max(static["trainer_wait_s"], 1e-9),
               "samples_generated": cont["samples_generated"] / static["samples_generated"],
               "trainer_wall_s": cont["trainer_wall_s"] / static["trainer_wall_s"]}
     print_table(rows, ["engine", "trainer_wall_s", "trainer_wait_s", "wait_share", "samples_generated",
                        "eval_score_start", "eval_score_end", "policy_lag_mean"])
     print("continuous / static: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
+    if devices is not None:
+        print_table([devices], ["overrides", "trainer_wall_s", "trainer_wait_s", "wait_share",
+                                "samples_generated", "eval_score_start", "eval_score_end", "policy_lag_mean"])
+        print(f"{args.searcher_devices} searcher devices / static: "
+              + ", ".join(f"{k} {v:.2f}x" for k, v in devices_ratios.items()))
     baseline_ratios = None
     if baseline is not None:
         baseline_ratios = {k: static[k] / max(baseline[k], 1e-9)
@@ -119,6 +141,8 @@ def main() -> None:
                            "steps": args.steps or None, "slots": args.slots, "chunk": args.chunk,
                            "overrides": args.set, "runs": rows, "continuous_over_static": ratios,
                            "baseline": baseline, "static_over_baseline": baseline_ratios,
+                           "searcher_devices": args.searcher_devices or None, "devices_run": devices,
+                           "devices_over_static": devices_ratios,
                            "machine": info})
 
 
