@@ -633,3 +633,29 @@ def test_sync_run_with_lora_trains_adapters_and_samples_with_the_merged_policy(t
         base_model = AutoModelForCausalLM.from_pretrained(config["model"]["checkpoint"])
         peft = PeftModel.from_pretrained(base_model, tmp_path / "peft").eval()(ids).logits
     np.testing.assert_allclose(peft.numpy(), merged.numpy(), atol=2e-5)
+
+
+def test_adapters_on_qwen2_moe_shared_expert_export_as_peft_applies_them(tiny_checkpoint, tmp_path):
+    """A shared expert's projections are ordinary weights: adapters on them (and on attention) merge
+    and export as PEFT adapters that transformers + PEFT apply to the same logits."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    directory = tiny_checkpoint("qwen2_moe")
+    model = load_model(directory)
+    cfg = LoraConfig(rank=4, alpha=8.0, targets=("q_proj", "shared_gate_proj", "shared_down_proj"))
+    adapters = _randomise_b(init_lora(nnx.state(model, nnx.Param), cfg, jax.random.key(0)))
+    ours = _logits(merge_lora(model, adapters, cfg))
+    assert np.abs(ours - _logits(model)).max() > 0.1
+    peft_dir = save_peft_adapter(tmp_path / "adapter", model, adapters, cfg,
+                                 base_model_name_or_path=str(directory))
+    meta = json.loads((peft_dir / "adapter_config.json").read_text())
+    assert meta["target_modules"] == ["mlp.shared_expert.down_proj", "mlp.shared_expert.gate_proj",
+                                      "self_attn.q_proj"]
+    base = AutoModelForCausalLM.from_pretrained(directory).eval()
+    with torch.no_grad():
+        theirs = PeftModel.from_pretrained(base, peft_dir).eval()(
+            input_ids=torch.tensor(TOKENS), attention_mask=torch.tensor(MASK)
+        ).logits.numpy()
+    real = MASK.astype(bool)
+    np.testing.assert_allclose(theirs[real], ours[real], atol=1e-4)
