@@ -189,29 +189,36 @@ def test_gemma3_adapters_merge_and_export_as_transformers_and_peft_apply_them(ti
     np.testing.assert_allclose(peft_logits[real], ours[real], atol=1e-4)
 
 
-def test_adapters_on_fused_projections_export_as_peft_adapters_of_fused_modules(tiny_checkpoint, tmp_path):
-    """Phi-3's q/k/v and gate/up weights are fused in the checkpoint and here: one adapter per fused
-    weight, which PEFT applies to the same fused module (its target names qkv_proj, gate_up_proj)."""
+def _peft_applies_our_adapters(directory, targets: tuple[str, ...], tmp_path):
+    """(model, adapters, PEFT adapter dir): random adapters on `targets` of the checkpoint's model,
+    exported as a PEFT adapter that transformers + PEFT apply to the logits we compute merged."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    directory = tiny_checkpoint("phi3")
     model = load_model(directory)
-    cfg = LoraConfig(rank=4, alpha=8.0, targets=("qkv_proj", "gate_up_proj"))
+    cfg = LoraConfig(rank=4, alpha=8.0, targets=targets)
     adapters = _randomise_b(init_lora(nnx.state(model, nnx.Param), cfg, jax.random.key(0)))
     ours = _logits(merge_lora(model, adapters, cfg))
-    assert np.abs(ours - _logits(model)).max() > 0.1
+    assert np.abs(ours - _logits(model)).max() > 0.1  # the adapters really change the model
     peft_dir = save_peft_adapter(tmp_path / "adapter", model, adapters, cfg,
                                  base_model_name_or_path=str(directory))
-    assert json.loads((peft_dir / "adapter_config.json").read_text())["target_modules"] == [
-        "mlp.gate_up_proj", "self_attn.qkv_proj"]
     base = AutoModelForCausalLM.from_pretrained(directory).eval()
     with torch.no_grad():
-        peft_logits = PeftModel.from_pretrained(base, peft_dir).eval()(
+        theirs = PeftModel.from_pretrained(base, peft_dir).eval()(
             input_ids=torch.tensor(TOKENS), attention_mask=torch.tensor(MASK)
         ).logits.numpy()
     real = MASK.astype(bool)
-    np.testing.assert_allclose(peft_logits[real], ours[real], atol=1e-4)
+    np.testing.assert_allclose(theirs[real], ours[real], atol=1e-4)
+    return model, adapters, peft_dir
+
+
+def test_adapters_on_fused_projections_export_as_peft_adapters_of_fused_modules(tiny_checkpoint, tmp_path):
+    """Phi-3's q/k/v and gate/up weights are fused in the checkpoint and here: one adapter per fused
+    weight, which PEFT applies to the same fused module (its target names qkv_proj, gate_up_proj)."""
+    directory = tiny_checkpoint("phi3")
+    model, adapters, peft_dir = _peft_applies_our_adapters(directory, ("qkv_proj", "gate_up_proj"), tmp_path)
+    assert json.loads((peft_dir / "adapter_config.json").read_text())["target_modules"] == [
+        "mlp.gate_up_proj", "self_attn.qkv_proj"]
     # qkv_proj is held per KV head here: its adapter's rows go out in HF's order and come back
     again_cfg, again = load_peft_adapter(peft_dir, model)
     assert (again_cfg.rank, sorted(again_cfg.targets)) == (4, ["layers.gate_up_proj", "layers.qkv_proj"])
@@ -638,24 +645,7 @@ def test_sync_run_with_lora_trains_adapters_and_samples_with_the_merged_policy(t
 def test_adapters_on_qwen2_moe_shared_expert_export_as_peft_applies_them(tiny_checkpoint, tmp_path):
     """A shared expert's projections are ordinary weights: adapters on them (and on attention) merge
     and export as PEFT adapters that transformers + PEFT apply to the same logits."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    directory = tiny_checkpoint("qwen2_moe")
-    model = load_model(directory)
-    cfg = LoraConfig(rank=4, alpha=8.0, targets=("q_proj", "shared_gate_proj", "shared_down_proj"))
-    adapters = _randomise_b(init_lora(nnx.state(model, nnx.Param), cfg, jax.random.key(0)))
-    ours = _logits(merge_lora(model, adapters, cfg))
-    assert np.abs(ours - _logits(model)).max() > 0.1
-    peft_dir = save_peft_adapter(tmp_path / "adapter", model, adapters, cfg,
-                                 base_model_name_or_path=str(directory))
-    meta = json.loads((peft_dir / "adapter_config.json").read_text())
-    assert meta["target_modules"] == ["mlp.shared_expert.down_proj", "mlp.shared_expert.gate_proj",
-                                      "self_attn.q_proj"]
-    base = AutoModelForCausalLM.from_pretrained(directory).eval()
-    with torch.no_grad():
-        theirs = PeftModel.from_pretrained(base, peft_dir).eval()(
-            input_ids=torch.tensor(TOKENS), attention_mask=torch.tensor(MASK)
-        ).logits.numpy()
-    real = MASK.astype(bool)
-    np.testing.assert_allclose(theirs[real], ours[real], atol=1e-4)
+    targets = ("q_proj", "shared_gate_proj", "shared_down_proj")
+    _, _, peft_dir = _peft_applies_our_adapters(tiny_checkpoint("qwen2_moe"), targets, tmp_path)
+    assert json.loads((peft_dir / "adapter_config.json").read_text())["target_modules"] == [
+        "mlp.shared_expert.down_proj", "mlp.shared_expert.gate_proj", "self_attn.q_proj"]
