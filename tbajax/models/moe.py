@@ -76,7 +76,8 @@ def load_balancing_loss(counts: RoutingCounts, tokens: Array) -> Array:
     Transformer's, with every layer's tokens pooled): E x sum_e f_e P_e, where f_e is the share of
     the pooled (token, layer) pairs that picked expert e (each of a token's k picks counting
     once) and P_e the mean router probability of e over them. `counts` [L, E] from a forward
-    over `tokens` counted tokens. Uniform routing gives k; its gradient reaches the router only."""
+    over `tokens` counted tokens. Uniform routing gives k. Its gradient flows through the router
+    probabilities (into the router and the hidden states it reads); the picks carry none."""
     layers, experts = counts.picked.shape
     pairs = layers * jnp.maximum(jnp.asarray(tokens, jnp.float32), 1.0)
     share = jax.lax.stop_gradient(counts.picked.sum(0)) / pairs

@@ -180,10 +180,9 @@ def microbatch_loss(
         else:
             loss, metrics = objective(batch, logprobs, objective_config, aux_for_loss(objective, aux, batch.prompt_id))
     row_ok = rows_finite(batch, jax.lax.stop_gradient(logprobs), inputs)
-    total = loss.total
+    total, count = loss.total, jax.lax.stop_gradient(loss.count)
     if scored.router_balance is not None:  # weighted by the micro-batch's share of the loss count
-        total = total + balance_coef * scored.router_balance * jax.lax.stop_gradient(loss.count)
-        counted = jax.lax.stop_gradient(loss.count)
-        metrics = {**metrics, "router_aux_loss": Ratio(jax.lax.stop_gradient(scored.router_balance) * counted,
-                                                      counted)}
-    return total, (jax.lax.stop_gradient(loss.count), metrics, row_ok)
+        total = total + balance_coef * scored.router_balance * count
+        balance = jax.lax.stop_gradient(scored.router_balance)
+        metrics = {**metrics, "router_aux_loss": Ratio(balance * count, count)}
+    return total, (count, metrics, row_ok)

@@ -73,7 +73,7 @@ ROUTER_AUX_LOSS_COEF = {"qwen2_moe": 0.001, "qwen3_moe": 0.001, "mixtral": 0.001
 
 
 def _experts(hf: dict[str, Any]) -> dict[str, Any]:
-    """Qwen3-MoE's, Mixtral's and OLMoE's experts, and their router's load-balancing loss."""
+    """Qwen3-MoE's, Qwen2-MoE's, Mixtral's and OLMoE's experts, and their router's load-balancing loss."""
     model_type = hf["model_type"]
     experts = _expert_shapes(hf)
     if experts:
@@ -388,8 +388,8 @@ def block(
     if cfg.qk_norm:
         q = L.rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
         k = L.rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
-    routing = cache if isinstance(cache, CountRouting) else None
-    o, new_cache = attention_sublayer(cfg, w, q, k, v, tables, mask, None if routing is not None else cache)
+    routing, cache = routing_or_cache(cache)
+    o, new_cache = attention_sublayer(cfg, w, q, k, v, tables, mask, cache)
     if cfg.o_bias:
         o = o + w["o_bias"]
     x = x + _residual(cfg, o)
@@ -417,13 +417,15 @@ def attention_sublayer(
     return L.decode_matrix_product(o, w, "o_proj", in_axes=2), new_cache
 
 
+def routing_or_cache(cache: Any) -> tuple[CountRouting | None, Any]:
+    """A block's `cache` argument as (the routing counts it asks for, the KV cache for attention):
+    `moe.CountRouting` asks for the counts and attends without a cache."""
+    return (cache, None) if isinstance(cache, CountRouting) else (None, cache)
+
+
 def mlp(cfg: ModelConfig, w: dict[str, Array], h: Array) -> Array:
     """The SwiGLU MLP, or the mixture of SwiGLU experts (`tbajax.models.moe`) of a model that has them."""
-    if cfg.num_experts is None:
-        return swiglu_mlp(w, h)
-    out = moe_swiglu(h, w["router"], w["expert_gate"], w["expert_up"], w["expert_down"],
-                     cfg.num_experts_per_tok, cfg.norm_topk_prob)
-    return out + shared_expert(cfg, w, h)
+    return mlp_counted(cfg, w, h, None)[0]
 
 
 def shared_expert(cfg: ModelConfig, w: dict[str, Array], h: Array) -> Array | float:
@@ -439,12 +441,16 @@ def mlp_counted(cfg: ModelConfig, w: dict[str, Array], h: Array,
                 routing: CountRouting | None) -> tuple[Array, RoutingCounts | None]:
     """`mlp`, and with `routing` (a block's `cache` argument asking for them) the layer's
     `RoutingCounts` over its counted tokens."""
-    if routing is None:
-        return mlp(cfg, w, h), None
     if cfg.num_experts is None:
-        raise ValueError(f"routing counts asked of a {cfg.model_type} model, which has no router")
-    out, counts = moe_swiglu_counted(h, w["router"], w["expert_gate"], w["expert_up"], w["expert_down"],
-                                     cfg.num_experts_per_tok, cfg.norm_topk_prob, routing.tokens)
+        if routing is not None:
+            raise ValueError(f"routing counts asked of a {cfg.model_type} model, which has no router")
+        return swiglu_mlp(w, h), None
+    experts = (h, w["router"], w["expert_gate"], w["expert_up"], w["expert_down"], cfg.num_experts_per_tok,
+               cfg.norm_topk_prob)
+    if routing is None:
+        out, counts = moe_swiglu(*experts), None
+    else:
+        out, counts = moe_swiglu_counted(*experts, routing.tokens)
     return out + shared_expert(cfg, w, h), counts
 
 

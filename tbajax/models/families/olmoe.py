@@ -60,9 +60,8 @@ def block(
     q, k, v = llama.query_key_value(cfg, w, L.rms_norm(x, w["input_norm"], eps))
     with jax.named_scope(S.NORM):
         q, k = olmo2.norm_over_heads(q, w["q_norm"], eps), olmo2.norm_over_heads(k, w["k_norm"], eps)
-    routing = cache if isinstance(cache, CountRouting) else None
-    attend_over = None if routing is not None else cache
-    o, new_cache = llama.attention_sublayer(cfg, w, q, k, v, tables, mask, attend_over)
+    routing, cache = llama.routing_or_cache(cache)
+    o, new_cache = llama.attention_sublayer(cfg, w, q, k, v, tables, mask, cache)
     x = x + o
     out, counts = llama.mlp_counted(cfg, w, L.rms_norm(x, w["post_attention_norm"], eps), routing)
     x = x + out
