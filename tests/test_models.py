@@ -1113,14 +1113,15 @@ def test_rows_per_step_takes_the_batch_when_its_scores_fit_else_a_divisor_within
     assert rows_per_step(4, 100, budget=0) == 1
 
 
-@pytest.mark.parametrize("softcap", [None, 0.7])
+@pytest.mark.parametrize("softcap,sinks", [(None, False), (0.7, False), (None, True)])
 @pytest.mark.parametrize("h,kv", [(6, 2), (4, 4)])
-def test_attention_after_a_shared_prompt_equals_attention_over_copied_prompts(h, kv, softcap):
+def test_attention_after_a_shared_prompt_equals_attention_over_copied_prompts(h, kv, softcap, sinks):
     """One new token per row over its prompt's keys held once per prompt plus its own row's
     cache equals `cached_attention` over each row's prompt copied in front of its own slots:
     grouped queries and multi-head (g = 1), left padding, an all-padding prompt, masked slots
-    holding NaN-free garbage; plain and soft-capped scores. The latter, one token's
-    multiply-reduce attention, equals a plain softmax."""
+    holding NaN-free garbage; plain and soft-capped scores, and attention sinks (a logit per
+    head in the softmax's denominator). The latter, one token's multiply-reduce attention, equals
+    a plain softmax."""
     from tbajax.models.layers import PromptKV, attention_after_prompt, cached_attention
 
     r = np.random.default_rng(1)
@@ -1131,12 +1132,13 @@ def test_attention_after_a_shared_prompt_equals_attention_over_copied_prompts(h,
     kt, v = (jnp.asarray(r.normal(size=shape), jnp.float32) for shape in ((b, kv, d, s), (b, kv, s, d)))
     pvalid = np.arange(p)[None, :] >= np.array([0, 2, p])[:, None]  # left padding; prompt 2: padding only
     valid = np.arange(s)[None, :] < r.integers(1, s + 1, b)[:, None]  # each row's own tokens
+    sink = jnp.asarray(r.normal(size=h), jnp.float32) if sinks else None
     got = jax.jit(attention_after_prompt, static_argnums=5)(q, kt, v, jnp.asarray(valid[:, None]),
-                                                            PromptKV(pk, pv, jnp.asarray(pvalid)), softcap)
+                                                            PromptKV(pk, pv, jnp.asarray(pvalid)), softcap, sink)
     rep = functools.partial(jnp.repeat, repeats=k, axis=0)
     full_valid = np.concatenate([np.repeat(pvalid, k, 0), valid], 1)[:, None]
     keys, values = jnp.concatenate([rep(pk), kt], 3), jnp.concatenate([rep(pv), v], 2)
-    want = cached_attention(q, keys, values, jnp.asarray(full_valid), softcap)
+    want = cached_attention(q, keys, values, jnp.asarray(full_valid), softcap, sink)
     assert got.shape == (b, 1, h, d)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
     heads = np.repeat(np.arange(kv), h // kv)  # query head -> its kv head
@@ -1144,8 +1146,11 @@ def test_attention_after_a_shared_prompt_equals_attention_over_copied_prompts(h,
                        np.asarray(keys, np.float64)[:, heads])
     scores = scores * d**-0.5 if softcap is None else softcap * np.tanh(scores * d**-0.5 / softcap)
     scores = np.where(full_valid, scores, -np.inf)  # [b, 1, s] over the heads
+    if sinks:  # a column of the sink logits, its probability dropped
+        scores = np.concatenate([scores, np.broadcast_to(np.asarray(sink)[None, :, None], (b, h, 1))], -1)
     probs = np.exp(scores - scores.max(-1, keepdims=True))
-    plain = np.einsum("bhs,bhsd->bhd", probs / probs.sum(-1, keepdims=True), np.asarray(values)[:, heads])
+    probs = (probs / probs.sum(-1, keepdims=True))[..., :keys.shape[-1]]
+    plain = np.einsum("bhs,bhsd->bhd", probs, np.asarray(values)[:, heads])
     live = full_valid[:, 0].any(-1)  # a row that sees no key is a uniform average here, not there
     np.testing.assert_allclose(np.asarray(want)[live, 0], plain[live], atol=1e-5)
     with pytest.raises(ValueError, match="one token per row"):
@@ -1153,13 +1158,14 @@ def test_attention_after_a_shared_prompt_equals_attention_over_copied_prompts(h,
                                PromptKV(pk, pv, jnp.asarray(pvalid)))
 
 
-@pytest.mark.parametrize("softcap", [None, 0.7])
+@pytest.mark.parametrize("softcap,sinks", [(None, False), (0.7, False), (None, True)])
 @pytest.mark.parametrize("h,kv", [(4, 2), (4, 4)], ids=["gqa", "mha"])
-def test_attention_after_a_pooled_prompt_equals_attention_over_copied_prompts(h, kv, softcap):
+def test_attention_after_a_pooled_prompt_equals_attention_over_copied_prompts(h, kv, softcap, sinks):
     """A pool of prompts (continuous batching): rows in any order, each the sample j of the pool
     entry its table names, equal to `cached_attention` over its prompt copied in front of its own
-    slots. Also: an entry with no live sample, a table entry left pointing at a row that now
-    continues another prompt (stale), and a row that holds no sample, which stays finite."""
+    slots (with attention sinks too). Also: an entry with no live sample, a table entry left
+    pointing at a row that now continues another prompt (stale), and a row that holds no sample,
+    which stays finite."""
     from tbajax.models.layers import PromptKV, attention_after_prompt, cached_attention
 
     r = np.random.default_rng(2)
@@ -1174,13 +1180,15 @@ def test_attention_after_a_pooled_prompt_equals_attention_over_copied_prompts(h,
     samples = np.array([[4, 0, b], [2, 5, 1], [5, b, 6], [b, b, b]])
     owner = {4: (0, 0), 0: (0, 1), 2: (1, 0), 5: (1, 1), 1: (1, 2), 6: (2, 2)}
     entry = np.array([owner[i][0] * k + owner[i][1] if i in owner else 0 for i in range(b)])
+    sink = jnp.asarray(r.normal(size=h), jnp.float32) if sinks else None
     got = jax.jit(attention_after_prompt, static_argnums=5)(q, kt, v, jnp.asarray(valid[:, None]), PromptKV(
-        pk, pv, jnp.asarray(pvalid), jnp.asarray(samples, jnp.int32), jnp.asarray(entry, jnp.int32)), softcap)
+        pk, pv, jnp.asarray(pvalid), jnp.asarray(samples, jnp.int32), jnp.asarray(entry, jnp.int32)), softcap,
+        sink)
     assert got.shape == (b, 1, h, d) and np.isfinite(np.asarray(got)).all()
     of = np.array([owner[i][0] if i in owner else 0 for i in range(b)])
     full_valid = np.concatenate([pvalid[of], valid], 1)[:, None]
     want = cached_attention(q, jnp.concatenate([pk[of], kt], 3), jnp.concatenate([pv[of], v], 2),
-                            jnp.asarray(full_valid), softcap)
+                            jnp.asarray(full_valid), softcap, sink)
     live = sorted(owner)
     np.testing.assert_allclose(np.asarray(got)[live], np.asarray(want)[live], atol=1e-5)
 
@@ -1221,17 +1229,20 @@ def test_causal_blocks_after_shared_keys_match_a_plain_softmax():
         np.testing.assert_allclose(np.asarray(a), np.asarray(w), atol=1e-4, rtol=1e-5, err_msg=f"d{what}")
 
 
-@pytest.mark.parametrize("dtype,t,budget,softcap", [
-    (jnp.float32, 6, None, None), (jnp.bfloat16, 6, None, None), (jnp.float32, 128, None, None),
-    (jnp.float32, 6, 0, None), (jnp.float32, 6, 3000, None), (jnp.float32, 128, 0, None),
-    (jnp.float32, 6, 3000, 0.7), (jnp.float32, 128, None, 0.7),
+@pytest.mark.parametrize("dtype,t,budget,softcap,sinks", [
+    (jnp.float32, 6, None, None, False), (jnp.bfloat16, 6, None, None, False),
+    (jnp.float32, 128, None, None, False), (jnp.float32, 6, 0, None, False), (jnp.float32, 6, 3000, None, False),
+    (jnp.float32, 128, 0, None, False), (jnp.float32, 6, 3000, 0.7, False), (jnp.float32, 128, None, 0.7, False),
+    (jnp.float32, 6, 3000, None, True), (jnp.float32, 128, None, 0.7, True),
 ])
-def test_attention_and_its_vjp_match_a_plain_softmax(dtype, t, budget, softcap, monkeypatch):
+def test_attention_and_its_vjp_match_a_plain_softmax(dtype, t, budget, softcap, sinks, monkeypatch):
     """The row-looped attention (and its flash-style VJP) against a plain einsum softmax, for
     grouped queries, right padding, a query row that sees no key, both key layouts and (t = 128)
     the causal query blocks that skip the keys above the diagonal; with all rows in one loop
     step (the default budget here), one row a step (budget 0) and two rows in each of 3 steps;
-    and with the scores soft-capped (Gemma 2's cap * tanh(score / cap), a cap below the scores)."""
+    with the scores soft-capped (Gemma 2's cap * tanh(score / cap), a cap below the scores); and
+    with GPT-OSS's attention sinks, as transformers' eager attention has them (a logit per head
+    concatenated to the scores, its probability dropped), their gradient included."""
     from tbajax.models import layers
     from tbajax.models.layers import _MASK_VALUE, attention, cached_attention, causal_blocks
 
@@ -1249,36 +1260,43 @@ def test_attention_and_its_vjp_match_a_plain_softmax(dtype, t, budget, softcap, 
     mask[2, 1] = False  # a query that attends to nothing: a uniform average, no gradient to q or k
     mask = jnp.asarray(mask)
     weights = jnp.asarray(r.normal(size=(b, t, h, d)), jnp.float32)
+    sink = jnp.asarray(r.normal(size=h) + 1.0, jnp.float32) if sinks else None  # logits near the scores'
 
-    def plain(q, k, v):
+    def plain(q, k, v, sk=None):
         kh = jnp.repeat(k, h // kv, axis=1).astype(jnp.float32)  # [b, h, s, d]
         vh = jnp.repeat(v, h // kv, axis=1).astype(jnp.float32)
         scores = jnp.einsum("bthd,bhsd->bhts", q.astype(jnp.float32), kh) * d**-0.5
         if softcap is not None:
             scores = softcap * jnp.tanh(scores / softcap)
-        probs = jax.nn.softmax(jnp.where(mask[:, None], scores, _MASK_VALUE), axis=-1)
+        scores = jnp.where(mask[:, None], scores, _MASK_VALUE)
+        if sk is None:
+            probs = jax.nn.softmax(scores, axis=-1)
+        else:
+            column = jnp.broadcast_to(sk[None, :, None, None], (*scores.shape[:-1], 1))
+            probs = jax.nn.softmax(jnp.concatenate([scores, column], -1), axis=-1)[..., :-1]
         return jnp.einsum("bhts,bhsd->bthd", probs, vh)
 
     variants = {
-        "heads-major keys": lambda q, k, v: attention(q, k, v, mask, softcap=softcap),
-        "d-major keys": lambda q, k, v: cached_attention(q, k.swapaxes(2, 3), v, mask, softcap),
-        "causal blocks": lambda q, k, v: attention(q, k, v, mask, causal=True, softcap=softcap),
+        "heads-major keys": lambda q, k, v, sk=None: attention(q, k, v, mask, softcap=softcap, sinks=sk),
+        "d-major keys": lambda q, k, v, sk=None: cached_attention(q, k.swapaxes(2, 3), v, mask, softcap, sk),
+        "causal blocks": lambda q, k, v, sk=None: attention(q, k, v, mask, causal=True, softcap=softcap, sinks=sk),
     }
+    args, argnums = ((q, k, v, sink), (0, 1, 2, 3)) if sinks else ((q, k, v), (0, 1, 2))
     # the causal blocks average a blind query's values over its own block's keys, not all keys
     # (padding output that no real position reads): compare the queries that see a key
     sees = np.asarray(mask).any(-1)[..., None, None]
     tol = 1e-5 if dtype == jnp.float32 else 3e-2
     for name, f in variants.items():
         w = weights * sees if name == "causal blocks" else weights
-        loss = lambda f: lambda q, k, v: (f(q, k, v).astype(jnp.float32) * w).sum()  # noqa: E731
-        out = jax.jit(f)(q, k, v)
+        loss = lambda f: lambda *a: (f(*a).astype(jnp.float32) * w).sum()  # noqa: E731
+        out = jax.jit(f)(*args)
         assert out.dtype == dtype and out.shape == (b, t, h, d), name
-        want_out = np.asarray(jax.jit(plain)(q, k, v))
+        want_out = np.asarray(jax.jit(plain)(*args))
         np.testing.assert_allclose(np.where(sees, np.asarray(out, np.float32), 0), np.where(sees, want_out, 0),
                                    atol=tol * 3, err_msg=name)
-        want = jax.jit(jax.grad(loss(plain), argnums=(0, 1, 2)))(q, k, v)
-        got = jax.jit(jax.grad(loss(f), argnums=(0, 1, 2)))(q, k, v)
-        for a, w_, what in zip(got, want, "qkv"):
+        want = jax.jit(jax.grad(loss(plain), argnums=argnums))(*args)
+        got = jax.jit(jax.grad(loss(f), argnums=argnums))(*args)
+        for a, w_, what in zip(got, want, ["q", "k", "v", "sinks"]):
             np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(w_, np.float32), atol=tol * 10,
                                        rtol=tol, err_msg=f"{name}: d{what}")
         assert not np.asarray(got[0][2, 1]).any(), name  # the blind query gets no gradient

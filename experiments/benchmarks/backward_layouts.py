@@ -49,11 +49,11 @@ Array = jax.Array
 # ----------------------------------------------------------------------------- earlier forms
 
 
-def earlier_row_grads(keys_d_major: bool, softcap: float | None, xs: tuple[Array, ...]
-                      ) -> tuple[Array, Array, Array]:
+def earlier_row_grads(keys_d_major: bool, softcap: float | None, sink: Array | None, xs: tuple[Array, ...]
+                      ) -> tuple[Array, Array, Array, None]:
     """`layers._row_grads` as it was: dk and dv contract the query rows of p / ds and q / g (no
-    soft-capping: the benchmark's models take none)."""
-    assert softcap is None
+    soft-capping, no sinks: the benchmark's models take none)."""
+    assert softcap is None and sink is None
     qi, ki, vi, mi, oi, top, total, gi = xs
     rows, kv, gt, d = qi.shape
     p = jnp.exp(L._row_scores(qi, ki, mi, keys_d_major, None)[0] - top) / total
@@ -67,7 +67,7 @@ def earlier_row_grads(keys_d_major: bool, softcap: float | None, xs: tuple[Array
         dk = L._bdot(qi.astype(jnp.float32), ds, 2, 2)  # [rows, kv, d, s]
     else:
         dk = L._bdot(ds, qi.astype(jnp.float32), 2, 2)  # [rows, kv, s, d]
-    return dq.astype(qi.dtype), dk.astype(ki.dtype), dv.astype(vi.dtype)
+    return dq.astype(qi.dtype), dk.astype(ki.dtype), dv.astype(vi.dtype), None
 
 
 def earlier_linear_bwd(residuals: tuple[Array, Array], g: Array) -> tuple[Array, Array]:

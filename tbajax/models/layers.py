@@ -530,7 +530,7 @@ def join_tier_rows(parts: Sequence[Array], shards: int) -> Array:
 def self_attention(
     q: Array, k: Array, v: Array, mask: Array | CausalMask | tuple[Array, ...],
     cache: LayerCache | EmitKV | RingTiers | None, dtype: Any, implementation: str = "xla",
-    softcap: float | None = None,
+    softcap: float | None = None, sinks: Array | None = None,
 ) -> tuple[Array, Any]:
     """Attention of this step's queries q [b,t,h,d] over its keys/values [b,t,kv,d], or, with a
     layer cache, over the whole cache after writing this step's keys/values into it at the write
@@ -541,21 +541,23 @@ def self_attention(
     implementation (`ModelConfig.attention`): "xla", our own attention; "cudnn", cuDNN's fused
     attention (`cudnn_attention`) for the passes without a cache to read (training, scoring,
     prompt passes). Decode steps over a cache always take ours. softcap: the scores soft-capped
-    at that value (`soft_capped`, Gemma 2's `attn_logit_softcapping`) before the mask, in every path."""
+    at that value (`soft_capped`, Gemma 2's `attn_logit_softcapping`) before the mask, in every path.
+    sinks: GPT-OSS's attention sinks, a learned logit per query head [h] that joins every
+    softmax's denominator (a key that every query sees and whose value is zero), in every path."""
     if isinstance(cache, RingTiers):
-        return tiered_ring_attention(q, k, v, mask, cache, dtype, softcap)
+        return tiered_ring_attention(q, k, v, mask, cache, dtype, softcap, sinks)
     if isinstance(mask, StridedGroups):
         if cache is not None:
             raise TypeError("strided prompt groups are scored without a KV cache")
-        return strided_group_attention(q, k, v, mask, implementation, softcap), None
+        return strided_group_attention(q, k, v, mask, implementation, softcap, sinks), None
     if cache is None or isinstance(cache, EmitKV):
         causal = isinstance(mask, CausalMask)
         dense = mask.mask if causal else mask
         if implementation == "cudnn":
-            out = cudnn_attention(q, k, v, dense, causal, softcap)
+            out = cudnn_attention(q, k, v, dense, causal, softcap, sinks)
         else:
             out = attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), dense, causal=causal,
-                            softcap=softcap)
+                            softcap=softcap, sinks=sinks)
         return out, None if cache is None else (k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3))
     if isinstance(mask, CausalMask):
         raise TypeError("a KV-cache step takes its mask over cache slots, not a CausalMask")
@@ -568,8 +570,8 @@ def self_attention(
     # the attention reads the cache in its own dtype (it computes in fp32 either way): an fp32
     # cache of a bf16 model is not rounded through bf16 and back at every read
     if prompt:
-        return attention_after_prompt(q, kt, cv, mask, prompt[0], softcap).astype(dtype), (kt, cv)
-    return cached_attention(q, kt, cv, mask, softcap).astype(dtype), (kt, cv)
+        return attention_after_prompt(q, kt, cv, mask, prompt[0], softcap, sinks).astype(dtype), (kt, cv)
+    return cached_attention(q, kt, cv, mask, softcap, sinks).astype(dtype), (kt, cv)
 
 
 def cache_values(x: Array, dtype: Any) -> Array:
@@ -585,8 +587,9 @@ def cache_values(x: Array, dtype: Any) -> Array:
 
 
 def attention(q: Array, k: Array, v: Array, mask: Array, causal: bool = False,
-              softcap: float | None = None) -> Array:
-    """Grouped-query attention scaled by 1/sqrt(head_dim) (and soft-capped at `softcap`).
+              softcap: float | None = None, sinks: Array | None = None) -> Array:
+    """Grouped-query attention scaled by 1/sqrt(head_dim) (and soft-capped at `softcap`, with the
+    per-head attention `sinks` [h] in the softmax's denominator).
     q [b,t,h,d]; k,v heads-major [b,kv,s,d]; mask [b,t,s] -> [b,t,h,d].
 
     Both matmuls are batched over kv heads with the query group folded into the rows, a few
@@ -596,20 +599,22 @@ def attention(q: Array, k: Array, v: Array, mask: Array, causal: bool = False,
     """
     blocks = causal_blocks(q.shape[1]) if causal else 1
     return _attend_rows(_group_queries(q, k.shape[1]), k, v, mask, keys_d_major=False, blocks=blocks,
-                        softcap=softcap)
+                        softcap=softcap, sinks=sinks)
 
 
 def cudnn_attention(q: Array, k: Array, v: Array, mask: Array, causal: bool,
-                    softcap: float | None = None) -> Array:
+                    softcap: float | None = None, sinks: Array | None = None) -> Array:
     """cuDNN's fused (flash) attention, `ModelConfig.attention="cudnn"`: q [b,t,h,d], keys and
     values [b,s,kv,d], mask [b,t,s] -> [b,t,h,d]. The mask goes in as an additive bias, so every
     layout (rows, packed or strided groups) keeps its exact mask; `causal` (which the mask already
     holds) also lets cuDNN skip the blocks above the diagonal where t == s (its causal mask is
     aligned top-left). cuDNN needs an NVIDIA GPU and bf16/fp16 inputs; where it cannot run, this
     fails while tracing, with cuDNN's reason and what to set instead. cuDNN's kernel takes no
-    soft-capping (`ModelConfig` refuses the pair first)."""
+    soft-capping and no attention sinks (`ModelConfig` refuses either pair first)."""
     if softcap is not None:
         raise ValueError("cuDNN's fused attention has no score soft-capping; set model.attention=xla")
+    if sinks is not None:
+        raise ValueError("cuDNN's fused attention has no attention sinks; set model.attention=xla")
     try:
         return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], implementation="cudnn",
                                             is_causal=causal and q.shape[1] == k.shape[1])
@@ -621,7 +626,7 @@ def cudnn_attention(q: Array, k: Array, v: Array, mask: Array, causal: bool,
 
 
 def strided_group_attention(q: Array, k: Array, v: Array, mask: StridedGroups, implementation: str = "xla",
-                            softcap: float | None = None) -> Array:
+                            softcap: float | None = None, sinks: Array | None = None) -> Array:
     """Attention of rows laid out as `StridedGroups`: q [b, P + K R, h, d], k and v
     [b, P + K R, kv, d] -> [b, P + K R, h, d]. The prompt part is causal attention over its own
     keys; the K responses become K rows of R queries over the prompt's keys (repeated per
@@ -636,9 +641,9 @@ def strided_group_attention(q: Array, k: Array, v: Array, mask: StridedGroups, i
 
     def attend(q: Array, k: Array, v: Array, sees: Array) -> Array:  # k, v [rows, s, kv, d]
         if implementation == "cudnn":
-            return cudnn_attention(q, k, v, sees, causal=True, softcap=softcap)
+            return cudnn_attention(q, k, v, sees, causal=True, softcap=softcap, sinks=sinks)
         return attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), sees, causal=True,
-                         softcap=softcap)
+                         softcap=softcap, sinks=sinks)
 
     def responses(x: Array) -> Array:  # [b, P + K R, ...] -> [b K, R, ...]
         return x[:, p:].reshape(b * n, r, *x.shape[2:])
@@ -667,7 +672,8 @@ def strided_group_attention(q: Array, k: Array, v: Array, mask: StridedGroups, i
     return jnp.concatenate([out_p, out_r.reshape(b, n * r, h, d)], axis=1)
 
 
-def cached_attention(q: Array, kt: Array, v: Array, mask: Array, softcap: float | None = None) -> Array:
+def cached_attention(q: Array, kt: Array, v: Array, mask: Array, softcap: float | None = None,
+                     sinks: Array | None = None) -> Array:
     """`attention` over a layer's cache: keys d-major kt [b,kv,d,s], values [b,kv,s,d].
 
     One decode token (t = 1) is a batch of tiny matrix-vector products, which XLA's older CPU dot
@@ -685,28 +691,46 @@ def cached_attention(q: Array, kt: Array, v: Array, mask: Array, softcap: float 
     g = h // kv
     if t > 1:  # batched products of one dtype (a wider cache holds q's dtype's values exactly)
         return _attend_rows(_group_queries(q, kv), kt.astype(q.dtype), v.astype(q.dtype), mask,
-                            keys_d_major=True, softcap=softcap)
+                            keys_d_major=True, softcap=softcap, sinks=sinks)
+    sink = grouped_sinks(sinks, kv)
     if g == 1:  # one query per kv head (MHA): without a size-1 group axis, with which XLA:CPU
         # ran Pythia-410M's decode attention 20x slower (`sampler_pythia410M*.json`)
         qh = q.reshape(b, kv, d, 1).astype(jnp.float32)
         scores = _scaled((qh * kt.astype(jnp.float32)).sum(2), d, softcap)  # [b, kv, s]
         scores = jnp.where(mask[:, :1], scores, _MASK_VALUE)  # mask [b, 1, s]
-        weights = jnp.exp(scores - scores.max(-1, keepdims=True))
+        weights, total = _exponentials(scores, None if sink is None else sink[:, 0])
         out = (weights[..., None] * v.astype(jnp.float32)).sum(2)  # [b, kv, d]
-        return (out / weights.sum(-1)[..., None]).reshape(b, 1, h, d).astype(v.dtype)
+        return (out / total[..., None]).reshape(b, 1, h, d).astype(v.dtype)
     qg = q.reshape(b, kv, g, d, 1).astype(jnp.float32)
     scores = _scaled((qg * kt[:, :, None].astype(jnp.float32)).sum(3), d, softcap)  # [b, kv, g, s]
     scores = jnp.where(mask[:, :1, None], scores, _MASK_VALUE)  # mask [b, 1, s]
     # normalised after the values' sum, not before: XLA:CPU then reads the values at a higher
     # rate (`experiments/benchmarks/sampler.py`, its attn ms column)
-    weights = jnp.exp(scores - scores.max(-1, keepdims=True))
+    weights, total = _exponentials(scores, sink)
     out = (weights[..., None] * v[:, :, None].astype(jnp.float32)).sum(3)  # [b, kv, g, d]
-    out = out / weights.sum(-1)[..., None]
+    out = out / total[..., None]
     return out.reshape(b, 1, h, d).astype(v.dtype)
 
 
+def grouped_sinks(sinks: Array | None, kv: int) -> Array | None:
+    """Per-query-head sink logits [h] as fp32 [kv, g], the grouping of the queries (head j g + i
+    is kv head j's i-th query)."""
+    return None if sinks is None else sinks.astype(jnp.float32).reshape(kv, -1)
+
+
+def _exponentials(scores: Array, sink: Array | None) -> tuple[Array, Array]:
+    """exp(scores - max) [..., s] and their sum [...], with the sink logit (broadcast to
+    scores.shape[:-1]) in the max and the sum where there is one."""
+    top = scores.max(-1)
+    if sink is not None:
+        top = jnp.maximum(top, sink)
+    weights = jnp.exp(scores - top[..., None])
+    total = weights.sum(-1)
+    return weights, total if sink is None else total + jnp.exp(sink - top)
+
+
 def attention_after_prompt(q: Array, kt: Array, v: Array, mask: Array, prompt: PromptKV,
-                           softcap: float | None = None) -> Array:
+                           softcap: float | None = None, sinks: Array | None = None) -> Array:
     """`cached_attention` of one new token per row (q [b,1,h,d]) over its prompt's keys, held once
     per prompt (`prompt`), and over its row's own cache (kt [b,kv,d,s], v [b,kv,s,d], mask [b,1,s]).
 
@@ -717,7 +741,7 @@ def attention_after_prompt(q: Array, kt: Array, v: Array, mask: Array, prompt: P
     and one sum over both, the values of both added before the division. Rows are prompt-major.
     """
     if prompt.samples is not None:
-        return _attention_after_pooled_prompt(q, kt, v, mask, prompt, softcap)
+        return _attention_after_pooled_prompt(q, kt, v, mask, prompt, softcap, sinks)
     b, t, h, d = q.shape
     kv, n = kt.shape[1], prompt.k.shape[0]
     g, k = h // kv, b // n
@@ -736,10 +760,12 @@ def attention_after_prompt(q: Array, kt: Array, v: Array, mask: Array, prompt: P
     sp = _scaled(jnp.einsum("nhqd,nhds->nhqs", qp, prompt.k.astype(jnp.float32)), d, softcap)
     positions = None if prompt.positions is None else prompt.positions.reshape(n, k)
     sp = jnp.where(prompt_seen(prompt.valid, positions, prompt.window, g), sp, _MASK_VALUE)
+    sink = grouped_sinks(sinks, kv)
     if g == 1:  # no size-1 group axis in the row part's products (see `cached_attention`)
         sr = _scaled((qf.reshape(b, kv, d, 1) * kt.astype(jnp.float32)).sum(2), d, softcap)  # [b, kv, s]
         sr = jnp.where(mask[:, :1], sr, _MASK_VALUE)
         top = jnp.maximum(rows(sp.max(-1)).reshape(b, kv), sr.max(-1))
+        top = top if sink is None else jnp.maximum(top, sink[:, 0])
         er = jnp.exp(sr - top[..., None])
         out_r = (er[..., None] * v.astype(jnp.float32)).sum(2).reshape(b, kv, 1, d)
         top = top.reshape(b, kv, 1)
@@ -747,16 +773,19 @@ def attention_after_prompt(q: Array, kt: Array, v: Array, mask: Array, prompt: P
         sr = _scaled((qf[..., None] * kt[:, :, None].astype(jnp.float32)).sum(3), d, softcap)  # [b, kv, g, s]
         sr = jnp.where(mask[:, :1, None], sr, _MASK_VALUE)
         top = jnp.maximum(rows(sp.max(-1)), sr.max(-1))
+        top = top if sink is None else jnp.maximum(top, sink)
         er = jnp.exp(sr - top[..., None])
         out_r = (er[..., None] * v[:, :, None].astype(jnp.float32)).sum(3)
     ep = jnp.exp(sp - by_prompt(top)[..., None])
     out_p = rows(jnp.einsum("nhqs,nhsd->nhqd", ep, prompt.v.astype(jnp.float32)))
     total = rows(ep.sum(-1)) + er.sum(-1).reshape(b, kv, g)
+    if sink is not None:
+        total = total + jnp.exp(sink - top)
     return ((out_p + out_r) / total[..., None]).reshape(b, 1, h, d).astype(v.dtype)
 
 
 def _attention_after_pooled_prompt(q: Array, kt: Array, v: Array, mask: Array, prompt: PromptKV,
-                                   softcap: float | None) -> Array:
+                                   softcap: float | None, sinks: Array | None) -> Array:
     """`attention_after_prompt` where any row may continue any prompt of the pool (`PromptKV`'s
     tables): each prompt's K queries are gathered from their rows (a few KB), its keys and values
     read once, and its rows' results gathered back. The two parts keep their own max and sum and
@@ -766,7 +795,8 @@ def _attention_after_pooled_prompt(q: Array, kt: Array, v: Array, mask: Array, p
     if t != 1:
         raise ValueError(f"attention after a pooled prompt takes one token per row, got q {q.shape}")
     qf = q.reshape(b, kt.shape[1], h // kt.shape[1], d).astype(jnp.float32)
-    out = _merged(_pooled_prompt_part(qf, prompt, softcap), _ring_part(qf, kt, v, mask, softcap))
+    ring = _ring_part(qf, kt, v, mask, softcap)
+    out = _merged(_pooled_prompt_part(qf, prompt, softcap), ring, *_sink_part(sinks, ring))
     return out.reshape(b, 1, h, d).astype(v.dtype)
 
 
@@ -838,17 +868,25 @@ def _ring_part(qf: Array, kt: Array, v: Array, mask: Array, softcap: float | Non
     return top_r, er.sum(-1), out_r
 
 
-def _merged(first: Part, second: Part) -> Array:
-    """The normalised attention [b, kv, g, d] over the keys of both parts."""
-    top_p, sum_p, out_p = first
-    top_r, sum_r, out_r = second
-    top = jnp.maximum(top_p, top_r)
-    a, c = jnp.exp(top_p - top), jnp.exp(top_r - top)  # one of them is 1: the sum is >= 1
-    return (out_p * a[..., None] + out_r * c[..., None]) / (sum_p * a + sum_r * c)[..., None]
+def _sink_part(sinks: Array | None, like: Part) -> tuple[Part, ...]:
+    """The attention sinks (`self_attention`) as a part of their own: a key of score `sink` whose
+    value is zero. None or one part, shaped as `like`."""
+    if sinks is None:
+        return ()
+    top = jnp.broadcast_to(grouped_sinks(sinks, like[0].shape[1]), like[0].shape)
+    return (top, jnp.ones_like(top), jnp.zeros_like(like[2])),
+
+
+def _merged(*parts: Part) -> Array:
+    """The normalised attention [b, kv, g, d] over the keys of all parts."""
+    top = functools.reduce(jnp.maximum, [part[0] for part in parts])
+    scales = [jnp.exp(part[0] - top) for part in parts]  # one of them is 1: the sum is >= 1
+    out = functools.reduce(jnp.add, [part[2] * c[..., None] for part, c in zip(parts, scales)])
+    return out / functools.reduce(jnp.add, [part[1] * c for part, c in zip(parts, scales)])[..., None]
 
 
 def tiered_ring_attention(q: Array, k: Array, v: Array, masks: tuple[Array, ...], cache: RingTiers,
-                          dtype: Any, softcap: float | None = None
+                          dtype: Any, softcap: float | None = None, sinks: Array | None = None
                           ) -> tuple[Array, tuple[tuple[Array, ...], tuple[Array, ...]]]:
     """`self_attention` of one token per row (q [b,1,h,d], k/v [b,1,kv,d]) over a `RingTiers`
     cache: each tier's rows write their keys/values at the tier's slot (rows that do not write
@@ -881,11 +919,12 @@ def tiered_ring_attention(q: Array, k: Array, v: Array, masks: tuple[Array, ...]
         n = kt.shape[0]
         parts.append(_ring_part(tier_rows(qf, start, n, shards), kt, cv, mask, softcap))
         start += n
-    ring = tuple(join_tier_rows(x, shards) for x in zip(*parts))
-    if cache.prompt is None:
+    ring: Part = tuple(join_tier_rows(x, shards) for x in zip(*parts))  # type: ignore[assignment]
+    prompt = () if cache.prompt is None else (_pooled_prompt_part(qf, cache.prompt, softcap),)
+    if not prompt and sinks is None:
         out = ring[2] / ring[1][..., None]
     else:
-        out = _merged(_pooled_prompt_part(qf, cache.prompt, softcap), ring)  # type: ignore[arg-type]
+        out = _merged(*prompt, ring, *_sink_part(sinks, ring))
     return out.reshape(b, 1, h, d).astype(dtype), (tuple(keys), tuple(values))
 
 
@@ -896,7 +935,7 @@ def _group_queries(q: Array, kv: int) -> Array:
 
 
 def _attend_rows(q: Array, k: Array, v: Array, mask: Array, keys_d_major: bool, blocks: int = 1,
-                 softcap: float | None = None) -> Array:
+                 softcap: float | None = None, sinks: Array | None = None) -> Array:
     """Scaled (soft-capped), masked softmax attention of grouped queries q [b,kv,g*t,d] over k ([b,kv,s,d], or
     d-major [b,kv,d,s]) and v [b,kv,s,d], mask [b,t,s] -> [b,t,g*kv,d].
 
@@ -911,20 +950,21 @@ def _attend_rows(q: Array, k: Array, v: Array, mask: Array, keys_d_major: bool, 
     on_cpu = rows_per_step(b // shards, kv * gt * s * 4)
     on_accelerator = rows_per_step(b // shards, kv * gt * s * 4, ACCELERATOR_ROW_SCORES_BUDGET)
 
-    def looped(rows: int, q: Array, k: Array, v: Array, mask: Array) -> Array:
+    def looped(rows: int, q: Array, k: Array, v: Array, mask: Array, sink: Array | None) -> Array:
         steps = b // (shards * rows)
 
         def loop_major(x: Array) -> Array:  # [b, ...] -> [steps, shards * rows, ...], shard-major rows
             x = x.reshape(shards, steps, rows, *x.shape[1:]).swapaxes(0, 1)
             return x.reshape(steps, shards * rows, *x.shape[3:])
 
-        out = _looped_attention(keys_d_major, blocks, softcap, *(loop_major(x) for x in (q, k, v, mask)))
+        out = _looped_attention(keys_d_major, blocks, softcap, *(loop_major(x) for x in (q, k, v, mask)), sink)
         out = out.reshape(steps, shards, rows, *out.shape[2:]).swapaxes(0, 1).reshape(b, kv, gt // t, t, d)
         return out.transpose(0, 3, 1, 2, 4).reshape(b, t, gt * kv // t, d)
 
+    sink = grouped_sinks(sinks, kv)
     if on_cpu == on_accelerator:
-        return looped(on_cpu, q, k, v, mask)
-    return jax.lax.platform_dependent(q, k, v, mask, cpu=functools.partial(looped, on_cpu),
+        return looped(on_cpu, q, k, v, mask, sink)
+    return jax.lax.platform_dependent(q, k, v, mask, sink, cpu=functools.partial(looped, on_cpu),
                                       default=functools.partial(looped, on_accelerator))
 
 
@@ -968,22 +1008,30 @@ def _row_scores(qi: Array, ki: Array, mi: Array, keys_d_major: bool, softcap: fl
     return jnp.where(mi[:, None, None], scores, _MASK_VALUE), slope
 
 
-def _row_attention(keys_d_major: bool, softcap: float | None, xs: tuple[Array, ...]
+def _row_attention(keys_d_major: bool, softcap: float | None, sink: Array | None, xs: tuple[Array, ...]
                    ) -> tuple[Array, Array, Array]:
-    """One loop step: (output [rows, kv, g, t, d], row max, row sum of the exponentials)."""
+    """One loop step: (output [rows, kv, g, t, d], row max, row sum of the exponentials); the
+    sink logits [kv, g] (`grouped_sinks`) in the max and the sum where there are some."""
     qi, ki, vi, mi = xs
     rows, kv, gt, d = qi.shape
     scores, _ = _row_scores(qi, ki, mi, keys_d_major, softcap)
     top = scores.max(-1, keepdims=True)
+    if sink is not None:
+        top = jnp.maximum(top, sink[:, :, None, None])
     e = jnp.exp(scores - top)
     total = e.sum(-1, keepdims=True)
+    if sink is not None:
+        total = total + jnp.exp(sink[:, :, None, None] - top)
     out = _bdot(e.astype(vi.dtype).reshape(rows, kv, gt, -1), vi, 3, 2).reshape(*scores.shape[:-1], d)
     return (out / total).astype(vi.dtype), top, total
 
 
-def _row_grads(keys_d_major: bool, softcap: float | None, xs: tuple[Array, ...]
-               ) -> tuple[Array, Array, Array]:
-    """One loop step of the VJP: the scores recomputed from q and k, then (dq, dk, dv)."""
+def _row_grads(keys_d_major: bool, softcap: float | None, sink: Array | None, xs: tuple[Array, ...]
+               ) -> tuple[Array, Array, Array, Array | None]:
+    """One loop step of the VJP: the scores recomputed from q and k, then (dq, dk, dv, d sink).
+    With sinks the probabilities are those of the real keys (the sink's share left out), and
+    d out / d sink = -p_sink out, so a sink's gradient is -p_sink (g . out) summed over its
+    queries."""
     qi, ki, vi, mi, oi, top, total, gi = xs
     rows, kv, gt, d = qi.shape
     scores, slope = _row_scores(qi, ki, mi, keys_d_major, softcap)
@@ -991,6 +1039,7 @@ def _row_grads(keys_d_major: bool, softcap: float | None, xs: tuple[Array, ...]
     gf = gi.astype(jnp.float32).reshape(rows, kv, gt, d)
     dp = _bdot(gf, vi.astype(jnp.float32), 3, 3).reshape(p.shape)
     delta = (gf.reshape(oi.shape) * oi.astype(jnp.float32)).sum(-1, keepdims=True)
+    dsink = None if sink is None else -(jnp.exp(sink[:, :, None, None] - top) / total * delta).sum((0, 3, 4))
     ds = jnp.where(mi[:, None, None], p * (dp - delta), 0.0)
     if slope is not None:
         ds = ds * slope
@@ -1005,7 +1054,7 @@ def _row_grads(keys_d_major: bool, softcap: float | None, xs: tuple[Array, ...]
     dvt = _bdot(unfused_transpose(gf), p.reshape(rows, kv, gt, -1), 3, 2)  # [rows, kv, d, s]
     dkt = _bdot(unfused_transpose(qi.astype(jnp.float32)), ds, 3, 2)  # [rows, kv, d, s]
     dk = dkt if keys_d_major else unfused_transpose(dkt)
-    return dq.astype(qi.dtype), dk.astype(ki.dtype), unfused_transpose(dvt).astype(vi.dtype)
+    return dq.astype(qi.dtype), dk.astype(ki.dtype), unfused_transpose(dvt).astype(vi.dtype), dsink
 
 
 def _query_blocks(q: Array, t: int, blocks: int) -> list[Array]:
@@ -1016,49 +1065,51 @@ def _query_blocks(q: Array, t: int, blocks: int) -> list[Array]:
     return [q5[:, :, :, i * tb:(i + 1) * tb].reshape(rows, kv, -1, d) for i in range(blocks)]
 
 
-def _causal_row_attention(keys_d_major: bool, blocks: int, softcap: float | None, xs: tuple[Array, ...]
-                          ) -> tuple[Array, Array, Array]:
+def _causal_row_attention(keys_d_major: bool, blocks: int, softcap: float | None, sink: Array | None,
+                          xs: tuple[Array, ...]) -> tuple[Array, Array, Array]:
     """`_row_attention` for a mask that sees no later position, in `blocks` query blocks: block i
     attends to the first (i + 1) / blocks of the keys only (the rest are masked anyway). With
     more keys than queries (s = o + t), query j may see keys up to o + j: o keys before its own
     span, as a response after a shared prompt (`strided_group_attention`); block i then attends
     to the first o + (i + 1) t / blocks keys."""
     if blocks == 1:
-        return _row_attention(keys_d_major, softcap, xs)
+        return _row_attention(keys_d_major, softcap, sink, xs)
     qi, ki, vi, mi = xs
     t, s = mi.shape[1], mi.shape[2]
     tb = t // blocks
     parts = [
-        _row_attention(keys_d_major, softcap, (qb, _first_keys(ki, s - t + (i + 1) * tb, keys_d_major),
-                                               vi[:, :, :s - t + (i + 1) * tb],
-                                               mi[:, i * tb:(i + 1) * tb, :s - t + (i + 1) * tb]))
+        _row_attention(keys_d_major, softcap, sink, (qb, _first_keys(ki, s - t + (i + 1) * tb, keys_d_major),
+                                                     vi[:, :, :s - t + (i + 1) * tb],
+                                                     mi[:, i * tb:(i + 1) * tb, :s - t + (i + 1) * tb]))
         for i, qb in enumerate(_query_blocks(qi, t, blocks))
     ]
     return tuple(jnp.concatenate(x, axis=3) for x in zip(*parts))  # type: ignore[return-value]
 
 
-def _causal_row_grads(keys_d_major: bool, blocks: int, softcap: float | None, xs: tuple[Array, ...]
-                      ) -> tuple[Array, Array, Array]:
-    """`_row_grads` in the query blocks of `_causal_row_attention`; key and value gradients add up
-    over the blocks that read them."""
+def _causal_row_grads(keys_d_major: bool, blocks: int, softcap: float | None, sink: Array | None,
+                      xs: tuple[Array, ...]) -> tuple[Array, Array, Array, Array | None]:
+    """`_row_grads` in the query blocks of `_causal_row_attention`; key, value and sink gradients
+    add up over the blocks that read them."""
     if blocks == 1:
-        return _row_grads(keys_d_major, softcap, xs)
+        return _row_grads(keys_d_major, softcap, sink, xs)
     qi, ki, vi, mi, oi, top, total, gi = xs
     rows, kv, gt, d = qi.shape
     t, s = mi.shape[1], mi.shape[2]
     tb = t // blocks
     dqs, dk, dv = [], jnp.zeros(ki.shape, jnp.float32), jnp.zeros(vi.shape, jnp.float32)
+    dsink = None if sink is None else jnp.zeros(sink.shape, jnp.float32)
     for i, qb in enumerate(_query_blocks(qi, t, blocks)):
         n, rows_t = s - t + (i + 1) * tb, slice(i * tb, (i + 1) * tb)
-        dq_b, dk_b, dv_b = _row_grads(keys_d_major, softcap, (
+        dq_b, dk_b, dv_b, dsink_b = _row_grads(keys_d_major, softcap, sink, (
             qb, _first_keys(ki, n, keys_d_major), vi[:, :, :n], mi[:, rows_t, :n],
             oi[:, :, :, rows_t], top[:, :, :, rows_t], total[:, :, :, rows_t], gi[:, :, :, rows_t]))
         dqs.append(dq_b.reshape(rows, kv, -1, tb, d))
         pad_k = ((0, 0), (0, 0), (0, 0), (0, s - n)) if keys_d_major else ((0, 0), (0, 0), (0, s - n), (0, 0))
         dk = dk + jnp.pad(dk_b.astype(jnp.float32), pad_k)
         dv = dv + jnp.pad(dv_b.astype(jnp.float32), ((0, 0), (0, 0), (0, s - n), (0, 0)))
+        dsink = None if dsink is None else dsink + dsink_b
     dq = jnp.concatenate(dqs, axis=3).reshape(rows, kv, gt, d)
-    return dq, dk.astype(ki.dtype), dv.astype(vi.dtype)
+    return dq, dk.astype(ki.dtype), dv.astype(vi.dtype), dsink
 
 
 def _first_keys(k: Array, n: int, keys_d_major: bool) -> Array:
@@ -1077,7 +1128,7 @@ def causal_blocks(t: int) -> int:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _looped_attention(keys_d_major: bool, blocks: int, softcap: float | None, q: Array, k: Array, v: Array,
-                      mask: Array) -> Array:
+                      mask: Array, sink: Array | None) -> Array:
     """Attention with a leading loop axis ([n, rows, ...] inputs -> [n, rows, kv, g, t, d]);
     blocks > 1 promises a causal mask (`_causal_row_attention`).
 
@@ -1088,23 +1139,23 @@ def _looped_attention(keys_d_major: bool, blocks: int, softcap: float | None, q:
     is flash-attention's: it keeps only each row's max and sum and recomputes the scores a row at
     a time, instead of storing every probability (no [b,kv,g*t,s] residual).
     """
-    return _looped_attention_fwd(keys_d_major, blocks, softcap, q, k, v, mask)[0]
+    return _looped_attention_fwd(keys_d_major, blocks, softcap, q, k, v, mask, sink)[0]
 
 
 def _looped_attention_fwd(keys_d_major: bool, blocks: int, softcap: float | None, q: Array, k: Array,
-                          v: Array, mask: Array) -> tuple[Array, Any]:
-    step = functools.partial(_causal_row_attention, keys_d_major, blocks, softcap)
+                          v: Array, mask: Array, sink: Array | None) -> tuple[Array, Any]:
+    step = functools.partial(_causal_row_attention, keys_d_major, blocks, softcap, sink)
     out, top, total = jax.lax.map(step, (q, k, v, mask))
-    return out, (q, k, v, mask, out, top, total)
+    return out, (q, k, v, mask, sink, out, top, total)
 
 
 @scoped(S.ATTENTION)
 def _looped_attention_bwd(keys_d_major: bool, blocks: int, softcap: float | None, residuals: Any, g_out: Array
-                          ) -> tuple[Array, Array, Array, None]:
-    q, k, v, mask, out, top, total = residuals
-    dq, dk, dv = jax.lax.map(functools.partial(_causal_row_grads, keys_d_major, blocks, softcap),
-                             (q, k, v, mask, out, top, total, g_out))
-    return dq, dk, dv, None
+                          ) -> tuple[Array, Array, Array, None, Array | None]:
+    q, k, v, mask, sink, out, top, total = residuals
+    dq, dk, dv, dsink = jax.lax.map(functools.partial(_causal_row_grads, keys_d_major, blocks, softcap, sink),
+                                    (q, k, v, mask, out, top, total, g_out))
+    return dq, dk, dv, None, None if sink is None else dsink.sum(0)
 
 
 _looped_attention.defvjp(_looped_attention_fwd, _looped_attention_bwd)
