@@ -124,6 +124,11 @@ TINY_FAMILIES: dict[str, dict[str, Any]] = {
     # OLMoE: norms over whole q / k projections, 4 experts of 32, top 2 not renormalised
     "olmoe": dict(model_type="olmoe", num_experts=4, num_experts_per_tok=2, intermediate_size=32,
                   rms_norm_eps=1e-6, eos_token_id=2),
+    # GPT-OSS: attention sinks, a windowed layer and a full one, YaRN, 4 biased experts of 32 (top 2)
+    # whose clamped SwiGLU clamps at 0.3 (7 in the released models): low enough to clamp here
+    "gpt_oss": dict(model_type="gpt_oss", head_dim=12, num_local_experts=4, num_experts_per_tok=2,
+                    intermediate_size=32, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+                    swiglu_limit=0.3, rms_norm_eps=1e-6),
     # a windowed layer (plain RoPE) and a full one with YaRN (pretrained on 16 positions)
     "olmo3": dict(model_type="olmo3", rms_norm_eps=1e-6, sliding_window=4,
                   layer_types=["sliding_attention", "full_attention"],

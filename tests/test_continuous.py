@@ -144,7 +144,7 @@ def test_ring_tiers_match_static(llama, shared, seed):
 # Gemma 3's layer kinds (each its own RoPE base) decode as their forward in
 # test_models.test_kv_cache_decode_matches_full_forward and sample alike on CUDA and CPU programs in
 # test_accelerator_programs; here Gemma 2 stands for both kinds of layer in every engine
-@pytest.mark.parametrize("family", ["mistral_window", "gemma2"])
+@pytest.mark.parametrize("family", ["mistral_window", "gemma2", "gpt_oss"])
 def test_a_sliding_window_samples_alike_in_every_engine(tiny_checkpoint, family):
     """A model whose window (4 positions) is far shorter than its prompts + responses (up to 14 +
     12): the static sampler's linear cache and the continuous engine's rings, tiered or not,
@@ -152,7 +152,7 @@ def test_a_sliding_window_samples_alike_in_every_engine(tiny_checkpoint, family)
     on one device and over 2 batch shards, tiered) by each row's position: every engine gives the same
     tokens and log-probs, which are the teacher-forced forward's (windowed by position, as
     transformers). Gemma 2: a windowed layer and a full one, its scores and logits soft-capped in
-    every engine's attention and head."""
+    every engine's attention and head. GPT-OSS: its attention sinks in every engine's attention."""
     model = load_model(tiny_checkpoint(family))
     r = np.random.default_rng(4)
     k = 2

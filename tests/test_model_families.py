@@ -540,7 +540,9 @@ def test_hand_built_config_exports_and_is_checked(tmp_path):
 def _per_expert(grads: dict, model_type: str) -> dict:
     """transformers v5 holds a mixture-of-experts layer's experts fused (mlp.experts.gate_up_proj
     [E, 2f, d], down_proj [E, d, f]); checkpoints, and our export, name them one per expert
-    (Mixtral's under block_sparse_moe as w1 / w3 / w2)."""
+    (Mixtral's under block_sparse_moe as w1 / w3 / w2). GPT-OSS's checkpoints hold them fused too."""
+    if model_type == "gpt_oss":
+        return grads
     moe, (gate, up, down) = ((".block_sparse_moe.", ("w1", "w3", "w2")) if model_type == "mixtral"
                              else (".mlp.", ("gate_proj", "up_proj", "down_proj")))
     out = {}
@@ -566,7 +568,7 @@ def _per_expert(grads: dict, model_type: str) -> dict:
 # layer (windowed); Granite's multipliers
 @pytest.mark.parametrize("name", ["qwen2_tied", "neox_parallel", "olmo2", "phi3", "gemma2", "gemma3",
                                   "smollm3_window", "granite", "gemma", "olmo3", "qwen3_moe", "mixtral",
-                                  "olmoe", "qwen2_moe"])
+                                  "olmoe", "qwen2_moe", "gpt_oss"])
 def test_logprob_gradients_match_torch(ckpt, tiny_checkpoint, name):
     """The trainer's scoring path (`sequence_logprobs`: the hand-written VJPs of the vocabulary
     projection + tempered log-softmax, of every MLP matmul and of SwiGLU) against torch autograd,
@@ -578,7 +580,7 @@ def test_logprob_gradients_match_torch(ckpt, tiny_checkpoint, name):
     from tbajax.training import sequence_logprobs
 
     tiny = ("qwen2_tied", "olmo2", "phi3", "gemma2", "gemma3", "smollm3_window", "granite", "gemma", "olmo3",
-            "qwen3_moe", "mixtral", "olmoe", "qwen2_moe")
+            "qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "gpt_oss")
     directory = tiny_checkpoint(name) if name in tiny else ckpt(name)
     temperature = 0.7
     ids, mask = _batch(3)

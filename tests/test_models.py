@@ -34,7 +34,7 @@ from tbajax.models.serving import ServingParams
 
 FAMILIES = ["llama", "llama_tied_rope3", "qwen2", "qwen2_tied", "qwen3", "mistral", "olmo2", "phi3", "gemma2",
             "gemma3", "qwen2_window", "smollm3", "smollm3_window", "granite", "gemma", "olmo3", "qwen3_moe",
-            "mixtral", "olmoe", "qwen2_moe"]
+            "mixtral", "olmoe", "qwen2_moe", "gpt_oss"]
 
 
 def _batch(seed: int = 0, b: int = 4, t: int = 11, vocab: int = 101):
@@ -426,7 +426,7 @@ def test_phi3_longrope_decode_past_the_pretraining_length_matches_transformers(t
     [("llama", True), ("qwen2", True), ("qwen3", True), ("olmo2", True), ("phi3", True), ("qwen2", False),
      ("mistral_window", True), ("gemma2", True), ("gemma3", True), ("smollm3_window", True),
      ("granite", True), ("gemma", True), ("olmo3", True), ("qwen3_moe", True), ("mixtral", True),
-     ("olmoe", True), ("qwen2_moe", True)],
+     ("olmoe", True), ("qwen2_moe", True), ("gpt_oss", True)],
 )
 def test_kv_cache_decode_matches_full_forward(tiny_checkpoint, family, weight_first, monkeypatch):
     """Prefill a left-padded prompt, then decode token by token: same logits as one forward.
@@ -516,7 +516,7 @@ def test_bf16_compute_and_remat(tiny_checkpoint):
 
 @pytest.mark.parametrize("family", ["llama", "qwen2_tied", "qwen3", "mistral", "olmo2", "phi3", "gemma2",
                                     "gemma3", "qwen2_window", "smollm3_window", "granite", "gemma",
-                                    "olmo3", "qwen3_moe", "mixtral", "olmoe", "qwen2_moe"])
+                                    "olmo3", "qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "gpt_oss"])
 def test_export_round_trip_loads_in_torch(tiny_checkpoint, tmp_path, family):
     directory = tiny_checkpoint(family)
     model = load_model(directory)

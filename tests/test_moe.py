@@ -113,7 +113,7 @@ def test_routing_counts_and_load_balancing_loss_by_hand():
     assert float(load_balancing_loss(even, 10)) == pytest.approx(2.0)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "gpt_oss"])
 def test_load_balancing_loss_and_its_gradient_match_transformers(tiny_checkpoint, model_type):
     """moe.load_balancing_loss over a forward's routing counts (padding left out) against
     transformers' aux_loss (output_router_logits=True), and its gradient in every router and the
@@ -148,7 +148,8 @@ def test_load_balancing_loss_and_its_gradient_match_transformers(tiny_checkpoint
     layers = theirs.model.layers
     for i, layer in enumerate(layers):
         block = layer.mlp if hasattr(layer, "mlp") else layer.block_sparse_moe  # Mixtral's name in v4
-        router_grad = block.gate.weight.grad.numpy().T  # [d, E] as ours holds it
+        router = block.router if hasattr(block, "router") else block.gate  # GPT-OSS's name
+        router_grad = router.weight.grad.numpy().T  # [d, E] as ours holds it
         np.testing.assert_allclose(np.asarray(grads["layers"]["router"][...][i]), router_grad,
                                    rtol=1e-4, atol=1e-7)
     q_proj = layers[0].self_attn.q_proj.weight

@@ -16,16 +16,17 @@ import jax.numpy as jnp
 import numpy as np
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "smollm3",
-                         "granite", "olmo2", "olmo3", "olmoe", "phi3", "gemma", "gemma2", "gemma3_text",
+                         "granite", "olmo2", "olmo3", "olmoe", "gpt_oss", "phi3", "gemma", "gemma2", "gemma3_text",
                          "gpt_neox", "gpt2")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # with a sliding_window
 WINDOWED_MODEL_TYPES = ("mistral", "mixtral", "phi3", "gemma2", "gemma3_text", "qwen2", "qwen3", "smollm3",
-                        "olmo3")
+                        "olmo3", "gpt_oss")
 NOPE_MODEL_TYPES = ("smollm3",)  # with layers that take no RoPE (`rope_layers`)
 SCALED_MODEL_TYPES = ("granite",)  # with embedding / residual / attention multipliers and logits_scaling
 # with a mixture-of-experts MLP (`num_experts`)
-MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe")
+MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "gpt_oss")
+SINK_MODEL_TYPES = ("gpt_oss",)  # with attention sinks and biased, clamped-SwiGLU experts
 SOFT_CAPPED_MODEL_TYPES = ("gemma2", "gemma3_text")  # with attn_ / final_logit_softcapping
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -186,6 +187,12 @@ class ModelConfig:
     # (`TrainerConfig.router_aux_loss_coef` None follows it; `moe.load_balancing_loss`)
     output_router_logits: bool = False
     router_aux_loss_coef: float = 0.0
+    # GPT-OSS: attention sinks (a learned logit per query head in every softmax's denominator:
+    # `layers.self_attention`), and experts with biases (router too), gate and up fused, whose
+    # activation is the clamped SwiGLU (`moe.clamped_swiglu`; swiglu_limit None: plain SwiGLU)
+    attention_sinks: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
     initializer_range: float = 0.02
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
@@ -270,6 +277,12 @@ class ModelConfig:
             if self.model_type not in SOFT_CAPPED_MODEL_TYPES:
                 raise UnsupportedModelError(f"{name} is read and written for {SOFT_CAPPED_MODEL_TYPES} "
                                             f"checkpoints, not {self.model_type}")
+        if (self.attention_sinks or self.swiglu_limit is not None) and self.model_type not in SINK_MODEL_TYPES:
+            raise UnsupportedModelError(f"attention_sinks and swiglu_limit are read and written for "
+                                        f"{SINK_MODEL_TYPES} checkpoints, not {self.model_type}")
+        if self.attention == "cudnn" and self.attention_sinks:
+            raise ValueError("attention='cudnn' has no attention sinks, and this model has them (GPT-OSS): keep "
+                             "attention='xla'")
         if self.attention == "cudnn" and self.attn_logit_softcapping is not None:
             raise ValueError(f"attention='cudnn' has no score soft-capping, and this model soft-caps its "
                              f"scores (attn_logit_softcapping={self.attn_logit_softcapping}): keep "
@@ -423,6 +436,7 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"config.json has model_type={model_type!r}; tbajax supports {supported_model_types()}"
             ) from None
+        _check_quantization(hf)
         fields = family.parse_hf(hf)
         archs = hf.get("architectures") or []
         if any(a.endswith("ForSequenceClassification") for a in archs):
@@ -460,6 +474,23 @@ class ModelConfig:
             out["id2label"] = {str(i): f"LABEL_{i}" for i in range(self.num_labels)}
             out["label2id"] = {f"LABEL_{i}": i for i in range(self.num_labels)}
         return out
+
+
+def _check_quantization(hf: dict[str, Any]) -> None:
+    """Quantized checkpoints load only where tbajax dequantizes them: GPT-OSS's MXFP4 experts
+    (`tbajax.models.mxfp4`). Others (GPTQ, AWQ, bitsandbytes, FP8, ...) hold packed integer
+    weights that would not fit the unquantized layout: refused here, naming what to do."""
+    quant = hf.get("quantization_config")
+    if not quant:
+        return
+    method = quant.get("quant_method")
+    if method == "mxfp4" and hf.get("model_type") == "gpt_oss":
+        return
+    raise UnsupportedModelError(
+        f"config.json has quantization_config with quant_method={method!r} ({hf.get('model_type')}): tbajax "
+        "trains unquantized weights and reads no quantized checkpoint but GPT-OSS's MXFP4 experts; load "
+        "the unquantized model, or dequantize it first (transformers: from_pretrained, then "
+        "save_pretrained without a quantization_config)")
 
 
 def _parse_rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:

@@ -26,6 +26,7 @@ from tbajax.models.config import ModelConfig, UnsupportedModelError
 from tbajax.models.decoder import CausalLM, head_params, layer_param_names
 from tbajax.models.families import Mapping, family_for, transposed
 from tbajax.models.locate import TOKENIZER_FILES, resolve_checkpoint
+from tbajax.models.mxfp4 import DequantizingReader
 from tbajax.models.safetensors_io import CheckpointError, SafetensorsReader, write_sharded
 from tbajax.sharding import param_shardings
 
@@ -135,9 +136,10 @@ def load_model(
 
 def load_weights(directory: str | os.PathLike[str], cfg: ModelConfig, mesh: Mesh | None = None) -> CausalLM:
     """The weights of a local checkpoint directory as a `CausalLM` of `cfg` (whatever its head:
-    LM head, tied, or a `score` head), each parameter built directly in its sharding on `mesh`."""
+    LM head, tied, or a `score` head), each parameter built directly in its sharding on `mesh`.
+    MXFP4 tensors (GPT-OSS's experts) are read dequantized (`mxfp4.DequantizingReader`)."""
     directory = Path(directory)
-    reader = SafetensorsReader(directory)
+    reader = DequantizingReader(SafetensorsReader(directory))
     graphdef, abstract = nnx.split(abstract_model(cfg))
     shardings = (
         param_shardings(abstract, mesh)
@@ -162,8 +164,9 @@ def load_weights(directory: str | os.PathLike[str], cfg: ModelConfig, mesh: Mesh
         per_expert = "{j}" in m.hf_name  # one HF tensor per expert, stacked on our leading axis
         each = expected[1:] if per_expert else expected
 
-        def one(hf_name: str) -> np.ndarray:
-            raw = reader.get(hf_name)
+        def one(hf_name: str, shape_only: bool = False) -> np.ndarray:
+            # shape_only: zeros of the tensor's shape (checked without reading or dequantizing it)
+            raw = np.zeros(reader.shape(hf_name), np.float32) if shape_only else reader.get(hf_name)
             try:
                 out = m.to_ours(raw, cfg)
             except ValueError:
@@ -176,12 +179,12 @@ def load_weights(directory: str | os.PathLike[str], cfg: ModelConfig, mesh: Mesh
                 )
             return out
 
-        def tensor(i: int | None) -> np.ndarray:
-            parts = [one(n) for n in names.all(m, i, cfg.num_experts)]
+        def tensor(i: int | None, shape_only: bool = False) -> np.ndarray:
+            parts = [one(n, shape_only) for n in names.all(m, i, cfg.num_experts)]
             return np.stack(parts) if per_expert else parts[0]
 
         for i in range(cfg.num_layers) if layered else [None]:
-            tensor(i)  # validate every shape before any device transfer
+            tensor(i, shape_only=True)  # validate every shape before any device transfer
 
         def callback(index: tuple[slice, ...]) -> np.ndarray:
             if not layered:

@@ -1,5 +1,7 @@
-"""Mixture-of-experts MLPs (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE): a router picks each token's
-top-k experts and each expert's tokens go through its own SwiGLU MLP, the outputs weighted by the router.
+"""Mixture-of-experts MLPs (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, GPT-OSS): a router picks each token's
+top-k experts and each expert's tokens go through its own SwiGLU MLP, the outputs weighted by the
+router (GPT-OSS: biased router and experts, gate and up fused, a clamped SwiGLU:
+`moe_clamped_swiglu`).
 
 Exact, as transformers computes it: no capacity, so no token is ever dropped, and without running
 every expert on every token (E / k times the work). The (token, expert) assignments are sorted by
@@ -15,6 +17,7 @@ asks each layer for its `RoutingCounts` with `CountRouting` in the cache's place
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -27,9 +30,11 @@ from tbajax.op_scopes import scoped
 Array = jax.Array
 
 
-def router_probabilities(x: Array, router: Array) -> Array:
-    """[N, E] fp32: the router's softmax over its logits for tokens x [N, d] (router [d, E])."""
-    return jax.nn.softmax(jnp.dot(x, router.astype(x.dtype)).astype(jnp.float32), axis=-1)
+def router_probabilities(x: Array, router: Array, bias: Array | None = None) -> Array:
+    """[N, E] fp32: the router's softmax over its logits for tokens x [N, d] (router [d, E], and
+    GPT-OSS's bias [E])."""
+    logits = jnp.dot(x, router.astype(x.dtype)).astype(jnp.float32)
+    return jax.nn.softmax(logits if bias is None else logits + bias.astype(jnp.float32), axis=-1)
 
 
 def route(x: Array, router: Array, k: int, normalize: bool) -> tuple[Array, Array]:
@@ -193,12 +198,63 @@ def moe_swiglu_counted(x: Array, router: Array, gate: Array, up: Array, down: Ar
 
 def _moe_swiglu(x: Array, router: Array, gate: Array, up: Array, down: Array, k: int,
                 normalize: bool) -> tuple[Array, Array, Array]:
+    def experts_mlp(xs: Array, plan: Dispatch) -> Array:
+        h = jax.nn.silu(grouped_matmul(xs, gate, plan.tile_expert)) * grouped_matmul(xs, up, plan.tile_expert)
+        return grouped_matmul(h, down, plan.tile_expert)
+
+    probs = router_probabilities(x.reshape(-1, x.shape[-1]), router)
+    out, experts = _routed(x, probs, k, normalize, experts_mlp)
+    return out, probs, experts
+
+
+def _routed(x: Array, probs: Array, k: int, normalize: bool,
+            experts_mlp: Callable[[Array, Dispatch], Array]) -> tuple[Array, Array]:
+    """(the router-weighted sum [..., d] of each token's top-k experts, the experts [N, k]) of
+    tokens x [..., d] under router probabilities [N, E]; `experts_mlp` maps the expert-sorted
+    rows (`dispatch`) to their experts' outputs."""
     lead, d = x.shape[:-1], x.shape[-1]
     flat = x.reshape(-1, d)
-    probs = router_probabilities(flat, router)
     weights, experts = top_experts(probs, k, normalize, flat.dtype)
-    plan = dispatch(experts, router.shape[-1])
+    plan = dispatch(experts, probs.shape[-1])
     xs = jnp.concatenate([flat, jnp.zeros((1, d), flat.dtype)])[plan.rows]  # empty rows read zeros
-    h = jax.nn.silu(grouped_matmul(xs, gate, plan.tile_expert)) * grouped_matmul(xs, up, plan.tile_expert)
-    out = grouped_matmul(h, down, plan.tile_expert)[plan.slot].reshape(-1, k, d)
-    return (out * weights[..., None]).sum(1).reshape(*lead, d), probs, experts
+    out = experts_mlp(xs, plan)[plan.slot].reshape(-1, k, d)
+    return (out * weights[..., None]).sum(1).reshape(*lead, d), experts
+
+
+def clamped_swiglu(gate: Array, up: Array, alpha: float, limit: float) -> Array:
+    """GPT-OSS's activation: (clip(up, -limit, limit) + 1) * g * sigmoid(alpha g), g = min(gate, limit)."""
+    gate = jnp.minimum(gate, limit)
+    up = jnp.clip(up, -limit, limit)
+    return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
+
+
+class BiasedExperts(NamedTuple):
+    """GPT-OSS's MoE weights: router [d, E] and its bias [E]; gate_up [E, d, 2f], gate and up
+    columns interleaved (as the checkpoint holds them), and its bias [E, 2f]; down [E, f, d] and
+    its bias [E, d]."""
+
+    router: Array
+    router_bias: Array
+    gate_up: Array
+    gate_up_bias: Array
+    down: Array
+    down_bias: Array
+
+
+@scoped(S.MATMUL)
+def moe_clamped_swiglu(x: Array, w: BiasedExperts, k: int, alpha: float, limit: float,
+                       tokens: Array | None = None) -> tuple[Array, RoutingCounts | None]:
+    """GPT-OSS's MoE MLP of tokens x [..., d] -> ([..., d], with `tokens` the layer's
+    `RoutingCounts`): the top k of the biased router's logits, weighted by their softmax (the
+    full softmax renormalised over them: the same numbers), each through its expert's clamped
+    SwiGLU (`clamped_swiglu`) with biases. One product per tile for gate and up together."""
+
+    def experts_mlp(xs: Array, plan: Dispatch) -> Array:
+        row_expert = jnp.repeat(plan.tile_expert, plan.tile)  # each buffer row's expert
+        gate_up = grouped_matmul(xs, w.gate_up, plan.tile_expert) + w.gate_up_bias.astype(xs.dtype)[row_expert]
+        h = clamped_swiglu(gate_up[:, 0::2], gate_up[:, 1::2], alpha, limit)
+        return grouped_matmul(h, w.down, plan.tile_expert) + w.down_bias.astype(xs.dtype)[row_expert]
+
+    probs = router_probabilities(x.reshape(-1, x.shape[-1]), w.router, w.router_bias)
+    out, experts = _routed(x, probs, k, True, experts_mlp)
+    return out, None if tokens is None else routing_counts(probs, experts, tokens)

@@ -127,18 +127,18 @@ class Family:
 
 def family_for(model_type: str) -> Family:
     """The family implementing `model_type` (imported lazily: families import the config)."""
-    from tbajax.models.families import gemma, gemma2, gemma3, gpt2, gpt_neox, llama, olmo2, olmoe, phi3
-
-    for fam in (llama.FAMILY, olmo2.FAMILY, olmoe.FAMILY, phi3.FAMILY, gemma.FAMILY, gemma2.FAMILY,
-                gemma3.FAMILY, gpt_neox.FAMILY, gpt2.FAMILY):
+    for fam in _families():
         if model_type in fam.model_types:
             return fam
     raise KeyError(model_type)
 
 
 def supported_model_types() -> tuple[str, ...]:
-    from tbajax.models.families import gemma, gemma2, gemma3, gpt2, gpt_neox, llama, olmo2, olmoe, phi3
+    return tuple(t for fam in _families() for t in fam.model_types)
 
-    families = (llama.FAMILY, olmo2.FAMILY, olmoe.FAMILY, phi3.FAMILY, gemma.FAMILY, gemma2.FAMILY,
-                gemma3.FAMILY, gpt_neox.FAMILY, gpt2.FAMILY)
-    return tuple(t for fam in families for t in fam.model_types)
+
+def _families() -> tuple[Family, ...]:
+    from tbajax.models.families import gemma, gemma2, gemma3, gpt2, gpt_neox, gpt_oss, llama, olmo2, olmoe, phi3
+
+    return (llama.FAMILY, olmo2.FAMILY, olmoe.FAMILY, gpt_oss.FAMILY, phi3.FAMILY, gemma.FAMILY, gemma2.FAMILY,
+            gemma3.FAMILY, gpt_neox.FAMILY, gpt2.FAMILY)

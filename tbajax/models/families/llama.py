@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from tbajax.models import layers as L
-from tbajax.models.moe import CountRouting, RoutingCounts, moe_swiglu, moe_swiglu_counted
+from tbajax.models.moe import (BiasedExperts, CountRouting, RoutingCounts, moe_clamped_swiglu, moe_swiglu,
+                               moe_swiglu_counted)
 from tbajax.models.config import ModelConfig, UnsupportedModelError, _parse_rope, rope_inv_freq
 from tbajax.models.families import Family, Mapping, ParamSpec, same, transposed
 from tbajax.sharding import constrain
@@ -405,7 +406,8 @@ def attention_sublayer(
     """The attention sublayer from its queries, keys and values on, as every RoPE family runs it:
     RoPE (none on a NoPE layer: `tables` None), the queries scaled where the model scales its scores
     otherwise (`ModelConfig.query_scale`), attention over `mask` / `cache` with the model's score
-    cap, and the output projection. Returns (its output, the updated cache)."""
+    cap and attention sinks (GPT-OSS's `sinks` weights), and the output projection. Returns (its
+    output, the updated cache)."""
     if tables is not None:
         cos, sin = tables
         q, k = L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin)
@@ -413,7 +415,7 @@ def attention_sublayer(
         q = q * jnp.asarray(cfg.query_scale, q.dtype)
     q = constrain(q, ("batch", "length", "act_heads", None))
     o, new_cache = L.self_attention(q, k, v, mask, cache, cfg.jnp_dtype, cfg.attention,
-                                    cfg.attn_logit_softcapping)
+                                    cfg.attn_logit_softcapping, w.get("sinks"))
     return L.decode_matrix_product(o, w, "o_proj", in_axes=2), new_cache
 
 
@@ -445,6 +447,11 @@ def mlp_counted(cfg: ModelConfig, w: dict[str, Array], h: Array,
         if routing is not None:
             raise ValueError(f"routing counts asked of a {cfg.model_type} model, which has no router")
         return swiglu_mlp(w, h), None
+    if cfg.swiglu_limit is not None:  # GPT-OSS's biased experts
+        weights = BiasedExperts(w["router"], w["router_bias"], w["expert_gate_up"], w["expert_gate_up_bias"],
+                                w["expert_down"], w["expert_down_bias"])
+        return moe_clamped_swiglu(h, weights, cfg.num_experts_per_tok, cfg.swiglu_alpha, cfg.swiglu_limit,
+                                  None if routing is None else routing.tokens)
     experts = (h, w["router"], w["expert_gate"], w["expert_up"], w["expert_down"], cfg.num_experts_per_tok,
                cfg.norm_topk_prob)
     if routing is None:
