@@ -649,3 +649,12 @@ def test_adapters_on_qwen2_moe_shared_expert_export_as_peft_applies_them(tiny_ch
     _, _, peft_dir = _peft_applies_our_adapters(tiny_checkpoint("qwen2_moe"), targets, tmp_path)
     assert json.loads((peft_dir / "adapter_config.json").read_text())["target_modules"] == [
         "mlp.shared_expert.down_proj", "mlp.shared_expert.gate_proj", "self_attn.q_proj"]
+
+
+def test_adapters_on_gpt_oss_attention_export_as_peft_applies_them(tiny_checkpoint, tmp_path):
+    """GPT-OSS's biased attention projections (beside its sinks) take adapters that transformers +
+    PEFT apply to the same logits; its experts refuse them as every model's do."""
+    targets = ("q_proj", "k_proj", "v_proj", "o_proj")
+    _, _, peft_dir = _peft_applies_our_adapters(tiny_checkpoint("gpt_oss"), targets, tmp_path)
+    assert json.loads((peft_dir / "adapter_config.json").read_text())["target_modules"] == [
+        f"self_attn.{name}" for name in ("k_proj", "o_proj", "q_proj", "v_proj")]

@@ -898,11 +898,19 @@ def test_strided_logprobs_equal_the_row_layout_over_causal_blocks():
                                atol=1e-5, rtol=1e-5)
 
 
-def test_a_sliding_window_scores_alike_in_every_layout():
+# GPT-OSS: the window on its first layer, attention sinks in every layout, biased experts
+GPT_OSS = dict(model_type="gpt_oss", sliding_window=8, layer_types=("sliding_attention", "full_attention"),
+               qkv_bias=True, o_bias=True, num_experts=4, num_experts_per_tok=2, expert_intermediate_size=16,
+               attention_sinks=True, swiglu_limit=7.0)
+
+
+@pytest.mark.parametrize("model", [dict(model_type="mistral", sliding_window=8), GPT_OSS],
+                         ids=["mistral", "gpt_oss"])
+def test_a_sliding_window_scores_alike_in_every_layout(model):
     """A Mistral-style window of 8 positions over prompts of 12-17 and responses of up to 20
     tokens: packed and strided rows window by each sequence's own positions, as its plain row
     does (which matches transformers, `test_models.py`); without the window the log-probs differ."""
-    windowed = dataclasses.replace(MODEL, model_type="mistral", sliding_window=8)
+    windowed = dataclasses.replace(MODEL, **model)
     graphdef, params = numpy_model_parts(windowed)
     groups = _random_groups(8, (12, 17), (20, 6, 13))
     rows, packed, strided = (collate(groups, beta=0.5, pack_microbatches=m, pack_strided=s)
@@ -912,7 +920,8 @@ def test_a_sliding_window_scores_alike_in_every_layout():
     for batch in (packed, strided):
         got = np.where(rows.loss_mask, np.asarray(score(graphdef, params, batch, 0.7)), 0)
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
-    unwindowed = nnx.graphdef(CausalLM(dataclasses.replace(windowed, sliding_window=None), rngs=nnx.Rngs(0)))
+    unwindowed = nnx.graphdef(CausalLM(dataclasses.replace(windowed, sliding_window=None, layer_types=None),
+                                       rngs=nnx.Rngs(0)))
     other = np.where(rows.loss_mask, np.asarray(score(unwindowed, params, rows, 0.7)), 0)
     assert np.abs(other - want).max() > 1e-3
 
