@@ -326,6 +326,55 @@ def test_a_gemma2_2b_config_reads_as_transformers_reads_it():
         dataclasses.replace(llama, attn_logit_softcapping=50.0)
 
 
+# openai/gpt-oss-20b's config.json (its architecture fields), MXFP4 experts and all
+GPT_OSS_20B = {
+    "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "attention_bias": True, "head_dim": 64,
+    "hidden_act": "silu", "hidden_size": 2880, "intermediate_size": 2880, "num_attention_heads": 64,
+    "num_key_value_heads": 8, "num_hidden_layers": 24, "num_local_experts": 32, "num_experts_per_tok": 4,
+    "experts_per_token": 4, "layer_types": ["sliding_attention", "full_attention"] * 12, "sliding_window": 128,
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-05, "rope_theta": 150000,
+    "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                     "original_max_position_embeddings": 4096, "truncate": False},
+    "swiglu_limit": 7.0, "tie_word_embeddings": False, "vocab_size": 201088, "eos_token_id": 200002,
+    "pad_token_id": 199999, "router_aux_loss_coef": 0.9, "output_router_logits": False,
+    "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]},
+}
+
+
+def test_gpt_oss_20b_config_reads_and_writes_back_as_transformers_builds_it():
+    """GPT-OSS-20B's layer kinds, YaRN, experts and size as transformers builds them from its
+    config, and from the one we write back (unquantized); attention sinks refuse cuDNN's attention
+    and every other model type."""
+    from transformers import AutoConfig
+
+    cfg = ModelConfig.from_hf(GPT_OSS_20B)
+    ignored = ("architectures", "quantization_config", "experts_per_token")
+    theirs = AutoConfig.for_model(**{k: v for k, v in GPT_OSS_20B.items() if k not in ignored})
+    with torch.device("meta"):
+        size = sum(p.numel() for p in AutoModelForCausalLM.from_config(theirs).parameters())
+    assert cfg.num_params() == size
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.expert_intermediate_size) == (32, 4, 2880)
+    assert cfg.attention_sinks and (cfg.swiglu_limit, cfg.swiglu_alpha, cfg.sliding_window) == (7.0, 1.702, 128)
+    assert cfg.rope_scaling.rope_type == "yarn" and not cfg.rope_scaling.truncate
+    written = cfg.to_hf()
+    assert "quantization_config" not in written
+    ours = AutoConfig.for_model(**{k: v for k, v in written.items() if k != "architectures"})
+    for field in ("layer_types", "sliding_window", "swiglu_limit", "num_local_experts", "num_experts_per_tok",
+                  "head_dim", "attention_bias", "router_aux_loss_coef"):
+        assert getattr(ours, field) == getattr(theirs, field), field
+    # ours also writes out YaRN's attention factor, which transformers derives: 0.1 ln(factor) + 1
+    assert {k: v for k, v in ours.rope_parameters.items() if k != "attention_factor"} == theirs.rope_parameters
+    assert ours.rope_parameters["attention_factor"] == pytest.approx(0.1 * np.log(32.0) + 1)
+    assert ModelConfig.from_hf(written) == cfg
+    with pytest.raises(ValueError, match="attention='cudnn' has no attention sinks"):
+        dataclasses.replace(cfg, dtype="bfloat16", attention="cudnn")
+    llama = ModelConfig(model_type="llama", vocab_size=10, hidden_size=8, intermediate_size=16, num_layers=1,
+                        num_heads=2, num_kv_heads=2, head_dim=4)
+    with pytest.raises(UnsupportedModelError, match="attention_sinks and swiglu_limit are read and written"):
+        dataclasses.replace(llama, attention_sinks=True)
+
+
 def _longrope_phi3(directory: Path) -> Path:
     """A tiny Phi-3 with LongRoPE, as Phi-3.5-mini / Phi-4-mini: 3 short and 3 long factors for its
     6 rotary dims, pretrained on 16 positions of 128 (attention factor sqrt(1 + ln 8 / ln 16))."""

@@ -147,6 +147,29 @@ def make_qwen3_moe_checkpoint(size: str, directory: str | None = None) -> Path:
     return directory
 
 
+def make_gpt_oss_checkpoint(size: str, directory: str | None = None) -> Path:
+    """A random-init GPT-OSS checkpoint with SIZES[size]'s attention (biased, with sinks, every other
+    layer windowed to 128 positions, YaRN as the released models) and the experts of
+    `make_qwen3_moe_checkpoint` (8 a layer, 2 a token, a quarter of the dense width), biased and
+    under the clamped SwiGLU."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    s = dict(SIZES[size])
+    directory = Path(directory or tempfile.mkdtemp(prefix=f"bench-gptoss-{size}-"))
+    layers = s["num_hidden_layers"]
+    cfg = AutoConfig.for_model(
+        "gpt_oss", **{**s, "intermediate_size": s["intermediate_size"] // 4},
+        head_dim=s["hidden_size"] // s["num_attention_heads"], num_local_experts=8, num_experts_per_tok=2,
+        sliding_window=128,
+        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+        max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=PAD,
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).float().save_pretrained(directory)
+    return directory
+
+
 def timed_in_turns(ours: Callable[[], Any], theirs: Callable[[], Any], repeats: int) -> dict[str, Any]:
     """Time two blocking calls in alternating rounds (ours, theirs, ours, ...) after one untimed
     call each (compile / warm-up), so a shared machine's speed drift hits both sides of a round

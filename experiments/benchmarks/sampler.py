@@ -93,6 +93,13 @@ SIZES: dict[str, dict[str, int]] = {
                       "moe_intermediate_size": 176, "num_experts": 8, "num_experts_per_tok": 2,
                       "norm_topk_prob": True, "num_hidden_layers": 6, "num_attention_heads": 4,
                       "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 8192},
+    # qwen3-moe-10M's shapes as GPT-OSS: biased attention with sinks, every other layer windowed to
+    # 128 positions, YaRN, biased experts under the clamped SwiGLU (torch's GPT-OSS attends eagerly:
+    # transformers has no SDPA path for its sinks)
+    "gpt-oss-10M": {"model_type": "gpt_oss", "hidden_size": 256, "intermediate_size": 176,
+                    "num_local_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 6,
+                    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 8192,
+                    "sliding_window": 128, "layer_types": ["sliding_attention", "full_attention"] * 3},
     # Pythia-410M's shapes (GPT-NeoX: fused q/k/v, GELU MLP, partial rotary, parallel residual)
     "pythia-410M": {"model_type": "gpt_neox", "hidden_size": 1024, "intermediate_size": 4096,
                     "num_hidden_layers": 24, "num_attention_heads": 16, "vocab_size": 50304,
@@ -203,7 +210,7 @@ def decode_matmul_chain(model: Any, batch: int) -> Callable[[], None]:
     CPU's caches, so each product reads its weights from memory as it does in a real step.
     A mixture-of-experts MLP runs whole, routing included (`llama.mlp`)."""
     cfg = model.config
-    if model.family.name not in ("llama", "gemma2", "gemma3", "gpt_neox"):
+    if model.family.name not in ("llama", "gemma2", "gemma3", "gpt_neox", "gpt_oss"):
         raise ValueError("the matmul bound follows the Llama (and Gemma) and GPT-NeoX decode layouts")
     params = nnx.jit(ServingParams.of)(model)
     layers, head = params.layers, params.head_matrix(cfg)
@@ -517,6 +524,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json", type=Path, help="write the figures here")
     ap.add_argument("--models", nargs="+",
                     help="subset of 10M 50M smollm2 smollm2-135M 0.5B pythia-410M gemma2-10M gemma3-10M qwen3-moe-10M "
+                         "gpt-oss-10M "
                          "(default: 10M 50M smollm2)")
     ap.add_argument("--batch", type=int, nargs="+", help="batch sizes (default 32 128; --quick: 32)")
     ap.add_argument("--prompt-len", type=int, help="prompt tokens (default 64; --quick: 16)")

@@ -48,7 +48,8 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(ROOT)]
 
 import numpy as np  # noqa: E402
 from common import (  # noqa: E402
-    keep_freed_memory, machine, machine_line, make_llama_checkpoint, make_qwen3_moe_checkpoint, peak_rss_mb,
+    keep_freed_memory, machine, machine_line, make_gpt_oss_checkpoint, make_llama_checkpoint,
+    make_qwen3_moe_checkpoint, peak_rss_mb,
     print_table, write_json,
 )
 
@@ -257,7 +258,10 @@ def run_torch(ckpt: str, rows: int, seq: int, repeats: int, precision: str,
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(os.cpu_count() or 1)
-    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, attn_implementation="sdpa")
+    # SDPA, torch's fused attention, where transformers has it; GPT-OSS's sinks have only the eager path
+    eager = json.loads((Path(ckpt) / "config.json").read_text())["model_type"] == "gpt_oss"
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32,
+                                                 attn_implementation="eager" if eager else "sdpa")
     model.train()
     ref = copy.deepcopy(model).eval().requires_grad_(False)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
@@ -417,9 +421,11 @@ def main() -> None:
     ap.add_argument("--layers", choices=("auto", "scanned", "unrolled"), help=argparse.SUPPRESS)
     ap.add_argument("--prompt", type=int, default=PROMPT,
                     help=f"prompt tokens of each row (default {PROMPT}); the rest is the scored response")
-    ap.add_argument("--model", choices=("llama", "qwen3_moe"), default="llama",
-                    help="llama (default), or qwen3_moe: the same attention, 8 experts a layer, 2 a token "
-                         "(`common.make_qwen3_moe_checkpoint`)")
+    ap.add_argument("--model", choices=("llama", "qwen3_moe", "gpt_oss"), default="llama",
+                    help="llama (default); qwen3_moe: the same attention, 8 experts a layer, 2 a token "
+                         "(`common.make_qwen3_moe_checkpoint`); gpt_oss: GPT-OSS's attention (biases, "
+                         "sinks, a window of 128 on every other layer) and those experts, biased "
+                         "(`common.make_gpt_oss_checkpoint`)")
     ap.set_defaults(layers="auto")
     ap.add_argument("--worker", choices=("jax", "torch"), help=argparse.SUPPRESS)
     ap.add_argument("--ckpt", help=argparse.SUPPRESS)
@@ -435,8 +441,8 @@ def main() -> None:
     rows, details = [], []
     for size, n, seq, repeats in cases:
         with tempfile.TemporaryDirectory(prefix=f"bench-train-{size}-") as d:
-            ckpt = (make_qwen3_moe_checkpoint(size, d) if args.model == "qwen3_moe"
-                    else make_llama_checkpoint(size, d))
+            make = {"qwen3_moe": make_qwen3_moe_checkpoint, "gpt_oss": make_gpt_oss_checkpoint}
+            ckpt = make.get(args.model, make_llama_checkpoint)(size, d)
             params = _num_params(ckpt)
             ours, theirs = run_pair(ckpt, n, seq, repeats, args.precision, args.layers, args.prompt)
         tokens = n * seq

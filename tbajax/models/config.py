@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "smollm3",
-                         "granite", "olmo2", "olmo3", "olmoe", "gpt_oss", "phi3", "gemma", "gemma2", "gemma3_text",
-                         "gpt_neox", "gpt2")
+                         "granite", "olmo2", "olmo3", "olmoe", "gpt_oss", "phi3", "gemma", "gemma2",
+                         "gemma3_text", "gpt_neox", "gpt2")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # with a sliding_window
 WINDOWED_MODEL_TYPES = ("mistral", "mixtral", "phi3", "gemma2", "gemma3_text", "qwen2", "qwen3", "smollm3",
@@ -277,12 +277,13 @@ class ModelConfig:
             if self.model_type not in SOFT_CAPPED_MODEL_TYPES:
                 raise UnsupportedModelError(f"{name} is read and written for {SOFT_CAPPED_MODEL_TYPES} "
                                             f"checkpoints, not {self.model_type}")
-        if (self.attention_sinks or self.swiglu_limit is not None) and self.model_type not in SINK_MODEL_TYPES:
+        sinks_or_clamp = self.attention_sinks or self.swiglu_limit is not None
+        if sinks_or_clamp and self.model_type not in SINK_MODEL_TYPES:
             raise UnsupportedModelError(f"attention_sinks and swiglu_limit are read and written for "
                                         f"{SINK_MODEL_TYPES} checkpoints, not {self.model_type}")
         if self.attention == "cudnn" and self.attention_sinks:
-            raise ValueError("attention='cudnn' has no attention sinks, and this model has them (GPT-OSS): keep "
-                             "attention='xla'")
+            raise ValueError("attention='cudnn' has no attention sinks, and this model has them (GPT-OSS): "
+                             "keep attention='xla'")
         if self.attention == "cudnn" and self.attn_logit_softcapping is not None:
             raise ValueError(f"attention='cudnn' has no score soft-capping, and this model soft-caps its "
                              f"scores (attn_logit_softcapping={self.attn_logit_softcapping}): keep "

@@ -957,7 +957,8 @@ def _attend_rows(q: Array, k: Array, v: Array, mask: Array, keys_d_major: bool, 
             x = x.reshape(shards, steps, rows, *x.shape[1:]).swapaxes(0, 1)
             return x.reshape(steps, shards * rows, *x.shape[3:])
 
-        out = _looped_attention(keys_d_major, blocks, softcap, *(loop_major(x) for x in (q, k, v, mask)), sink)
+        out = _looped_attention(keys_d_major, blocks, softcap, *(loop_major(x) for x in (q, k, v, mask)),
+                                sink)
         out = out.reshape(steps, shards, rows, *out.shape[2:]).swapaxes(0, 1).reshape(b, kv, gt // t, t, d)
         return out.transpose(0, 3, 1, 2, 4).reshape(b, t, gt * kv // t, d)
 

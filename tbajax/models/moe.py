@@ -251,7 +251,8 @@ def moe_clamped_swiglu(x: Array, w: BiasedExperts, k: int, alpha: float, limit: 
 
     def experts_mlp(xs: Array, plan: Dispatch) -> Array:
         row_expert = jnp.repeat(plan.tile_expert, plan.tile)  # each buffer row's expert
-        gate_up = grouped_matmul(xs, w.gate_up, plan.tile_expert) + w.gate_up_bias.astype(xs.dtype)[row_expert]
+        gate_up = grouped_matmul(xs, w.gate_up, plan.tile_expert)
+        gate_up = gate_up + w.gate_up_bias.astype(xs.dtype)[row_expert]
         h = clamped_swiglu(gate_up[:, 0::2], gate_up[:, 1::2], alpha, limit)
         return grouped_matmul(h, w.down, plan.tile_expert) + w.down_bias.astype(xs.dtype)[row_expert]
 

@@ -138,7 +138,8 @@ def supported_model_types() -> tuple[str, ...]:
 
 
 def _families() -> tuple[Family, ...]:
-    from tbajax.models.families import gemma, gemma2, gemma3, gpt2, gpt_neox, gpt_oss, llama, olmo2, olmoe, phi3
+    from tbajax.models.families import (gemma, gemma2, gemma3, gpt2, gpt_neox, gpt_oss, llama, olmo2, olmoe,
+                                        phi3)
 
-    return (llama.FAMILY, olmo2.FAMILY, olmoe.FAMILY, gpt_oss.FAMILY, phi3.FAMILY, gemma.FAMILY, gemma2.FAMILY,
-            gemma3.FAMILY, gpt_neox.FAMILY, gpt2.FAMILY)
+    return (llama.FAMILY, olmo2.FAMILY, olmoe.FAMILY, gpt_oss.FAMILY, phi3.FAMILY, gemma.FAMILY,
+            gemma2.FAMILY, gemma3.FAMILY, gpt_neox.FAMILY, gpt2.FAMILY)
