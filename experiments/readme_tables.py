@@ -101,7 +101,8 @@ TABLES.update({name: TABLES["sampler"] for name in (
     "sampler_0.5B", "sampler_0.5B_before_out_major", "sampler_pythia410M", "sampler_pythia410M_before_out_major",
     "sampler_pythia410M_before_mha_attention", "sampler_before_decode_phases", "sampler_long",
     "sampler_long_one_cache", "sampler_bf16", "sampler_bf16_before_fp32_accumulation", "sampler_amd_epyc",
-    "sampler_amd_epyc_before_weight_first", "sampler_gemma2", "sampler_gemma3", "sampler_amd_epyc_avx512", "sampler_qwen3_moe")})
+    "sampler_amd_epyc_before_weight_first", "sampler_gemma2", "sampler_gemma3", "sampler_amd_epyc_avx512", "sampler_qwen3_moe",
+    "sampler_gpt_oss")})
 TABLES["sampler_cpu_devices"] = {"rows": ["model", "batch", "prompt_len", "new_tokens", "ours_tok_s", "ours_step_ms",
                                           "roofline_frac", "torch_tok_s", "torch_threads", "ratio", "mesh_devices",
                                           "mesh_s", "mesh_speedup", "mesh_ratio", "mesh_roofline_frac"]}
@@ -113,7 +114,7 @@ TABLES.update({name: TABLES["forward"] for name in ("forward_bf16", "forward_bf1
 TABLES.update({name: TABLES["train_step"] for name in (
     "train_step_bf16", "train_step_bf16_before_fp32_accumulation",
     "train_step_bf16_before_row_major_transpose", "train_step_amd_epyc",
-    "train_step_amd_epyc_earlier", "train_step_amd_epyc_avx512", "train_step_qwen3_moe")})
+    "train_step_amd_epyc_earlier", "train_step_amd_epyc_avx512", "train_step_qwen3_moe", "train_step_gpt_oss")})
 TABLES["shared_prompt"] = {"rows": ["model", "shape", "prompts_x_k", "tokens", "shared_tok_s", "copied_tok_s",
                                      "speedup", "shared_kv_mb", "copied_kv_mb", "same_rows", "torch_tok_s",
                                      "shared_vs_torch", "copied_vs_torch"]}

@@ -219,11 +219,13 @@ def test_a_gpt_oss_checkpoint_with_mxfp4_experts_loads_dequantized(tmp_path: Pat
     running that one. Another quantization method is refused, naming what to do."""
     import json
 
+    import jax
     import jax.numpy as jnp
     import torch
     from transformers import AutoModelForCausalLM
 
     from tbajax.models import ModelConfig, UnsupportedModelError, load_model
+    from tbajax.sharding import MeshConfig, make_mesh
     from tests.conftest import build_tiny_hf_checkpoint, logits_of
 
     # MXFP4 packs groups of 32 along each projection's input: widths of 64 and 32
@@ -252,9 +254,16 @@ def test_a_gpt_oss_checkpoint_with_mxfp4_experts_loads_dequantized(tmp_path: Pat
         (directory / "config.json").write_text(json.dumps({**config, **extra}))
 
     ours, unquantized = load_model(tmp_path / "mxfp4"), load_model(tmp_path / "plain")
+    # on a mesh every device dequantizes its own shard alone: inputs split in 16s (half an MXFP4
+    # group), outputs in halves
+    mesh = make_mesh(MeshConfig(fsdp=4, tensor=2), devices=jax.devices()[:8])
+    sharded = load_model(tmp_path / "mxfp4", mesh=mesh)
     for name in ("expert_gate_up", "expert_down"):
-        np.testing.assert_array_equal(np.asarray(getattr(ours.layers, name)[...]),
-                                      np.asarray(getattr(unquantized.layers, name)[...]))
+        want = np.asarray(getattr(unquantized.layers, name)[...])
+        np.testing.assert_array_equal(np.asarray(getattr(ours.layers, name)[...]), want)
+        on_mesh = getattr(sharded.layers, name)[...]
+        assert len(on_mesh.sharding.device_set) == 8 and not on_mesh.sharding.is_fully_replicated
+        np.testing.assert_array_equal(np.asarray(on_mesh), want)
     ids = rng.integers(3, config["vocab_size"], (2, 9))
     theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "plain", dtype=torch.float32).eval()
     with torch.no_grad():
@@ -263,3 +272,20 @@ def test_a_gpt_oss_checkpoint_with_mxfp4_experts_loads_dequantized(tmp_path: Pat
 
     with pytest.raises(UnsupportedModelError, match="quant_method='gptq'.*dequantize it first"):
         ModelConfig.from_hf({**config, "quantization_config": {"quant_method": "gptq", "bits": 4}})
+
+
+@pytest.mark.parametrize("index", [
+    (slice(None), slice(None), slice(None)),
+    (slice(1, 3), slice(5, 40), slice(3, 9)),  # inputs from inside one group to inside another
+    (slice(2, 3), slice(32, 64), slice(None)),  # whole groups
+    (slice(0, 1), slice(63, 64)),  # the last input, every output
+])
+def test_reader_dequantizes_only_the_part_asked_for(tmp_path: Path, index):
+    """A part of an MXFP4 tensor (what one device holds of it) equals that part of the whole."""
+    blocks, scales = _random((3, 10, 2, 16), 120, 130, seed=4)  # 3 experts, 10 outputs, 64 inputs
+    write_safetensors(tmp_path / "model.safetensors", {"w_blocks": blocks, "w_scales": scales,
+                                                      "plain": np.arange(12, dtype=np.float32).reshape(3, 4)})
+    reader = DequantizingReader(SafetensorsReader(tmp_path))
+    whole = reader.get("w")
+    _assert_bitwise_equal(reader.get("w", index), np.ascontiguousarray(whole[index]))
+    np.testing.assert_array_equal(reader.get("plain", (slice(1, 2),)), reader.get("plain")[1:2])

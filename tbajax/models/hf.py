@@ -24,7 +24,7 @@ from jax.sharding import Mesh, SingleDeviceSharding
 
 from tbajax.models.config import ModelConfig, UnsupportedModelError
 from tbajax.models.decoder import CausalLM, head_params, layer_param_names
-from tbajax.models.families import Mapping, family_for, transposed
+from tbajax.models.families import Mapping, family_for, identity, transposed
 from tbajax.models.locate import TOKENIZER_FILES, resolve_checkpoint
 from tbajax.models.mxfp4 import DequantizingReader
 from tbajax.models.safetensors_io import CheckpointError, SafetensorsReader, write_sharded
@@ -186,11 +186,18 @@ def load_weights(directory: str | os.PathLike[str], cfg: ModelConfig, mesh: Mesh
         for i in range(cfg.num_layers) if layered else [None]:
             tensor(i, shape_only=True)  # validate every shape before any device transfer
 
+        def part(i: int | None, index: tuple[slice, ...]) -> np.ndarray:
+            """tensor(i)[index]; read as that part alone where our layout is the checkpoint's, so
+            that a dequantized tensor (`mxfp4`) is dequantized only where a device holds it."""
+            if m.to_ours is identity and not per_expert:
+                return reader.get(names.resolve(m, i), index)
+            return tensor(i)[index]
+
         def callback(index: tuple[slice, ...]) -> np.ndarray:
             if not layered:
-                return np.asarray(tensor(None)[index], dtype=dtype)
+                return np.asarray(part(None, index), dtype=dtype)
             layers = range(cfg.num_layers)[index[0]]
-            return np.stack([np.asarray(tensor(i)[index[1:]], dtype=dtype) for i in layers])
+            return np.stack([np.asarray(part(i, index[1:]), dtype=dtype) for i in layers])
 
         return var.replace(jax.make_array_from_callback(var.shape, sharding, callback))
 

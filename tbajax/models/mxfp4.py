@@ -138,12 +138,28 @@ class DequantizingReader:
             return (*prefix, groups * 2 * width, rows)
         return self.reader.shape(name)
 
-    def get(self, name: str) -> np.ndarray:
-        """The tensor; a dequantized, transposed, fresh float32 array for an MXFP4 pair."""
-        if name in self._pairs:
-            blocks, scales = self._pairs[name]
-            return dequantize_transposed(self.reader.get(blocks), self.reader.get(scales))
-        return self.reader.get(name)
+    def get(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
+        """The tensor, or its part `index` (unit-step slices, leading axes first); a dequantized,
+        transposed, fresh float32 array for an MXFP4 pair, of which only the experts, output rows
+        and groups of 32 inputs that `index` covers are dequantized (a device's shard of a
+        120B model's experts, not the whole layer's)."""
+        if name not in self._pairs:
+            tensor = self.reader.get(name)
+            return tensor if index is None else tensor[index]
+        blocks, scales = (self.reader.get(n) for n in self._pairs[name])
+        if index is None:
+            return dequantize_transposed(blocks, scales)
+        shape = self.shape(name)
+        *lead, inputs, outputs = [range(*s.indices(n)) for s, n in
+                                  zip((*index, *[slice(None)] * (len(shape) - len(index))), shape)]
+        if any(r.step != 1 for r in (*lead, inputs, outputs)):
+            raise ValueError(f"MXFP4 tensor {name!r} is read in unit-step slices, got {index}")
+        group = 2 * blocks.shape[-1]  # inputs per group
+        first, last = inputs.start // group, -(-inputs.stop // group)
+        part = tuple(slice(r.start, r.stop) for r in lead) + (slice(outputs.start, outputs.stop),
+                                                              slice(first, last))
+        values = dequantize_transposed(blocks[part], scales[part])  # [..., groups' inputs, outputs]
+        return values[..., inputs.start - first * group:inputs.stop - first * group, :]
 
 
 def _find_pairs(reader: TensorReader) -> dict[str, tuple[str, str]]:
