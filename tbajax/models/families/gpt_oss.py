@@ -60,22 +60,11 @@ def parse_hf(hf: dict[str, Any]) -> dict[str, Any]:
 
 
 def to_hf(cfg: ModelConfig) -> dict[str, Any]:
-    """config.json as transformers' GptOssConfig writes it (no quantization_config: an export is
-    unquantized)."""
+    """config.json as transformers' GptOssConfig writes it: Llama's fields and GPT-OSS's own (no
+    quantization_config: an export is unquantized)."""
     return {
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size,
+        **llama.to_hf(cfg),
         "intermediate_size": cfg.expert_intermediate_size,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_scaling": cfg.rope_scaling.to_hf() if cfg.rope_scaling else None,
-        "tie_word_embeddings": cfg.tie_word_embeddings,
-        "max_position_embeddings": cfg.max_position_embeddings,
         "attention_bias": cfg.qkv_bias,
         "sliding_window": cfg.sliding_window,
         "layer_types": list(cfg.layer_types or ("full_attention",) * cfg.num_layers),
@@ -83,8 +72,6 @@ def to_hf(cfg: ModelConfig) -> dict[str, Any]:
         "num_experts_per_tok": cfg.num_experts_per_tok,
         "swiglu_limit": cfg.swiglu_limit,
         "swiglu_alpha": cfg.swiglu_alpha,
-        "output_router_logits": cfg.output_router_logits,
-        "router_aux_loss_coef": cfg.router_aux_loss_coef,
     }
 
 
