@@ -40,6 +40,8 @@ TABLES: dict[str, dict[str, list[str]]] = {
                            "time_saving"],
         "window_rows": ["size", "prompt", "arm", "xla_gflop", "flop_saving", "best_step_s", "time_saving"],
     },
+    "mxfp4": {"rows": ["arm", "experts", "values_M", "seconds", "values_per_s_M", "x_transformers", "gpt-oss-20b_s",
+                       "gpt-oss-120b_s"]},
     "backward_layouts": {"rows": ["size", "batch", "precision", "arm", "generic_dots", "xla_gflop", "step_s",
                                   "best_step_s", "vs_now", "vs_now_min", "vs_now_max", "first_loss",
                                   "first_grad_norm"]},

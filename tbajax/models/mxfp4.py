@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import functools
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 import numpy as np
@@ -78,8 +80,9 @@ def dequantize_transposed(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     """[..., R, G, B] and [..., R, G] -> [..., G * 2B, R] float32, i.e. transformers'
     `convert_moe_packed_tensors(...).transpose(1, 2)` (GPT-OSS's unquantized expert layout).
 
-    Dequantizes one leading index (one expert) at a time, so that the transpose never needs a
-    second full-size copy.
+    Dequantizes a block of rows of one leading index (one expert) at a time, so that the
+    transpose never needs a second full-size copy, on a thread per core: numpy's lookups and
+    copies release the GIL (1.9x on 2 cores, `experiments/benchmarks/mxfp4.py`).
     """
     blocks, scales = np.asarray(blocks), np.asarray(scales)
     _check(blocks, scales)
@@ -92,9 +95,19 @@ def dequantize_transposed(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     flat_out = out.reshape(n, groups * 2 * width, rows)
     flat_blocks = blocks.reshape(n, rows, groups, width)
     flat_scales = scales.reshape(n, rows, groups)
-    for i in range(n):
-        flat_out[i] = dequantize(flat_blocks[i], flat_scales[i]).T
+
+    def one(task: tuple[int, int]) -> None:
+        i, start = task
+        rows_ = slice(start, start + ROWS_PER_TASK)
+        flat_out[i, :, rows_] = dequantize(flat_blocks[i, rows_], flat_scales[i, rows_]).T
+
+    tasks = [(i, start) for i in range(n) for start in range(0, rows, ROWS_PER_TASK)]
+    with ThreadPoolExecutor(max(1, min(len(tasks), os.cpu_count() or 1))) as pool:
+        list(pool.map(one, tasks))
     return out
+
+
+ROWS_PER_TASK = 512  # output rows a thread dequantizes at once (GPT-OSS's projections: 2,880 / 5,760)
 
 
 class TensorReader(Protocol):
