@@ -264,3 +264,16 @@ def test_router_loss_counts_each_real_token_the_forward_runs_in_every_layout():
     got = {name: float(balance(graphdef, params, batch)) for name, batch in layouts.items()}
     assert got["packed"] == pytest.approx(got["strided"], rel=1e-5)
     assert abs(got["rows"] - got["packed"]) > 1e-4 * got["packed"]
+
+
+def test_clamped_swiglu_by_hand():
+    """GPT-OSS's activation: (clip(up, -7, 7) + 1) * g * sigmoid(1.702 g), g = min(gate, 7)."""
+    import math
+
+    from tbajax.models.moe import clamped_swiglu
+
+    got = clamped_swiglu(jnp.asarray([0.0, 10.0, -1.0]), jnp.asarray([1.0, 10.0, -10.0]), 1.702, 7.0)
+    sigmoid = lambda z: 1 / (1 + math.exp(-z))  # noqa: E731
+    want = [0.0, (7 + 1) * 7 * sigmoid(1.702 * 7), (-7 + 1) * -1 * sigmoid(-1.702)]  # gate and up clamped
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6)
+    assert want[1] == pytest.approx(55.9996, abs=1e-4) and want[2] == pytest.approx(0.92522, abs=1e-5)
