@@ -658,3 +658,20 @@ def test_adapters_on_gpt_oss_attention_export_as_peft_applies_them(tiny_checkpoi
     _, _, peft_dir = _peft_applies_our_adapters(tiny_checkpoint("gpt_oss"), targets, tmp_path)
     assert json.loads((peft_dir / "adapter_config.json").read_text())["target_modules"] == [
         f"self_attn.{name}" for name in ("k_proj", "o_proj", "q_proj", "v_proj")]
+
+
+def test_adapters_on_gpt_oss_experts_export_as_peft_target_parameters(tiny_checkpoint, tmp_path):
+    """Adapters on GPT-OSS's routed experts (a pair per expert, [E, in, r] and [E, r, out]) merge
+    and export as PEFT's `target_parameters` adapters (its ParamWrapper layout, the two parameters
+    of one module nested) that transformers + PEFT apply to the same logits; and read back."""
+    targets = ("q_proj", "expert_gate_up", "expert_down")
+    model, adapters, peft_dir = _peft_applies_our_adapters(tiny_checkpoint("gpt_oss"), targets, tmp_path)
+    assert adapters["layers.expert_gate_up"]["a"][...].shape == (2, 4, 72, 4)  # layers, experts, in, r
+    config = json.loads((peft_dir / "adapter_config.json").read_text())
+    assert (config["target_modules"], config["target_parameters"]) == (
+        ["self_attn.q_proj"], ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    again_cfg, again = load_peft_adapter(peft_dir, model)
+    assert sorted(again_cfg.targets) == ["layers.expert_down", "layers.expert_gate_up", "layers.q_proj"]
+    for name, pair in adapters.items():
+        for k in ("a", "b"):
+            np.testing.assert_array_equal(np.asarray(again[name][k][...]), np.asarray(pair[k][...]))

@@ -87,14 +87,28 @@ def test_route_renormalises_only_when_asked():
         assert not (np.asarray(experts) == 4).any()
 
 
-def test_lora_on_experts_is_refused(tiny_checkpoint):
-    from tbajax.models import LoraConfig, init_lora, load_model
+def test_lora_on_experts_adapts_each_expert_and_exports_merged(tiny_checkpoint, tmp_path):
+    """Adapters on routed experts: a pair per expert (A [L, E, in, r], B [L, E, r, out]), each
+    expert's weight W_e + (alpha / r) A_e B_e. Qwen3-MoE's checkpoints hold one tensor per expert,
+    which PEFT cannot adapt: its PEFT export is refused naming the merged export (GPT-OSS's experts
+    export as PEFT target_parameters: test_lora)."""
+    from tbajax.models import LoraConfig, init_lora, load_model, merge_lora, save_peft_adapter
 
     model = load_model(tiny_checkpoint("qwen3_moe"))
     params = nnx.state(model, nnx.Param)
-    init_lora(params, LoraConfig(rank=2, targets=("q_proj", "v_proj")), jax.random.key(0))  # attention: fine
-    with pytest.raises(ValueError, match="adapters on experts are not implemented"):
-        init_lora(params, LoraConfig(rank=2, targets=("expert_gate",)), jax.random.key(0))
+    cfg = LoraConfig(rank=2, alpha=4.0, targets=("expert_gate",))
+    adapters = init_lora(params, cfg, jax.random.key(0))
+    a = adapters["layers.expert_gate"]["a"][...]
+    assert a.shape == (2, 4, 72, 2) and adapters["layers.expert_gate"]["b"][...].shape == (2, 4, 2, 32)
+    b = jnp.asarray(np.random.default_rng(0).normal(size=(2, 4, 2, 32)), jnp.float32)
+    axes = adapters["layers.expert_gate"]["b"].logical_axes
+    adapters["layers.expert_gate"]["b"] = nnx.Param(b, logical_axes=axes)
+    merged = nnx.state(merge_lora(model, adapters, cfg), nnx.Param)["layers"]["expert_gate"][...]
+    base = params["layers"]["expert_gate"][...]
+    np.testing.assert_allclose(np.asarray(merged[1, 3]), np.asarray(base[1, 3] + 2.0 * a[1, 3] @ b[1, 3]),
+                               rtol=1e-5, atol=1e-6)  # layer 1, expert 3: scale alpha / r = 2
+    with pytest.raises(NotImplementedError, match="one tensor per expert.*export the merged model"):
+        save_peft_adapter(tmp_path / "peft", model, adapters, cfg)
 
 
 def test_routing_counts_and_load_balancing_loss_by_hand():

@@ -85,11 +85,9 @@ def split_axes(name: str, logical_axes: tuple[str | None, ...]) -> tuple[tuple[s
     and the output when it comes last (o_proj [heads, head_dim, embed], down_proj [mlp, embed]).
     """
     axes = tuple(logical_axes)
-    if "experts" in axes:
-        raise ValueError(f"LoRA target {name!r} is a mixture-of-experts weight {axes}: adapters on experts "
-                         "are not implemented; target the attention projections (q_proj, k_proj, v_proj, "
-                         "o_proj)")
-    batch = tuple(a for a in axes[:1] if a == "layers")
+    # stacked layers, and a mixture of experts' experts: each its own pair (A, B) per expert
+    lead = 2 if axes[:2] == ("layers", "experts") else int(axes[:1] in (("layers",), ("experts",)))
+    batch = axes[:lead]
     rest = axes[len(batch) :]
     if len(rest) < 2:
         raise ValueError(
@@ -323,17 +321,60 @@ def _hf_row_order(to_hf: Any, spec: LoraSpec, config: Any) -> np.ndarray:
     return order
 
 
+def _expert_parameter(name: str, hf_name: str) -> str:
+    """The HF parameter (with {i}) of adapted experts that PEFT can adapt as `target_parameters`:
+    one [E, in, out] tensor for all experts (GPT-OSS's); experts held one tensor each are refused."""
+    if "{j}" in hf_name or hf_name.endswith(".weight"):
+        raise NotImplementedError(
+            f"{name}: adapters on experts that the checkpoint holds one tensor per expert ({hf_name}) have "
+            "no PEFT form here; export the merged model (python -m tbajax.export without --peft)")
+    return hf_name
+
+
+def _peft_expert_layout(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """One layer's expert adapters A [E, in, r], B [E, r, out] as PEFT's `ParamWrapper` holds them:
+    lora_A [E r, in] expert-major, lora_B [out, r E] rank-major (delta_e = A_e B_e alike)."""
+    e, fan_in, r = a.shape
+    return (np.ascontiguousarray(a.transpose(0, 2, 1).reshape(e * r, fan_in)),
+            np.ascontiguousarray(b.transpose(2, 1, 0).reshape(b.shape[-1], r * e)))
+
+
+def _nesting(parameters: list[str]) -> dict[str, str]:
+    """PEFT wraps each targeted parameter of a module in its own layer, in the order the module
+    registers its parameters, the first innermost: its key path goes through one `base_layer` per
+    wrapper above it. `parameters` in that order (the family's HF name table lists them so)."""
+    out = {}
+    for p in parameters:
+        module = p.rsplit(".", 1)[0]
+        same_module = [q for q in parameters if q.rsplit(".", 1)[0] == module]
+        out[p] = ".base_layer" * (len(same_module) - 1 - same_module.index(p))
+    return out
+
+
 def peft_tensors(
     model: nnx.Module, adapters: Adapters, config: LoraConfig
-) -> tuple[str, dict[str, np.ndarray], list[str]]:
-    """(task type, PEFT state dict with [r, in] lora_A / [out, r] lora_B, target module suffixes)."""
+) -> tuple[str, dict[str, np.ndarray], list[str], list[str]]:
+    """(task type, PEFT state dict with [r, in] lora_A / [out, r] lora_B, target module suffixes,
+    target parameter suffixes: adapted experts, PEFT's `ParamWrapper` layout)."""
     task, table = _hf_modules(model)
     specs = lora_specs(nnx.state(model, nnx.Param), config)
     tensors: dict[str, np.ndarray] = {}
     modules: set[str] = set()
+    experts = {_expert_parameter(n, hf_name): n for n, (hf_name, _) in table.items()
+               if n in adapters and "experts" in specs[n].batch_axes}
+    nesting = _nesting(list(experts))
+    for hf_name, name in experts.items():
+        a = np.asarray(jax.device_get(adapters[name]["a"][...]), np.float32)
+        b = np.asarray(jax.device_get(adapters[name]["b"][...]), np.float32)
+        module = hf_name.rsplit(".", 1)[0] + nesting[hf_name]
+        for i in range(a.shape[0]):
+            tensors[f"{PEFT_PREFIX}{module.format(i=i)}.lora_A.weight"], \
+                tensors[f"{PEFT_PREFIX}{module.format(i=i)}.lora_B.weight"] = _peft_expert_layout(a[i], b[i])
     for name, pair in sorted(adapters.items()):
         s = specs[name]
         hf_name, to_hf = table[name]
+        if "experts" in s.batch_axes:
+            continue
         if not hf_name.endswith(".weight"):
             raise NotImplementedError(f"{name} maps to {hf_name!r}, not a Linear weight PEFT can adapt")
         # PEFT's layout is HF's [out, in]: our weight flattened to [in, out], transposed, its rows in
@@ -350,7 +391,7 @@ def peft_tensors(
             tensors[f"{PEFT_PREFIX}{path}.lora_B.weight"] = np.ascontiguousarray(bi.T[order])
         # PEFT matches target_modules as key suffixes: use the module path after the layer index
         modules.add(module.split("{i}.", 1)[-1])
-    return task, tensors, sorted(modules)
+    return task, tensors, sorted(modules), [p.split("{i}.", 1)[-1] for p in experts]
 
 
 def save_peft_adapter(
@@ -363,7 +404,7 @@ def save_peft_adapter(
 ) -> Path:
     """Write a PEFT LoRA adapter dir (adapter_config.json + adapter_model.safetensors) for the
     torch twin of `model`, loadable with `peft.PeftModel.from_pretrained(base, directory)`."""
-    task, tensors, modules = peft_tensors(model, adapters, config)
+    task, tensors, modules, parameters = peft_tensors(model, adapters, config)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     write_safetensors(directory / "adapter_model.safetensors", tensors)
@@ -375,6 +416,7 @@ def save_peft_adapter(
         "lora_alpha": config.alpha,
         "lora_dropout": config.dropout,
         "target_modules": modules,
+        "target_parameters": parameters or None,
         "bias": "none",
         "fan_in_fan_out": False,
         "use_rslora": False,
@@ -427,13 +469,21 @@ def load_peft_adapter(
     targets, found = [], {}
     for name, (hf_name, _) in table.items():
         module = hf_name[: -len(".weight")] if hf_name.endswith(".weight") else None
-        if module is None:
+        if module is None or "{j}" in module:  # one tensor per expert: no PEFT form (`_expert_parameter`)
             continue
         layered = "{i}" in module
         first = f"{PEFT_PREFIX}{module.format(i=0) if layered else module}.lora_A.weight"
         if first in tensors:
             targets.append(name)
             found[name] = module
+    # adapted experts (PEFT's target_parameters), in the order their module registers them
+    wanted = set(meta.get("target_parameters") or ())
+    experts = {hf_name: name for name, (hf_name, _) in table.items()
+               if hf_name.split("{i}.", 1)[-1] in wanted}
+    if len(experts) != len(wanted):
+        raise ValueError(f"{directory}: target_parameters {sorted(wanted)} are not all parameters of this "
+                         f"{type(model).__name__}'s experts ({sorted(experts)})")
+    targets += list(experts.values())
     if not targets:
         raise ValueError(f"{directory}: no lora_A tensor matches a weight of this {type(model).__name__}")
     config = LoraConfig(rank=rank, alpha=float(meta["lora_alpha"]), targets=tuple(targets))
@@ -441,6 +491,33 @@ def load_peft_adapter(
     dtypes = {n: v.dtype for n, v in _flat(nnx.state(model, nnx.Param))}
     adapters: Adapters = {}
     used: set[str] = set()
+
+    def adapter_pair(name: str, a_host: np.ndarray, b_host: np.ndarray) -> dict[str, nnx.Param]:
+        s, pair = specs[name], {}
+        for key, host, ax in (
+            ("a", a_host, (*s.batch_axes, *s.in_axes, None)),
+            ("b", b_host, (*s.batch_axes, None, *s.out_axes)),
+        ):
+            host = np.ascontiguousarray(host).astype(dtypes[name])
+            value = jax.device_put(host, named_sharding(ax, host.shape, mesh)) if mesh else jnp.asarray(host)
+            pair[key] = nnx.Param(value, logical_axes=ax)
+        return pair
+
+    nesting = _nesting(list(experts))
+    for hf_name, name in experts.items():
+        s = specs[name]
+        layers_, n_experts = s.batch_shape
+        a_list, b_list = [], []
+        for i in range(layers_):
+            path = PEFT_PREFIX + hf_name.rsplit(".", 1)[0].format(i=i) + nesting[hf_name]
+            a, b = tensors[path + ".lora_A.weight"], tensors[path + ".lora_B.weight"]
+            if a.shape != (n_experts * rank, s.fan_in) or b.shape != (s.fan_out, rank * n_experts):
+                raise ValueError(f"{path}: lora_A {a.shape} / lora_B {b.shape}, expected "
+                                 f"{(n_experts * rank, s.fan_in)} / {(s.fan_out, rank * n_experts)}")
+            used |= {path + ".lora_A.weight", path + ".lora_B.weight"}
+            a_list.append(a.reshape(n_experts, rank, s.fan_in).transpose(0, 2, 1))  # [E, in, r]
+            b_list.append(b.reshape(s.fan_out, rank, n_experts).transpose(2, 1, 0))  # [E, r, out]
+        adapters[name] = adapter_pair(name, np.stack(a_list), np.stack(b_list))
     for name, module in found.items():
         s = specs[name]
         ours = np.argsort(_hf_row_order(table[name][1], s, model.config))  # our output j is HF row ours[j]
@@ -459,15 +536,7 @@ def load_peft_adapter(
             b_list.append(b[ours].T.reshape(rank, *s.out_shape))
         a_host = np.stack(a_list) if s.batch_shape else a_list[0]
         b_host = np.stack(b_list) if s.batch_shape else b_list[0]
-        pair = {}
-        for key, host, ax in (
-            ("a", a_host, (*s.batch_axes, *s.in_axes, None)),
-            ("b", b_host, (*s.batch_axes, None, *s.out_axes)),
-        ):
-            host = np.ascontiguousarray(host).astype(dtypes[name])
-            value = jax.device_put(host, named_sharding(ax, host.shape, mesh)) if mesh else jnp.asarray(host)
-            pair[key] = nnx.Param(value, logical_axes=ax)
-        adapters[name] = pair
+        adapters[name] = adapter_pair(name, a_host, b_host)
     extra = sorted(set(tensors) - used)
     if extra:
         raise ValueError(

@@ -91,10 +91,12 @@ def layer_params(cfg: ModelConfig) -> dict[str, ParamSpec]:
 
 def hf_mappings(cfg: ModelConfig) -> dict[str, Mapping]:
     """Llama's attention names, and the experts as one tensor per projection (not one per expert):
-    gate_up_proj [E, d, 2f] and down_proj [E, f, d] are already in our layout."""
+    gate_up_proj [E, d, 2f] and down_proj [E, f, d] are already in our layout. Listed in the order
+    transformers' modules register them (PEFT nests adapted parameters of one module so)."""
     pre = "model.layers.{i}."
+    ours = ("layers.router", "layers.expert_")
     return {
-        **llama.hf_mappings(cfg),
+        **{k: v for k, v in llama.hf_mappings(cfg).items() if not k.startswith(ours)},
         "layers.sinks": same(pre + "self_attn.sinks"),
         "layers.router": transposed(pre + "mlp.router.weight"),
         "layers.router_bias": same(pre + "mlp.router.bias"),
