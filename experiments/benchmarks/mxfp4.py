@@ -6,9 +6,11 @@ GPT-OSS's released checkpoints hold every expert weight as MXFP4 blocks and scal
 `tbajax.models.mxfp4.DequantizingReader` dequantizes them while loading (into the unquantized
 layout, [E, in, out] float32). This times it against transformers' own dequantization
 (`integrations.mxfp4.convert_moe_packed_tensors`, torch on every core, float32 out, with the
-transpose to the same layout) on the same random blocks and scales: `--experts` experts of one
-GPT-OSS-20B layer's gate_up_proj (5,760 x 2,880) and down_proj (2,880 x 2,880). A copy of the output's
-bytes (numpy, one core) is the memory-speed bound of writing them. The arms take turns round by
+transpose to the same layout) and against its own earlier form (one thread, whole experts: each
+expert dequantized, then transposed into place) on the same random blocks and scales:
+`--experts` experts of one GPT-OSS-20B layer's gate_up_proj (5,760 x 2,880) and down_proj
+(2,880 x 2,880). A copy of the output's bytes (numpy, one core) is the memory-speed bound of
+writing them. The arms take turns round by
 round; each row gives the median seconds, values per second, its ratio to torch's time (> 1:
 faster than transformers) and what the whole model's experts would take at that rate (values
 only: the loader also reads the files and places the weights). The host allocator is set as in
@@ -31,7 +33,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(ROOT)]
 import numpy as np  # noqa: E402
 from common import keep_freed_memory, machine, machine_line, print_table, write_json  # noqa: E402
 
-from tbajax.models.mxfp4 import dequantize_transposed  # noqa: E402
+from tbajax.models.mxfp4 import dequantize, dequantize_transposed  # noqa: E402
 
 HIDDEN = EXPERT = 2880  # GPT-OSS-20B and 120B: hidden size and expert width alike
 # the experts' values (gate_up + down, every layer) of the released models
@@ -61,11 +63,18 @@ def arms(pairs: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, Callable[[], A
         for blocks, scales in pairs:
             dequantize_transposed(blocks, scales)
 
+    def earlier() -> None:  # `dequantize_transposed` as it was: one thread, one whole expert at a time
+        for blocks, scales in pairs:
+            out = np.empty((blocks.shape[0], blocks.shape[2] * 32, blocks.shape[1]), np.float32)
+            for e in range(blocks.shape[0]):
+                out[e] = dequantize(blocks[e], scales[e]).T
+
     def transformers_() -> None:
         for blocks, scales in torch_pairs:
             convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).contiguous()
 
-    return {"tbajax (numpy)": ours, "transformers (torch)": transformers_,
+    return {"tbajax (numpy)": ours, "tbajax, earlier (one thread, whole experts)": earlier,
+            "transformers (torch)": transformers_,
             "copy of the output's bytes": lambda: np.copyto(target, source)}
 
 

@@ -76,13 +76,17 @@ def dequantize(blocks: np.ndarray, scales: np.ndarray, dtype: DTypeLike = np.flo
     return out if np.dtype(dtype) == np.float32 else out.astype(dtype)
 
 
+ROWS_PER_TASK = 512  # output rows a thread dequantizes at once (GPT-OSS's projections: 2,880 / 5,760)
+
+
 def dequantize_transposed(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     """[..., R, G, B] and [..., R, G] -> [..., G * 2B, R] float32, i.e. transformers'
     `convert_moe_packed_tensors(...).transpose(1, 2)` (GPT-OSS's unquantized expert layout).
 
-    Dequantizes a block of rows of one leading index (one expert) at a time, so that the
-    transpose never needs a second full-size copy, on a thread per core: numpy's lookups and
-    copies release the GIL (1.9x on 2 cores, `experiments/benchmarks/mxfp4.py`).
+    Dequantizes ROWS_PER_TASK rows of one leading index (one expert) at a time, so that the
+    transpose stays in cache and never needs a second full-size copy, on a thread per core
+    (numpy's lookups and copies release the GIL): `experiments/benchmarks/mxfp4.py` times it
+    against one thread over whole experts.
     """
     blocks, scales = np.asarray(blocks), np.asarray(scales)
     _check(blocks, scales)
@@ -106,8 +110,6 @@ def dequantize_transposed(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
         list(pool.map(one, tasks))
     return out
 
-
-ROWS_PER_TASK = 512  # output rows a thread dequantizes at once (GPT-OSS's projections: 2,880 / 5,760)
 
 
 class TensorReader(Protocol):
@@ -160,9 +162,7 @@ class DequantizingReader:
             tensor = self.reader.get(name)
             return tensor if index is None else tensor[index]
         blocks, scales = (self.reader.get(n) for n in self._pairs[name])
-        if index is None:
-            return dequantize_transposed(blocks, scales)
-        shape = self.shape(name)
+        shape, index = self.shape(name), index or ()
         *lead, inputs, outputs = [range(*s.indices(n)) for s, n in
                                   zip((*index, *[slice(None)] * (len(shape) - len(index))), shape)]
         if any(r.step != 1 for r in (*lead, inputs, outputs)):
@@ -172,7 +172,8 @@ class DequantizingReader:
         part = tuple(slice(r.start, r.stop) for r in lead) + (slice(outputs.start, outputs.stop),
                                                               slice(first, last))
         values = dequantize_transposed(blocks[part], scales[part])  # [..., groups' inputs, outputs]
-        return values[..., inputs.start - first * group:inputs.stop - first * group, :]
+        start, stop = inputs.start - first * group, inputs.stop - first * group
+        return values if (start, stop) == (0, values.shape[-2]) else values[..., start:stop, :]
 
 
 def _find_pairs(reader: TensorReader) -> dict[str, tuple[str, str]]:

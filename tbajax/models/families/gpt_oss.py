@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from tbajax.models.config import ModelConfig, UnsupportedModelError, _parse_rope
+from tbajax.models.config import ModelConfig, UnsupportedModelError
 from tbajax.models.families import Mapping, ParamSpec, llama, same, transposed
 
 ROUTER_AUX_LOSS_COEF = 0.001  # transformers' GptOssConfig default
@@ -26,21 +26,9 @@ def parse_hf(hf: dict[str, Any]) -> dict[str, Any]:
                                                   for i in range(layers)])
     window = hf.get("sliding_window")
     windowed = window is not None and "sliding_attention" in layer_types
-    theta, scaling = _parse_rope(hf)
-    num_heads = int(hf["num_attention_heads"])
     bias = bool(hf.get("attention_bias", True))
     return dict(
-        vocab_size=int(hf["vocab_size"]),
-        hidden_size=int(hf["hidden_size"]),
-        intermediate_size=int(hf["intermediate_size"]),
-        num_layers=layers,
-        num_heads=num_heads,
-        num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
-        head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // num_heads),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        **llama.decoder_fields(hf, rms_norm_eps=1e-5),
         qkv_bias=bias,
         o_bias=bias,
         max_position_embeddings=int(hf.get("max_position_embeddings", 131072)),

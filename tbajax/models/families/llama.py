@@ -37,26 +37,13 @@ def parse_hf(hf: dict[str, Any]) -> dict[str, Any]:
     if hf.get("mlp_bias"):
         raise UnsupportedModelError("mlp_bias=true is not supported")
     window, layer_types = _windows(hf)
-    theta, scaling = _parse_rope(hf)
-    num_heads = int(hf["num_attention_heads"])
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
     attention_bias = bool(hf.get("attention_bias", False))
     if model_type in ("qwen2", "qwen2_moe"):  # q/k/v biased (v5's qwen2_moe config says so: qkv_bias)
         qkv_bias, o_bias = bool(hf.get("qkv_bias", True)), False
     else:
         qkv_bias = o_bias = attention_bias
     return dict(
-        vocab_size=int(hf["vocab_size"]),
-        hidden_size=int(hf["hidden_size"]),
-        intermediate_size=int(hf["intermediate_size"]),
-        num_layers=int(hf["num_hidden_layers"]),
-        num_heads=num_heads,
-        num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
-        head_dim=int(head_dim),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        **decoder_fields(hf),
         qkv_bias=qkv_bias,
         o_bias=o_bias,
         qk_norm=model_type in ("qwen3", "qwen3_moe"),
@@ -66,6 +53,26 @@ def parse_hf(hf: dict[str, Any]) -> dict[str, Any]:
         rope_layers=_rope_layers(hf),
         **_granite_scales(hf),
         **_experts(hf),
+    )
+
+
+def decoder_fields(hf: dict[str, Any], rms_norm_eps: float = 1e-6) -> dict[str, Any]:
+    """The sizes, RoPE, norm epsilon and head tying of a RoPE decoder's config.json, read alike by
+    the families built on Llama's block (`rms_norm_eps` the family's default)."""
+    theta, scaling = _parse_rope(hf)
+    num_heads = int(hf["num_attention_heads"])
+    return dict(
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=int(hf["hidden_size"]),
+        intermediate_size=int(hf["intermediate_size"]),
+        num_layers=int(hf["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+        head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // num_heads),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        rms_norm_eps=float(hf.get("rms_norm_eps", rms_norm_eps)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
     )
 
 
